@@ -1,0 +1,297 @@
+"""ExpertCache policy: eviction orders, pinning, flush, stats, and invariants under random ops."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.experts.cache import (
+    CacheFullError,
+    CacheStats,
+    ExpertCache,
+    ExpertCacheError,
+    LFUPolicy,
+)
+
+E = 1000  # entry bytes in these tests
+
+
+def make(slots: int, policy: str = "lfu", *, extra_bytes: int = 0, **kw) -> ExpertCache:
+    return ExpertCache(slots * E + extra_bytes, E, num_layers=4, num_experts=16, policy=policy, **kw)
+
+
+def use(cache: ExpertCache, key) -> tuple[int | None, tuple | None]:
+    """What the store does: lookup, admit on a miss. Returns (hit slot or None, evicted key)."""
+    slot = cache.lookup(key)
+    if slot is not None:
+        return slot, None
+    return None, cache.admit(key)[1]
+
+
+# ---------------------------------------------------------------- construction and errors
+
+
+def test_capacity_is_budget_floor_divided_by_entry_bytes():
+    cache = make(3, extra_bytes=E - 1)
+    assert cache.capacity_slots == 3
+    assert [cache.admit((0, e))[0] for e in range(3)] == [0, 1, 2]
+    s = cache.stats()
+    assert (s.capacity_bytes, s.used_bytes, s.entries, s.capacity_entries) == (4 * E - 1, 3 * E, 3, 3)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ExpertCacheError, match="smaller than one expert record"):
+        ExpertCache(E - 1, E, num_layers=1, num_experts=1)
+    with pytest.raises(ExpertCacheError, match="unknown cache policy 'fifo'"):
+        make(2, policy="fifo")
+    cache = make(2)
+    with pytest.raises(ExpertCacheError, match=r"layer must be in \[0, 4\)"):
+        cache.lookup((4, 0))
+    with pytest.raises(ExpertCacheError, match="out of range"):
+        cache.pin((0, 16))
+    cache.admit((0, 1))
+    with pytest.raises(ExpertCacheError, match="already resident in slot 0"):
+        cache.admit((0, 1))
+
+
+# ---------------------------------------------------------------- eviction orders
+
+
+def test_lru_evicts_least_recently_used():
+    cache = make(3, "lru")
+    for e in (1, 2, 3):
+        use(cache, (0, e))
+    use(cache, (0, 1))  # recency now 2 < 3 < 1
+    assert use(cache, (0, 4)) == (None, (0, 2))
+    assert use(cache, (0, 5)) == (None, (0, 3))
+    assert use(cache, (0, 6)) == (None, (0, 1))
+
+
+def test_lfu_evicts_lowest_frequency_then_least_recent():
+    cache = make(3, "lfu")
+    for e in (1, 2, 3):
+        use(cache, (0, e))
+    use(cache, (0, 1))
+    use(cache, (0, 1))  # uses: 1->3, 2->1, 3->1
+    use(cache, (0, 3))  # 3->2
+    assert use(cache, (0, 4)) == (None, (0, 2))  # lowest frequency
+    use(cache, (0, 4))  # 4->2, now tied with 3 and more recent
+    assert use(cache, (0, 5)) == (None, (0, 3))  # freq 2 tie -> least recent
+    assert use(cache, (0, 6)) == (None, (0, 5))  # newcomer at freq 1
+    assert sorted(cache.resident()) == [(0, 1), (0, 4), (0, 6)]
+
+
+def test_slru_protects_keys_used_twice():
+    cache = make(4, "slru")  # protected segment: int(4 * 0.8) = 3 slots
+    for e in (1, 2, 3, 4):
+        use(cache, (0, e))
+    use(cache, (0, 1))  # 1 -> protected; probation LRU..MRU: 2 3 4
+    assert use(cache, (0, 5)) == (None, (0, 2))
+    for e in (3, 4, 5):
+        use(cache, (0, e))  # protected 1 3 4 5 overflows: 1 demoted to probation
+    assert use(cache, (0, 6)) == (None, (0, 1))
+    assert use(cache, (0, 7)) == (None, (0, 6))
+
+
+def test_lfu_policy_add_with_count_orders_by_count():
+    pol = LFUPolicy(8)
+    pol.add((0, 1), 3)
+    pol.add((0, 2), 1)
+    pol.add((0, 3), 2)
+    order = []
+    while (v := pol.victim()) is not None:
+        order.append(v)
+        pol.discard(v)
+    assert order == [(0, 2), (0, 3), (0, 1)] and len(pol) == 0
+
+
+def test_freed_slots_are_reused():
+    cache = make(3, "lru")
+    for e in (1, 2, 3):
+        cache.admit((0, e))
+    assert cache.discard((0, 2)) == 1
+    assert cache.admit((1, 9)) == (1, None)
+    assert cache.admit((1, 10)) == (0, (0, 1))  # evicted (0, 1) from slot 0
+
+
+# ---------------------------------------------------------------- pinning and flush
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru"])
+def test_pinned_never_evicted_and_full_of_pins_raises(policy):
+    cache = make(2, policy)
+    cache.admit((0, 1))
+    assert cache.pin((0, 1)) is True
+    for e in range(2, 8):
+        use(cache, (0, e))
+        assert (0, 1) in cache
+    assert cache.pin((3, 3)) is False  # not resident: pending
+    with pytest.raises(ExpertCacheError, match="already pinned"):
+        cache.pin((3, 4))
+    s = cache.stats()
+    assert (s.pinned, s.pinned_pending) == (1, 1)
+    _, evicted = use(cache, (3, 3))  # pending pin loads on next use, evicting the unpinned one
+    assert evicted == (0, 7) and cache.pinned() == {(0, 1), (3, 3)}
+    assert cache.stats().pinned == 2
+    with pytest.raises(CacheFullError, match="all 2 slots hold pinned experts"):
+        cache.admit((0, 9))
+    assert cache.unpin((0, 1)) is True and cache.unpin((0, 1)) is False
+    assert cache.admit((0, 9)) == (0, (0, 1))
+    assert cache.unpin_all() == [(3, 3)] and cache.pinned() == frozenset()
+    assert cache.admit((0, 10))[1] == (0, 9)  # unpinned (3, 3) re-entered as most recent
+
+
+def test_unpin_under_lfu_keeps_use_count():
+    cache = make(3, "lfu")
+    for e in (1, 2, 3):
+        use(cache, (0, e))
+    for _ in range(3):
+        use(cache, (0, 1))  # (0,1) used 4 times
+    cache.pin((0, 1))
+    cache.unpin((0, 1))
+    assert use(cache, (0, 4)) == (None, (0, 2))
+    assert use(cache, (0, 5)) == (None, (0, 3))
+    assert use(cache, (0, 6)) == (None, (0, 4))
+
+
+def test_flush_evicts_exactly_the_unpinned_and_keeps_pins():
+    cache = make(4, "lru")
+    for e in (1, 2, 3):
+        cache.admit((0, e))
+    cache.pin((0, 2))
+    cache.pin((2, 2))  # pending
+    assert sorted(cache.flush()) == [(0, 1), (0, 3)]
+    assert cache.resident() == {(0, 2): 1}
+    assert cache.pinned() == {(0, 2), (2, 2)}
+    assert cache.stats().evictions == 0  # flush is not a capacity eviction
+    assert cache.admit((1, 1))[0] in (0, 2)
+
+
+def test_discard_keeps_pin_pending():
+    cache = make(2)
+    cache.admit((0, 1))
+    cache.pin((0, 1))
+    assert cache.discard((0, 1)) == 0 and cache.discard((0, 1)) is None
+    assert cache.pinned() == {(0, 1)} and cache.stats().pinned_pending == 1
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_stats_counts_hits_misses_bytes_layers_and_window():
+    cache = make(2, "lru", window=4)
+    # layer 0: miss 1, miss 2, hit 1, miss 3 (evicts 2), hit 1; layer 1: miss 5 (evicts 3)
+    for key in [(0, 1), (0, 2), (0, 1), (0, 3), (0, 1), (1, 5)]:
+        use(cache, key)
+    s = cache.stats()
+    assert isinstance(s, CacheStats)
+    assert (s.hits, s.misses, s.lookups, s.evictions, s.admissions) == (2, 4, 6, 2, 4)
+    assert s.hit_rate == pytest.approx(2 / 6)
+    assert s.bytes_read == 4 * E
+    assert s.layer_hits == (2, 0, 0, 0) and s.layer_misses == (3, 1, 0, 0)
+    assert s.per_layer_hit_rate == (0.4, 0.0, 0.0, 0.0)
+    assert (s.window_lookups, s.hit_rate_window) == (4, 0.5)  # last 4: hit miss hit miss
+    with pytest.raises(AttributeError):
+        s.hits = 0  # frozen snapshot
+    cache.reset_stats()
+    s = cache.stats()
+    assert (s.hits, s.misses, s.hit_rate, s.window_lookups, s.entries) == (0, 0, 0.0, 0, 2)
+
+
+def test_hottest_survives_eviction_and_reset_stats():
+    cache = make(1, "lru")
+    for key in [(0, 1)] * 3 + [(0, 2)] * 5 + [(1, 3)] * 2 + [(0, 1)]:
+        use(cache, key)
+    assert (0, 2) not in cache
+    cache.reset_stats()
+    assert cache.hottest(2) == [(0, 2), (0, 1)]
+    cache.reset_stats(history=True)
+    assert cache.hottest(2) == []
+
+
+# ---------------------------------------------------------------- random operation sequences
+
+KEYS = st.tuples(st.integers(0, 1), st.integers(0, 4))
+OPS = st.lists(
+    st.tuples(st.sampled_from(["use", "use", "use", "prefetch", "pin", "unpin", "flush", "discard"]), KEYS),
+    max_size=60,
+)
+
+
+class Model:
+    """Naive reference: O(n) victim choice from use counts and last-use times."""
+
+    def __init__(self, policy: str):
+        self.policy, self.time = policy, 0
+        self.uses: dict = {}
+        self.last: dict = {}
+
+    def touch(self, key, uses: int):
+        """key was used (or re-queued) now, with `uses` uses since admission."""
+        self.time += 1
+        self.last[key], self.uses[key] = self.time, uses
+
+    def victim(self, candidates):
+        rank = (lambda k: self.last[k]) if self.policy == "lru" else (lambda k: (self.uses[k], self.last[k]))
+        return min(candidates, key=rank, default=None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=st.sampled_from(["lru", "lfu", "slru"]), slots=st.integers(1, 4), ops=OPS)
+def test_invariants_under_random_operations(policy, slots, ops):
+    cache = make(slots, policy, extra_bytes=E // 2)
+    model = Model(policy)
+    lookups = 0
+    for op, key in ops:
+        before = cache.resident()
+        pinned_before = cache.pinned()
+        expected_victim = model.victim([k for k in before if k not in pinned_before])
+        evicted = None
+        if op in ("use", "prefetch"):
+            if op == "use":
+                lookups += 1
+                if cache.lookup(key) is not None:
+                    model.touch(key, model.uses[key] + 1)
+                    continue
+            elif key in cache:
+                continue
+            try:
+                slot, evicted = cache.admit(key)
+            except CacheFullError:
+                assert len(before) == slots and set(before) <= pinned_before
+                continue
+            model.touch(key, 1)
+            assert cache.resident()[key] == slot
+            if len(before) < slots:
+                assert evicted is None and slot not in before.values()
+            else:
+                assert evicted not in pinned_before and before[evicted] == slot
+                if policy != "slru":
+                    assert evicted == expected_victim
+        elif op == "pin":
+            if len(pinned_before) >= slots and key not in pinned_before:
+                with pytest.raises(ExpertCacheError):
+                    cache.pin(key)
+            else:
+                assert cache.pin(key) == (key in before)
+        elif op == "unpin":
+            assert cache.unpin(key) == (key in pinned_before)
+            if key in pinned_before and key in before:
+                model.touch(key, model.uses[key])  # re-enters as most recent, uses kept
+        elif op == "flush":
+            flushed = cache.flush()
+            assert set(flushed) == set(before) - pinned_before
+            assert set(cache.resident()) == set(before) & pinned_before
+        elif op == "discard":
+            assert cache.discard(key) == before.get(key)
+        # invariants after every operation
+        res = cache.resident()
+        s = cache.stats()
+        assert s.used_bytes == len(res) * E <= s.capacity_bytes
+        assert len(set(res.values())) == len(res) and all(0 <= v < slots for v in res.values())
+        assert pinned_before - {key} <= cache.pinned()
+        assert all(k in res for k in pinned_before & set(before) if op != "discard" or k != key)
+        assert s.hits + s.misses == lookups == sum(s.layer_hits) + sum(s.layer_misses)
+        assert s.pinned + s.pinned_pending == len(cache.pinned()) <= slots
+        assert s.entries == len(res) and s.bytes_read == s.admissions * E
