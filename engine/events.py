@@ -1,0 +1,56 @@
+"""Events yielded by `Engine.generate` and posted while loading.
+
+The engine never calls into the UI: it yields these values from a generator that a worker
+thread drains. Every event is immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.stats import StepStats, TurnStats
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Newly decoded text. `channel` is "thinking" (reasoning before </think>) or "answer"."""
+
+    text: str
+    channel: str = "answer"
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """Statistics after a step; consumers may drop all but the newest."""
+
+    stats: StepStats
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    """The turn ended; the session already holds the completion (unless cancelled early)."""
+
+    stats: TurnStats
+    reasoning: str
+    content: str
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """A turn failed; the session is left as it was before the turn. `message` is for users."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Progress while loading or warming up: `done`/`total` in `unit` (bytes, layers, …)."""
+
+    phase: str
+    done: int
+    total: int
+    unit: str = ""
+    message: str = ""
+
+
+Event = TextDelta | StepUpdate | TurnFinished | EngineFailure

@@ -1,0 +1,71 @@
+"""Linear layers over checkpoint weights, in both numerics modes (spec §B.4 "which tensors are
+used how").
+
+Weights arrive in their on-disk formats and are dequantised once at construction (the CPU
+reference path); `native` then quantises activations exactly as the official FP8 GEMM does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.numerics import Numerics
+from kernels import reference as ref
+
+
+class FP8Linear:
+    """y = x · Wᵀ for an FP8 e4m3 weight with 128×128 e8m0 block scales.
+
+    exact: fp32 on the dequantised weight. native: FP8-quantised activations (pow2 scales per
+    128 channels), fp32 accumulation, bf16 output — the official FP8 GEMM.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, numerics: Numerics):
+        self.numerics = numerics
+        self.out_features, self.in_features = weight.shape
+        self.w = ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.numerics.native:
+            return x.float() @ self.w.T
+        q, s = ref.act_quant(x, 128)
+        return (ref.act_dequant(q, s, 128) @ self.w.T).to(torch.bfloat16)
+
+
+class FloatLinear:
+    """y = x · Wᵀ for a BF16 weight computed in fp32 (gate, compressor projections; §B.4).
+
+    `out_dtype` None keeps fp32; the indexer's weights_proj is a bf16 matmul in native mode.
+    """
+
+    def __init__(self, weight: torch.Tensor, numerics: Numerics, bf16_out: bool = False):
+        self.numerics = numerics
+        self.w = weight.float()
+        self.bf16_out = bf16_out and numerics.native
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() @ self.w.T
+        return y.to(torch.bfloat16) if self.bf16_out else y
+
+
+class GroupedOutProj:
+    """The grouped output projection wo_a (§C.4 steps 14–15): group g of heads -> its own rows.
+
+    native: the weight is dequantised to bf16 (as the official convert.py does) and applied to
+    bf16 activations without activation quantisation.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int, numerics: Numerics):
+        self.numerics = numerics
+        self.groups = groups
+        w = ref.dequant_fp8_block(weight, scale)  # [G*R, H*D/G]
+        if numerics.native:
+            w = w.to(torch.bfloat16).float()
+        self.w = w.view(groups, -1, w.shape[-1])  # [G, R, H*D/G]
+
+    def __call__(self, o: torch.Tensor) -> torch.Tensor:
+        """o [S, H*D] -> [S, G*R]."""
+        s = o.shape[0]
+        u = o.float().view(s, self.groups, -1)  # [S, G, H*D/G]
+        z = torch.einsum("sgi,gri->sgr", u, self.w).reshape(s, -1)
+        return z.to(self.numerics.dtype)

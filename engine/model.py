@@ -1,0 +1,131 @@
+"""DeepSeek-V4-Flash, top to bottom (spec §C): embedding -> 4 mHC streams -> N decoder blocks of
+attention and MoE -> HCHead -> norm -> head; plus the MTP block (§C.8).
+
+The model holds weights only. Per-sequence state (`engine.state.SequenceState`) and the source
+of routed experts (`engine.moe.ExpertProvider`) are passed into every forward call; no I/O
+happens here. Weights come through `get(name) -> Tensor` in their official on-disk names and
+formats (e.g. `TensorIndex.get`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.attention import Attention
+from engine.config import ModelArgs
+from engine.mhc import HyperConnection, HyperHead
+from engine.moe import MoE, ExpertProvider
+from engine.numerics import Numerics
+from engine.state import SequenceState, new_layer_state
+from kernels import reference as ref
+from engine.linear import FP8Linear
+
+GetTensor = Callable[[str], torch.Tensor]
+# Optional observer of discrete choices: log(kind, layer, start, tensor), kind "experts" or "indexer".
+SelectionLog = Callable[[str, int, int, torch.Tensor], None]
+
+
+class Block:
+    """One decoder block (§C.2): mHC around attention, then mHC around the MoE."""
+
+    def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
+        self.layer, self.eps = layer, args.norm_eps
+        self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
+                                       get(f"{prefix}.hc_attn_base"), args)
+        self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
+                                      get(f"{prefix}.hc_ffn_base"), args)
+        self.attn_norm = get(f"{prefix}.attn_norm.weight").float()
+        self.ffn_norm = get(f"{prefix}.ffn_norm.weight").float()
+        self.attn = Attention(get, f"{prefix}.attn", args, layer, numerics)
+        self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
+
+    def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
+                 log: SelectionLog | None = None) -> torch.Tensor:
+        x, post, comb = self.hc_attn.pre(streams)
+        a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
+                      None if log is None else lambda top: log("indexer", self.layer, start, top))
+        streams = HyperConnection.post(a, streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        x = ref.rms_norm(x, self.ffn_norm, self.eps)
+        routed = self.ffn.route(x, ids)
+        if log is not None:
+            log("experts", self.layer, start, routed[0])
+        f = self.ffn(x, ids, experts, routed)
+        return HyperConnection.post(f, streams, post, comb)
+
+
+class MTP:
+    """The multi-token-prediction block `mtp.0` (§C.8): logical layer n_layers, window-only."""
+
+    def __init__(self, get: GetTensor, args: ModelArgs, numerics: Numerics):
+        p = "mtp.0"
+        self.eps, self.numerics = args.norm_eps, numerics
+        self.e_proj = FP8Linear(get(f"{p}.e_proj.weight"), get(f"{p}.e_proj.scale"), numerics)
+        self.h_proj = FP8Linear(get(f"{p}.h_proj.weight"), get(f"{p}.h_proj.scale"), numerics)
+        self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
+        self.norm = get(f"{p}.norm.weight").float()
+        self.block = Block(get, p, args, args.n_layers, numerics)
+        self.head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
+
+
+class Transformer:
+    """The main model. `forward` runs S tokens of one sequence from `state.pos` on."""
+
+    def __init__(self, get: GetTensor, args: ModelArgs, numerics: Numerics, with_mtp: bool = False):
+        self.args, self.numerics = args, numerics
+        self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
+        self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
+        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
+        self.norm = get("norm.weight").float()
+        self.head = get("head.weight")  # [V, D] bf16, used in fp32
+        self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
+
+    def new_state(self) -> SequenceState:
+        a, dt = self.args, self.numerics.dtype
+        layers = [new_layer_state(a.window_size, a.head_dim, a.ratio(i), a.index_head_dim, dt)
+                  for i in range(a.n_layers)]
+        mtp = new_layer_state(a.window_size, a.head_dim, 0, a.index_head_dim, dt) if self.mtp else None
+        return SequenceState(layers=layers, mtp=mtp)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids].to(self.numerics.dtype)
+
+    def forward_streams(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
+                        log: SelectionLog | None = None) -> torch.Tensor:
+        """ids [S] -> final residual streams [S, n_hc, D]; advances state.pos by S."""
+        start = state.pos
+        for block in self.blocks:  # hash layers know their experts from the token ids alone
+            if block.ffn.gate.hash:
+                experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid[ids].flatten().tolist())))
+        h = self.embed_tokens(ids)
+        streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
+        for block, st in zip(self.blocks, state.layers):
+            streams = block(streams, ids, start, st, experts, log)
+        state.pos = start + ids.shape[0]
+        return streams
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Final streams [S, n_hc, D] -> logits [S, V] fp32 (HCHead, norm, fp32 head)."""
+        y = ref.rms_norm(self.hc_head(streams), self.norm, self.args.norm_eps)
+        return y.float() @ self.head.float().T
+
+    def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
+                last_only: bool = False, log: SelectionLog | None = None) -> torch.Tensor:
+        """ids [S] -> logits [S, V] (or [1, V] with last_only) fp32."""
+        streams = self.forward_streams(ids, state, experts, log)
+        return self.logits(streams[-1:] if last_only else streams)
+
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,
+                    experts: ExpertProvider) -> torch.Tensor:
+        """MTP logits: streams [S, n, D] of tokens at start.. and the following tokens `next_ids`
+        [S] -> logits [S, V] predicting the token after next. Uses `state.mtp` (own window ring)."""
+        m = self.mtp
+        e = ref.rms_norm(self.embed_tokens(next_ids), m.enorm, m.eps)
+        hs = ref.rms_norm(streams, m.hnorm, m.eps)  # per stream
+        s, n, d = hs.shape
+        x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
+        x = m.block(x.to(self.numerics.dtype), next_ids, start, state.mtp, experts)
+        y = ref.rms_norm(m.head(x), m.norm, self.args.norm_eps)
+        return y.float() @ self.head.float().T

@@ -1,0 +1,141 @@
+"""Mixture of experts of one layer (spec §C.7): routing, routed experts, shared expert.
+
+Routed-expert weights are not held here: the MoE asks an `ExpertProvider` for the experts a
+call needs, and the provider may hand them over in any order (resident hits first, then
+misses as they arrive). Each expert's output is written to its (token, slot) cell and the
+slots are summed in routing order at the end, so the result does not depend on that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelArgs
+from engine.linear import FP8Linear
+from engine.numerics import Numerics
+from kernels import reference as ref
+
+EXPERT_FIELDS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert in its on-disk format: FP4 packed weights + e8m0 1×32 scales."""
+
+    w1: torch.Tensor
+    w1_scale: torch.Tensor
+    w3: torch.Tensor
+    w3_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+    @classmethod
+    def from_fields(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
+        return cls(*(t[name] for name in EXPERT_FIELDS))
+
+
+class ExpertProvider(Protocol):
+    """Supplies routed experts to the MoE (resident dict, or the streaming cache)."""
+
+    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (expert id, weights) once for every id in `ids`, in any order."""
+        ...
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """Hint: `layer` will need these experts soon (hash layers know them from token ids)."""
+        ...
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU: gate clamped above at `limit`, up clamped to ±limit (§C.7 step 4)."""
+    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
+class Gate:
+    """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid."""
+
+    def __init__(self, get, prefix: str, args: ModelArgs, layer: int):
+        self.weight = get(f"{prefix}.weight").float()
+        self.hash = args.is_hash_layer(layer) and layer < args.n_layers
+        self.tid2eid = get(f"{prefix}.tid2eid").long() if self.hash else None
+        self.bias = None if self.hash else get(f"{prefix}.bias").float()
+        self.k, self.route_scale = args.n_activated_experts, args.route_scale
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D], token ids [N] -> (expert indices [N, k] int64, routing weights [N, k] fp32)."""
+        scores = F.softplus(x.float() @ self.weight.T).sqrt()  # [N, E]
+        if self.hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = ref.topk_desc(scores + self.bias, self.k)
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # epsilon guards a sqrt-softplus underflow
+        return idx, w * self.route_scale
+
+
+class MoE:
+    """Routed experts (through the provider) + the shared expert, summed in fp32."""
+
+    def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
+        self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
+        self.gate = Gate(get, f"{prefix}.gate", args, layer)
+        self.shared = [FP8Linear(get(f"{prefix}.shared_experts.{n}.weight"),
+                                 get(f"{prefix}.shared_experts.{n}.scale"), numerics) for n in ("w1", "w3", "w2")]
+        self._dequant_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x, ids)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
+                 routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
+        idx, w = routed if routed is not None else self.route(x, ids)
+        n, k = idx.shape
+        slots = torch.zeros(n, k, x.shape[1])  # [N, k, D] fp32: one cell per (token, choice)
+        wanted = sorted(set(idx.flatten().tolist()))
+        for e, weights in provider.experts(self.layer, wanted):
+            rows, cols = torch.nonzero(idx == e, as_tuple=True)
+            slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
+        y = slots[:, 0]
+        for j in range(1, k):  # fixed summation order: independent of expert arrival order
+            y = y + slots[:, j]
+        y = y + self._shared(x)
+        return y.to(self.numerics.dtype)
+
+    def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
+        """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
+        if self.numerics.native:
+            g = ref.fp4_gemm(x, e.w1, e.w1_scale).float()
+            u = ref.fp4_gemm(x, e.w3, e.w3_scale).float()
+            h = (swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
+            return ref.fp4_gemm(h, e.w2, e.w2_scale).float()
+        w1 = ref.dequant_fp4(e.w1, e.w1_scale)
+        w3 = ref.dequant_fp4(e.w3, e.w3_scale)
+        w2 = ref.dequant_fp4(e.w2, e.w2_scale)
+        xf = x.float()
+        h = swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
+        return h @ w2.T
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self.shared
+        h = swiglu(w1(x).float(), w3(x).float(), self.limit)
+        return w2(h.to(self.numerics.dtype)).float()
+
+
+class ResidentExperts:
+    """ExpertProvider over experts read directly from a checkpoint (every expert resident)."""
+
+    def __init__(self, fetch):
+        """`fetch(layer, e) -> dict` of the six official tensors (e.g. TensorIndex.get_expert)."""
+        self._fetch = fetch
+
+    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for e in ids:
+            yield e, ExpertWeights.from_fields(self._fetch(layer, e))
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        """Nothing to do: every expert is already addressable."""

@@ -1,0 +1,34 @@
+"""The two numerics modes of one model (DESIGN §3).
+
+* `exact`: fp32 everywhere on dequantised weights, no quantisation simulation. Matches
+  transformers' DeepseekV4ForCausalLM loaded in fp32.
+* `native`: the official serving numerics: bf16 residual streams and activations, FP8
+  activation quantisation before every FP8/FP4 linear, QDQ8 of the KV "nope" dims, Hadamard +
+  QDQ4 in the indexer, bf16 wo_a (dequantised at load, as the official convert.py does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Numerics:
+    native: bool
+
+    @classmethod
+    def named(cls, name: str) -> "Numerics":
+        if name not in ("exact", "native"):
+            raise ValueError(f"numerics must be 'exact' or 'native', got {name!r}")
+        return cls(native=name == "native")
+
+    @property
+    def name(self) -> str:
+        return "native" if self.native else "exact"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Storage dtype of activations, residual streams and KV."""
+        return torch.bfloat16 if self.native else torch.float32

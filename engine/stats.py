@@ -1,0 +1,90 @@
+"""Immutable statistics snapshots the engine publishes to the app and to benchmarks.
+
+Every snapshot is a frozen dataclass built from the engine's own counters at one instant, so a
+consumer (the UI thread, a benchmark) can keep it without locking and a newer snapshot simply
+replaces an older one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Expert-cache state: fill, hit rates and I/O, straight from the cache's counters."""
+
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    capacity_entries: int
+    pinned: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_read: int
+    hit_rate: float  # cumulative, 0..1 (0 when nothing was looked up)
+    hit_rate_window: float  # over the last `window` lookups
+    per_layer_hit_rate: tuple[float, ...] = ()  # one value per layer, cumulative
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where the memory goes, in bytes. `parts` add up to `total`; `free` is one of them.
+
+    On unified-memory machines (CPU and GPU share one pool, e.g. GB10 or a CPU-only run) the
+    pool is the system RAM, `MemAvailable` is the truth for `free` and `page_cache` is shown
+    separately (it is reclaimable). On discrete GPUs the pool is the device memory.
+    """
+
+    unified: bool
+    total: int
+    parts: tuple[tuple[str, int], ...]  # (name, bytes) in display order, "free" last
+    page_cache: int = 0
+
+    def part(self, name: str) -> int:
+        return dict(self.parts).get(name, 0)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Milliseconds of one step split by where the time went."""
+
+    attention_ms: float = 0.0
+    moe_ms: float = 0.0
+    expert_wait_ms: float = 0.0
+    other_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        return self.attention_ms + self.moe_ms + self.expert_wait_ms + self.other_ms
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Snapshot after one prefill chunk or decode step."""
+
+    phase: str  # "loading" | "warm-up" | "graph capture" | "graph replay" | "eager" | "converting"
+    tokens: int  # tokens processed by this step (prefill chunk length, or 1)
+    position: int  # sequence length after the step
+    timing: StepTiming
+    tok_per_s: float  # decode tokens per second over a recent window (0 before the first)
+    ttft_s: float | None  # time to first token of the current turn, once known
+    cache: CacheSnapshot
+    memory: MemoryBudget
+    read_bytes_per_s: float = 0.0  # expert read bandwidth over the recent window
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """Summary of one finished turn."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    tok_per_s: float  # completion tokens / decode time
+    finish_reason: str  # "eos" | "max_tokens" | "cancelled" | "error"
+    cache: CacheSnapshot | None = None
+    step_ms: tuple[float, ...] = field(default=())  # per decode step, for sparklines

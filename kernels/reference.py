@@ -1,0 +1,234 @@
+"""Pure-torch reference versions of every numeric primitive of DeepSeek-V4 (spec §B.4, §C.0).
+
+These run the CPU path and are the oracle for the GPU kernels, which keep the same signatures.
+
+Data layouts (contract):
+* FP8 weight `w` [N, K] float8_e4m3fn with `scale` [ceil(N/128), ceil(K/128)] float8_e8m0fnu
+  (a multiplier): W[n, k] = w[n, k] * scale[n // 128, k // 128].
+* FP4 weight `packed` [N, K/2] int8/uint8: element (n, 2j) is the LOW nibble of byte (n, j),
+  (n, 2j+1) the high nibble; e2m1 codes; `scale` [N, K/32] e8m0: W[n, k] = v * scale[n, k // 32].
+* Activation quantisation: per row and `block` channels, s = 2^ceil(log2(max(amax, 1e-4) / 448)),
+  q = e4m3(clamp(x / s, ±448)); the scale is returned as float32 (an exact power of two).
+* Index tensors for sparse attention use -1 for "absent".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# e2m1 code -> value (bit 3 is the sign), spec §B.2.
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                           -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------- weights
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Decode e8m0 scales (value = 2^(byte - 127)) to float32."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.to(torch.float32)
+    return torch.ldexp(torch.ones((), dtype=torch.float32), scale.view(torch.uint8).to(torch.int32) - 127)
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """FP8 e4m3 weight with 128×128 block scales -> float32 [N, K]."""
+    n, k = w.shape
+    s = e8m0_to_float(scale)
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return w.to(torch.float32) * s
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] packed e2m1 codes (low nibble first) -> float32 values [N, K] (unscaled)."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
+    return FP4_VALUES.to(packed.device)[codes.long()]
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4 e2m1 weight [N, K/2] with 1×32 e8m0 scales [N, K/32] -> float32 [N, K]."""
+    return unpack_fp4(packed) * e8m0_to_float(scale).repeat_interleave(block, dim=-1)
+
+
+# ------------------------------------------------------------------------------- activations
+def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
+    """ue8m0 scale: 2^ceil(log2(max(amax, floor) / qmax)), an exact power of two (float32)."""
+    s = amax.float().clamp_min(floor) / qmax
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    # s is a power of two iff mant == 0.5: then it stays as is; otherwise round up.
+    exp = torch.where(mant == 0.5, exp - 1, exp)
+    return torch.ldexp(torch.ones_like(s), exp)
+
+
+def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-`block` FP8 quantisation with power-of-two scales.
+
+    x [..., K] (K % block == 0) -> (q [..., K] float8_e4m3fn, s [..., K/block] float32).
+    """
+    k = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], k // block, block)  # [..., K/block, block]
+    s = pow2_scale(xb.abs().amax(-1), FP8_MAX, 1e-4)
+    q = (xb / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), s
+
+
+def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Inverse of act_quant -> float32."""
+    k = q.shape[-1]
+    qb = q.float().reshape(*q.shape[:-1], k // block, block)
+    return (qb * s.unsqueeze(-1)).reshape(q.shape)
+
+
+def qdq8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """FP8 storage simulation (§C.0 QDQ8): round through e4m3 with a pow2 scale per block; keeps dtype."""
+    q, s = act_quant(x, block)
+    return act_dequant(q, s, block).to(x.dtype)
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values in [-6, 6] to the nearest e2m1 value, ties to even mantissa."""
+    a = v.abs()
+    # Grid spacing: 0.5 below 2, 1 in [2, 4), 2 in [4, 6]. round() is half-to-even on the
+    # scaled value, which is exactly "ties to the even code" (0.25->0, 0.75->1, 2.5->2, 5->4).
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    r = torch.round(a / step) * step
+    return torch.copysign(r.clamp(max=FP4_MAX), v)
+
+
+def qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4 storage simulation (§C.0 QDQ4): e2m1 with a pow2 scale per 32 channels; keeps dtype."""
+    k = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], k // block, block)
+    s = pow2_scale(xb.abs().amax(-1), FP4_MAX, FP4_MAX * 2.0 ** -126).unsqueeze(-1)
+    y = e2m1_round((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh–Hadamard transform (Sylvester order) over the last dim (a power of two)."""
+    n = x.shape[-1]
+    y = x.float()
+    h = 1
+    while h < n:
+        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)  # pairs of half-blocks
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(x.shape) / math.sqrt(n)).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- GEMMs
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Official FP8 linear: FP8-quantised activations × FP8 block-scaled weights, fp32 accumulate.
+
+    x [M, K] -> bf16 [M, N]. Equal to dequant(act_quant(x)) @ dequant(w).T.
+    """
+    q, s = act_quant(x, 128)
+    return (act_dequant(q, s, 128) @ dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
+
+
+def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
+    q, s = act_quant(x, 128)
+    return (act_dequant(q, s, 128) @ dequant_fp4(w, w_scale).T).to(torch.bfloat16)
+
+
+# -------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(rope_dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies [rope_dim/2] (fp32), optionally YaRN-blended (§C.0).
+
+    `yarn` = {"factor", "original_seq_len", "beta_fast", "beta_slow"}; no mscale anywhere.
+    Computed the way transformers does (fp32 pow), so both agree bit for bit.
+    """
+    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    extrapolation = 1.0 / pos_freqs
+    if yarn is None:
+        return extrapolation
+    interpolation = 1.0 / (yarn["factor"] * pos_freqs)
+
+    def corr(rotations: float) -> float:
+        return rope_dim * math.log(yarn["original_seq_len"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(yarn["beta_fast"])), 0)
+    high = min(math.ceil(corr(yarn["beta_slow"])), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the original frequency: pairs below `low` keep it entirely
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len(positions), rope_dim/2] in fp32."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the trailing 2·cos.shape[-1] channels of x; leading channels untouched.
+
+    x [S, ..., D]; cos/sin [S, R/2] broadcast over the middle dims. Pairs (2i, 2i+1) rotate by
+    +angle (or -angle with `inverse`). Computed in fp32, returned in x's dtype.
+    """
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        s = -s
+    tail = x[..., -r:].float().reshape(*x.shape[:-1], r // 2, 2)  # [..., R/2, (re, im)]
+    re, im = tail[..., 0], tail[..., 1]
+    rot = torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)
+
+
+# --------------------------------------------------------------------------------- mHC, norms
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 (weight in fp32), cast back to x's dtype (§C.0)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic projection of [..., n, n] logits (§C.3 step 6): row softmax + eps, then
+    column normalisation, then `iters - 1` rounds of row then column normalisation."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+# -------------------------------------------------------------------------- top-k, attention
+def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Deterministic top-k indices along the last dim: highest score first, ties -> lowest index.
+
+    torch.topk leaves tie order unspecified; a stable descending sort does not. Use this for
+    every discrete selection (experts, indexer) so prefill, chunked prefill and decode agree.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).
+
+    q [S, H, D], kv [T, D] (key and value are the same row), idx [S, K] int64 rows of kv, -1 =
+    absent, sink [H] fp32 -> out [S, H, D] fp32. One softmax over the selected rows whose
+    denominator also holds exp(sink_h); the sink carries no value.
+    """
+    valid = idx >= 0
+    rows = kv[idx.clamp_min(0)].float()  # [S, K, D]
+    logits = torch.einsum("shd,skd->shk", q.float(), rows) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink_col = sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    full = torch.cat((logits, sink_col), dim=-1)  # [S, H, K+1]
+    full = full - full.amax(-1, keepdim=True)
+    p = torch.softmax(full, dim=-1)[..., :-1]
+    return torch.einsum("shk,skd->shd", p, rows)
