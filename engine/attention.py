@@ -53,7 +53,7 @@ class Compressor:
     def __call__(self, x: torch.Tensor, start: int, st: CompressorState) -> None:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
         r, d, s = self.ratio, self.dim, x.shape[0]
-        positions = torch.arange(start, start + s)
+        positions = torch.arange(start, start + s, device=x.device)
         kv = self.wkv(x)  # [S, c·d] fp32
         gate = self.wgate(x) + self.ape[positions % r]
         n_buf = start % r  # tokens of the open window seen before this call
@@ -69,26 +69,26 @@ class Compressor:
         win_kv = kv[: n_win * r].view(n_win, r, -1)  # [n_win, r, c·d]
         win_gate = gate[: n_win * r].view(n_win, r, -1)
         if self.overlap:
-            win_kv, win_gate = self._overlap(win_kv, win_gate, st)
+            win_kv, win_gate = self._overlap(win_kv, win_gate, st)  # [n_win, 2r, d]
         weights = torch.softmax(win_gate, dim=1)  # over the window's slots, per channel
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
         entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        entries = self.rope(entries, (first + torch.arange(n_win)) * r)
+        entries = self.rope(entries, (first + torch.arange(n_win, device=x.device)) * r)
         st.store_entries(first, self._storage_rounding(entries))
 
     def _overlap(self, win_kv, win_gate, st: CompressorState):
         """8 slots per entry: the previous window's first half, then this window's second half."""
         r, d = self.ratio, self.dim
-        prev_kv = torch.cat((self._prev(st.prev_kv, 0.0), win_kv[:-1, :, :d]))  # [n_win, r, d]
-        prev_gate = torch.cat((self._prev(st.prev_gate, float("-inf")), win_gate[:-1, :, :d]))
+        prev_kv = torch.cat((self._prev(st.prev_kv, 0.0, win_kv), win_kv[:-1, :, :d]))  # [n_win, r, d]
+        prev_gate = torch.cat((self._prev(st.prev_gate, float("-inf"), win_kv), win_gate[:-1, :, :d]))
         st.prev_kv, st.prev_gate = win_kv[-1, :, :d].clone(), win_gate[-1, :, :d].clone()
         kv = torch.cat((prev_kv, win_kv[:, :, d:]), dim=1)  # [n_win, 2r, d]
         gate = torch.cat((prev_gate, win_gate[:, :, d:]), dim=1)
         return kv, gate
 
-    def _prev(self, saved: torch.Tensor | None, fill: float) -> torch.Tensor:
+    def _prev(self, saved: torch.Tensor | None, fill: float, like: torch.Tensor) -> torch.Tensor:
         if saved is None:  # window 0 has no predecessor: zero values with -inf logits
-            return torch.full((1, self.ratio, self.dim), fill)
+            return like.new_full((1, self.ratio, self.dim), fill)
         return saved.unsqueeze(0)
 
     def _storage_rounding(self, entries: torch.Tensor) -> torch.Tensor:
@@ -111,10 +111,12 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState) -> torch.Tensor:
-        """Selected attention-compressor entries per query: [S, k] int64, -1 = none."""
+    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None) -> torch.Tensor:
+        """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
+
+        `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips)."""
         s = x.shape[0]
-        positions = torch.arange(start, start + s)
+        positions = torch.arange(start, start + s, device=x.device)
         self.compressor(x, start, st)
         n_entries = (start + s) // self.ratio
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
@@ -126,13 +128,15 @@ class Indexer:
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
         scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [S, T]
         visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
-        invisible = torch.arange(n_entries).unsqueeze(0) >= visible.unsqueeze(1)
+        invisible = torch.arange(n_entries, device=x.device).unsqueeze(0) >= visible.unsqueeze(1)
         scores = scores.masked_fill(invisible, float("-inf"))
+        if log is not None:
+            log(scores)
         k = min(self.topk, n_entries)
         top = ref.topk_desc(scores, k)
         top = torch.where(top >= visible.unsqueeze(1), torch.full_like(top, -1), top)
         if k < self.topk:  # fixed width: always `index_topk` candidates, absent ones -1
-            top = torch.cat((top, torch.full((s, self.topk - k), -1, dtype=top.dtype)), dim=1)
+            top = torch.cat((top, top.new_full((s, self.topk - k), -1)), dim=1)
         return top
 
 
@@ -161,9 +165,11 @@ class Attention:
             self.indexer = Indexer(get, f"{prefix}.indexer", args, self.rope, numerics)
 
     def __call__(self, x: torch.Tensor, start: int, st: LayerState, log=None) -> torch.Tensor:
-        """x [S, D] (attn-normed) at positions start.. -> [S, D]. `log(top)` sees indexer picks."""
+        """x [S, D] (attn-normed) at positions start.. -> [S, D].
+
+        `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
         args, s, eps = self.args, x.shape[0], self.args.norm_eps
-        positions = torch.arange(start, start + s)
+        positions = torch.arange(start, start + s, device=x.device)
         c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = ref.rms_norm(q, None, eps)
@@ -179,21 +185,27 @@ class Attention:
             self.compressor(x, start, st.compressor)
             n_entries = (start + s) // self.ratio
             if self.indexer is not None:
-                chosen = self.indexer(x, c, start, st.indexer)
+                chosen = self.indexer(x, c, start, st.indexer,
+                                      None if log is None else lambda t: log("indexer_scores", t))
                 if log is not None:
-                    log(chosen)
+                    log("indexer", chosen)
             else:  # HCA: every complete entry, -1 for those not yet visible at p
-                chosen = torch.arange(n_entries).expand(s, -1)
+                chosen = torch.arange(n_entries, device=x.device).expand(s, -1)
                 visible = ((positions + 1) // self.ratio).unsqueeze(1)
                 chosen = torch.where(chosen < visible, chosen, torch.full_like(chosen, -1))
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
 
-        o = ref.sparse_attention(q, window_kv, idx, self.sink, self.head_dim ** -0.5)  # [S, H, D] fp32
+        o = self._attend(q, window_kv, idx)  # [S, H, D] fp32
         o = self.rope(o.to(self.numerics.dtype), positions, inverse=True)
         z = self.wo_a(o.reshape(s, -1))
         return self.wo_b(z)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.numerics.native:
+            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
+        return ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
 
     def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys for the window branch and per-query indices into them, then update the ring.
@@ -201,14 +213,15 @@ class Attention:
         Returns kv_win [L, D] = ring tokens before `start` (up to W-1) followed by the S new
         ones, and idx [S, W] of positions p-W+1..p (-1 before position 0).
         """
-        w, s = self.window, kv.shape[0]
+        w, s, dev = self.window, kv.shape[0], kv.device
         n_prev = min(start, w - 1)
-        prev_pos = torch.arange(start - n_prev, start)
+        prev_pos = torch.arange(start - n_prev, start, device=dev)
         kv_win = torch.cat((st.window[prev_pos % w], kv.to(st.window.dtype)))
         first = start - n_prev  # position of kv_win[0]
-        want = torch.arange(start, start + s).unsqueeze(1) - torch.arange(w - 1, -1, -1).unsqueeze(0)  # [S, W]
+        want = (torch.arange(start, start + s, device=dev).unsqueeze(1)
+                - torch.arange(w - 1, -1, -1, device=dev).unsqueeze(0))  # [S, W]
         idx = torch.where(want >= 0, want - first, torch.full_like(want, -1))
         keep = min(s, w)  # the ring keeps the newest W positions
-        new_pos = torch.arange(start + s - keep, start + s)
+        new_pos = torch.arange(start + s - keep, start + s, device=dev)
         st.window[new_pos % w] = kv[s - keep:].to(st.window.dtype)
         return kv_win, idx

@@ -23,13 +23,15 @@ class FP8Linear:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, numerics: Numerics):
         self.numerics = numerics
         self.out_features, self.in_features = weight.shape
-        self.w = ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
+        if numerics.native:  # kept in the on-disk format for the backend's FP8 GEMM
+            self.weight, self.scale = weight, scale
+        else:
+            self.w = ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.numerics.native:
             return x.float() @ self.w.T
-        q, s = ref.act_quant(x, 128)
-        return (ref.act_dequant(q, s, 128) @ self.w.T).to(torch.bfloat16)
+        return self.numerics.backend.fp8_gemm(x, self.weight, self.scale)
 
 
 class FloatLinear:

@@ -23,7 +23,8 @@ from kernels import reference as ref
 from engine.linear import FP8Linear
 
 GetTensor = Callable[[str], torch.Tensor]
-# Optional observer of discrete choices: log(kind, layer, start, tensor), kind "experts" or "indexer".
+# Optional observer of discrete choices: log(kind, layer, start, tensor) with kind "experts"
+# ([S, k] routed experts), "indexer" ([S, index_topk] picks, -1 = none) or "indexer_scores".
 SelectionLog = Callable[[str, int, int, torch.Tensor], None]
 
 
@@ -45,7 +46,7 @@ class Block:
                  log: SelectionLog | None = None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
         a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
-                      None if log is None else lambda top: log("indexer", self.layer, start, top))
+                      None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = HyperConnection.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = ref.rms_norm(x, self.ffn_norm, self.eps)
@@ -83,10 +84,10 @@ class Transformer:
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
 
     def new_state(self) -> SequenceState:
-        a, dt = self.args, self.numerics.dtype
-        layers = [new_layer_state(a.window_size, a.head_dim, a.ratio(i), a.index_head_dim, dt)
+        a, dt, dev = self.args, self.numerics.dtype, self.embed.device
+        layers = [new_layer_state(a.window_size, a.head_dim, a.ratio(i), a.index_head_dim, dt, dev)
                   for i in range(a.n_layers)]
-        mtp = new_layer_state(a.window_size, a.head_dim, 0, a.index_head_dim, dt) if self.mtp else None
+        mtp = new_layer_state(a.window_size, a.head_dim, 0, a.index_head_dim, dt, dev) if self.mtp else None
         return SequenceState(layers=layers, mtp=mtp)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

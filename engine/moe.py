@@ -95,7 +95,7 @@ class MoE:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
         n, k = idx.shape
-        slots = torch.zeros(n, k, x.shape[1])  # [N, k, D] fp32: one cell per (token, choice)
+        slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
         wanted = sorted(set(idx.flatten().tolist()))
         for e, weights in provider.experts(self.layer, wanted):
             rows, cols = torch.nonzero(idx == e, as_tuple=True)
@@ -109,10 +109,11 @@ class MoE:
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
         if self.numerics.native:
-            g = ref.fp4_gemm(x, e.w1, e.w1_scale).float()
-            u = ref.fp4_gemm(x, e.w3, e.w3_scale).float()
+            fp4 = self.numerics.backend.fp4_gemm
+            g = fp4(x, e.w1, e.w1_scale).float()
+            u = fp4(x, e.w3, e.w3_scale).float()
             h = (swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
-            return ref.fp4_gemm(h, e.w2, e.w2_scale).float()
+            return fp4(h, e.w2, e.w2_scale).float()
         w1 = ref.dequant_fp4(e.w1, e.w1_scale)
         w3 = ref.dequant_fp4(e.w3, e.w3_scale)
         w2 = ref.dequant_fp4(e.w2, e.w2_scale)

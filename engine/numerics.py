@@ -9,20 +9,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels.backend import Backend, TorchBackend
 
 
 @dataclass(frozen=True)
 class Numerics:
+    """`native` selects the mode; `backend` executes native's quantised ops (exact needs none)."""
+
     native: bool
+    backend: Backend = field(default_factory=TorchBackend)
 
     @classmethod
-    def named(cls, name: str) -> "Numerics":
+    def named(cls, name: str, backend: Backend | None = None) -> "Numerics":
         if name not in ("exact", "native"):
             raise ValueError(f"numerics must be 'exact' or 'native', got {name!r}")
-        return cls(native=name == "native")
+        return cls(native=name == "native", backend=backend or TorchBackend())
 
     @property
     def name(self) -> str:

@@ -33,17 +33,18 @@ class CompressorState:
     prev_gate: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, ratio: int, width: int, dim: int, dtype: torch.dtype, capacity: int = 16) -> "CompressorState":
+    def empty(cls, ratio: int, width: int, dim: int, dtype: torch.dtype, device: torch.device,
+              capacity: int = 16) -> "CompressorState":
         return cls(ratio=ratio,
-                   buf_kv=torch.zeros(ratio, width),
-                   buf_gate=torch.full((ratio, width), float("-inf")),
-                   entries=torch.zeros(capacity, dim, dtype=dtype))
+                   buf_kv=torch.zeros(ratio, width, device=device),
+                   buf_gate=torch.full((ratio, width), float("-inf"), device=device),
+                   entries=torch.zeros(capacity, dim, dtype=dtype, device=device))
 
     def store_entries(self, first: int, new: torch.Tensor) -> None:
         """Write entries first..first+len(new)-1, growing the buffer geometrically."""
         end = first + new.shape[0]
         if end > self.entries.shape[0]:
-            grown = torch.zeros(max(end, 2 * self.entries.shape[0]), self.entries.shape[1], dtype=self.entries.dtype)
+            grown = self.entries.new_zeros(max(end, 2 * self.entries.shape[0]), self.entries.shape[1])
             grown[:first] = self.entries[:first]
             self.entries = grown
         self.entries[first:end] = new
@@ -85,12 +86,13 @@ class SequenceState:
         return total
 
 
-def new_layer_state(window: int, head_dim: int, ratio: int, index_head_dim: int, dtype: torch.dtype) -> LayerState:
+def new_layer_state(window: int, head_dim: int, ratio: int, index_head_dim: int, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> LayerState:
     """Fresh state for one layer with compression ratio `ratio` (0, 4 or 128)."""
-    state = LayerState(window=torch.zeros(window, head_dim, dtype=dtype))
+    state = LayerState(window=torch.zeros(window, head_dim, dtype=dtype, device=device))
     if ratio:
         c = 2 if ratio == 4 else 1
-        state.compressor = CompressorState.empty(ratio, c * head_dim, head_dim, dtype)
+        state.compressor = CompressorState.empty(ratio, c * head_dim, head_dim, dtype, device)
         if ratio == 4:
-            state.indexer = CompressorState.empty(ratio, 2 * index_head_dim, index_head_dim, dtype)
+            state.indexer = CompressorState.empty(ratio, 2 * index_head_dim, index_head_dim, dtype, device)
     return state

@@ -39,10 +39,19 @@ class ModelFiles:
         self.index.close()
 
 
+def expert_prefix(args: ModelArgs, layer: int) -> tuple[str, int]:
+    """Official name prefix of a logical layer's experts: the MTP block is layer n_layers."""
+    return ("mtp", 0) if layer == args.n_layers else ("layers", layer)
+
+
 def open_official(path: str | Path) -> ModelFiles:
     """Open an official-format checkpoint with every expert resident (read from the mmaps)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
     index = TensorIndex.open(path)
-    return ModelFiles(path=path, args=args, index=index, get=index.get,
-                      experts=ResidentExperts(index.get_expert))
+
+    def fetch(layer: int, e: int) -> dict[str, torch.Tensor]:
+        prefix, idx = expert_prefix(args, layer)
+        return index.get_expert(idx, e, prefix)
+
+    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=ResidentExperts(fetch))

@@ -1,0 +1,93 @@
+"""`python -m engine.logits`: logits of one sequence, the contract other tools and checks drive.
+
+    python -m engine.logits --ckpt DIR --ids 0,17,5,... [--numerics exact|native]
+                            [--decode-from K] [--cache-gb G] [--device cpu|cuda] --out FILE.safetensors
+
+Runs one sequence — a prefill of all ids, or a prefill of the first K ids followed by one token
+at a time — and writes the tensor `logits` [S, vocab] float32 for every position, plus
+`experts.L` [S, k] int64 (the routed experts of layer L) for every layer. Keep this stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.checkpoint import CheckpointError
+from engine.config import ConfigError
+from engine.model import Transformer
+from engine.numerics import Numerics
+from kernels.backend import make_backend
+
+
+def run_sequence(model: Transformer, experts, ids: torch.Tensor, decode_from: int | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits [S, V] fp32 for every position and the routed experts per layer {name: [S, k]}."""
+    state = model.new_state()
+    chosen: dict[int, list[torch.Tensor]] = {}
+
+    def log(kind: str, layer: int, start: int, t: torch.Tensor) -> None:
+        if kind == "experts":
+            chosen.setdefault(layer, []).append(t.cpu())
+
+    split = len(ids) if decode_from is None else max(1, min(decode_from, len(ids)))
+    chunks = [ids[:split]] + [ids[i:i + 1] for i in range(split, len(ids))]
+    with torch.inference_mode():
+        logits = torch.cat([model.forward(c, state, experts, log=log).float().cpu() for c in chunks])
+    return logits, {f"experts.{layer}": torch.cat(v).contiguous() for layer, v in chosen.items()}
+
+
+def _parse_ids(text: str) -> torch.Tensor:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"error: --ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise SystemExit("error: --ids is empty")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="official checkpoint or converted directory")
+    p.add_argument("--ids", required=True, help="comma-separated token ids")
+    p.add_argument("--numerics", choices=("exact", "native"), default="exact")
+    p.add_argument("--decode-from", type=int, default=None, help="prefill K ids, then decode one at a time")
+    p.add_argument("--cache-gb", type=float, default=None, help="expert cache budget (converted dirs)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=("torch", "tilelang"), default="torch")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    a = p.parse_args(argv)
+    ids = _parse_ids(a.ids)
+    from engine.weights import open_model
+
+    try:
+        cache = None if a.cache_gb is None else int(a.cache_gb * 2**30)
+        files = open_model(a.ckpt, cache_bytes=cache)
+    except (CheckpointError, ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if int(ids.max()) >= files.args.vocab_size or int(ids.min()) < 0:
+            print(f"error: token ids must be in 0..{files.args.vocab_size - 1}", file=sys.stderr)
+            return 2
+        device = torch.device(a.device)
+        numerics = Numerics.named(a.numerics, make_backend(a.backend, device))
+        model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
+        logits, experts = run_sequence(model, files.experts, ids.to(device), a.decode_from)
+    finally:
+        files.close()
+    out = Path(a.out)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({"logits": logits, "ids": ids, **experts}, str(tmp))
+    tmp.replace(out)
+    print(f"wrote {out}: logits {tuple(logits.shape)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, seeded.
+
+Everything stays on the logits' device: the result is a 0-d int64 tensor, so on a GPU the only
+host transfer per token is the caller's one `.item()` of the chosen id. Sampling uses the
+Gumbel-max form of the official demo (§F.3): argmax of probs / Exp(1) noise, which draws from
+the (filtered) softmax without a cumulative-sum search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; the message names the parameter and its range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-turn generation settings. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 0.6
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 512
+    seed: int | None = None  # None: a fresh random seed per turn
+    thinking: bool = False  # thinking mode (§F.2): the answer starts with reasoning
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingError(f"temperature must be in [0, 100] (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Draws tokens for one turn with its own seeded generator on `device`."""
+
+    def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:
+        self.params = params
+        self.generator = torch.Generator(device=torch.device(device))
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] or [1, V] -> the chosen id, a 0-d int64 tensor on the logits' device."""
+        return sample(logits.reshape(-1), self.params, self.generator)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] fp32 with everything outside top-k / the top-p nucleus set to -inf.
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches top_p;
+    the most likely token is always kept.
+    """
+    out = logits
+    if 0 < top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k).values[-1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability mass ranked above each token
+        drop_sorted = before >= top_p  # position 0 has before = 0, never dropped
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+           ) -> torch.Tensor:
+    """logits [V] -> chosen id (0-d int64 tensor, same device). No host synchronisation."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.argmax(logits)
+    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / noise)

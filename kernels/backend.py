@@ -1,0 +1,89 @@
+"""Kernel backends: who executes the quantised GEMMs and the sparse attention in `native` numerics.
+
+`TorchBackend` runs kernels/reference.py (CPU, and any device torch supports); `TileLangBackend`
+runs the TileLang kernels of this package on CUDA, imported lazily on first use so that CPU-only
+machines never import TileLang. Both expose the reference signatures, so an engine built on one
+can be checked against the other.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from kernels import reference as ref
+
+
+class Backend(Protocol):
+    name: str
+
+    def fp8_gemm(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        """FP8-quantised activations [M, K] × FP8 block-scaled weight [N, K] -> bf16 [M, N]."""
+        ...
+
+    def fp4_gemm(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+        """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
+        ...
+
+    def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
+        ...
+
+
+class TorchBackend:
+    """The pure-torch reference path."""
+
+    name = "torch"
+
+    def fp8_gemm(self, x, w, w_scale):
+        return ref.fp8_gemm(x, w, w_scale)
+
+    def fp4_gemm(self, x, w, w_scale):
+        return ref.fp4_gemm(x, w, w_scale)
+
+    def sparse_attention(self, q, kv, idx, sink, scale):
+        return ref.sparse_attention(q, kv, idx, sink, scale)
+
+
+class TileLangBackend:
+    """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
+    yet, and says so in `missing` so benchmarks can report it."""
+
+    name = "tilelang"
+    _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe",
+            "sparse_attention": "kernels.sparse_attention"}
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise RuntimeError("the tilelang backend needs a CUDA device; use backend='torch' on the CPU")
+        self.device = device
+        self.missing: list[str] = []
+        self._impl = {}
+        for op, module in self._OPS.items():
+            try:
+                self._impl[op] = getattr(importlib.import_module(module), op)
+            except (ImportError, AttributeError):
+                self.missing.append(op)
+                self._impl[op] = getattr(ref, op)
+
+    def fp8_gemm(self, x, w, w_scale):
+        return self._impl["fp8_gemm"](x, w, w_scale)
+
+    def fp4_gemm(self, x, w, w_scale):
+        return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def sparse_attention(self, q, kv, idx, sink, scale):
+        return self._impl["sparse_attention"](q, kv, idx, sink, scale)
+
+
+def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
+    """The backend named by EngineConfig.backend for `device`."""
+    device = torch.device(device)
+    if name == "torch":
+        return TorchBackend()
+    if name == "tilelang":
+        return TileLangBackend(device)
+    raise ValueError(f"unknown kernel backend {name!r}; choose 'torch' or 'tilelang'")
