@@ -1,0 +1,162 @@
+"""Unit tests of the reference numerics (kernels/reference.py): the oracle for GPU kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+
+def test_pow2_scale_rounds_up_and_keeps_exact_powers():
+    amax = torch.tensor([448.0, 449.0, 224.0, 300.0, 1e-9, 448.0 * 2 ** -10])
+    s = ref.pow2_scale(amax, 448.0, 1e-4)
+    assert s.tolist() == [1.0, 2.0, 0.5, 1.0, 2.0 ** math.ceil(math.log2(1e-4 / 448)), 2.0 ** -10]
+    assert torch.all(torch.frexp(s).mantissa == 0.5)  # every scale a power of two
+
+
+def test_act_quant_roundtrip_and_e4m3_rounding():
+    x = torch.tensor([[448.0, -448.0, 1.0, 0.0] + [0.0] * 124])
+    q, s = ref.act_quant(x, 128)
+    assert s.item() == 1.0 and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(ref.act_dequant(q, s, 128), x)
+    # e4m3 has 3 mantissa bits: in [8, 16) the spacing is 1; 9.5 ties to even (10 has mantissa
+    # 010, 9 has 001) -> 10; 10.5 -> 10.
+    y = torch.zeros(1, 128)
+    y[0, :3] = torch.tensor([448.0, 9.5, 10.5])
+    q, s = ref.act_quant(y, 128)
+    assert ref.act_dequant(q, s, 128)[0, :3].tolist() == [448.0, 10.0, 10.0]
+
+
+def test_act_quant_is_per_row_and_per_block():
+    x = torch.randn(3, 256) * torch.tensor([[1.0], [100.0], [0.01]])
+    x[:, 128:] *= 1000
+    q, s = ref.act_quant(x, 128)
+    assert s.shape == (3, 2)
+    assert torch.all(s[:, 1] > s[:, 0])
+    err = (ref.act_dequant(q, s, 128) - x).abs() / x.abs().clamp_min(1e-30)
+    assert err.max() <= 2 ** -4  # 3 mantissa bits: half a unit in the last place
+
+
+def test_e2m1_round_ties_to_even():
+    v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 0.3, 5.1, 6.0])
+    assert ref.e2m1_round(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -2.0, 0.5, 6.0, 6.0]
+
+
+def test_qdq4_uses_pow2_scale_per_32():
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 32] = 6.0, 1.25, 12.0  # block 0: scale 1; block 1: scale 2
+    y = ref.qdq4(x, 32)
+    assert y[0, 0] == 6.0 and y[0, 1] == 1.0 and y[0, 32] == 12.0
+    assert y.dtype == x.dtype
+
+
+def test_qdq8_changes_values_like_e4m3():
+    x = torch.tensor([[1.0, 1.0625, 1.125] + [0.0] * 61], dtype=torch.bfloat16)
+    y = ref.qdq8(x, 64)
+    assert y.dtype == torch.bfloat16
+    assert y[0, :3].tolist() == [1.0, 1.0, 1.125]  # 1.0625 is a tie between 1 and 1.125 -> even
+
+
+def test_fp4_unpack_low_nibble_first_and_table():
+    packed = torch.tensor([[0x21, 0xF7]], dtype=torch.uint8).view(torch.int8)
+    assert ref.unpack_fp4(packed).tolist() == [[0.5, 1.0, 6.0, -6.0]]
+    scale = torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^3
+    w = ref.dequant_fp4(torch.zeros(1, 16, dtype=torch.int8) + 0x12, scale)
+    assert w.shape == (1, 32) and w[0, :2].tolist() == [8.0, 4.0]
+
+
+def test_dequant_fp8_block_scales_by_block():
+    w = torch.ones(256, 256).to(torch.float8_e4m3fn)
+    s = torch.tensor([[127, 128], [126, 129]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    d = ref.dequant_fp8_block(w, s)
+    assert d[0, 0] == 1 and d[0, 200] == 2 and d[200, 0] == 0.5 and d[255, 255] == 4
+
+
+def test_fp8_gemm_equals_dequantised_product():
+    torch.manual_seed(0)
+    w = (torch.randn(128, 256) * 10).to(torch.float8_e4m3fn)
+    s = torch.tensor([[120, 121]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    q, sa = ref.act_quant(x, 128)
+    want = (ref.act_dequant(q, sa, 128) @ ref.dequant_fp8_block(w, s).T).to(torch.bfloat16)
+    assert torch.equal(ref.fp8_gemm(x, w, s), want)
+
+
+def test_hadamard_is_orthonormal_sylvester():
+    eye = torch.eye(8)
+    h = ref.hadamard(eye)
+    assert torch.allclose(h @ h.T, eye, atol=1e-6)
+    assert torch.allclose(h[1] * math.sqrt(8), torch.tensor([1.0, -1, 1, -1, 1, -1, 1, -1]))
+    assert torch.allclose(h[2] * math.sqrt(8), torch.tensor([1.0, 1, -1, -1, 1, 1, -1, -1]))
+    x = torch.randn(5, 128)
+    assert torch.allclose(ref.hadamard(ref.hadamard(x)), x, atol=1e-5)
+
+
+def test_yarn_frequencies_match_spec_bands():
+    base = ref.rope_inv_freq(64, 160000.0)
+    yarn = ref.rope_inv_freq(64, 160000.0, {"factor": 16, "original_seq_len": 65536, "beta_fast": 32,
+                                           "beta_slow": 1})
+    assert torch.equal(yarn[:16], base[:16])  # pairs 0-15 keep their frequency (low = 15)
+    assert torch.allclose(yarn[25:], base[25:] / 16)  # pairs 25-31 divided by 16 (high = 25)
+    assert torch.all(yarn[16:25] < base[16:25]) and torch.all(yarn[16:25] > base[16:25] / 16)
+
+
+def test_rope_interleaved_trailing_and_inverse():
+    x = torch.randn(3, 2, 8)
+    inv = ref.rope_inv_freq(4, 10000.0)
+    pos = torch.tensor([0, 1, 7])
+    cos, sin = ref.rope_cos_sin(pos, inv)
+    y = ref.apply_rope(x, cos, sin)
+    assert torch.equal(y[..., :4], x[..., :4])  # leading dims untouched
+    assert torch.equal(y[0], x[0])  # position 0: no rotation
+    a = 1 * inv[0]  # position 1, pair 0 = channels (4, 5)
+    assert torch.allclose(y[1, :, 4], x[1, :, 4] * torch.cos(a) - x[1, :, 5] * torch.sin(a))
+    assert torch.allclose(y[1, :, 5], x[1, :, 4] * torch.sin(a) + x[1, :, 5] * torch.cos(a))
+    assert torch.allclose(ref.apply_rope(y, cos, sin, inverse=True), x, atol=1e-6)
+
+
+def test_sinkhorn_column_first_doubly_stochastic():
+    logits = torch.randn(5, 4, 4) * 3
+    m = ref.sinkhorn(logits, 20, 1e-6)
+    assert torch.allclose(m.sum(-2), torch.ones(5, 4), atol=1e-5)
+    assert torch.allclose(m.sum(-1), torch.ones(5, 4), atol=0.05)  # rows converge, columns exact
+    one = ref.sinkhorn(logits, 1, 1e-6)  # one round = softmax + eps, then columns only
+    assert torch.allclose(one.sum(-2), torch.ones(5, 4), atol=1e-5)
+    assert not torch.allclose(one.sum(-1), torch.ones(5, 4), atol=0.05)
+
+
+def test_topk_breaks_ties_by_lowest_index():
+    scores = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0, 0.5]])
+    assert ref.topk_desc(scores, 4).tolist() == [[1, 3, 5, 0]]
+    inf = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0]])
+    assert ref.topk_desc(inf, 3).tolist() == [[1, 3, 0]]
+
+
+def test_sparse_attention_sink_and_absent_rows():
+    q = torch.randn(2, 3, 8)
+    kv = torch.randn(5, 8)
+    idx = torch.tensor([[0, 2, -1], [4, -1, -1]])
+    sink = torch.tensor([0.0, -1e9, 2.0])
+    out = ref.sparse_attention(q, kv, idx, sink, 0.5)
+    # Query 1 sees only row 4: P = e^s / (e^s + e^sink).
+    s = (q[1] @ kv[4]) * 0.5
+    p = torch.exp(s) / (torch.exp(s) + torch.exp(sink))
+    assert torch.allclose(out[1], p.unsqueeze(-1) * kv[4], atol=1e-6)
+    # Head 1's sink is -inf-like: the probabilities over its rows sum to 1.
+    logits = torch.stack([q[0, 1] @ kv[0], q[0, 1] @ kv[2]]) * 0.5
+    w = torch.softmax(logits, 0)
+    assert torch.allclose(out[0, 1], w[0] * kv[0] + w[1] * kv[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (7, 384)])
+def test_fp4_gemm_matches_dequantised_product(shape):
+    m, k = shape
+    packed = torch.randint(-128, 128, (64, k // 2), dtype=torch.int8)
+    scale = torch.randint(120, 130, (64, k // 32), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    q, s = ref.act_quant(x, 128)
+    want = (ref.act_dequant(q, s, 128) @ ref.dequant_fp4(packed, scale).T).to(torch.bfloat16)
+    assert torch.equal(ref.fp4_gemm(x, packed, scale), want)
