@@ -68,7 +68,7 @@ class MTP:
         self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
         self.norm = get(f"{p}.norm.weight").float()
         self.block = Block(get, p, args, args.n_layers, numerics)
-        self.head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
+        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
 
 
 class Transformer:
@@ -80,7 +80,7 @@ class Transformer:
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
         self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
         self.norm = get("norm.weight").float()
-        self.head = get("head.weight")  # [V, D] bf16, used in fp32
+        self.head = get("head.weight").float()  # [V, D]: the official head runs in fp32
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
 
     def new_state(self) -> SequenceState:
@@ -110,7 +110,7 @@ class Transformer:
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [S, n_hc, D] -> logits [S, V] fp32 (HCHead, norm, fp32 head)."""
         y = ref.rms_norm(self.hc_head(streams), self.norm, self.args.norm_eps)
-        return y.float() @ self.head.float().T
+        return y.float() @ self.head.T
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
                 last_only: bool = False, log: SelectionLog | None = None) -> torch.Tensor:
@@ -128,5 +128,5 @@ class Transformer:
         s, n, d = hs.shape
         x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
         x = m.block(x.to(self.numerics.dtype), next_ids, start, state.mtp, experts)
-        y = ref.rms_norm(m.head(x), m.norm, self.args.norm_eps)
-        return y.float() @ self.head.float().T
+        y = ref.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
+        return y.float() @ self.head.T

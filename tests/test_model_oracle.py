@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from oracle import as_sets, load_hf, load_ours, rel_err, run_hf, run_ours
 
-pytest.importorskip("transformers")  # the test extra: transformers==5.24.0
+ORACLE_VERSION = "5.24.0"
 
 SEQ = 300
 
@@ -31,6 +32,10 @@ def _ids(vocab: int, n: int = SEQ, seed: int = 0) -> torch.Tensor:
 def separated(separated_ckpt):
     model, files = load_ours(separated_ckpt)
     return model, files, load_hf(separated_ckpt)
+
+
+def test_oracle_is_the_pinned_transformers():
+    assert transformers.__version__ == ORACLE_VERSION
 
 
 def test_exact_equals_transformers_where_nothing_can_flip(separated):
