@@ -1,0 +1,157 @@
+"""Per-kernel achieved bandwidth at DeepSeek-V4-Flash decode shapes vs the HBM copy bandwidth.
+
+Run on a CUDA machine:  python -m bench.kernels
+Each kernel is captured in a CUDA graph (20 calls over rotating weight copies that together
+exceed the L2 cache, so every call streams its weight from HBM) and replayed; the figure is the
+median per-call time over replays. Bytes = the fewest the call must move (weights + scales +
+activations + outputs). The ceiling is a 1 GiB device-to-device copy (read + write counted)
+measured in the same run.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+CALLS_PER_GRAPH = 20
+MIN_ROTATION_BYTES = 512 << 20  # well above the H200's 60 MiB L2
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of `reps`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def time_calls(calls, reps: int = 30) -> tuple[float, bool]:
+    """Median seconds per call of `calls` (a list of thunks) captured in one CUDA graph.
+
+    Falls back to eager launches (returns graphed=False) if capture fails.
+    """
+    for c in calls:  # warm up: compile kernels, allocate outputs
+        c()
+    torch.cuda.synchronize()
+    try:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        run, graphed = graph.replay, True
+    except RuntimeError:
+        torch.cuda.synchronize()
+
+        def run():
+            for c in calls:
+                c()
+        graphed = False
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[3:]) / len(calls), graphed
+
+
+def copies(nbytes: int) -> int:
+    """How many copies of a `nbytes` operand to rotate through."""
+    return max(2, min(CALLS_PER_GRAPH, -(-MIN_ROTATION_BYTES // max(nbytes, 1))))
+
+
+def _fp8(n, k, dev):
+    w = torch.randn(n, k, device=dev).mul(40).to(torch.float8_e4m3fn)
+    s = torch.randint(118, 128, ((n + 127) // 128, k // 128), device=dev, dtype=torch.uint8)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def _fp4(n, k, dev):
+    w = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8).view(torch.int8)
+    s = torch.randint(118, 128, (n, k // 32), device=dev, dtype=torch.uint8)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
+    """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_gemm, fp4_gemm_grouped
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.sparse_attention import sparse_attention
+
+    rows = []
+    x = torch.randn(1, 4096, device=dev).to(torch.bfloat16)
+    t, _ = time_calls([lambda: act_quant(x, 128)] * CALLS_PER_GRAPH)
+    rows.append(("act_quant 1x4096", 4096 * 2 + 4096 + 128, t, True))
+    for name, n, k in [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
+                       ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048), ("indexer wq_b", 8192, 1024)]:
+        nbytes = n * k + n * k // 16384
+        ws = [_fp8(n, k, dev) for _ in range(copies(nbytes))]
+        xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
+        calls = [(lambda w=w: fp8_gemm(xk, w[0], w[1])) for w in ws] * (CALLS_PER_GRAPH // len(ws) or 1)
+        t, graphed = time_calls(calls)
+        rows.append((f"fp8_gemm {name} M=1 {n}x{k}", nbytes + 3 * k + 2 * n, t, graphed))
+    for name, n, k in [("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)]:
+        nbytes = n * k // 2 + n * k // 32
+        ws = [_fp4(n, k, dev) for _ in range(copies(nbytes))]
+        xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
+        calls = [(lambda w=w: fp4_gemm(xk, w[0], w[1])) for w in ws] * (CALLS_PER_GRAPH // len(ws) or 1)
+        t, graphed = time_calls(calls)
+        rows.append((f"fp4_gemm {name} M=1 {n}x{k}", nbytes + 3 * k + 2 * n, t, graphed))
+    # six experts' w1 in one launch, from an arena of 64 slots
+    n, k, g = 2048, 4096, 6
+    per = n * k // 2 + n * k // 32
+    arena = torch.randint(0, 256, (64, per), device=dev, dtype=torch.uint8)
+    arena[:, n * k // 2:] = torch.randint(118, 128, (64, n * k // 32), device=dev, dtype=torch.uint8)
+    slot_sets = [torch.randperm(64, device=dev)[:g].to(torch.int32) for _ in range(CALLS_PER_GRAPH)]
+    xg = torch.randn(g, k, device=dev).to(torch.bfloat16)
+    calls = [(lambda s=s: fp4_gemm_grouped(xg, arena, 0, arena, n * k // 2, n, k, s)) for s in slot_sets]
+    t, graphed = time_calls(calls)
+    rows.append((f"fp4_gemm_grouped 6 experts {n}x{k}", g * per + g * (3 * k + 2 * n), t, graphed))
+    # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
+    tlen, kk = 128 + 2048, 640
+    q = torch.randn(1, 64, 512, device=dev).to(torch.bfloat16)
+    kv = torch.randn(tlen, 512, device=dev).to(torch.bfloat16)
+    idx = torch.randperm(tlen, device=dev)[:kk].view(1, kk)
+    sink = torch.randn(64, device=dev)
+    t, graphed = time_calls([lambda: sparse_attention(q, kv, idx, sink, 512 ** -0.5)] * CALLS_PER_GRAPH)
+    rows.append((f"sparse_attention S=1 H=64 K={kk}", kk * 512 * 2 + 64 * 512 * (2 + 4) + kk * 8, t, graphed))
+    return rows
+
+
+def print_table(rows, ceiling: float) -> None:
+    print(f"HBM device-to-device copy: {ceiling / 1e9:.0f} GB/s (read + write)")
+    print(f"| {'kernel (decode shape)':44s} | {'bytes':>11s} | {'us/call':>8s} | {'GB/s':>7s} | {'% copy':>6s} | graph |")
+    print(f"|{'-' * 46}|{'-' * 13}|{'-' * 10}|{'-' * 9}|{'-' * 8}|-------|")
+    for name, nbytes, t, graphed in rows:
+        bw = nbytes / t
+        print(f"| {name:44s} | {nbytes:11,d} | {t * 1e6:8.2f} | {bw / 1e9:7.0f} | {100 * bw / ceiling:5.1f}% | "
+              f"{'yes' if graphed else 'no':5s} |")
+
+
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels needs a CUDA GPU")
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(dev))
+    ceiling = copy_bandwidth(dev)
+    print_table(bench_rows(dev), ceiling)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Sparse attention with a learned sink on CUDA (TileLang); contract of `reference.sparse_attention`.
+
+q [S, H, D] bf16, kv [T, D] bf16 (key = value), idx [S, K] int (-1 = absent), sink [H] fp32 ->
+out [S, H, D] fp32: one softmax per (query, head) over the selected rows whose denominator also
+holds exp(sink_h) (spec §C.4 steps 10–12).
+
+One CTA per (query, block of 16 heads) walks the K selected rows in blocks of `block_i`: it
+gathers the rows into shared memory (absent rows load row 0 and get a -inf score), computes
+the scores on the tensor cores (bf16 inputs, fp32 accumulation, exact products), and keeps an
+online softmax. The probabilities are split into a bf16 high part and a bf16 remainder and both
+multiply the rows, so P·V carries about 16 mantissa bits (the official kernel rounds P to bf16
+once; the reference keeps fp32). The sink enters the denominator at the end.
+
+Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10, ~99 KB
+shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is untested.
+"""
+
+import functools
+import math
+
+import torch
+
+from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+
+TILE_PARAMS = {
+    (9, 0): {"block_h": 16, "block_i": 64, "threads": 128, "stages": 2},
+    (12, 1): {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1},
+}
+DEFAULT_TILE = {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1}
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def sparse_attention_kernel(heads: int, dim: int, scale: float, arch: tuple[int, int]):
+    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int32, SINK [H] fp32, O [S,H,D] fp32); H % 16 == 0."""
+    import tilelang
+    import tilelang.language as T
+
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    bh, bi = p["block_h"], p["block_i"]
+    s_len, t_len, k_len = T.dynamic("s_len"), T.dynamic("t_len"), T.dynamic("k_len")
+    c = scale * _LOG2E  # exp(x * scale) = exp2(x * c)
+
+    @T.prim_func
+    def sparse_attn(Q: T.Tensor((s_len, heads, dim), "bfloat16"), KV: T.Tensor((t_len, dim), "bfloat16"),
+                    IDX: T.Tensor((s_len, k_len), "int32"), SINK: T.Tensor((heads,), "float32"),
+                    O: T.Tensor((s_len, heads, dim), "float32")):
+        with T.Kernel(s_len, heads // bh, threads=p["threads"]) as (s, hb):
+            q_sh = T.alloc_shared((bh, dim), "bfloat16")
+            kv_sh = T.alloc_shared((bi, dim), "bfloat16")
+            p_hi = T.alloc_shared((bh, bi), "bfloat16")
+            p_lo = T.alloc_shared((bh, bi), "bfloat16")
+            acc_s = T.alloc_fragment((bh, bi), "float32")
+            acc_o = T.alloc_fragment((bh, dim), "float32")
+            m_i = T.alloc_fragment((bh,), "float32")
+            m_prev = T.alloc_fragment((bh,), "float32")
+            l_i = T.alloc_fragment((bh,), "float32")
+            l_blk = T.alloc_fragment((bh,), "float32")
+            alpha = T.alloc_fragment((bh,), "float32")
+            valid = T.alloc_fragment((bi,), "bool")
+
+            T.copy(Q[s, hb * bh:(hb + 1) * bh, :], q_sh)
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, -(2.0 ** 30))  # finite: keeps (m_prev - m_i) free of inf - inf
+            for it in T.Pipelined(T.ceildiv(k_len, bi), num_stages=p["stages"]):
+                for j in T.Parallel(bi):
+                    valid[j] = T.if_then_else(it * bi + j < k_len, IDX[s, T.min(it * bi + j, k_len - 1)], -1) >= 0
+                for j, d in T.Parallel(bi, dim):
+                    kv_sh[j, d] = KV[T.max(T.if_then_else(it * bi + j < k_len,
+                                                          IDX[s, T.min(it * bi + j, k_len - 1)], 0), 0), d]
+                for h, j in T.Parallel(bh, bi):
+                    acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity("float32"))
+                T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                T.copy(m_i, m_prev)
+                T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                for h in T.Parallel(bh):
+                    alpha[h] = T.exp2((m_prev[h] - m_i[h]) * c)
+                for h, j in T.Parallel(bh, bi):
+                    acc_s[h, j] = T.exp2(acc_s[h, j] * c - m_i[h] * c)
+                T.reduce_sum(acc_s, l_blk, dim=1)
+                for h in T.Parallel(bh):
+                    l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+                for h, d in T.Parallel(bh, dim):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                for h, j in T.Parallel(bh, bi):
+                    p_hi[h, j] = acc_s[h, j]
+                for h, j in T.Parallel(bh, bi):
+                    p_lo[h, j] = acc_s[h, j] - T.Cast("float32", T.Cast("bfloat16", acc_s[h, j]))
+                T.gemm(p_hi, kv_sh, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(p_lo, kv_sh, acc_o, policy=T.GemmWarpPolicy.FullCol)
+            for h in T.Parallel(bh):
+                l_i[h] = l_i[h] + T.exp2(SINK[hb * bh + h] * _LOG2E - m_i[h] * c)
+            for h, d in T.Parallel(bh, dim):
+                acc_o[h, d] = acc_o[h, d] / l_i[h]
+            T.copy(acc_o, O[s, hb * bh:(hb + 1) * bh, :])
+
+    return compile_kernel(sparse_attn, arch, pass_configs={
+        tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+        tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    })
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [S, H, D] bf16, kv [T, D] bf16, idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
+    s_len, heads, dim = q.shape
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        raise KernelInputError(f"sparse_attention takes bf16 q and kv, got {q.dtype} and {kv.dtype}")
+    if kv.dim() != 2 or kv.shape[1] != dim or idx.dim() != 2 or idx.shape[0] != s_len or sink.shape != (heads,):
+        raise KernelInputError(f"sparse_attention: shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+                               f"idx {tuple(idx.shape)}, sink {tuple(sink.shape)} do not agree")
+    if dim % 64:
+        raise KernelInputError(f"sparse_attention needs a head dim that is a multiple of 64, got {dim}")
+    arch = cuda_arch(q.device)
+    bh = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["block_h"]
+    hp = -(-heads // bh) * bh
+    out = torch.empty(s_len, hp, dim, dtype=torch.float32, device=q.device)
+    if s_len == 0:
+        return out[:, :heads]
+    if idx.shape[1] == 0 or kv.shape[0] == 0:  # nothing selected: every probability is 0
+        return out.zero_()[:, :heads]
+    qp, sinkp = q, sink.float()
+    if hp != heads:  # pad heads to the CTA's head block (padding heads are discarded)
+        qp = torch.cat((q, q.new_zeros(s_len, hp - heads, dim)), dim=1)
+        sinkp = torch.cat((sinkp, sinkp.new_zeros(hp - heads)))
+    kernel = sparse_attention_kernel(hp, dim, float(scale), arch)
+    kernel(qp.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), sinkp.contiguous(), out)
+    return out[:, :heads]

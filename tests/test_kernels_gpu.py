@@ -1,0 +1,224 @@
+"""TileLang kernels vs kernels/reference.py on random inputs (CUDA only; skipped elsewhere).
+
+Real decode shapes of DeepSeek-V4-Flash (dim 4096, moe_inter 2048, wq_a 1024×4096, wq_b
+32768×1024, wkv 512×4096, wo_b 4096×8192, shared experts 2048×4096) and odd ones. Activation
+quantisation must match bit for bit; GEMMs and attention within fp32-summation-order
+tolerance (each test prints its measured error; run with -s to see them).
+"""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.double(), want.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def fp8_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w = (torch.randn(n, k, generator=gen, device=DEV) * 40).to(torch.float8_e4m3fn)
+    s = torch.randint(118, 128, ((n + 127) // 128, k // 128), generator=gen, device=DEV, dtype=torch.uint8)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def fp4_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randint(0, 256, (n, k // 2), generator=gen, device=DEV, dtype=torch.uint8).view(torch.int8)
+    s = torch.randint(118, 128, (n, k // 32), generator=gen, device=DEV, dtype=torch.uint8)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def activations(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    # rows of very different magnitudes, so the per-block scales vary
+    mag = torch.exp2(torch.randint(-12, 6, (m, 1), generator=gen, device=DEV).float())
+    return (torch.randn(m, k, generator=gen, device=DEV) * mag).to(torch.bfloat16)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator(device=DEV).manual_seed(1234)
+
+
+# ------------------------------------------------------------------------------ act_quant
+@pytest.mark.parametrize("shape,block,dtype", [((1, 4096), 128, torch.bfloat16), ((7, 2048), 128, torch.bfloat16),
+                                               ((3, 5, 448), 64, torch.bfloat16), ((33, 1024), 128, torch.float32),
+                                               ((2, 8192), 64, torch.float16)])
+def test_act_quant_matches_reference_exactly(shape, block, dtype, gen):
+    from kernels.act_quant import act_quant
+    x = (torch.randn(*shape, generator=gen, device=DEV) *
+         torch.exp2(torch.randint(-20, 10, shape[:-1] + (1,), generator=gen, device=DEV).float())).to(dtype)
+    q, s = act_quant(x, block)
+    q_ref, s_ref = ref.act_quant(x, block)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_act_quant_scale_boundaries(gen):
+    """amax exactly 448·2^k, just above it, and below the 1e-4 floor: the pow2 rounding edges."""
+    from kernels.act_quant import act_quant
+    rows = []
+    for amax in (448.0, 224.0, 3.5, 3.5078125, 448.0 * 2 ** -10, 1e-5, 0.0, 1.75, 1.7578125, 2.0 ** 20):
+        row = torch.randn(128, generator=gen, device=DEV).clamp(-0.5, 0.5) * amax
+        row[5] = amax
+        rows.append(row)
+    x = torch.stack(rows).to(torch.bfloat16)
+    q, s = act_quant(x, 128)
+    q_ref, s_ref = ref.act_quant(x, 128)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------- fp8_gemm
+FP8_SHAPES = [(1, 1024, 4096), (1, 32768, 1024), (1, 512, 4096), (1, 4096, 8192), (1, 2048, 4096),
+              (2, 4096, 4096), (16, 2048, 4096), (3, 384, 640), (1, 200, 384), (5, 136, 128), (40, 512, 1024)]
+
+
+@pytest.mark.parametrize("m,n,k", FP8_SHAPES)
+def test_fp8_gemm_matches_reference(m, n, k, gen):
+    from kernels.fp8_gemm import fp8_gemm
+    x = activations(m, k, gen)
+    w, s = fp8_weight(n, k, gen)
+    out = fp8_gemm(x, w, s)
+    want = ref.fp8_gemm(x, w, s)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    err = rel_err(out, want)
+    print(f"fp8_gemm M={m} N={n} K={k}: rel err {err:.2e}")
+    assert err < 4e-3  # bf16 output rounding (2^-9) where summation order flips a rounding
+
+
+def test_fp8_gemm_keeps_leading_dims(gen):
+    from kernels.fp8_gemm import fp8_gemm
+    x = activations(6, 256, gen).view(2, 3, 256)
+    w, s = fp8_weight(128, 256, gen)
+    assert rel_err(fp8_gemm(x, w, s), ref.fp8_gemm(x.reshape(6, 256), w, s).view(2, 3, 128)) < 4e-3
+
+
+def test_fp8_gemm_rejects_mismatched_scale(gen):
+    from kernels.act_quant import KernelInputError
+    from kernels.fp8_gemm import fp8_gemm
+    w, s = fp8_weight(256, 256, gen)
+    with pytest.raises(KernelInputError, match="scale shape"):
+        fp8_gemm(activations(1, 256, gen), w, s[:1])
+
+
+# ------------------------------------------------------------------------------- fp4 GEMMs
+FP4_SHAPES = [(1, 2048, 4096), (1, 4096, 2048), (2, 2048, 4096), (16, 4096, 2048), (3, 384, 640),
+              (1, 100, 128), (24, 512, 1024)]
+
+
+@pytest.mark.parametrize("m,n,k", FP4_SHAPES)
+def test_fp4_gemm_matches_reference(m, n, k, gen):
+    from kernels.fp4_moe import fp4_gemm
+    x = activations(m, k, gen)
+    w, s = fp4_weight(n, k, gen)
+    out = fp4_gemm(x, w, s)
+    want = ref.fp4_gemm(x, w, s)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    err = rel_err(out, want)
+    print(f"fp4_gemm M={m} N={n} K={k}: rel err {err:.2e}")
+    assert err < 4e-3
+
+
+class _Field:
+    def __init__(self, offset, shape):
+        self.offset, self.shape = offset, shape
+
+
+def _arena(slots: int, inter: int, dim: int, gen):
+    """uint8 [slots, record] records holding w1, w1.scale, w3, w3.scale, w2, w2.scale back to back."""
+    shapes = {"w1.weight": (inter, dim // 2), "w1.scale": (inter, dim // 32), "w3.weight": (inter, dim // 2),
+              "w3.scale": (inter, dim // 32), "w2.weight": (dim, inter // 2), "w2.scale": (dim, inter // 32)}
+    fields, off = {}, 0
+    for name, shp in shapes.items():
+        fields[name] = _Field(off, shp)
+        off += shp[0] * shp[1]
+    record = -(-off // 4096) * 4096
+    data = torch.randint(0, 256, (slots, record), generator=gen, device=DEV, dtype=torch.uint8)
+    for name, f in fields.items():  # sane exponents for the scale fields
+        if name.endswith("scale"):
+            n = f.shape[0] * f.shape[1]
+            data[:, f.offset:f.offset + n] = torch.randint(118, 128, (slots, n), generator=gen, device=DEV,
+                                                           dtype=torch.uint8)
+
+    def expert(slot):
+        t = {name: data[slot, f.offset:f.offset + f.shape[0] * f.shape[1]].view(f.shape) for name, f in fields.items()}
+        return {k: (v.view(torch.float8_e8m0fnu) if k.endswith("scale") else v.view(torch.int8)) for k, v in t.items()}
+    return data, fields, expert
+
+
+@pytest.mark.parametrize("inter,dim", [(2048, 4096), (256, 384)])
+def test_fp4_grouped_reads_arena_slots(inter, dim, gen):
+    from kernels.fp4_moe import fp4_gemm_grouped
+    data, fields, expert = _arena(5, inter, dim, gen)
+    slots = torch.tensor([3, 0, 4, 1, 3, 2], dtype=torch.int32, device=DEV)
+    x = activations(6, dim, gen)
+    f, fs = fields["w1.weight"], fields["w1.scale"]
+    out = fp4_gemm_grouped(x, data, f.offset, data, fs.offset, inter, dim, slots)
+    for g, slot in enumerate(slots.tolist()):
+        e = expert(slot)
+        err = rel_err(out[g], ref.fp4_gemm(x[g:g + 1], e["w1.weight"], e["w1.scale"])[0])
+        assert err < 4e-3, (g, slot, err)
+
+
+def test_fp4_moe_matches_per_expert_reference(gen):
+    from kernels.fp4_moe import fp4_moe
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, expert = _arena(8, inter, dim, gen)
+    slots = torch.tensor([5, 1, 7, 0, 2, 6], dtype=torch.int32, device=DEV)
+    x = activations(1, dim, gen).expand(6, dim)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    out = fp4_moe(x, data, fields, slots, wts, limit)
+    for g, slot in enumerate(slots.tolist()):
+        e = expert(slot)
+        gg = ref.fp4_gemm(x[g:g + 1], e["w1.weight"], e["w1.scale"]).float()
+        uu = ref.fp4_gemm(x[g:g + 1], e["w3.weight"], e["w3.scale"]).float()
+        h = (torch.nn.functional.silu(gg.clamp(max=limit)) * uu.clamp(-limit, limit) * wts[g]).to(torch.bfloat16)
+        want = ref.fp4_gemm(h, e["w2.weight"], e["w2.scale"]).float()
+        err = rel_err(out[g:g + 1], want)
+        print(f"fp4_moe expert slot {slot}: rel err {err:.2e}")
+        assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
+
+
+# ------------------------------------------------------------------------ sparse attention
+@pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
+                                       (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
+def test_sparse_attention_matches_reference(s, h, d, t, k, gen):
+    from kernels.sparse_attention import sparse_attention
+    q = (torch.randn(s, h, d, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+    kv = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
+    idx = torch.randint(0, t, (s, k), generator=gen, device=DEV)
+    idx[torch.rand(s, k, generator=gen, device=DEV) < 0.2] = -1
+    idx[0, : k // 2] = -1
+    sink = torch.randn(h, generator=gen, device=DEV)
+    out = sparse_attention(q, kv, idx, sink, d ** -0.5)
+    want = ref.sparse_attention(q, kv, idx, sink, d ** -0.5)
+    assert out.shape == (s, h, d) and out.dtype == torch.float32
+    err = rel_err(out, want)
+    print(f"sparse_attention S={s} H={h} D={d} T={t} K={k}: rel err {err:.2e}")
+    assert err < 1e-4
+
+
+def test_sparse_attention_all_absent_gives_zero(gen):
+    from kernels.sparse_attention import sparse_attention
+    q = torch.randn(2, 16, 64, generator=gen, device=DEV).to(torch.bfloat16)
+    kv = torch.randn(9, 64, generator=gen, device=DEV).to(torch.bfloat16)
+    idx = torch.full((2, 70), -1, device=DEV)
+    idx[1, 3] = 4
+    out = sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
+    want = ref.sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out[1], want[1]) < 1e-4
+
+
+# ------------------------------------------------------------------------------- backend
+def test_tilelang_backend_has_every_kernel():
+    from kernels.backend import make_backend
+    b = make_backend("tilelang", DEV)
+    assert b.missing == []
