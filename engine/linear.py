@@ -60,14 +60,11 @@ class GroupedOutProj:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int, numerics: Numerics):
         self.numerics = numerics
         self.groups = groups
-        w = ref.dequant_fp8_block(weight, scale)  # [G*R, H*D/G]
-        if numerics.native:
-            w = w.to(torch.bfloat16).float()
+        w = ref.dequant_fp8_block(weight, scale).to(numerics.dtype)  # [G*R, H*D/G]
         self.w = w.view(groups, -1, w.shape[-1])  # [G, R, H*D/G]
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
-        """o [S, H*D] -> [S, G*R]."""
+        """o [S, H*D] -> [S, G*R] (native: bf16 operands, fp32 accumulation, bf16 result)."""
         s = o.shape[0]
-        u = o.float().view(s, self.groups, -1)  # [S, G, H*D/G]
-        z = torch.einsum("sgi,gri->sgr", u, self.w).reshape(s, -1)
-        return z.to(self.numerics.dtype)
+        u = o.to(self.w.dtype).view(s, self.groups, -1)  # [S, G, H*D/G]
+        return torch.einsum("sgi,gri->sgr", u, self.w).reshape(s, -1)

@@ -1,0 +1,158 @@
+"""End-to-end decode on a CUDA GPU: our engine vs transformers on the same Flash-shaped checkpoint.
+
+    python -m bench.decode_engine [--layers 4] [--prefill 128] [--tokens 32] [--workdir /tmp/dsv4b]
+
+1. writes a `flash`-preset synthetic checkpoint (real dimensions, N layers) under --workdir,
+   drawing the random weights on the GPU;
+2. our engine, native numerics, every weight and expert resident on the GPU, with the
+   `torch` reference backend and with the `tilelang` kernels: prefill, then one token at a time;
+3. the same with a converted directory and an expert cache of 25 % of the expert pool
+   (streamed through the cache), if the converter and streaming provider are available;
+4. transformers' DeepseekV4ForCausalLM on the same checkpoint (FP8 dequantised to bf16, since
+   its FP8 kernels come from a hub that is unreachable here).
+Prints ms/token, bytes touched per token and GB/s against the copy bandwidth of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from bench.kernels import copy_bandwidth
+from converter.synth import SynthOptions, flash_config, write_checkpoint
+from engine.model import Transformer
+from engine.moe import ExpertWeights
+from engine.numerics import Numerics
+from engine.weights import open_official
+from kernels.backend import make_backend
+
+
+class GpuResidentExperts:
+    """Every routed expert uploaded to the GPU once (the 'all resident' case)."""
+
+    def __init__(self, files, n_layers: int, n_experts: int, device: torch.device):
+        self.table = {}
+        for layer in range(n_layers):
+            for e, w in files.experts.experts(layer, list(range(n_experts))):
+                self.table[layer, e] = ExpertWeights(*(t.to(device) for t in (
+                    w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale)))
+
+    def experts(self, layer, ids):
+        for e in ids:
+            yield e, self.table[layer, e]
+
+    def prefetch(self, layer, ids):
+        """Nothing to do: all resident."""
+
+
+def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float]:
+    """(prefill seconds, ms per decoded token), greedy."""
+    state = model.new_state()
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model.forward(ids[:prefill], state, experts, last_only=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        nxt = logits.argmax(-1)
+        for _ in range(2):  # warm-up steps (compilation, allocator)
+            nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        for _ in range(tokens):
+            nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+    return t1 - t0, (t3 - t2) * 1e3 / tokens
+
+
+def _hf_decode(path: Path, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float, float]:
+    from transformers import AutoModelForCausalLM, DynamicCache, FineGrainedFP8Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16,
+        attn_implementation="eager", device_map="cuda").eval()
+    gib = torch.cuda.memory_allocated() / 2**30
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(ids[:prefill].unsqueeze(0), past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        for _ in range(tokens):
+            nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+    del model
+    torch.cuda.empty_cache()
+    return t1 - t0, (t3 - t2) * 1e3 / tokens, gib
+
+
+def _bytes_per_token(files, n_layers: int) -> int:
+    """Resident weights read per decode token (all but the embedding) + 6 experts per layer."""
+    idx = files.index
+    resident = sum(idx.info(n).nbytes for n in idx.names()
+                   if ".experts." not in n and not n.startswith("mtp.") and n != "embed.weight")
+    return resident + n_layers * files.args.n_activated_experts * files.args.expert_record_bytes()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--workdir", default="/tmp/dsv4b")
+    p.add_argument("--skip-hf", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.decode_engine needs a CUDA GPU")
+        return 2
+    dev = torch.device("cuda")
+    ckpt = Path(a.workdir) / f"flash{a.layers}"
+    if not (ckpt / "model.safetensors.index.json").exists():
+        t = time.perf_counter()
+        write_checkpoint(ckpt, flash_config(a.layers), SynthOptions(seed=0, device="cuda", with_mtp=False,
+                                                                    tokenizer=False))
+        print(f"synthetic flash checkpoint, {a.layers} layers: {time.perf_counter() - t:.1f} s")
+    bw = copy_bandwidth(dev) / 1e9  # GB/s, read + write counted (as in DESIGN §5)
+    files = open_official(ckpt)
+    args = files.args
+    ids = torch.randint(0, args.vocab_size, (a.prefill,), generator=torch.Generator().manual_seed(0)).to(dev)
+    per_token = _bytes_per_token(files, args.n_layers)
+    roofline_ms = per_token / (bw * 1e9) * 1e3
+    print(f"HBM copy {bw:.0f} GB/s (read+write); bytes touched per token {per_token / 2**20:.1f} MiB; "
+          f"roofline {roofline_ms:.3f} ms/token")
+    experts = GpuResidentExperts(files, args.n_layers, args.n_routed_experts, dev)
+    rows = []
+    for backend in ("tilelang", "torch"):
+        model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
+        pre, ms = _decode(model, experts, ids, a.prefill, a.tokens)
+        rows.append((f"ours native, {backend}, all resident", pre, ms))
+        del model
+        torch.cuda.empty_cache()
+    del experts
+    torch.cuda.empty_cache()
+    if not a.skip_hf:
+        pre, ms, gib = _hf_decode(ckpt, ids, a.prefill, a.tokens)
+        rows.append((f"transformers bf16-dequantised ({gib:.0f} GiB)", pre, ms))
+    print(f"| run | prefill {a.prefill} s | decode ms/token | GB/s | % of copy bw | vs transformers |")
+    hf_ms = rows[-1][2] if not a.skip_hf else None
+    for name, pre, ms in rows:
+        gbs = per_token / (ms * 1e-3) / 1e9
+        ratio = f"{hf_ms / ms:.2f}x" if hf_ms else "-"
+        print(f"| {name} | {pre:.3f} | {ms:.2f} | {gbs:.0f} | {100 * gbs / bw:.1f}% | {ratio} |")
+    files.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
