@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from engine.checkpoint import TensorIndex
+from engine.checkpoint import INDEX_NAME, CheckpointError, TensorIndex
 from engine.config import ModelArgs
 from engine.moe import ExpertProvider, ResidentExperts
 
@@ -55,3 +55,53 @@ def open_official(path: str | Path) -> ModelFiles:
         return index.get_expert(idx, e, prefix)
 
     return ModelFiles(path=path, args=args, index=index, get=index.get, experts=ResidentExperts(fetch))
+
+
+def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
+                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
+    """Open a converted (expert-pack) directory: resident tensors zero-copy from the mmaps,
+    routed experts streamed through a cache of `cache_bytes` (None = room for every expert).
+
+    Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
+    """
+    from converter.layout import LayoutError, read_manifest
+    from engine.experts.arena import ExpertArena
+    from engine.experts.cache import ExpertCache
+    from engine.experts.prefetch import IOPool
+    from engine.experts.provider import StreamingExperts
+    from engine.experts.store import ExpertStore
+
+    path = Path(path)
+    try:
+        manifest = read_manifest(path)
+    except LayoutError as e:
+        raise CheckpointError(str(e)) from None
+    args = ModelArgs.from_dict(manifest.config, str(path / "manifest.json"))
+    budget = manifest.pool_bytes if cache_bytes is None else cache_bytes
+    cache = ExpertCache(budget, manifest.record.record_bytes,
+                        num_layers=max(u.layer for u in manifest.units) + 1,
+                        num_experts=manifest.count, policy=policy)
+    arena = ExpertArena(cache.capacity_slots, manifest.record, cache.num_layers, manifest.count,
+                        device)
+    index = TensorIndex.open(path)
+    store = ExpertStore(path, manifest, o_direct=o_direct)
+    pool = IOPool(io_threads).start()
+    provider = StreamingExperts(store, arena, cache, pool)
+    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=provider,
+                      converted=True, closers=[provider.close])
+
+
+def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
+               io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
+    """Open either layout: a converted directory (manifest.json) streams its experts with the
+    given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
+    if (path / INDEX_NAME).is_file():
+        return open_official(path)
+    if path.is_dir() and any(path.glob("layer_*.safetensors*")):
+        raise CheckpointError(f"{path}: a conversion that did not finish (no manifest.json); rerun "
+                              "dsv4-convert with the same arguments to complete it")
+    raise CheckpointError(f"{path}: neither a converted model (manifest.json) nor an official "
+                          f"checkpoint ({INDEX_NAME}); point at one of them")

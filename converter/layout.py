@@ -1,0 +1,277 @@
+"""The converted "expert pack" layout, version 1 (DESIGN §3). On-disk contract:
+
+A directory holding
+  * `manifest.json` (written last: a directory without it is an unfinished conversion):
+        {"format": "dsv4-expert-pack", "version": 1,
+         "config": {the HF config.json of the source},
+         "source": {"index_sha256": hex, "total_size": int, "shards": [{"name", "size"}, ...]},
+         "experts": {"record_bytes": R, "alignment": 4096, "count": E,
+                     "fields": {"w1.weight": {"offset", "nbytes", "dtype", "shape"}, "w1.scale": ..,
+                                "w3.weight": .., "w3.scale": .., "w2.weight": .., "w2.scale": ..},
+                     "units": [{"layer": L, "file": "layer_LL.safetensors",
+                                "tensor": "layers.L.ffn.experts"}, ...,
+                               {"layer": n_layers, "file": "mtp.safetensors",
+                                "tensor": "mtp.0.ffn.experts"}]},
+         "files": {name: entry}}
+  * `global.safetensors`, `layer_LL.safetensors` per decoder layer, `mtp.safetensors`: valid
+    safetensors files whose data section starts at a multiple of 4096 (the JSON header is padded
+    with spaces). Resident tensors keep their official names, dtypes, shapes and bytes. A unit's
+    routed experts are ONE uint8 tensor `{prefix}.ffn.experts` of shape [E, R], first in the data
+    section: record e (bytes e*R .. (e+1)*R) holds expert e's six tensors back to back at the field
+    offsets, zero padded so R is a multiple of 4096. One expert = one aligned read.
+  * tokenizer and config files copied from the source (config.json, generation_config.json,
+    tokenizer.json, tokenizer_config.json, those present).
+
+File entries. A plain file: {"size": n, "checksum": "sha256:<hex of the file>"}. A safetensors
+file is hashed in pieces, so one pass both checks it and names a corrupt part:
+    {"size": n, "checksum": "sha256-pieces:<hex>", "header": {"bytes": H, "sha256": hex},
+     "tensors": {name: sha256 hex of its bytes} (resident tensors),
+     "records": [sha256 hex of record 0, 1, ...] (only files with experts)}
+where H is the offset of the data section and the checksum is the sha256 of the concatenated
+32-byte digests of the header bytes and then of every piece in file order (a resident tensor is
+one piece, the experts tensor is one piece per record).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from converter import mapping
+from engine.checkpoint import DTYPES
+from engine.config import ModelArgs
+
+FORMAT = "dsv4-expert-pack"
+VERSION = 1
+ALIGNMENT = 4096
+MANIFEST = "manifest.json"
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+class LayoutError(Exception):
+    """A converted directory or its manifest is missing, unfinished, corrupt or of another version."""
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """One expert tensor inside a record: bytes [offset, offset + nbytes) as `dtype` `shape`."""
+
+    offset: int
+    nbytes: int
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
+                "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where an expert's six tensors sit in its record, and the padded record size."""
+
+    record_bytes: int
+    fields: dict[str, FieldLayout]  # in record order (mapping.EXPERT_FIELDS)
+    alignment: int = ALIGNMENT
+
+    @classmethod
+    def from_args(cls, args: ModelArgs) -> "RecordLayout":
+        fields, offset = {}, 0
+        for name, (dtype, shape) in mapping.expert_fields(args).items():
+            nbytes = _numel(shape) * DTYPES[dtype][0].itemsize
+            fields[name] = FieldLayout(offset, nbytes, dtype, shape)
+            offset += nbytes
+        return cls(round_up(offset, ALIGNMENT), fields)
+
+    def to_json(self) -> dict:
+        return {"record_bytes": self.record_bytes, "alignment": self.alignment,
+                "fields": {k: f.to_json() for k, f in self.fields.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "RecordLayout":
+        try:
+            fields = {k: FieldLayout(int(f["offset"]), int(f["nbytes"]), str(f["dtype"]),
+                                     tuple(int(x) for x in f["shape"]))
+                      for k, f in sorted(doc["fields"].items(), key=lambda kv: kv[1]["offset"])}
+            layout = cls(int(doc["record_bytes"]), fields, int(doc["alignment"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise LayoutError(f"manifest 'experts' record layout is malformed ({e!r})") from None
+        layout.check()
+        return layout
+
+    def check(self) -> None:
+        """Raise LayoutError unless the fields are the six expert tensors inside the record."""
+        if list(self.fields) != list(mapping.EXPERT_FIELDS):
+            raise LayoutError(f"record fields are {list(self.fields)}, expected "
+                              f"{list(mapping.EXPERT_FIELDS)}")
+        if self.alignment != ALIGNMENT or self.record_bytes % ALIGNMENT:
+            raise LayoutError(f"record_bytes {self.record_bytes} / alignment {self.alignment} "
+                              f"must be multiples of {ALIGNMENT}")
+        for name, f in self.fields.items():
+            if f.dtype not in DTYPES or DTYPES[f.dtype][0].itemsize != 1:
+                raise LayoutError(f"record field {name!r} has dtype {f.dtype!r}; expected I8 or "
+                                  "F8_E8M0")
+            if f.nbytes != _numel(f.shape) or f.offset < 0 or f.offset + f.nbytes > self.record_bytes:
+                raise LayoutError(f"record field {name!r} ({f}) does not fit a "
+                                  f"{self.record_bytes}-byte record")
+
+    def unpack(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero-copy views of the six tensors in one record (uint8 [record_bytes], any device)."""
+        # record[offset : offset + nbytes] (uint8) -> view as the 1-byte dtype -> [rows, cols]
+        return {name: record[f.offset:f.offset + f.nbytes].view(DTYPES[f.dtype][0]).view(f.shape)
+                for name, f in self.fields.items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One packed experts tensor: decoder layer `layer` (n_layers = MTP) in `file` as `tensor`."""
+
+    layer: int
+    file: str
+    tensor: str
+
+
+def units_for(args: ModelArgs) -> list[Unit]:
+    return [Unit(u, mapping.unit_file(u, args), mapping.experts_tensor(u, args))
+            for u in mapping.units(args)]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest.json (see the module docstring)."""
+
+    config: dict
+    source: dict
+    record: RecordLayout
+    count: int  # experts per unit
+    units: tuple[Unit, ...]
+    files: dict[str, dict]
+
+    def to_json(self) -> dict:
+        experts = self.record.to_json() | {
+            "count": self.count,
+            "units": [{"layer": u.layer, "file": u.file, "tensor": u.tensor} for u in self.units]}
+        return {"format": FORMAT, "version": VERSION, "config": self.config, "source": self.source,
+                "experts": experts, "files": self.files}
+
+    def dumps(self) -> str:
+        """The exact manifest.json text (deterministic: sorted keys, no timestamps)."""
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    def unit(self, layer: int) -> Unit:
+        for u in self.units:
+            if u.layer == layer:
+                return u
+        raise LayoutError(f"the converted model has no routed experts for layer {layer} "
+                          f"(units: {[u.layer for u in self.units]})")
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of every routed-expert record of every unit (the 'everything' cache budget)."""
+        return len(self.units) * self.count * self.record.record_bytes
+
+
+def parse_manifest(doc: object, where: str = MANIFEST) -> Manifest:
+    """Validate a manifest document; raises LayoutError naming the problem."""
+    if not isinstance(doc, dict):
+        raise LayoutError(f"{where}: not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise LayoutError(f"{where}: format is {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise LayoutError(f"{where}: layout version {doc.get('version')!r} is not supported (this "
+                          f"engine reads version {VERSION}); convert the checkpoint again")
+    try:
+        exp, files = doc["experts"], doc["files"]
+        units = tuple(Unit(int(u["layer"]), str(u["file"]), str(u["tensor"])) for u in exp["units"])
+        manifest = Manifest(dict(doc["config"]), dict(doc["source"]), RecordLayout.from_json(exp),
+                            int(exp["count"]), units, dict(files))
+    except (KeyError, TypeError, ValueError) as e:
+        raise LayoutError(f"{where}: malformed manifest ({e!r}); convert again") from None
+    for u in units:
+        if u.file not in manifest.files:
+            raise LayoutError(f"{where}: experts file {u.file} is not in the file list")
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Read `<path>/manifest.json` and check every listed file exists with its size (no hashing)."""
+    root = Path(path)
+    where = root / MANIFEST
+    if not where.is_file():
+        hint = (" but it holds converted files: the conversion did not finish; rerun dsv4-convert "
+                "with the same arguments to complete it") if any(root.glob("*.safetensors*")) else ""
+        raise LayoutError(f"{root}: no {MANIFEST}{hint}")
+    try:
+        doc = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LayoutError(f"{where}: unreadable ({e}); convert again") from None
+    manifest = parse_manifest(doc, str(where))
+    for name, entry in manifest.files.items():
+        f = root / name
+        size = f.stat().st_size if f.is_file() else None
+        if size != entry.get("size"):
+            raise LayoutError(f"{f}: {'missing' if size is None else f'{size} bytes'}, the manifest "
+                              f"says {entry.get('size')} bytes; run `python -m converter.verify "
+                              f"{root}` and rerun dsv4-convert to repair it")
+    return manifest
+
+
+STATE = ".dsv4-convert.json"  # progress of an unfinished conversion (file entries done so far)
+_OWN = re.compile(r"(manifest\.json|global\.safetensors|layer_\d+\.safetensors|mtp\.safetensors|"
+                  r"\.dsv4-convert\.json|" + "|".join(re.escape(f) for f in COPIED_FILES) + r")(\.tmp)?")
+
+
+def is_own_file(name: str) -> bool:
+    """Whether a file name in an output directory is one the converter writes (or its temp)."""
+    return _OWN.fullmatch(name) is not None
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+class PieceHasher:
+    """Builds a safetensors file entry piece by piece (module docstring, 'File entries')."""
+
+    def __init__(self, header: bytes):
+        self._tree = hashlib.sha256()
+        digest = hashlib.sha256(header).digest()
+        self._tree.update(digest)
+        self.entry: dict = {"header": {"bytes": len(header), "sha256": digest.hex()}, "tensors": {}}
+
+    def add_tensor(self, name: str, digest: bytes) -> None:
+        self._tree.update(digest)
+        self.entry["tensors"][name] = digest.hex()
+
+    def add_record(self, digest: bytes) -> None:
+        self._tree.update(digest)
+        self.entry.setdefault("records", []).append(digest.hex())
+
+    def finish(self, size: int) -> dict:
+        return self.entry | {"size": size, "checksum": "sha256-pieces:" + self._tree.hexdigest()}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
+    """'sha256:<hex>' of a whole (small) file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return "sha256:" + h.hexdigest()

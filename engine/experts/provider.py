@@ -1,0 +1,248 @@
+"""StreamingExperts: the ExpertProvider that streams routed experts through a bounded cache.
+
+Parts: `ExpertCache` (policy: which keys are resident, in which slot; stats), `ExpertArena`
+(slot memory + zero-copy ExpertWeights views), `ExpertStore` (one read per record) and `IOPool`
+(named I/O threads). All cache bookkeeping happens on the calling (engine) thread; I/O threads
+only copy bytes into slots.
+
+`experts(layer, ids)` looks every id up once (hits and misses counted by the cache), starts the
+misses' reads at once, yields the hits first while those reads run, then each miss as its read
+completes. Budgets smaller than one call's needs work in waves: a key of the current call is
+held (pinned transiently) from its lookup or admission until the consumer has used it (asks for
+the next item), so it is never evicted before use; a miss is admitted only when a slot can be
+freed without evicting a held key, i.e. after earlier experts of the call were used. With a
+budget of one record the call runs strictly one expert at a time.
+
+`prefetch(layer, ids)` (hash layers know their experts from the token ids) admits and starts
+reading those experts early and holds them until `experts(layer, ...)` uses them; prefetch holds
+take at most `prefetch_share` of the slots, and are dropped if the current call needs their
+slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
+
+Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
+while a forward call is running (another thread) is not supported (the cache is not
+thread-safe anyway).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Iterable, Iterator
+
+import torch
+
+from engine.experts.arena import ExpertArena
+from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.prefetch import IOPool
+from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
+from engine.experts.trace import TraceWriter
+from engine.moe import ExpertWeights
+
+
+class StreamingExperts:
+    """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
+
+    def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
+                 prefetch_share: float = 0.5):
+        if arena.slots != cache.capacity_slots:
+            raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
+        self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
+        self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
+        self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
+        self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
+        self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
+        self._staging: queue.SimpleQueue | None = None
+        if not arena.on_host:  # device arena: read into pinned host buffers, then copy
+            self._staging = queue.SimpleQueue()
+            for _ in range(pool.size):
+                self._staging.put(aligned_empty(store.record_bytes, pin_memory=True))
+        self._closed = False
+
+    # ------------------------------------------------------------------ holds and reads
+    def _hold(self, key: ExpertKey, user: frozenset) -> bool:
+        """Protect `key` from eviction; False when the cache cannot pin more keys now."""
+        if key in self._held or key in user:
+            return True
+        try:
+            self.cache.pin(key)
+        except ExpertCacheError:
+            return False
+        self._held.add(key)
+        return True
+
+    def _release(self, key: ExpertKey) -> None:
+        if key in self._held:
+            self._held.remove(key)
+            self.cache.unpin(key)
+
+    def _load(self, key: ExpertKey, slot: int) -> None:
+        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`."""
+        if self._staging is None:
+            self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
+            return
+        buf = self._staging.get()
+        try:
+            self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
+            self.arena.data[slot].copy_(buf)
+        finally:
+            self._staging.put(buf)
+
+    def _admit(self, key: ExpertKey, user: frozenset) -> bool:
+        """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
+        if not self._hold(key, user):
+            return False
+        try:
+            slot, evicted = self.cache.admit(key)
+        except CacheFullError:
+            self._release(key)
+            return False
+        if evicted is not None:
+            self.arena.clear(*evicted)
+        self.arena.assign(key[0], key[1], slot)
+        self._loads[key] = self.pool.submit(self._load, key, slot)
+        return True
+
+    def _join(self, key: ExpertKey, reraise: bool = True) -> None:
+        """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
+        fut = self._loads.pop(key, None)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except BaseException as e:
+            self.arena.clear(*key)
+            self.cache.discard(key)
+            self._release(key)
+            if reraise:
+                if isinstance(e, ExpertReadError):
+                    raise
+                raise ExpertReadError(f"loading expert {key[1]} of layer {key[0]} failed: {e!r}") from e
+
+    def _settle(self, key: ExpertKey) -> None:
+        """Finish any read of `key` (errors dropped: the key is un-admitted) and release it."""
+        self._join(key, reraise=False)
+        self._release(key)
+
+    def _drop_prefetches(self) -> None:
+        for keys in self._prefetched.values():
+            for key in keys:
+                self._settle(key)
+        self._prefetched.clear()
+
+    # ------------------------------------------------------------------ ExpertProvider
+    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (id, weights) once per distinct id: hits first, then misses as they arrive."""
+        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
+        user = self.cache.pinned() - self._held
+        ready: deque[ExpertKey] = deque()
+        waiting: deque[ExpertKey] = deque()
+        unprotected: set[ExpertKey] = set()  # hits we could not hold: admit nothing until used
+        loading: dict[ExpertKey, Future] = {}
+
+        def issue() -> bool:
+            started = False
+            while waiting and not unprotected and self._admit(waiting[0], user):
+                key = waiting.popleft()
+                loading[key] = self._loads[key]
+                started = True
+            return started
+
+        try:
+            for key in set(self._prefetched.pop(layer, ())) - set(keys):
+                self._settle(key)  # a prefetch hint this call does not use
+            for key in keys:
+                if self.cache.lookup(key) is None:
+                    waiting.append(key)
+                else:
+                    ready.append(key)
+                    if not self._hold(key, user):
+                        unprotected.add(key)
+            issue()
+            while ready or loading or waiting:
+                if ready:
+                    key = ready.popleft()
+                elif loading:
+                    if not any(f.done() for f in loading.values()):
+                        wait(list(loading.values()), return_when=FIRST_COMPLETED)
+                    key = next(k for k, f in loading.items() if f.done())
+                    del loading[key]
+                else:
+                    self._drop_prefetches()  # their slots are needed now
+                    if not issue():
+                        raise CacheFullError(
+                            f"cannot load expert {waiting[0][1]} of layer {layer}: every one of "
+                            f"the {self.cache.capacity_slots} cache slots holds a pinned expert; "
+                            "unpin some or give the expert cache a larger budget")
+                    continue
+                self._join(key)
+                yield key[1], self.arena.weights(self.cache.peek(key))
+                unprotected.discard(key)
+                self._release(key)
+                issue()
+        finally:  # normal end, consumer stopped early, or an error: leave nothing held
+            for key in keys:
+                self._settle(key)
+
+    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+        """Start reading these experts of `layer` now and keep them until its next call."""
+        user = self.cache.pinned() - self._held
+        mine = self._prefetched.setdefault(layer, [])
+        for e in dict.fromkeys(int(i) for i in ids):
+            key = (layer, e)
+            if key in self._held:
+                continue
+            if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
+                break
+            if self.cache.peek(key) is not None:
+                if not self._hold(key, user):
+                    break
+            elif not self._admit(key, user):
+                break
+            mine.append(key)
+
+    # ------------------------------------------------------------------ management
+    def stats(self) -> CacheStats:
+        return self.cache.stats()
+
+    def flush(self) -> list[ExpertKey]:
+        """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
+        self._drop_prefetches()
+        for key in list(self._loads):
+            self._settle(key)
+        evicted = self.cache.flush()
+        for key in evicted:
+            self.arena.clear(*key)
+        return evicted
+
+    def close(self) -> None:
+        """Finish pending reads, stop the I/O threads, close the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._loads.values():
+            wait([fut])
+        self._loads.clear()
+        self.pool.close()
+        self.store.close()
+
+
+class RoutingTrace:
+    """Records every routed-expert decision into a TraceWriter (engine/experts/trace.py).
+
+    Pass as `log=` to `Transformer.forward`; a new step starts when the position changes or the
+    layer index does not increase (a new forward call).
+    """
+
+    def __init__(self, writer: TraceWriter):
+        self.writer = writer
+        self.step = -1
+        self._last: tuple[int, int] | None = None  # (start, layer)
+
+    def __call__(self, kind: str, layer: int, start: int, selected: torch.Tensor) -> None:
+        if kind != "experts":
+            return
+        if self._last is None or start != self._last[0] or layer <= self._last[1]:
+            self.step += 1
+        self._last = (start, layer)
+        self.writer.record(self.step, layer, selected)
