@@ -69,6 +69,31 @@ def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int) -> tup
     return t1 - t0, (t3 - t2) * 1e3 / tokens
 
 
+def _profile(model, experts, ids: torch.Tensor, steps: int = 4) -> None:
+    """Where a decode step's time goes: GPU kernel time vs wall time (launch + Python gaps)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    state = model.new_state()
+    with torch.inference_mode():
+        nxt = model.forward(ids, state, experts, last_only=True).argmax(-1)
+        nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) / steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # ms per step
+    launches = sum(e.count for e in kernels) / steps
+    print(f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels busy {busy:.2f} ms/token "
+          f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernel launches per token")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
+
+
 def _hf_decode(path: Path, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float, float]:
     from transformers import AutoModelForCausalLM, DynamicCache, FineGrainedFP8Config
 
@@ -159,6 +184,8 @@ def main(argv=None) -> int:
         model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
         pre, ms = _decode(model, experts, ids, a.prefill, a.tokens)
         rows.append((f"ours native, {backend}, all resident", pre, ms))
+        if backend == "tilelang":
+            _profile(model, experts, ids[:16])
         del model
         torch.cuda.empty_cache()
     del experts

@@ -19,17 +19,32 @@ from kernels import reference as ref
 class Rope:
     """A layer's RoPE table: θ=rope_theta for ratio-0 layers, compress_rope_theta + YaRN else."""
 
-    def __init__(self, args: ModelArgs, compressed: bool):
+    def __init__(self, args: ModelArgs, compressed: bool, numerics: Numerics, device: torch.device):
         yarn = None
         if compressed:
             yarn = {"factor": args.rope_factor, "original_seq_len": args.original_seq_len,
                     "beta_fast": args.beta_fast, "beta_slow": args.beta_slow}
         theta = args.compress_rope_theta if compressed else args.rope_theta
-        self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn)
+        self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn).to(device)
+        self._rope = numerics.backend.fuse(_rope)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        cos, sin = ref.rope_cos_sin(positions, self.inv_freq)
-        return ref.apply_rope(x, cos, sin, inverse)
+        return self._rope(x, positions, self.inv_freq, inverse)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+    cos, sin = ref.rope_cos_sin(positions, inv_freq)
+    return ref.apply_rope(x, cos, sin, inverse)
+
+
+def kv_rounding(kv: torch.Tensor, nope: int) -> torch.Tensor:
+    """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays."""
+    return torch.cat((ref.qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+
+
+def fp4_rounding(x: torch.Tensor) -> torch.Tensor:
+    """Native indexer q/k: Hadamard rotation, then QDQ4 (block 32)."""
+    return ref.qdq4(ref.hadamard(x), 32)
 
 
 class Compressor:
@@ -49,6 +64,8 @@ class Compressor:
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
         self.rope_dim = args.rope_head_dim
+        self._norm = numerics.backend.fuse(ref.rms_norm)
+        self._round = numerics.backend.fuse(fp4_rounding if kind == "indexer" else kv_rounding)
 
     def __call__(self, x: torch.Tensor, start: int, st: CompressorState) -> None:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
@@ -72,7 +89,7 @@ class Compressor:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st)  # [n_win, 2r, d]
         weights = torch.softmax(win_gate, dim=1)  # over the window's slots, per channel
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
+        entries = self._norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
         entries = self.rope(entries, (first + torch.arange(n_win, device=x.device)) * r)
         st.store_entries(first, self._storage_rounding(entries))
 
@@ -95,9 +112,8 @@ class Compressor:
         if not self.numerics.native:
             return entries
         if self.kind == "indexer":
-            return ref.qdq4(ref.hadamard(entries), 32)
-        nope = self.dim - self.rope_dim
-        return torch.cat((ref.qdq8(entries[:, :nope], 64), entries[:, nope:]), dim=-1)
+            return self._round(entries)
+        return self._round(entries, self.dim - self.rope_dim)
 
 
 class Indexer:
@@ -110,6 +126,7 @@ class Indexer:
         self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"), numerics, bf16_out=True)
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
+        self._round = numerics.backend.fuse(fp4_rounding)
 
     def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
@@ -122,7 +139,7 @@ class Indexer:
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions)
         if self.numerics.native:
-            q = ref.qdq4(ref.hadamard(q), 32)
+            q = self._round(q)
         keys = st.entries[:n_entries]
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
@@ -147,7 +164,8 @@ class Attention:
         self.args, self.numerics = args, numerics
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
-        self.rope = Rope(args, compressed=self.ratio > 0)
+        self.sink = get(f"{prefix}.attn_sink").float()
+        self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
         self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
@@ -156,7 +174,8 @@ class Attention:
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,
                                    numerics)
         self.wo_b = FP8Linear(get(f"{prefix}.wo_b.weight"), get(f"{prefix}.wo_b.scale"), numerics)
-        self.sink = get(f"{prefix}.attn_sink").float()
+        self._norm = numerics.backend.fuse(ref.rms_norm)
+        self._kv_round = numerics.backend.fuse(kv_rounding)
         self.compressor = self.indexer = None
         if self.ratio:
             self.compressor = Compressor(get, f"{prefix}.compressor", args, self.ratio, args.head_dim,
@@ -170,15 +189,14 @@ class Attention:
         `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
         args, s, eps = self.args, x.shape[0], self.args.norm_eps
         positions = torch.arange(start, start + s, device=x.device)
-        c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
+        c = self._norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = ref.rms_norm(q, None, eps)
+        q = self._norm(q, None, eps)
         q = self.rope(q, positions)
-        kv = ref.rms_norm(self.wkv(x), self.kv_norm, eps)  # [S, D]
+        kv = self._norm(self.wkv(x), self.kv_norm, eps)  # [S, D]
         kv = self.rope(kv, positions)
         if self.numerics.native:
-            nope = args.nope_head_dim
-            kv = torch.cat((ref.qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+            kv = self._kv_round(kv, args.nope_head_dim)
 
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:

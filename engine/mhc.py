@@ -1,11 +1,16 @@
 """Manifold-constrained hyper-connections (spec §C.3): 4 residual streams mixed around each
-sub-block (HCPre / HCPost) and collapsed once at the end (HCHead). All mixing math is fp32."""
+sub-block (HCPre / HCPost) and collapsed once at the end (HCHead). All mixing math is fp32.
+
+The math lives in pure functions so the kernel backend can fuse them (`Backend.fuse`); the
+classes only hold the parameters.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from engine.config import ModelArgs
+from engine.numerics import Numerics
 from kernels import reference as ref
 
 
@@ -15,39 +20,54 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return ref.rms_norm(flat, None, eps) @ fn.T
 
 
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
+           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre)."""
+    m = _mixes(streams, fn, eps)
+    pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb_logits = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)  # row-major n×n
+    comb = ref.sinkhorn(comb_logits, iters, hc_eps)
+    x = (pre.unsqueeze(-1) * streams.float()).sum(dim=1)
+    return x.to(streams.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New stream k = post_k · out + Σ_j comb[j, k] · stream_j (j = old streams), fp32 math."""
+    mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            eps: float) -> torch.Tensor:
+    """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn)."""
+    m = _mixes(streams, fn, eps)
+    pre = torch.sigmoid(m * scale + base) + hc_eps  # [S, n]
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
 class HyperConnection:
     """HCPre/HCPost of one sub-block (attention or FFN) with its fn [24, n·D], scale [3], base [24]."""
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
+                 numerics: Numerics):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
-        self.n, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
+        self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
+        self._pre = numerics.backend.fuse(hc_pre)
+        self.post = numerics.backend.fuse(hc_post)
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre)."""
-        n = self.n
-        m = _mixes(streams, self.fn, self.eps)
-        pre = torch.sigmoid(m[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps
-        post = 2 * torch.sigmoid(m[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])
-        comb_logits = (m[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).view(-1, n, n)  # row-major n×n
-        comb = ref.sinkhorn(comb_logits, self.iters, self.hc_eps)
-        x = (pre.unsqueeze(-1) * streams.float()).sum(dim=1)
-        return x.to(streams.dtype), post, comb
-
-    @staticmethod
-    def post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New stream k = post_k · out + Σ_j comb[j, k] · stream_j (j = old streams), fp32 math."""
-        mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
-        return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+        return self._pre(streams, self.fn, self.scale, self.base, *self.consts)
 
 
 class HyperHead:
-    """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn)."""
+    """HCHead parameters: fn [n, n·D], scale [1], base [n]."""
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
+                 numerics: Numerics):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
-        self.hc_eps, self.eps = args.hc_eps, args.norm_eps
+        self.consts = (args.hc_eps, args.norm_eps)
+        self._head = numerics.backend.fuse(hc_head)
 
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
-        m = _mixes(streams, self.fn, self.eps)
-        pre = torch.sigmoid(m * self.scale + self.base) + self.hc_eps  # [S, n]
-        return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+        return self._head(streams, self.fn, self.scale, self.base, *self.consts)

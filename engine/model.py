@@ -34,27 +34,28 @@ class Block:
     def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.eps = layer, args.norm_eps
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
-                                       get(f"{prefix}.hc_attn_base"), args)
+                                       get(f"{prefix}.hc_attn_base"), args, numerics)
         self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
-                                      get(f"{prefix}.hc_ffn_base"), args)
+                                      get(f"{prefix}.hc_ffn_base"), args, numerics)
         self.attn_norm = get(f"{prefix}.attn_norm.weight").float()
         self.ffn_norm = get(f"{prefix}.ffn_norm.weight").float()
         self.attn = Attention(get, f"{prefix}.attn", args, layer, numerics)
         self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
+        self._norm = numerics.backend.fuse(ref.rms_norm)
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
                  log: SelectionLog | None = None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
-        a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
+        a = self.attn(self._norm(x, self.attn_norm, self.eps), start, st,
                       None if log is None else lambda kind, t: log(kind, self.layer, start, t))
-        streams = HyperConnection.post(a, streams, post, comb)
+        streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        x = ref.rms_norm(x, self.ffn_norm, self.eps)
+        x = self._norm(x, self.ffn_norm, self.eps)
         routed = self.ffn.route(x, ids)
         if log is not None:
             log("experts", self.layer, start, routed[0])
         f = self.ffn(x, ids, experts, routed)
-        return HyperConnection.post(f, streams, post, comb)
+        return self.hc_ffn.post(f, streams, post, comb)
 
 
 class MTP:
@@ -68,7 +69,8 @@ class MTP:
         self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
         self.norm = get(f"{p}.norm.weight").float()
         self.block = Block(get, p, args, args.n_layers, numerics)
-        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
+        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args,
+                                 numerics)
 
 
 class Transformer:
@@ -78,7 +80,7 @@ class Transformer:
         self.args, self.numerics = args, numerics
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
-        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
+        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight").float()  # [V, D]: the official head runs in fp32
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
@@ -97,9 +99,10 @@ class Transformer:
                         log: SelectionLog | None = None) -> torch.Tensor:
         """ids [S] -> final residual streams [S, n_hc, D]; advances state.pos by S."""
         start = state.pos
-        for block in self.blocks:  # hash layers know their experts from the token ids alone
-            if block.ffn.gate.hash:
-                experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid[ids].flatten().tolist())))
+        hashed = [b for b in self.blocks if b.ffn.gate.hash]
+        host_ids = ids.cpu() if hashed else None
+        for block in hashed:  # hash layers know their experts from the token ids alone
+            experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid_host[host_ids].flatten().tolist())))
         h = self.embed_tokens(ids)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
         for block, st in zip(self.blocks, state.layers):

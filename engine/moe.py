@@ -62,6 +62,7 @@ class Gate:
         self.weight = get(f"{prefix}.weight").float()
         self.hash = args.is_hash_layer(layer) and layer < args.n_layers
         self.tid2eid = get(f"{prefix}.tid2eid").long() if self.hash else None
+        self.tid2eid_host = self.tid2eid.cpu() if self.hash else None  # for prefetch hints
         self.bias = None if self.hash else get(f"{prefix}.bias").float()
         self.k, self.route_scale = args.n_activated_experts, args.route_scale
 
@@ -83,9 +84,9 @@ class MoE:
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
         self.gate = Gate(get, f"{prefix}.gate", args, layer)
+        self._swiglu = numerics.backend.fuse(swiglu)
         self.shared = [FP8Linear(get(f"{prefix}.shared_experts.{n}.weight"),
                                  get(f"{prefix}.shared_experts.{n}.scale"), numerics) for n in ("w1", "w3", "w2")]
-        self._dequant_cache: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate(x, ids)
@@ -96,9 +97,20 @@ class MoE:
         idx, w = routed if routed is not None else self.route(x, ids)
         n, k = idx.shape
         slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
-        wanted = sorted(set(idx.flatten().tolist()))
+        # The one host round trip of the layer: the residency check needs the expert ids anyway.
+        cells: dict[int, list[tuple[int, int]]] = {}
+        for r, row in enumerate(idx.tolist()):
+            for c, e in enumerate(row):
+                cells.setdefault(e, []).append((r, c))
+        wanted = sorted(cells)
+        spans, start = {}, 0
+        for e in wanted:
+            spans[e] = (start, start + len(cells[e]))
+            start += len(cells[e])
+        # (token, choice) cells grouped by expert, copied to the device once, right after the sync.
+        where = torch.tensor([rc for e in wanted for rc in cells[e]], device=x.device).T  # [2, N·k]
         for e, weights in provider.experts(self.layer, wanted):
-            rows, cols = torch.nonzero(idx == e, as_tuple=True)
+            rows, cols = where[:, spans[e][0]:spans[e][1]]
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         y = slots[:, 0]
         for j in range(1, k):  # fixed summation order: independent of expert arrival order
@@ -112,18 +124,18 @@ class MoE:
             fp4 = self.numerics.backend.fp4_gemm
             g = fp4(x, e.w1, e.w1_scale).float()
             u = fp4(x, e.w3, e.w3_scale).float()
-            h = (swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
+            h = (self._swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
             return fp4(h, e.w2, e.w2_scale).float()
         w1 = ref.dequant_fp4(e.w1, e.w1_scale)
         w3 = ref.dequant_fp4(e.w3, e.w3_scale)
         w2 = ref.dequant_fp4(e.w2, e.w2_scale)
         xf = x.float()
-        h = swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
+        h = self._swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
         return h @ w2.T
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared
-        h = swiglu(w1(x).float(), w3(x).float(), self.limit)
+        h = self._swiglu(w1(x).float(), w3(x).float(), self.limit)
         return w2(h.to(self.numerics.dtype)).float()
 
 

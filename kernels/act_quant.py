@@ -27,6 +27,15 @@ DEFAULT_TILE = {"elems_per_cta": 1024, "threads": 128}
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
+def pad_rows_to_bucket(x2: torch.Tensor) -> torch.Tensor:
+    """Zero rows appended up to the next power of two: GEMV kernels are compiled per row count,
+    so buckets (1, 2, 4, 8, 16) bound the variants a prefill can trigger. Rows are independent,
+    so the padding changes no result."""
+    m = x2.shape[0]
+    bucket = 1 << (m - 1).bit_length()
+    return x2 if bucket == m else torch.cat((x2, x2.new_zeros(bucket - m, x2.shape[1])))
+
+
 class KernelInputError(ValueError):
     """An input a TileLang kernel cannot take (wrong device, dtype or shape)."""
 

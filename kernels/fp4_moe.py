@@ -26,7 +26,7 @@ import functools
 import torch
 
 from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
-                               tile_params)
+                               pad_rows_to_bucket, tile_params)
 from kernels.fp8_gemm import e8m0_bits_to_float
 
 GEMV_MAX_M = 16
@@ -185,8 +185,8 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
         y = torch.matmul(a.view(m, k), dequant_fp4_bf16(w, w_scale).T)
     else:
         slot0 = torch.zeros(1, dtype=torch.int32, device=x.device)
-        y = fp4_gemm_grouped(x2.unsqueeze(0), _as_bytes(w).reshape(1, -1), 0,
-                             _as_bytes(w_scale).reshape(1, -1), 0, n, k, slot0)[0]
+        y = fp4_gemm_grouped(pad_rows_to_bucket(x2).unsqueeze(0), _as_bytes(w).reshape(1, -1), 0,
+                             _as_bytes(w_scale).reshape(1, -1), 0, n, k, slot0)[0, :m]
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
-                               tile_params)
+                               pad_rows_to_bucket, tile_params)
 
 GEMV_MAX_M = 16
 # rows per warp and warps per CTA of the GEMV, per compute capability (sm_121: untested).
@@ -132,14 +132,17 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     n, k = w.shape
     arch = cuda_arch(x.device)
     x2 = x.reshape(-1, k)  # [M, K]
-    q, s = act_quant(x2, 128)
     m = x2.shape[0]
     if m == 0:
         return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m > GEMV_MAX_M:
+        q, s = act_quant(x2, 128)
         a = q.to(torch.bfloat16).view(m, k // 128, 128) * s.to(torch.bfloat16).unsqueeze(-1)  # exact
         y = torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
     else:
-        y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        fp8_gemv_kernel(m, n, k, arch)(q, s, w.contiguous(), scale_bytes(w_scale), y)
+        xp = pad_rows_to_bucket(x2)
+        q, s = act_quant(xp, 128)
+        y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
+        fp8_gemv_kernel(xp.shape[0], n, k, arch)(q, s, w.contiguous(), scale_bytes(w_scale), y)
+        y = y[:m]
     return y.reshape(*x.shape[:-1], n)
