@@ -19,22 +19,17 @@ from kernels import reference as ref
 class Rope:
     """A layer's RoPE table: θ=rope_theta for ratio-0 layers, compress_rope_theta + YaRN else."""
 
-    def __init__(self, args: ModelArgs, compressed: bool, numerics: Numerics, device: torch.device):
+    def __init__(self, args: ModelArgs, compressed: bool, device: torch.device):
         yarn = None
         if compressed:
             yarn = {"factor": args.rope_factor, "original_seq_len": args.original_seq_len,
                     "beta_fast": args.beta_fast, "beta_slow": args.beta_slow}
         theta = args.compress_rope_theta if compressed else args.rope_theta
         self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn).to(device)
-        self._rope = numerics.backend.fuse(_rope)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return self._rope(x, positions, self.inv_freq, inverse)
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
-    cos, sin = ref.rope_cos_sin(positions, inv_freq)
-    return ref.apply_rope(x, cos, sin, inverse)
+        cos, sin = ref.rope_cos_sin(positions, self.inv_freq)
+        return ref.apply_rope(x, cos, sin, inverse)
 
 
 def kv_rounding(kv: torch.Tensor, nope: int) -> torch.Tensor:
@@ -64,8 +59,6 @@ class Compressor:
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
         self.rope_dim = args.rope_head_dim
-        self._norm = numerics.backend.fuse(ref.rms_norm)
-        self._round = numerics.backend.fuse(fp4_rounding if kind == "indexer" else kv_rounding)
 
     def __call__(self, x: torch.Tensor, start: int, st: CompressorState) -> None:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
@@ -89,7 +82,7 @@ class Compressor:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st)  # [n_win, 2r, d]
         weights = torch.softmax(win_gate, dim=1)  # over the window's slots, per channel
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = self._norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
+        entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
         entries = self.rope(entries, (first + torch.arange(n_win, device=x.device)) * r)
         st.store_entries(first, self._storage_rounding(entries))
 
@@ -112,8 +105,8 @@ class Compressor:
         if not self.numerics.native:
             return entries
         if self.kind == "indexer":
-            return self._round(entries)
-        return self._round(entries, self.dim - self.rope_dim)
+            return fp4_rounding(entries)
+        return kv_rounding(entries, self.dim - self.rope_dim)
 
 
 class Indexer:
@@ -126,7 +119,6 @@ class Indexer:
         self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"), numerics, bf16_out=True)
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
-        self._round = numerics.backend.fuse(fp4_rounding)
 
     def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
@@ -139,7 +131,7 @@ class Indexer:
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions)
         if self.numerics.native:
-            q = self._round(q)
+            q = fp4_rounding(q)
         keys = st.entries[:n_entries]
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
@@ -165,7 +157,7 @@ class Attention:
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
         self.sink = get(f"{prefix}.attn_sink").float()
-        self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
+        self.rope = Rope(args, self.ratio > 0, self.sink.device)  # tables live with the weights
         self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
@@ -174,8 +166,6 @@ class Attention:
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,
                                    numerics)
         self.wo_b = FP8Linear(get(f"{prefix}.wo_b.weight"), get(f"{prefix}.wo_b.scale"), numerics)
-        self._norm = numerics.backend.fuse(ref.rms_norm)
-        self._kv_round = numerics.backend.fuse(kv_rounding)
         self.compressor = self.indexer = None
         if self.ratio:
             self.compressor = Compressor(get, f"{prefix}.compressor", args, self.ratio, args.head_dim,
@@ -189,14 +179,14 @@ class Attention:
         `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
         args, s, eps = self.args, x.shape[0], self.args.norm_eps
         positions = torch.arange(start, start + s, device=x.device)
-        c = self._norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
+        c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = self._norm(q, None, eps)
+        q = ref.rms_norm(q, None, eps)
         q = self.rope(q, positions)
-        kv = self._norm(self.wkv(x), self.kv_norm, eps)  # [S, D]
+        kv = ref.rms_norm(self.wkv(x), self.kv_norm, eps)  # [S, D]
         kv = self.rope(kv, positions)
         if self.numerics.native:
-            kv = self._kv_round(kv, args.nope_head_dim)
+            kv = kv_rounding(kv, args.nope_head_dim)
 
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:

@@ -1,8 +1,7 @@
 """Manifold-constrained hyper-connections (spec §C.3): 4 residual streams mixed around each
 sub-block (HCPre / HCPost) and collapsed once at the end (HCHead). All mixing math is fp32.
 
-The math lives in pure functions so the kernel backend can fuse them (`Backend.fuse`); the
-classes only hold the parameters.
+The math lives in pure functions; the classes only hold the parameters.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelArgs
-from engine.numerics import Numerics
 from kernels import reference as ref
 
 
@@ -49,25 +47,22 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
 class HyperConnection:
     """HCPre/HCPost of one sub-block (attention or FFN) with its fn [24, n·D], scale [3], base [24]."""
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
-                 numerics: Numerics):
+    post = staticmethod(hc_post)
+
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
         self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
-        self._pre = numerics.backend.fuse(hc_pre)
-        self.post = numerics.backend.fuse(hc_post)
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._pre(streams, self.fn, self.scale, self.base, *self.consts)
+        return hc_pre(streams, self.fn, self.scale, self.base, *self.consts)
 
 
 class HyperHead:
     """HCHead parameters: fn [n, n·D], scale [1], base [n]."""
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
-                 numerics: Numerics):
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
         self.consts = (args.hc_eps, args.norm_eps)
-        self._head = numerics.backend.fuse(hc_head)
 
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
-        return self._head(streams, self.fn, self.scale, self.base, *self.consts)
+        return hc_head(streams, self.fn, self.scale, self.base, *self.consts)

@@ -34,23 +34,22 @@ class Block:
     def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.eps = layer, args.norm_eps
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
-                                       get(f"{prefix}.hc_attn_base"), args, numerics)
+                                       get(f"{prefix}.hc_attn_base"), args)
         self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
-                                      get(f"{prefix}.hc_ffn_base"), args, numerics)
+                                      get(f"{prefix}.hc_ffn_base"), args)
         self.attn_norm = get(f"{prefix}.attn_norm.weight").float()
         self.ffn_norm = get(f"{prefix}.ffn_norm.weight").float()
         self.attn = Attention(get, f"{prefix}.attn", args, layer, numerics)
         self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
-        self._norm = numerics.backend.fuse(ref.rms_norm)
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
                  log: SelectionLog | None = None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
-        a = self.attn(self._norm(x, self.attn_norm, self.eps), start, st,
+        a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
                       None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        x = self._norm(x, self.ffn_norm, self.eps)
+        x = ref.rms_norm(x, self.ffn_norm, self.eps)
         routed = self.ffn.route(x, ids)
         if log is not None:
             log("experts", self.layer, start, routed[0])
@@ -69,8 +68,7 @@ class MTP:
         self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
         self.norm = get(f"{p}.norm.weight").float()
         self.block = Block(get, p, args, args.n_layers, numerics)
-        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args,
-                                 numerics)
+        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
 
 
 class Transformer:
@@ -80,7 +78,7 @@ class Transformer:
         self.args, self.numerics = args, numerics
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
-        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
+        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight").float()  # [V, D]: the official head runs in fp32
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None

@@ -84,7 +84,6 @@ class MoE:
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
         self.gate = Gate(get, f"{prefix}.gate", args, layer)
-        self._swiglu = numerics.backend.fuse(swiglu)
         self.shared = [FP8Linear(get(f"{prefix}.shared_experts.{n}.weight"),
                                  get(f"{prefix}.shared_experts.{n}.scale"), numerics) for n in ("w1", "w3", "w2")]
 
@@ -124,18 +123,18 @@ class MoE:
             fp4 = self.numerics.backend.fp4_gemm
             g = fp4(x, e.w1, e.w1_scale).float()
             u = fp4(x, e.w3, e.w3_scale).float()
-            h = (self._swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
+            h = (swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
             return fp4(h, e.w2, e.w2_scale).float()
         w1 = ref.dequant_fp4(e.w1, e.w1_scale)
         w3 = ref.dequant_fp4(e.w3, e.w3_scale)
         w2 = ref.dequant_fp4(e.w2, e.w2_scale)
         xf = x.float()
-        h = self._swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
+        h = swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
         return h @ w2.T
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared
-        h = self._swiglu(w1(x).float(), w3(x).float(), self.limit)
+        h = swiglu(w1(x).float(), w3(x).float(), self.limit)
         return w2(h.to(self.numerics.dtype)).float()
 
 

@@ -32,11 +32,6 @@ class Backend(Protocol):
         """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
         ...
 
-    def fuse(self, fn):
-        """`fn` (pure elementwise/reduction glue such as mHC mixing + Sinkhorn, RoPE), possibly
-        compiled into fewer kernels; same results up to floating-point reassociation."""
-        ...
-
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -51,9 +46,6 @@ class TorchBackend:
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
-
-    def fuse(self, fn):
-        return fn
 
 
 class TileLangBackend:
@@ -85,11 +77,6 @@ class TileLangBackend:
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)
-
-    def fuse(self, fn):
-        """The glue between kernels (hundreds of tiny launches per layer: Sinkhorn alone is 20
-        rounds of row/column sums) is fused by torch.compile into a few generated kernels."""
-        return torch.compile(fn, dynamic=True)
 
 
 def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
