@@ -62,21 +62,23 @@ def process_rss(path: str | Path = "/proc/self/status") -> int:
 
 
 def tensor_bytes(root: object, max_depth: int = 8) -> int:
-    """Bytes of the distinct tensor storages reachable from `root` (attributes, lists, dicts).
+    """Bytes of memory covered by the tensors reachable from `root` (attributes, lists, dicts).
 
-    Used once at load for "resident weights": walks the model object's attributes; views of one
-    storage count once.
+    Used once at load for "resident weights". Each tensor counts its own extent, not its whole
+    storage (a weight viewed from an mmapped shard covers its bytes, not the shard), and
+    overlapping extents (views of one tensor) count once.
     """
-    seen_objects: set[int] = set()
-    storages: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    extents: dict[str, list[tuple[int, int]]] = {}
 
     def visit(obj: object, depth: int) -> None:
-        if depth > max_depth or id(obj) in seen_objects:
+        if depth > max_depth or id(obj) in seen:
             return
-        seen_objects.add(id(obj))
+        seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+            if obj.numel():
+                start = obj.data_ptr()  # a non-contiguous view is counted as if it were dense
+                extents.setdefault(str(obj.device), []).append((start, start + obj.numel() * obj.element_size()))
         elif isinstance(obj, dict):
             for value in obj.values():
                 visit(value, depth + 1)
@@ -88,7 +90,14 @@ def tensor_bytes(root: object, max_depth: int = 8) -> int:
                 visit(value, depth + 1)
 
     visit(root, 0)
-    return sum(storages.values())
+    total = 0
+    for spans in extents.values():  # union of [start, end) intervals
+        end = -1
+        for a, b in sorted(spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+    return total
 
 
 def is_unified(device: str | torch.device) -> bool:

@@ -9,6 +9,7 @@ formats (e.g. `TensorIndex.get`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -28,6 +29,11 @@ GetTensor = Callable[[str], torch.Tensor]
 SelectionLog = Callable[[str, int, int, torch.Tensor], None]
 
 
+def _section(timer, name: str):
+    """`timer.section(name)` (e.g. engine.runtime.StepTimer) around a sub-block, if timed."""
+    return nullcontext() if timer is None else timer.section(name)
+
+
 class Block:
     """One decoder block (§C.2): mHC around attention, then mHC around the MoE."""
 
@@ -43,17 +49,19 @@ class Block:
         self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
-                 log: SelectionLog | None = None) -> torch.Tensor:
+                 log: SelectionLog | None = None, timer=None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
-        a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
-                      None if log is None else lambda kind, t: log(kind, self.layer, start, t))
+        with _section(timer, "attention"):
+            a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
+                          None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = ref.rms_norm(x, self.ffn_norm, self.eps)
-        routed = self.ffn.route(x, ids)
-        if log is not None:
-            log("experts", self.layer, start, routed[0])
-        f = self.ffn(x, ids, experts, routed)
+        with _section(timer, "moe"):
+            routed = self.ffn.route(x, ids)
+            if log is not None:
+                log("experts", self.layer, start, routed[0])
+            f = self.ffn(x, ids, experts, routed)
         return self.hc_ffn.post(f, streams, post, comb)
 
 
@@ -94,8 +102,10 @@ class Transformer:
         return self.embed[ids].to(self.numerics.dtype)
 
     def forward_streams(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
-                        log: SelectionLog | None = None) -> torch.Tensor:
-        """ids [S] -> final residual streams [S, n_hc, D]; advances state.pos by S."""
+                        log: SelectionLog | None = None, timer=None) -> torch.Tensor:
+        """ids [S] -> final residual streams [S, n_hc, D]; advances state.pos by S.
+
+        `timer.section(name)` (optional) times each block's "attention" and "moe"."""
         start = state.pos
         hashed = [b for b in self.blocks if b.ffn.gate.hash]
         host_ids = ids.cpu() if hashed else None
@@ -104,7 +114,7 @@ class Transformer:
         h = self.embed_tokens(ids)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
         for block, st in zip(self.blocks, state.layers):
-            streams = block(streams, ids, start, st, experts, log)
+            streams = block(streams, ids, start, st, experts, log, timer)
         state.pos = start + ids.shape[0]
         return streams
 
@@ -114,9 +124,9 @@ class Transformer:
         return y.float() @ self.head.T
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
-                last_only: bool = False, log: SelectionLog | None = None) -> torch.Tensor:
+                last_only: bool = False, log: SelectionLog | None = None, timer=None) -> torch.Tensor:
         """ids [S] -> logits [S, V] (or [1, V] with last_only) fp32."""
-        streams = self.forward_streams(ids, state, experts, log)
+        streams = self.forward_streams(ids, state, experts, log, timer)
         return self.logits(streams[-1:] if last_only else streams)
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,

@@ -84,7 +84,9 @@ class TurnStats:
     prefill_s: float
     decode_s: float
     ttft_s: float
-    tok_per_s: float  # completion tokens / decode time
-    finish_reason: str  # "eos" | "max_tokens" | "cancelled" | "error"
+    tok_per_s: float  # decode steps / decode time (a step: sample a token + run it)
+    finish_reason: str  # "eos" | "max_tokens" | "context" (hit max_seq_len) | "cancelled" | "error"
     cache: CacheSnapshot | None = None
     step_ms: tuple[float, ...] = field(default=())  # per decode step, for sparklines
+    prefill_tokens: int = 0  # prompt tokens actually run this turn (the rest was reused)
+    reused_tokens: int = 0  # prompt tokens whose state was kept from earlier turns

@@ -1,0 +1,293 @@
+"""`dsv4-chat --plain`: line-mode chat for ssh, tmux and scripts (prompt-toolkit).
+
+Enter sends; Esc then Enter, or a line ending in a backslash, continues on a new line. Up/Down
+walk the input history (kept in `<data_dir>/plain_history`). Ctrl-C while an answer streams
+stops that answer (the partial answer stays in the conversation); Ctrl-C at the prompt clears
+the line; Ctrl-D or /quit leaves. Slash commands are parsed by app.commands (same as the TUI);
+/save, /load and /export belong to the TUI. Without a terminal on stdin, lines are read plainly
+(one message per line), so `printf 'hi\\n/quit\\n' | dsv4-chat --plain` works.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, TextIO
+
+from app.commands import Command, help_lines, is_command, parse
+from app.settings import AppConfig, SettingsError, engine_config_kwargs, with_gen
+
+TUI_ONLY = ("save", "load", "export")
+PROMPT, CONTINUATION = ">>> ", "... "
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def turn_line(stats: Any) -> str:
+    """The one-line summary printed after every answer (engine.stats.TurnStats)."""
+    cache = stats.cache
+    parts = [f"{stats.completion_tokens} tokens ({stats.finish_reason})",
+             f"prefill {stats.prefill_tokens} tok, {stats.reused_tokens} reused, {stats.prefill_s:.2f} s",
+             f"TTFT {stats.ttft_s:.2f} s", f"{stats.tok_per_s:.1f} tok/s"]
+    if cache is not None:
+        parts.append(f"hit rate {cache.hit_rate:.1%}")
+        parts.append(f"cache {_gib(cache.used_bytes)}/{_gib(cache.capacity_bytes)}")
+    return "[" + " · ".join(parts) + "]"
+
+
+def stats_lines(stats: Any) -> list[str]:
+    """Detailed statistics for /stats (engine.stats.StepStats)."""
+    c, m, t = stats.cache, stats.memory, stats.timing
+    lines = [f"expert cache: {c.entries}/{c.capacity_entries} entries, {_gib(c.used_bytes)} of "
+             f"{_gib(c.capacity_bytes)}, {c.pinned} pinned",
+             f"hit rate: {c.hit_rate:.1%} cumulative, {c.hit_rate_window:.1%} recent; {c.hits} hits, "
+             f"{c.misses} misses, {c.evictions} evictions, {_gib(c.bytes_read)} read "
+             f"({_gib(stats.read_bytes_per_s)}/s)",
+             "per layer: " + " ".join(f"{i}:{r:.0%}" for i, r in enumerate(c.per_layer_hit_rate)),
+             f"last step: {t.total_ms:.1f} ms (attention {t.attention_ms:.1f}, MoE {t.moe_ms:.1f}, "
+             f"expert wait {t.expert_wait_ms:.1f}, other {t.other_ms:.1f}); {stats.tok_per_s:.1f} tok/s; "
+             f"position {stats.position}",
+             f"memory ({'unified' if m.unified else 'discrete GPU'}, {_gib(m.total)}): "
+             + ", ".join(f"{name} {_gib(size)}" for name, size in m.parts)
+             + (f"; page cache {_gib(m.page_cache)}" if m.unified else "")]
+    return lines
+
+
+@contextmanager
+def sigint_sets(event: threading.Event):
+    """While inside, Ctrl-C (SIGINT) sets `event` instead of raising KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def terminal_reader(history_path) -> Callable[[], str]:
+    """A prompt-toolkit line reader: history, Esc+Enter / trailing backslash for new lines."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _enter(event) -> None:
+        buf = event.current_buffer
+        if buf.text.endswith("\\") and buf.cursor_position == len(buf.text):
+            buf.delete_before_cursor(1)
+            buf.insert_text("\n")
+        else:
+            buf.validate_and_handle()
+
+    @keys.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    try:
+        history_path.parent.mkdir(parents=True, exist_ok=True)
+        history = FileHistory(str(history_path))
+    except OSError:
+        history = InMemoryHistory()
+    session = PromptSession(history=history, key_bindings=keys, multiline=True,
+                            prompt_continuation=lambda width, line, wrap: CONTINUATION)
+    return lambda: session.prompt(PROMPT)
+
+
+def stream_reader(stream: TextIO, out: TextIO) -> Callable[[], str]:
+    """Reads one message per line from a non-terminal stream; EOF raises EOFError."""
+
+    def read() -> str:
+        out.write(PROMPT)
+        out.flush()
+        line = stream.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    return read
+
+
+class PlainChat:
+    """The line-mode loop around one engine and its current session."""
+
+    def __init__(self, engine: Any, config: AppConfig, read: Callable[[], str], out: TextIO = sys.stdout):
+        self.engine, self.config, self.read, self.out = engine, config, read, out
+        self.system = config.system or None
+        self.session = engine.new_session(system=self.system)
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def params(self):
+        from engine.sampling import SamplingParams
+
+        g = self.config.gen
+        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                              max_tokens=g.max_tokens, thinking=g.think)
+
+    def run(self) -> int:
+        """Read and handle lines until /quit or end of input; returns the exit status."""
+        while True:
+            try:
+                if not self.handle(self.read()):
+                    return 0
+            except KeyboardInterrupt:  # at the prompt, or between prompts
+                self.say("^C (Ctrl-D or /quit to leave)")
+            except EOFError:
+                self.say()
+                return 0
+
+    def handle(self, line: str) -> bool:
+        """One input line: a message or a slash command. False means leave."""
+        if not line.strip():
+            return True
+        if not is_command(line):
+            text = line[1:] if line.startswith("//") else line
+            self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel))
+            return True
+        try:
+            return self.command(parse(line))
+        except Exception as err:  # a refused command is one line, never a traceback
+            self.say(f"! {err}")
+            return True
+
+    def answer(self, start: Callable[[threading.Event], Any]) -> None:
+        """Run one turn, streaming its text; Ctrl-C stops it."""
+        from engine.events import EngineFailure, TextDelta, TurnFinished
+
+        cancel = threading.Event()
+        channel = None
+        with sigint_sets(cancel):
+            try:
+                events = start(cancel)
+            except ValueError as err:
+                self.say(f"! {err}")
+                return
+            for ev in events:
+                if isinstance(ev, TextDelta):
+                    if ev.channel != channel:
+                        if channel is not None:
+                            self.out.write("\n")
+                        self.out.write("(thinking) " if ev.channel == "thinking" else "")
+                        channel = ev.channel
+                    self.out.write(ev.text)
+                    self.out.flush()
+                elif isinstance(ev, TurnFinished):
+                    self.say()
+                    if ev.stats.finish_reason == "cancelled":
+                        self.say("(answer stopped)")
+                    self.say(turn_line(ev.stats))
+                elif isinstance(ev, EngineFailure):
+                    self.say(f"\n! {ev.message}")
+
+    def command(self, cmd: Command) -> bool:
+        """Execute a slash command; False means leave."""
+        name, args, eng = cmd.name, cmd.args, self.engine
+        if name == "quit":
+            return False
+        if name == "help":
+            self.say("\n".join(line + ("  (TUI only)" if line.split()[0][1:] in TUI_ONLY else "")
+                               for line in help_lines()))
+        elif name in TUI_ONLY:
+            self.say(f"! /{name} is not available in --plain mode; use the TUI (dsv4-chat)")
+        elif name == "new":
+            self.session = eng.new_session(system=self.system)
+            self.say("new conversation")
+        elif name == "system":
+            if not args:
+                self.say(f"system prompt: {self.system or '(none)'}")
+            else:
+                self.system = args
+                self.session = eng.new_session(system=self.system)
+                self.say("system prompt set — new conversation")
+        elif name == "set":
+            self._set(args)
+        elif name == "flush":
+            self.say(f"evicted {eng.flush_cache()} experts")
+        elif name == "pin":
+            keys = eng.pin_hot(args.hot) if args.hot else (eng.pin(list(args.keys)) or list(args.keys))
+            self.say(f"pinned {len(keys)} experts: " + ", ".join(f"{l}:{e}" for l, e in keys[:12]))
+        elif name == "unpin":
+            eng.unpin(list(args.keys) if args.keys else None)
+            self.say("unpinned " + (", ".join(f"{l}:{e}" for l, e in args.keys) if args.keys else "all"))
+        elif name == "stats":
+            self.say("\n".join(stats_lines(eng.stats())))
+        elif name == "regen":
+            self.answer(lambda cancel: eng.regenerate(self.session, self.params(), cancel))
+        elif name == "undo":
+            try:
+                eng.undo(self.session)
+                self.say(f"dropped the last question and answer (position {self.session.position})")
+            except ValueError as err:
+                self.say(f"! {err}")
+        return True
+
+    def _set(self, args) -> None:
+        if args.key is None:
+            g = self.config.gen
+            self.say(f"temperature {g.temperature} · top_p {g.top_p} · top_k {g.top_k} · "
+                     f"max_tokens {g.max_tokens} · think {'on' if g.think else 'off'}")
+            return
+        try:
+            self.config = with_gen(self.config, **{args.key: args.value})
+        except SettingsError as err:
+            self.say(f"! {err}")
+            return
+        self.say(f"{args.key} = {args.value}")
+
+
+def load_engine(config: AppConfig, log: TextIO):
+    """The engine for `config`'s model (--model, the newest converted one, or --demo)."""
+    import torch
+
+    from app.wizard import WizardError, find_model
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    def progress(p) -> None:
+        log.write(f"{p.phase}: {getattr(p, 'done', '')}/{getattr(p, 'total', '')} {getattr(p, 'unit', '')}\n")
+        log.flush()
+
+    if config.demo:
+        from app.demo import DEMO_NOTICE, ensure_demo_model
+
+        try:
+            model_dir = ensure_demo_model(config.data_dir, progress)
+        except WizardError as err:
+            raise SystemExit(f"dsv4-chat: cannot prepare the demo model: {err}") from None
+        log.write(DEMO_NOTICE + "\n")
+    else:
+        model_dir = find_model(config)
+        if model_dir is None:
+            raise SystemExit("dsv4-chat: no model: pass --model DIR (a converted model) or --demo")
+    kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available())
+    return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
+
+
+def main(config: AppConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    """Entry point of `dsv4-chat --plain` (called by app.__main__)."""
+    try:
+        engine = load_engine(config, sys.stderr)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except Exception as exc:  # a model that cannot be loaded: one line, no traceback
+        print(f"dsv4-chat: cannot load the model: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if stdin.isatty() and stdout.isatty():
+            read = terminal_reader(config.data_dir / "plain_history")
+        else:
+            read = stream_reader(stdin, stdout)
+        info = engine.info
+        stdout.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · {info.get('numerics')}"
+                     " · /help for commands, Ctrl-D to leave\n")
+        return PlainChat(engine, config, read, stdout).run()
+    finally:
+        engine.close()

@@ -1,0 +1,82 @@
+"""`python -m engine generate --ckpt DIR --prompt TEXT`: one answer, for scripts.
+
+The answer text streams to stdout; load progress and a statistics line go to stderr. Exit
+status 0 on success, 1 if the turn failed, 2 on bad arguments or an unusable model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine", description="DeepSeek-V4-Flash engine tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer one prompt")
+    g.add_argument("--ckpt", required=True, help="model directory (converted or official layout)")
+    g.add_argument("--prompt", required=True, help="the user message")
+    g.add_argument("--system", default=None, help="system prompt")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--think", action="store_true", help="thinking mode")
+    g.add_argument("--numerics", choices=("native", "exact"), default="native")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--cache-gb", type=float, default=None, help="expert cache budget (converted layout)")
+    g.add_argument("--max-seq-len", type=int, default=4096)
+    return p
+
+
+def generate(a: argparse.Namespace) -> int:
+    from engine.config import ConfigError, EngineConfig
+    from engine.engine import Engine
+    from engine.events import EngineFailure, TextDelta, TurnFinished
+    from engine.sampling import SamplingError, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                max_tokens=a.max_tokens, seed=a.seed, thinking=a.think)
+        config = EngineConfig(device=a.device, numerics=a.numerics, max_seq_len=a.max_seq_len,
+                              cache_bytes=None if a.cache_gb is None else int(a.cache_gb * 2**30))
+    except (SamplingError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine.load(a.ckpt, config)
+    except Exception as exc:  # unusable model directory: one line
+        print(f"error: cannot load {a.ckpt}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    status = 1
+    try:
+        session = engine.new_session(system=a.system)
+        for ev in engine.generate(session, a.prompt, params, threading.Event()):
+            if isinstance(ev, TextDelta):
+                if ev.channel == "answer" or a.think:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            elif isinstance(ev, TurnFinished):
+                s = ev.stats
+                sys.stdout.write("\n")
+                print(f"[{s.prompt_tokens} prompt tokens, {s.completion_tokens} generated ({s.finish_reason}), "
+                      f"TTFT {s.ttft_s:.2f} s, {s.tok_per_s:.1f} tok/s]", file=sys.stderr)
+                status = 0
+            elif isinstance(ev, EngineFailure):
+                print(f"error: {ev.message}", file=sys.stderr)
+    finally:
+        engine.close()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if a.command == "generate":
+        return generate(a)
+    return 2  # pragma: no cover - argparse requires a command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

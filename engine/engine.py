@@ -1,0 +1,412 @@
+"""The engine facade (.notes/ENGINE_API.md): load a model, run chat sessions, report statistics.
+
+    eng = Engine.load(model_dir, EngineConfig(...), progress=print)
+    sess = eng.new_session(system="You are helpful.")
+    for ev in eng.generate(sess, "Hi", SamplingParams(temperature=0), cancel=threading.Event()):
+        ...  # TextDelta / StepUpdate / TurnFinished / EngineFailure
+
+A turn renders the whole conversation, reuses the longest kept prefix of processed tokens
+(engine.session) and prefills only the rest, in chunks of `EngineConfig.prefill_chunk`; then it
+decodes one token per step until EOS, `max_tokens` or the context limit. Outcomes:
+
+* success: the session gains the user message and the assistant message; the completion's ids
+  are kept (the final sampled token, usually EOS, is processed at the start of the next turn);
+* cancelled while decoding: the partial answer is kept as the assistant message with its ids
+  (finish_reason "cancelled"); cancelled during prefill: the assistant message is empty and the
+  state is rolled back to the turn's start (the next turn prefills the missing prompt);
+* failure (context limit, an exception in the model): EngineFailure, session exactly as before.
+
+The engine starts no threads of its own; the expert provider's I/O threads (streaming layout)
+are stopped by `close()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator
+from weakref import WeakSet
+
+import torch
+
+from engine.chat import ChatTokenizer, Message, ThinkingSplitter, bundled_tokenizer_dir, parse_completion
+from engine.chat import THINK_START, render_messages
+from engine.config import EngineConfig
+from engine.events import EngineFailure, Event, LoadProgress, StepUpdate, TurnFinished
+from engine.memory import memory_budget, tensor_bytes
+from engine.model import Transformer
+from engine.numerics import Numerics
+from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime, StepResult
+from engine.sampling import Sampler, SamplingParams
+from engine.session import Session, SessionError, Snapshot
+from engine.stats import CacheSnapshot, StepStats, StepTiming, TurnStats
+
+ProgressFn = Callable[[LoadProgress], None]
+RATE_WINDOW = 32  # decode steps in the windowed tok/s and read bandwidth
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be used as asked (closed, model directory unusable)."""
+
+
+def open_model_files(path: str | Path, config: EngineConfig):
+    """engine.weights.ModelFiles for `path`: a converted directory (manifest.json) streams its
+    experts through a bounded cache on config.device; an official checkpoint keeps every expert
+    resident in its mmapped shards (copied to a GPU per use)."""
+    from engine.weights import open_model
+
+    files = open_model(path, cache_bytes=config.cache_bytes, policy=config.cache_policy,
+                       io_threads=config.io_threads, o_direct=config.o_direct, device=config.device)
+    if not files.converted and torch.device(config.device).type != "cpu":
+        files.experts = DeviceExperts(files.experts, torch.device(config.device))
+    return files
+
+
+class Engine:
+    """One loaded model, its tokenizer and expert provider; runs turns of `Session`s."""
+
+    def __init__(self, files, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig) -> None:
+        self.files, self.model, self.tokenizer, self.config = files, model, tokenizer, config
+        self.args = files.args
+        self.device = torch.device(config.device)
+        self._lock = threading.RLock()
+        self.experts = InstrumentedProvider(files.experts, self.args.n_layers)
+        self._trace = None
+        if config.trace_path:  # record every routing decision as JSONL (engine/experts/trace.py)
+            from engine.experts.provider import RoutingTrace
+            from engine.experts.trace import TraceWriter
+
+            self._trace = TraceWriter(config.trace_path)
+        log = RoutingTrace(self._trace) if self._trace is not None else None
+        self.runtime = Runtime(model, self.experts, self.device, self._lock, log)
+        self._sessions: WeakSet[Session] = WeakSet()
+        self._closed = False
+        self._weights_bytes = tensor_bytes(model)
+        self._step_s: deque[float] = deque(maxlen=RATE_WINDOW)  # recent decode step times
+        self._reads: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, bytes read)
+        self._last = (0, 0, StepTiming(), None)  # (tokens, position, timing, ttft) of the last step
+
+    # ---------------------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: str | Path, config: EngineConfig | None = None, progress: ProgressFn | None = None,
+             warmup: bool = True) -> "Engine":
+        """Open `path` (converted or official layout), build the model, warm it up."""
+        config = config or EngineConfig()
+        report = progress or (lambda p: None)
+        path = Path(path)
+        if not path.is_dir():
+            raise EngineError(f"model directory {path} does not exist; convert a checkpoint with "
+                              "dsv4-convert or use --demo")
+        files = open_model_files(path, config)
+        try:
+            n = files.args.n_layers
+            report(LoadProgress("loading", 0, n, "layers", f"building the model from {path}"))
+            device = torch.device(config.device)
+            from kernels.backend import make_backend
+
+            numerics = Numerics.named(config.numerics, make_backend(config.backend, device))
+            model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
+            report(LoadProgress("loading", n, n, "layers", "model built"))
+            tok_dir = path if (path / "tokenizer.json").is_file() else bundled_tokenizer_dir()
+            tokenizer = ChatTokenizer.from_dir(tok_dir)
+            if tokenizer.vocab_size > files.args.vocab_size:
+                raise EngineError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                                  f"vocab_size is {files.args.vocab_size}; the checkpoint does not fit it")
+            engine = cls(files, model, tokenizer, config)
+        except BaseException:
+            files.close()
+            raise
+        if warmup:
+            report(LoadProgress("warm-up", 0, 1, "steps", "first forward pass"))
+            try:
+                engine.runtime.step(model.new_state(), [tokenizer.bos_id])
+            except BaseException:
+                engine.close()
+                raise
+            report(LoadProgress("warm-up", 1, 1, "steps", "ready"))
+        return engine
+
+    @property
+    def info(self) -> dict:
+        a = self.args
+        return {"model": self.files.path.name, "path": str(self.files.path), "n_layers": a.n_layers,
+                "n_experts": a.n_routed_experts, "demo": (a.dim, a.n_layers) != (4096, 43),
+                "device": str(self.device), "numerics": self.config.numerics, "vocab_size": a.vocab_size,
+                "max_seq_len": self.config.max_seq_len,
+                "experts": "streaming" if self.experts.cache is not None else "resident"}
+
+    def close(self) -> None:
+        """Release the model files and stop the expert provider's threads. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._trace is not None:
+                    self._trace.close()
+                self.files.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------- sessions
+    def new_session(self, system: str | None = None, history: list[Message] | tuple = ()) -> Session:
+        """A fresh session; `history` (user/assistant messages) is prefilled with the first turn."""
+        session = Session(self.model.new_state, system, history, owner=self)
+        self._sessions.add(session)
+        return session
+
+    def _check(self, session: Session) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        if session.owner is not self:
+            raise SessionError("this session belongs to another engine")
+
+    def generate(self, session: Session, user_text: str, params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Answer `user_text` in `session`; yields events, the last one TurnFinished or EngineFailure."""
+        self._check(session)
+        return self._turn(session, list(session.messages), user_text, params, cancel or threading.Event())
+
+    def regenerate(self, session: Session, params: SamplingParams,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Drop the last answer and answer the last user message again (same events)."""
+        self._check(session)
+        msgs = session.messages
+        if len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
+            raise SessionError("nothing to regenerate: the conversation does not end with an answer")
+        return self._turn(session, msgs[:-2], msgs[-2].content, params, cancel or threading.Event())
+
+    def undo(self, session: Session) -> None:
+        """Drop the last user message and its answer; the state rewinds to a snapshot."""
+        self._check(session)
+        users = [i for i, m in enumerate(session.messages) if m.role == "user"]
+        if not users:
+            raise SessionError("nothing to undo")
+        with self._lock:
+            session.rewind(session.messages[:users[-1]])
+
+    # ---------------------------------------------------------------------------- a turn
+    def _turn(self, session: Session, base: list[Message], user_text: str, params: SamplingParams,
+              cancel: threading.Event) -> Iterator[Event]:
+        t_start = time.perf_counter()
+        tok, limit = self.tokenizer, self.config.max_seq_len
+        user = Message("user", user_text)
+        prompt_text = render_messages(session.conversation(base + [user]), params.thinking)
+        plan = session.plan(prompt_text, tok.encode)
+        if plan.prompt_tokens >= limit:
+            yield EngineFailure(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
+                                f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len")
+            return
+        turn_start = session.live.copy() if plan.from_live and session.live.length else None
+        work = session.start(plan)
+        self._last = (0, work.state.pos, StepTiming(), None)
+        committed = False
+        try:
+            prefill_s, logits = yield from self._prefill(session, work, plan, prompt_text, params, cancel)
+            if logits is None:  # cancelled during prefill: state as before the turn, messages kept
+                back = turn_start if plan.from_live else plan.base
+                session.commit(back.copy() if back is not None and back.length else self._empty(),
+                               base + [user, Message("assistant", "")])
+                committed = True
+                yield TurnFinished(self._turn_stats(plan, [], prefill_s, [], 0.0, "cancelled"), "", "")
+                return
+            if turn_start is not None:
+                session.keep(turn_start)  # the end of the previous turn: undo comes back here
+            if plan.suffix:
+                work.text, work.logits = prompt_text, logits
+                session.keep(work.copy())  # after the prompt: regenerate starts here
+                work.logits = None
+            completion, step_ms, ttft, finish = yield from self._decode(work, plan, params, cancel, logits, t_start)
+            completion_text = tok.decode(completion)
+            reasoning, content = parse_completion(completion_text, params.thinking)
+            work.text = prompt_text + completion_text
+            session.commit(work, base + [user, Message("assistant", content, reasoning)])
+            committed = True
+            yield TurnFinished(self._turn_stats(plan, completion, prefill_s, step_ms, ttft, finish), reasoning, content)
+        except Exception as exc:  # the model failed: the session is left as it was (finally)
+            if not committed:
+                yield EngineFailure(f"the turn failed: {type(exc).__name__}: {exc}")
+        finally:
+            if not committed and plan.from_live:  # failed or abandoned: roll the live state back
+                session.live = turn_start.copy() if turn_start is not None else self._empty()
+
+    def _empty(self) -> Snapshot:
+        return Snapshot("", [], self.model.new_state())
+
+    def _prefill(self, session: Session, work: Snapshot, plan, prompt_text: str, params: SamplingParams,
+                 cancel: threading.Event):
+        """Run plan.suffix into work (chunked); returns (seconds, last logits or None if cancelled).
+
+        In thinking mode the final `<think>` runs as its own step after a snapshot, so that the
+        next turn (which drops this turn's reasoning) can resume right before it."""
+        suffix, think = plan.suffix, self.tokenizer.think_start_id
+        parts = [suffix]
+        if params.thinking and len(suffix) > 1 and suffix[-1] == think and prompt_text.endswith(THINK_START):
+            parts = [suffix[:-1], suffix[-1:]]
+        seconds, logits = 0.0, plan.base.logits
+        for i, part in enumerate(parts):
+            done = 0
+            for res in self.runtime.prefill(work.state, part, self.config.prefill_chunk, cancel):
+                work.ids += part[done:done + res.tokens]
+                done += res.tokens
+                seconds += res.seconds
+                logits = res.logits
+                yield StepUpdate(self._step_stats(res, work.state.pos, None))
+            if done < len(part):
+                return seconds, None
+            if i == 0 and len(parts) == 2:
+                work.pending, work.logits = [], logits
+                work.text = prompt_text[: -len(THINK_START)]
+                session.keep(work.copy())
+        work.pending, work.logits = [], None
+        return seconds, logits
+
+    def _decode(self, work: Snapshot, plan, params: SamplingParams, cancel: threading.Event,
+                logits: torch.Tensor, t_start: float):
+        """Sample and run one token per step; yields text deltas and step stats.
+
+        Returns (completion ids, step times in ms, ttft s, finish reason). The final sampled token
+        (EOS or the one that hit a limit) is left in work.pending, not run."""
+        tok = self.tokenizer
+        sampler = Sampler(params, logits.device)
+        splitter = ThinkingSplitter(tok, params.thinking)
+        max_new = min(params.max_tokens, self.config.max_seq_len - plan.prompt_tokens)
+        completion: list[int] = []
+        step_ms: list[float] = []
+        ttft, finish = 0.0, "cancelled"
+        while not cancel.is_set():
+            t0 = time.perf_counter()
+            token = int(sampler(logits).item())  # the one host transfer per token
+            completion.append(token)
+            if len(completion) == 1:
+                ttft = time.perf_counter() - t_start
+            yield from splitter.push(token)
+            if token == tok.eos_id or len(completion) >= max_new:
+                finish = "eos" if token == tok.eos_id else (
+                    "max_tokens" if len(completion) >= params.max_tokens else "context")
+                work.pending = [token]
+                break
+            res = self.runtime.step(work.state, [token])
+            work.ids.append(token)
+            logits = res.logits
+            step_s = time.perf_counter() - t0
+            step_ms.append(1e3 * step_s)
+            self._step_s.append(step_s)
+            yield StepUpdate(self._step_stats(res, work.state.pos, ttft))
+        yield from splitter.flush()
+        return completion, step_ms, ttft, finish
+
+    def _turn_stats(self, plan, completion: list[int], prefill_s: float, step_ms: list[float], ttft: float,
+                    finish: str) -> TurnStats:
+        decode_s = sum(step_ms) / 1e3
+        return TurnStats(prompt_tokens=plan.prompt_tokens, completion_tokens=len(completion), prefill_s=prefill_s,
+                         decode_s=decode_s, ttft_s=ttft, tok_per_s=len(step_ms) / decode_s if decode_s else 0.0,
+                         finish_reason=finish, cache=self._cache_snapshot(), step_ms=tuple(step_ms),
+                         prefill_tokens=len(plan.suffix), reused_tokens=plan.reused)
+
+    # ---------------------------------------------------------------------------- cache control
+    def flush_cache(self) -> int:
+        """Evict every unpinned expert; returns how many (0 when every expert is resident)."""
+        with self._lock:
+            flush = getattr(self.files.experts, "flush", None)  # the provider also frees arena slots
+            if flush is None:
+                cache = self.experts.cache
+                flush = cache.flush if cache is not None else list
+            return len(flush())
+
+    def pin(self, keys: list[tuple[int, int]]) -> None:
+        """Keep these (layer, expert) pairs resident through flushes (loaded on next use)."""
+        for layer, expert in keys:
+            if not (0 <= layer < self.args.n_layers and 0 <= expert < self.args.n_routed_experts):
+                raise SessionError(f"no expert {layer}:{expert} (layers 0-{self.args.n_layers - 1}, "
+                                   f"experts 0-{self.args.n_routed_experts - 1})")
+        with self._lock:
+            cache = self.experts.cache
+            if cache is not None:
+                for key in keys:
+                    cache.pin((int(key[0]), int(key[1])))
+
+    def pin_hot(self, n: int) -> list[tuple[int, int]]:
+        """Pin the n most used experts; returns them."""
+        with self._lock:
+            cache = self.experts.cache
+            keys = cache.hottest(n) if cache is not None else [k for k, _ in self.experts.uses.most_common(n)]
+            self.pin(keys)
+            return keys
+
+    def unpin(self, keys: list[tuple[int, int]] | None = None) -> None:
+        """Unpin these experts, or all of them (None)."""
+        with self._lock:
+            cache = self.experts.cache
+            if cache is None:
+                return
+            if keys is None:
+                cache.unpin_all()
+            else:
+                for key in keys:
+                    cache.unpin((int(key[0]), int(key[1])))
+
+    def cache_contents(self) -> list[tuple[int, int, bool, int]]:
+        """(layer, expert, pinned, uses) of every resident expert, sorted; uses are all-time."""
+        with self._lock:
+            cache = self.experts.cache
+            uses = self.experts.uses
+            if cache is None:
+                return [(layer, e, False, uses.get((layer, e), 0)) for layer in range(self.args.n_layers)
+                        for e in range(self.args.n_routed_experts)]
+            pinned = cache.pinned()
+            return [(layer, e, (layer, e) in pinned, uses.get((layer, e), 0))
+                    for layer, e in sorted(cache.resident())]
+
+    # ---------------------------------------------------------------------------- statistics
+    def stats(self) -> StepStats:
+        """A snapshot now: cache, memory, and the last step's timing."""
+        tokens, position, timing, ttft = self._last
+        return self._snapshot(tokens, position, timing, ttft)
+
+    def _step_stats(self, res: StepResult, position: int, ttft: float | None) -> StepStats:
+        self._last = (res.tokens, position, res.timing, ttft)
+        return self._snapshot(res.tokens, position, res.timing, ttft)
+
+    def _snapshot(self, tokens: int, position: int, timing: StepTiming, ttft: float | None) -> StepStats:
+        cache = self._cache_snapshot()
+        self._reads.append((time.perf_counter(), cache.bytes_read))
+        (t0, b0), (t1, b1) = self._reads[0], self._reads[-1]
+        steps = list(self._step_s)
+        return StepStats(phase="eager", tokens=tokens, position=position, timing=timing,
+                         tok_per_s=len(steps) / sum(steps) if steps else 0.0, ttft_s=ttft, cache=cache,
+                         memory=self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
+
+    def _cache_snapshot(self) -> CacheSnapshot:
+        cache = self.experts.cache
+        if cache is not None:
+            s = cache.stats()
+            return CacheSnapshot(capacity_bytes=s.capacity_entries * s.entry_bytes, used_bytes=s.used_bytes,
+                                 entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
+                                 hits=s.hits, misses=s.misses, evictions=s.evictions, bytes_read=s.bytes_read,
+                                 hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
+                                 per_layer_hit_rate=s.per_layer_hit_rate)
+        n = self.args.n_layers * self.args.n_routed_experts
+        total = n * self.args.expert_record_bytes()
+        hits = sum(self.experts.layer_uses)
+        return CacheSnapshot(capacity_bytes=total, used_bytes=total, entries=n, capacity_entries=n, pinned=0,
+                             hits=hits, misses=0, evictions=0, bytes_read=0, hit_rate=1.0 if hits else 0.0,
+                             hit_rate_window=1.0 if hits else 0.0,
+                             per_layer_hit_rate=tuple(1.0 if u else 0.0 for u in self.experts.layer_uses))
+
+    def workspace_bytes(self) -> int:
+        """Estimate of transient memory of the largest step: a prefill chunk's residual streams and
+        temporaries (8 stream-sized fp32 buffers) plus one row of logits."""
+        a = self.args
+        return self.config.prefill_chunk * a.hc_mult * a.dim * 4 * 8 + a.vocab_size * 4
+
+    def memory(self):
+        """The MemoryBudget now (engine.memory)."""
+        cache = self._cache_snapshot()
+        state = sum(s.nbytes() for s in list(self._sessions))
+        return memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
+                             state=state, workspace=self.workspace_bytes())

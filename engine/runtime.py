@@ -1,0 +1,157 @@
+"""The prefill / decode loop around the model: chunked prefill, one-token steps, step timing.
+
+`Runtime.step` runs one forward call (a prefill chunk or one decoded token) under the engine's
+lock and `torch.inference_mode()`, and returns the last position's logits with the step's wall
+time split into attention / MoE compute / expert wait / other. `Runtime.prefill` yields one
+result per chunk and stops between chunks when `cancel` is set.
+
+Timing split without hooks in the model: `InstrumentedProvider` wraps the expert provider and
+measures (a) the time spent waiting inside the provider for each expert (expert wait) and (b)
+the time from a layer's first expert request to its last expert processed minus that wait (the
+routed-expert compute). The model's own `timer` sections give attention and the whole MoE
+(router, shared and routed experts); mHC, embedding and the head are "other".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Iterator, Sequence
+
+import torch
+
+from engine.moe import ExpertProvider, ExpertWeights
+from engine.state import SequenceState
+from engine.stats import StepTiming
+
+
+class InstrumentedProvider:
+    """An ExpertProvider wrapper counting uses per (layer, expert) and timing waits and compute."""
+
+    def __init__(self, inner: ExpertProvider, n_layers: int) -> None:
+        self.inner = inner
+        self.uses: Counter[tuple[int, int]] = Counter()  # all-time uses per (layer, expert)
+        self.layer_uses = [0] * n_layers
+        self.wait_s = 0.0  # cumulative seconds inside the provider producing experts
+        self.routed_s = 0.0  # cumulative seconds from first request to last expert, per call
+
+    @property
+    def cache(self):
+        """The provider's ExpertCache, or None when every expert is resident."""
+        return getattr(self.inner, "cache", None)
+
+    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        start = time.perf_counter()
+        it = iter(self.inner.experts(layer, ids))
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    self.wait_s += time.perf_counter() - t0
+                    return
+                self.wait_s += time.perf_counter() - t0
+                key = (layer, int(item[0]))
+                self.uses[key] += 1
+                if 0 <= layer < len(self.layer_uses):
+                    self.layer_uses[layer] += 1
+                yield item
+        finally:
+            self.routed_s += time.perf_counter() - start
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        self.inner.prefetch(layer, ids)
+
+
+class DeviceExperts:
+    """An ExpertProvider wrapper that copies each expert's tensors to `device` (for providers that
+    hand out host tensors, e.g. the official layout's mmapped experts, on a GPU run)."""
+
+    def __init__(self, inner: ExpertProvider, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+
+    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        for e, w in self.inner.experts(layer, ids):
+            yield e, ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
+
+    def prefetch(self, layer: int, ids: list[int]) -> None:
+        self.inner.prefetch(layer, ids)
+
+
+class StepTimer:
+    """Accumulates named sections of one step (the model times "attention" and "moe")."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def section(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One forward call: last-position logits [V] fp32 (on the device), tokens, wall time."""
+
+    logits: torch.Tensor
+    tokens: int
+    seconds: float
+    timing: StepTiming
+
+
+class Runtime:
+    """Runs forward calls of one model with its (instrumented) expert provider."""
+
+    def __init__(self, model, experts: InstrumentedProvider, device: torch.device,
+                 lock: threading.RLock, log=None) -> None:
+        self.model = model
+        self.log = log  # optional selection observer passed to forward (e.g. a RoutingTrace)
+        self.experts = experts
+        self.device = torch.device(device)
+        self.lock = lock
+
+    def step(self, state: SequenceState, ids: Sequence[int] | torch.Tensor) -> StepResult:
+        """Process `ids` (a prefill chunk, or one token) from state.pos; advances the state."""
+        if isinstance(ids, torch.Tensor):
+            x = ids.reshape(-1).to(self.device, torch.long)
+        else:
+            x = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        timer = StepTimer()
+        kwargs = {"timer": timer}
+        if self.log is not None:
+            kwargs["log"] = self.log
+        with self.lock:
+            wait0, routed0 = self.experts.wait_s, self.experts.routed_s
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+            wait = self.experts.wait_s - wait0
+            routed = self.experts.routed_s - routed0
+        attention = timer.seconds.get("attention", 0.0)
+        moe = max(0.0, timer.seconds.get("moe", routed) - wait)
+        other = max(0.0, seconds - attention - moe - wait)
+        timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
+                            other_ms=1e3 * other)
+        return StepResult(logits=logits, tokens=int(x.shape[0]), seconds=seconds, timing=timing)
+
+    def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
+                cancel: threading.Event | None = None) -> Iterator[StepResult]:
+        """Process `ids` in chunks of at most `chunk` tokens, one result per chunk.
+
+        Stops before a chunk when `cancel` is set (the state then holds the chunks done).
+        """
+        for start in range(0, len(ids), chunk):
+            if cancel is not None and cancel.is_set():
+                return
+            yield self.step(state, ids[start:start + chunk])

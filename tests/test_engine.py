@@ -1,0 +1,335 @@
+"""Engine facade on the tiny synthetic model (vocab 129280, real tokenizer): multi-turn KV reuse
+equals re-prefilling from scratch, regenerate, undo, cancel, thinking-mode rewind, context limit,
+statistics against the expert cache's own counters, memory budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from converter import synth
+from engine.chat import ChatTokenizer, Message, render_messages
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
+from engine.experts.cache import ExpertCache
+from engine.memory import tensor_bytes
+from engine.model import Transformer
+from engine.numerics import Numerics
+from engine.sampling import SamplingParams
+from engine.session import SessionError
+from engine.weights import open_official
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
+USER_TEXTS = [
+    "Explain in a few words why the sky looks blue during the day and red in the evening.",
+    "Now tell me something about mixture of experts models and how routing works.",
+    "What is the capital of France, and which river flows through it?",
+    "Write one sentence about streaming weights from an NVMe disk into a small cache.",
+    "Thanks! Summarise our whole conversation so far in two short sentences please.",
+    "One more: count from one to ten in French, separated by commas.",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "ckpt"
+    return synth.write_checkpoint(out, synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    eng = Engine.load(ckpt, EngineConfig(numerics="exact", prefill_chunk=32))
+    yield eng
+    eng.close()
+
+
+def turn(events) -> tuple[TurnFinished | EngineFailure, list]:
+    evs = list(events)
+    return evs[-1], evs
+
+
+def scratch(eng: Engine, prompt: list[int], n_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """Last-position logits of prefilling `prompt` from position 0, and n greedy tokens after it."""
+    model, experts = eng.model, eng.files.experts
+    state = model.new_state()
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor(prompt), state, experts, last_only=True)[0]
+        first, tokens = logits, []
+        for _ in range(n_tokens):
+            tokens.append(int(torch.argmax(logits)))
+            if len(tokens) < n_tokens:
+                logits = model.forward(torch.tensor(tokens[-1:]), state, experts, last_only=True)[0]
+    return first, tokens
+
+
+def check_against_scratch(eng: Engine, sess, fin: TurnFinished) -> None:
+    """The turn's prompt state (kept snapshot) and greedy tokens equal a from-scratch run."""
+    s = fin.stats
+    prompt, completion = sess.ids[:s.prompt_tokens], sess.ids[s.prompt_tokens:]
+    assert len(completion) == s.completion_tokens
+    snap = [x for x in sess.snapshots if x.logits is not None and len(x.ids) == s.prompt_tokens][-1]
+    assert snap.ids == prompt
+    first, tokens = scratch(eng, prompt, len(completion))
+    assert tokens == completion
+    torch.testing.assert_close(snap.logits, first, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_reuse_equals_scratch_over_six_turns(engine):
+    tok = engine.tokenizer
+    sess = engine.new_session(system="You are a terse assistant.")
+    for i, text in enumerate(USER_TEXTS):
+        before, position, text_before = sess.ids, sess.position, sess.live.text
+        fin, evs = turn(engine.generate(sess, text, GREEDY))
+        assert isinstance(fin, TurnFinished), fin
+        s = fin.stats
+        assert s.reused_tokens == position  # everything processed before is kept...
+        assert sess.ids[:len(before)] == before  # ...and the old ids (completions too) are a prefix
+        assert s.prefill_tokens == s.prompt_tokens - s.reused_tokens
+        prompt_text = render_messages(sess.conversation(sess.messages[:-1]), thinking=False)
+        assert tok.decode(sess.ids[:s.prompt_tokens]) == prompt_text
+        # only the pending last token and the new text were run
+        assert s.prefill_tokens == len(before) - position + len(tok.encode(prompt_text[len(text_before):]))
+        assert sess.messages[-2] == Message("user", text)
+        assert sess.messages[-1].content == fin.content
+        assert "".join(e.text for e in evs if isinstance(e, TextDelta)) in fin.content
+        check_against_scratch(engine, sess, fin)
+    assert sess.position > 128 + 16  # crossed the window (16) and both compression ratios (4, 128)
+    assert len(sess.messages) == 2 * len(USER_TEXTS)
+
+
+def test_regenerate_gives_the_same_greedy_answer_without_prefill(engine):
+    sess = engine.new_session()
+    first, _ = turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    ids, messages = sess.ids, list(sess.messages)
+    again, _ = turn(engine.regenerate(sess, GREEDY))
+    assert isinstance(again, TurnFinished)
+    assert again.content == first.content and sess.ids == ids and sess.messages == messages
+    assert again.stats.prefill_tokens == 0 and again.stats.reused_tokens == first.stats.prompt_tokens
+    with pytest.raises(SessionError):
+        engine.regenerate(engine.new_session(), GREEDY)
+
+
+def test_undo_rewinds_to_the_previous_turn(engine):
+    sess = engine.new_session(system="Be brief.")
+    turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    ids, position, messages = sess.ids, sess.position, list(sess.messages)
+    second, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))
+    engine.undo(sess)
+    assert sess.messages == messages and sess.ids == ids and sess.position == position
+    assert sess.state.pos == position
+    redo, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))
+    assert redo.content == second.content
+    assert redo.stats.prefill_tokens == second.stats.prefill_tokens
+    engine.undo(sess)
+    engine.undo(sess)
+    assert sess.messages == [] and sess.position == 0
+    with pytest.raises(SessionError):
+        engine.undo(sess)
+
+
+def test_cancel_mid_generation_keeps_a_consistent_session(engine):
+    sess = engine.new_session()
+    cancel = threading.Event()
+    decode_steps = 0
+    evs = []
+    for ev in engine.generate(sess, USER_TEXTS[2], SamplingParams(temperature=0.0, max_tokens=50), cancel):
+        evs.append(ev)
+        if isinstance(ev, StepUpdate) and ev.stats.ttft_s is not None:
+            decode_steps += 1
+            if decode_steps == 2:
+                cancel.set()
+    fin = evs[-1]
+    assert isinstance(fin, TurnFinished) and fin.stats.finish_reason == "cancelled"
+    assert fin.stats.completion_tokens == 2  # both sampled tokens were run: kept with their ids
+    assert sess.position == len(sess.ids) == fin.stats.prompt_tokens + 2
+    assert sess.messages[-1] == Message("assistant", fin.content)
+    check_against_scratch(engine, sess, fin)
+    nxt, _ = turn(engine.generate(sess, USER_TEXTS[3], GREEDY))
+    assert nxt.stats.reused_tokens == fin.stats.prompt_tokens + 2
+    check_against_scratch(engine, sess, nxt)
+
+
+def test_cancel_during_prefill_rolls_the_state_back(engine):
+    sess = engine.new_session()
+    turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    ids, position = sess.ids, sess.position
+    cancel = threading.Event()
+    cancel.set()
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY, cancel))
+    assert fin.stats.finish_reason == "cancelled" and fin.stats.completion_tokens == 0
+    assert sess.ids == ids and sess.position == position == sess.state.pos
+    assert sess.messages[-2:] == [Message("user", USER_TEXTS[1]), Message("assistant", "")]
+    nxt, _ = turn(engine.generate(sess, USER_TEXTS[2], GREEDY))
+    assert nxt.stats.reused_tokens == position
+    check_against_scratch(engine, sess, nxt)
+
+
+def test_thinking_mode_rewinds_before_the_dropped_reasoning(engine):
+    tok = engine.tokenizer
+    think = SamplingParams(temperature=0.0, max_tokens=5, thinking=True)
+    sess = engine.new_session(system="Think first.")
+    first, evs = turn(engine.generate(sess, USER_TEXTS[0], think))
+    p1 = first.stats.prompt_tokens
+    ids1 = sess.ids
+    assert ids1[p1 - 1] == tok.think_start_id
+    assert {e.channel for e in evs if isinstance(e, TextDelta)} <= {"thinking", "answer"}
+    reasoning = sess.messages[-1].reasoning
+    second, _ = turn(engine.generate(sess, USER_TEXTS[1], think))
+    s = second.stats
+    # the previous reasoning is dropped from the prompt: resume right before turn 1's <think>
+    assert s.reused_tokens == p1 - 1 and sess.ids[:p1 - 1] == ids1[:p1 - 1]
+    assert sess.ids[p1 - 1] == tok.think_end_id
+    prompt_text = render_messages(sess.conversation(sess.messages[:-1]), thinking=True)
+    assert reasoning and reasoning not in prompt_text
+    assert tok.decode(sess.ids[:s.prompt_tokens]) == prompt_text
+    check_against_scratch(engine, sess, second)
+
+
+def test_context_limit_fails_cleanly_and_the_session_stays_usable(ckpt):
+    eng = Engine.load(ckpt, EngineConfig(numerics="exact", max_seq_len=48), warmup=False)
+    try:
+        sess = eng.new_session()
+        ok, _ = turn(eng.generate(sess, "Hi", GREEDY))
+        assert isinstance(ok, TurnFinished)
+        ids, messages = sess.ids, list(sess.messages)
+        fail, evs = turn(eng.generate(sess, " ".join(["word"] * 60), GREEDY))
+        assert isinstance(fail, EngineFailure) and len(evs) == 1
+        assert "context limit of 48 tokens" in fail.message
+        assert sess.ids == ids and sess.messages == messages
+        full, _ = turn(eng.generate(sess, "Go on", SamplingParams(temperature=0.0, max_tokens=100)))
+        assert full.stats.finish_reason == "context" and len(sess.ids) == 48
+        check_against_scratch(eng, sess, full)
+    finally:
+        eng.close()
+
+
+class CachedExperts:
+    """Test provider: experts from the checkpoint, but every use goes through an ExpertCache."""
+
+    def __init__(self, inner, cache: ExpertCache) -> None:
+        self.inner, self.cache = inner, cache
+
+    def experts(self, layer, ids):
+        for e in ids:
+            if self.cache.lookup((layer, e)) is None:
+                self.cache.admit((layer, e))
+            yield from self.inner.experts(layer, [e])
+
+    def prefetch(self, layer, ids) -> None:
+        pass
+
+
+def test_stats_equal_the_cache_counters_and_tok_per_s_comes_from_step_times(ckpt):
+    files = open_official(ckpt)
+    entry = files.args.expert_record_bytes()
+    cache = ExpertCache(24 * entry, entry, num_layers=files.args.n_layers, num_experts=files.args.n_routed_experts)
+    files.experts = CachedExperts(files.experts, cache)
+    model = Transformer(files.get, files.args, Numerics.named("exact"))
+    eng = Engine(files, model, ChatTokenizer.from_dir(ckpt), EngineConfig(numerics="exact"))
+    try:
+        sess = eng.new_session()
+        t0 = time.perf_counter()
+        fin, evs = turn(eng.generate(sess, USER_TEXTS[1], GREEDY))
+        wall = time.perf_counter() - t0
+        c, cs = eng.stats().cache, cache.stats()
+        assert (c.hits, c.misses, c.evictions, c.bytes_read) == (cs.hits, cs.misses, cs.evictions, cs.bytes_read)
+        assert (c.entries, c.capacity_entries, c.used_bytes, c.pinned) == (cs.entries, 24, cs.used_bytes, cs.pinned)
+        assert c.capacity_bytes == 24 * entry and c.hit_rate == cs.hit_rate
+        assert c.hit_rate_window == cs.hit_rate_window and c.per_layer_hit_rate == cs.per_layer_hit_rate
+        assert cs.misses > 0 and cs.evictions > 0 and fin.stats.cache.misses == cs.misses
+        # throughput from the measured steps
+        steps = fin.stats.step_ms
+        assert len(steps) == GREEDY.max_tokens - 1 and all(ms > 0 for ms in steps)
+        assert fin.stats.tok_per_s == pytest.approx(len(steps) / (sum(steps) / 1e3))
+        assert eng.stats().tok_per_s == pytest.approx(fin.stats.tok_per_s)
+        assert fin.stats.decode_s + fin.stats.prefill_s <= wall
+        timing = [e.stats.timing for e in evs if isinstance(e, StepUpdate)][-1]
+        assert timing.moe_ms > 0 and timing.total_ms > 0
+        # cache control goes to the same cache
+        eng.pin([(3, 1)])
+        assert (3, 1) in cache.pinned()
+        hot = eng.pin_hot(2)
+        assert hot == cache.hottest(2) and set(hot) <= cache.pinned()
+        contents = eng.cache_contents()
+        assert [(l, e) for l, e, _, _ in contents] == sorted(cache.resident())
+        assert all(p == ((l, e) in cache.pinned()) for l, e, p, _ in contents)
+        resident_pinned = sum(1 for k in cache.pinned() if k in cache.resident())
+        assert eng.flush_cache() == len(contents) - resident_pinned
+        assert len(cache) == resident_pinned
+        eng.unpin(None)
+        assert not cache.pinned()
+    finally:
+        eng.close()
+
+
+def test_resident_experts_stats_and_memory_budget(engine):
+    sess = engine.new_session()
+    turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    st = engine.stats()
+    assert st.cache.hits == sum(engine.experts.uses.values()) > 0 and st.cache.hit_rate == 1.0
+    assert st.cache.misses == 0 and st.cache.entries == 5 * 16
+    mem = engine.memory()
+    assert sum(size for _, size in mem.parts) == mem.total and all(size >= 0 for _, size in mem.parts)
+    assert mem.unified and mem.parts[-1][0] == "free"
+    assert mem.part("resident weights") == tensor_bytes(engine.model) > 0
+    assert mem.part("session state") >= sess.nbytes() > 0
+
+
+def test_engine_info_routing_trace_and_closed_engine(ckpt, tmp_path):
+    from engine.experts.trace import read_records
+
+    trace = tmp_path / "trace.jsonl"
+    eng = Engine.load(ckpt, EngineConfig(numerics="exact", trace_path=str(trace)), warmup=False)
+    info = eng.info
+    assert (info["n_layers"], info["n_experts"], info["demo"], info["numerics"]) == (5, 16, True, "exact")
+    sess = eng.new_session()
+    fin, _ = turn(eng.generate(sess, "Hi", GREEDY))
+    eng.close()
+    records = list(read_records(trace))
+    steps = 1 + fin.stats.completion_tokens - 1  # the prefill, then one step per run token
+    assert len(records) == steps * 5 and sum(r.tokens for r in records if r.layer == 0) == sess.position
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate(sess, "hi", GREEDY)
+
+
+def test_streaming_layout_small_cache_same_answers_and_counters(ckpt, engine, tmp_path):
+    from converter.convert import convert
+
+    out = convert(ckpt, tmp_path / "converted", resume=False)
+    entry = -(-engine.args.expert_record_bytes() // 4096) * 4096  # records are padded to 4 KiB
+    eng = Engine.load(out, EngineConfig(numerics="exact", cache_bytes=24 * entry), warmup=False)
+    try:
+        cache = eng.files.experts.cache
+        assert eng.info["experts"] == "streaming" and cache.capacity_slots == 24
+        resident, streamed = engine.new_session(), eng.new_session()
+        for text in USER_TEXTS[:2]:
+            a, _ = turn(engine.generate(resident, text, GREEDY))
+            b, _ = turn(eng.generate(streamed, text, GREEDY))
+            assert b.content == a.content and streamed.ids == resident.ids  # bounded cache == resident
+        c, cs = eng.stats().cache, cache.stats()
+        assert (c.hits, c.misses, c.evictions, c.bytes_read, c.entries) == \
+            (cs.hits, cs.misses, cs.evictions, cs.bytes_read, cs.entries)
+        assert cs.misses > 0 and cs.evictions > 0 and c.capacity_entries == 24
+        assert eng.stats().read_bytes_per_s >= 0
+        assert eng.flush_cache() == cs.entries and len(cache) == 0
+    finally:
+        eng.close()
+
+
+def test_history_and_system_prompt(engine):
+    history = [Message("user", "Hi"), Message("assistant", "Hello! How can I help?")]
+    sess = engine.new_session(system="Be kind.", history=history)
+    assert sess.position == 0 and sess.messages == history
+    fin, _ = turn(engine.generate(sess, "Tell me a joke", GREEDY))
+    assert fin.stats.reused_tokens == 0
+    prompt = render_messages([Message("system", "Be kind.")] + history + [Message("user", "Tell me a joke")], False)
+    assert engine.tokenizer.decode(sess.ids[:fin.stats.prompt_tokens]) == prompt
+    sess.set_system("Be terse.")  # with turns taken: a new conversation
+    assert sess.messages == [] and sess.position == 0 and sess.system == "Be terse."
+    with pytest.raises(SessionError, match="system="):
+        engine.new_session(history=[Message("system", "x")])

@@ -1,0 +1,93 @@
+"""Memory budget accounting: /proc parsing, tensor sizes, parts that add up to the total."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.memory import MemInfo, PART_NAMES, memory_budget, process_rss, read_meminfo, tensor_bytes
+
+GiB = 2**30
+
+MEMINFO = """MemTotal:       16384000 kB
+MemFree:         1024000 kB
+MemAvailable:    8192000 kB
+Buffers:          100000 kB
+Cached:          6000000 kB
+SwapCached:            0 kB
+"""
+
+
+def parts_sum(budget) -> int:
+    return sum(size for _, size in budget.parts)
+
+
+def test_read_meminfo_and_rss(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text(MEMINFO)
+    info = read_meminfo(f)
+    assert info == MemInfo(total=16384000 * 1024, available=8192000 * 1024, cached=6000000 * 1024)
+    real = read_meminfo()
+    assert 0 < real.available <= real.total
+    assert process_rss() > 0
+    bad = tmp_path / "empty"
+    bad.write_text("nothing here\n")
+    with pytest.raises(RuntimeError, match="MemTotal"):
+        read_meminfo(bad)
+
+
+def test_unified_budget_parts_add_up_and_free_is_mem_available():
+    info = MemInfo(total=16 * GiB, available=8 * GiB, cached=5 * GiB)
+    b = memory_budget("cpu", weights=2 * GiB, expert_cache=GiB, state=GiB // 4, workspace=GiB // 4,
+                      meminfo=info, rss=5 * GiB)
+    assert b.unified and b.total == 16 * GiB and b.page_cache == 5 * GiB
+    assert [name for name, _ in b.parts] == list(PART_NAMES)
+    assert parts_sum(b) == b.total
+    assert b.part("resident weights") == 2 * GiB and b.part("expert cache") == GiB
+    assert b.part("session state") == GiB // 4 and b.part("workspace") == GiB // 4
+    assert b.part("framework") == 5 * GiB - (3 * GiB + GiB // 2)  # RSS beyond what we account for
+    assert b.part("free") == 8 * GiB
+    assert b.part("other") == 16 * GiB - 5 * GiB - 8 * GiB
+
+
+def test_unified_budget_free_is_capped_by_what_is_left():
+    # mmapped weights count as page cache, so MemAvailable can exceed total - our parts
+    info = MemInfo(total=16 * GiB, available=15 * GiB, cached=12 * GiB)
+    b = memory_budget("cpu", weights=10 * GiB, expert_cache=0, state=0, workspace=0, meminfo=info, rss=GiB)
+    assert parts_sum(b) == b.total and b.part("free") == 6 * GiB and b.part("other") == 0
+    assert all(size >= 0 for _, size in b.parts)
+
+
+def test_unified_budget_still_adds_up_when_our_parts_exceed_the_pool():
+    info = MemInfo(total=16 * GiB, available=GiB, cached=0)
+    b = memory_budget("cpu", weights=20 * GiB, expert_cache=4 * GiB, state=0, workspace=0, meminfo=info, rss=0)
+    assert parts_sum(b) == b.total == 16 * GiB
+    assert b.part("free") == 0 and all(size >= 0 for _, size in b.parts)
+    assert b.part("resident weights") == pytest.approx(16 * GiB * 20 / 24, abs=1)
+
+
+class _Holder:
+    def __init__(self, *tensors):
+        self.items = list(tensors)
+        self.table = {"x": tensors[0]}
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(100, dtype=torch.float32)  # 400 bytes
+    b = torch.zeros(10, dtype=torch.bfloat16)  # 20 bytes
+    view = a[10:20]
+    root = _Holder(a, b, view)
+    root.child = _Holder(b)
+    assert tensor_bytes(root) == 420
+    assert tensor_bytes(_Holder(a[50:], a[:60])) == 400  # overlapping views: their union
+    big = torch.zeros(1000)
+    assert tensor_bytes(_Holder(big[:10])) == 40  # a view counts its own bytes, not its storage
+
+
+@pytest.mark.gpu
+def test_discrete_gpu_budget_adds_up():
+    weights = torch.zeros(2**20, device="cuda")  # 4 MiB
+    b = memory_budget("cuda", weights=weights.nbytes, expert_cache=0, state=0, workspace=0)
+    free, total = torch.cuda.mem_get_info()
+    assert parts_sum(b) == b.total == total
+    assert b.part("resident weights") == weights.nbytes
