@@ -1,0 +1,60 @@
+"""`python -m engine.logits`: the stable contract other tools drive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from safetensors import safe_open
+
+from converter.convert import convert
+from engine.logits import main
+from oracle import load_ours, run_ours
+
+IDS = [0, 17, 5, 300, 42, 7, 7, 7, 99, 511, 1, 2, 3, 250, 128, 64, 33, 8, 19, 200, 401, 11]
+
+
+def _read(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_prefill_logits_and_experts_match_the_model(tiny_ckpt, tmp_path):
+    out = tmp_path / "l.safetensors"
+    assert main(["--ckpt", str(tiny_ckpt), "--ids", ",".join(map(str, IDS)), "--out", str(out)]) == 0
+    got = _read(out)
+    model, files = load_ours(tiny_ckpt, "exact")
+    want = run_ours(model, files, torch.tensor(IDS))
+    assert got["logits"].dtype == torch.float32 and got["logits"].shape == (len(IDS), 512)
+    assert torch.equal(got["logits"], want.logits)
+    assert torch.equal(got["experts.3"], want.experts[3])
+    assert got["ids"].tolist() == IDS
+
+
+def test_decode_from_and_converted_dir_bitwise(tiny_ckpt, tmp_path):
+    """Prefill of K then token-by-token; the converted directory with a small expert cache gives
+    bitwise the same logits as the official checkpoint."""
+    packed = convert(tiny_ckpt, tmp_path / "pack")
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    ids = ",".join(map(str, IDS))
+    assert main(["--ckpt", str(tiny_ckpt), "--ids", ids, "--decode-from", "9", "--out", str(a)]) == 0
+    assert main(["--ckpt", str(packed), "--ids", ids, "--decode-from", "9", "--cache-gb", "0.0003",
+                 "--out", str(b)]) == 0
+    la, lb = _read(a)["logits"], _read(b)["logits"]
+    assert torch.equal(la, lb)
+    model, files = load_ours(tiny_ckpt, "exact")
+    want = run_ours(model, files, torch.tensor(IDS), [9] + [1] * (len(IDS) - 9)).logits
+    assert torch.equal(la, want)
+
+
+def test_bad_input_is_a_message_not_a_traceback(tiny_ckpt, tmp_path):
+    run = [sys.executable, "-m", "engine.logits", "--ckpt", str(tiny_ckpt), "--out", str(tmp_path / "x")]
+    r = subprocess.run(run + ["--ids", "1,2,9999"], capture_output=True, text=True)
+    assert r.returncode == 2 and "token ids must be in 0..511" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(run + ["--ids", "1,a"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--ids must be comma-separated integers" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "engine.logits", "--ckpt", str(tmp_path), "--ids", "1",
+                        "--out", str(tmp_path / "y")], capture_output=True, text=True)
+    assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
