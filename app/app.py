@@ -1,0 +1,337 @@
+"""ChatApp: wires the chat screen, the engine service, commands, autosave and the wizard.
+
+Start-up: --demo → build/load the demo; a model (flag or data dir) → load it; neither → the
+first-run wizard. Once the engine is ready, an unfinished transcript is offered for resuming,
+then a session starts. All engine work goes through `EngineService` (thread workers).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+from textual.app import App
+from textual.binding import Binding
+from textual.timer import Timer
+
+from app import autosave, command_handlers
+from app.autosave import Autosaver
+from app.backend import Backend, RealBackend
+from app.commands import CommandError, is_command, parse
+from app.conversation import ChatMessage, Conversation
+from app.demo import DEMO_NOTICE
+from app.messages import (
+    CallDone,
+    EngineError,
+    EngineReady,
+    LoadProgressed,
+    StatsChanged,
+    TokensReady,
+    TurnDone,
+)
+from app.screens.chat import ChatScreen
+from app.screens.progress import ProgressScreen
+from app.screens.resume import ResumeScreen
+from app.screens.stats import StatsScreen
+from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
+from app.service import EngineService
+from app.settings import AppConfig
+from app.widgets.message import AssistantMessage, turn_footer
+from app.widgets.prompt import PromptInput
+from app.wizard import demo_dir, find_model
+
+
+STATS_HZ = 5  # the panes redraw at most this often however fast steps come
+TEXT_HZ = 10  # streamed text is appended to the transcript at most this often
+
+
+class ChatApp(App):
+    """The dsv4-chat terminal app. `backend` is the engine/converter seam (tests pass a fake)."""
+
+    CSS_PATH = "chat.tcss"
+    TITLE = "dsv4-chat"
+    BINDINGS = [
+        Binding("escape", "cancel", "Stop", show=False),
+        Binding("f2", "stats", "Stats", show=False),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, config: AppConfig, backend: Backend | None = None,
+                 *, offer_resume: bool = True, driver_class: type | None = None) -> None:
+        super().__init__(driver_class=driver_class)
+        self.config = config
+        self.gen = config.gen
+        self.backend = backend if backend is not None else RealBackend()
+        self.service = EngineService(self, self.backend, config)
+        self.conversation = Conversation(system=config.system)
+        self.autosave = Autosaver(config.transcripts_dir, config.system)
+        self.chat = ChatScreen()
+        self.model_dir: Path | None = None
+        self._offer_resume = offer_resume
+        self._answer: AssistantMessage | None = None
+        self._after_session: list[str] = []  # notes to show once the session exists
+        self._stats_timer: Timer | None = None
+        self._text_timer: Timer | None = None
+        self._text_shown = 0.0
+        self._stats_shown = 0.0  # time.monotonic() of the last stats render
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    async def on_mount(self) -> None:
+        await self.push_screen(self.chat)
+        if self.config.demo:
+            self.build_demo()
+        elif (model := find_model(self.config)) is not None:
+            self.load_model(model)
+        else:
+            self.push_screen(WizardScreen(self.config), self._wizard_choice)
+
+    def _wizard_choice(self, choice: str | None) -> None:
+        if choice == "convert":
+            self.push_screen(SourceScreen(self.config, self.backend.check_source), self._convert)
+        elif choice == "demo":
+            self.build_demo()
+        else:
+            self.exit()
+
+    def _convert(self, request: ConvertRequest | None) -> None:
+        if request is None:
+            self.push_screen(WizardScreen(self.config), self._wizard_choice)
+            return
+        job = partial(self.backend.convert, request.src, request.dst)
+        self.push_screen(ProgressScreen(f"Converting {request.src}", job), self._model_built)
+
+    def build_demo(self) -> None:
+        def job(progress, cancel) -> Path:
+            return self.backend.ensure_demo(self.config.data_dir, progress)
+
+        self.push_screen(ProgressScreen("Preparing the demo model", job, DEMO_NOTICE),
+                         self._model_built)
+
+    def _model_built(self, path: Path | None) -> None:
+        if path is None:
+            self.push_screen(WizardScreen(self.config), self._wizard_choice)
+        else:
+            self.load_model(path)
+
+    def load_model(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.chat.phase.show_phase("loading", str(model_dir))
+        self.service.load(model_dir)
+
+    @property
+    def ui_alive(self) -> bool:
+        """False once the app is exiting: late engine messages then skip the widgets."""
+        return self.chat.is_attached
+
+    def on_load_progressed(self, event: LoadProgressed) -> None:
+        if not self.ui_alive:
+            return
+        p = event.progress
+        self.chat.phase.show_phase(p.phase, f"{p.done}/{p.total} {p.unit}".strip())
+
+    async def on_engine_ready(self, event: EngineReady) -> None:
+        self.service.finished()
+        if not self.ui_alive:
+            return
+        info = event.info
+        demo = bool(info.get("demo")) or self.model_dir == demo_dir(self.config)
+        self.sub_title = " · ".join(
+            str(x) for x in (info.get("model", self.model_dir), info.get("device"),
+                             info.get("numerics")) if x)
+        self.chat.phase.show_phase("ready")
+        self._show_latest_stats()
+        if demo:
+            await self.note(DEMO_NOTICE)
+        self._after_session.append("ready — type a message; /help lists the commands")
+        found = autosave.find_unfinished(self.config.transcripts_dir) if self._offer_resume else None
+        if found is None:
+            self.service.start_session(self.conversation.system)
+        else:
+            self.push_screen(ResumeScreen(found), lambda yes: self._resume(found, bool(yes)))
+
+    def _resume(self, found: autosave.Unfinished, yes: bool) -> None:
+        if not yes:
+            autosave.dismiss(found.path)
+            self.service.start_session(self.conversation.system)
+            return
+        self.autosave = Autosaver(found.path.parent, found.conversation.system, path=found.path)
+        pending = found.conversation.pending_prompt()
+        if pending:
+            self.autosave.undo()  # the unanswered question goes back into the prompt
+            self.chat.prompt.load_text(pending)
+        conv = found.conversation.settled()
+        self.run_worker(self.show_conversation(conv, f"resumed ({conv.turns} turn(s))"),
+                        name="show-resumed")
+
+    async def show_conversation(self, conv: Conversation, note: str) -> None:
+        """Display `conv` and start an engine session that continues it; `note` once ready."""
+        self.conversation = conv
+        await self.chat.transcript.show_conversation(conv)
+        self._after_session.append(note)
+        self.service.start_session(conv.system, conv.messages)
+
+    # ---- chatting -------------------------------------------------------------------------
+
+    async def note(self, text: str, error: bool = False) -> None:
+        await self.chat.transcript.add_note(text, error)
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text
+        if is_command(text):
+            try:
+                command = parse(text)
+            except CommandError as err:
+                await self.note(str(err), error=True)
+                return
+            await command_handlers.run(self, command)
+            return
+        if text.startswith("//"):
+            text = text[1:]
+        if not await self.require_idle():
+            return
+        await self.chat.transcript.add_user(text)
+        self._answer = await self.chat.transcript.add_assistant()
+        self.conversation.messages.append(ChatMessage("user", text))
+        self.autosave.user(text)
+        self.service.send(text, self.gen)
+
+    async def require_idle(self) -> bool:
+        """True if the engine can take a job now; otherwise says why (one line) and False."""
+        problem = None
+        if self.service.busy in ("turn", "regen"):
+            problem = "still answering — wait, or press Esc to stop"
+        elif self.service.busy is not None:
+            problem = f"the engine is busy ({self.service.busy}) — try again in a moment"
+        elif not self.service.ready:
+            problem = "the model is not loaded yet"
+        if problem:
+            await self.note(problem, error=True)
+            return False
+        return True
+
+    async def on_tokens_ready(self, event: TokensReady) -> None:
+        """Append the waiting text, at most TEXT_HZ times a second (each append re-lays out
+        the transcript; batching keeps keypresses responsive while tokens pour in)."""
+        if self._text_timer is not None:
+            return
+        wait = self._text_shown + 1.0 / TEXT_HZ - time.monotonic()
+        if wait > 0:
+            self._text_timer = self.set_timer(wait, self._flush_text)
+        else:
+            await self._flush_text()
+
+    async def _flush_text(self) -> None:
+        if self._text_timer is not None:
+            self._text_timer.stop()
+            self._text_timer = None
+        self._text_shown = time.monotonic()
+        for channel, text in self.service.take_text():
+            if self._answer is not None and self.ui_alive:
+                await self._answer.append(text, channel)
+
+    def on_stats_changed(self, event: StatsChanged) -> None:
+        """Render the newest stats, at most STATS_HZ times a second (later ones wait)."""
+        if self._stats_timer is not None:
+            return  # a render is already scheduled; it will take the newest snapshot
+        wait = self._stats_shown + 1.0 / STATS_HZ - time.monotonic()
+        if wait > 0:
+            self._stats_timer = self.set_timer(wait, self._show_latest_stats)
+        else:
+            self._show_latest_stats()
+
+    def _show_latest_stats(self) -> None:
+        """Render the newest snapshot now (also called at the end of every job)."""
+        if self._stats_timer is not None:
+            self._stats_timer.stop()
+            self._stats_timer = None
+        self._stats_shown = time.monotonic()
+        stats, recent = self.service.take_stats()
+        if stats is None or not self.ui_alive:
+            return
+        self.chat.show_stats(stats, recent)
+        if isinstance(self.screen, StatsScreen):
+            self.screen.update_stats(stats)
+
+    def _record_turn(self, event: TurnDone) -> None:
+        msg = ChatMessage("assistant", event.content, event.reasoning, event.stats.finish_reason)
+        if event.regenerated:
+            self.conversation.replace_last_answer(msg)
+        else:
+            self.conversation.messages.append(msg)
+        self.autosave.assistant(msg, replace=event.regenerated)
+
+    async def on_turn_done(self, event: TurnDone) -> None:
+        self.service.finished()
+        self._record_turn(event)
+        await self._flush_text()
+        self._show_latest_stats()
+        if self._answer is not None and self.ui_alive:
+            await self._answer.finish(turn_footer(event.stats), event.content)
+            self._answer = None
+
+    async def on_engine_error(self, event: EngineError) -> None:
+        self.service.finished()
+        if event.job == "turn":  # the engine left the session as it was before the turn
+            self.conversation.drop_last_turn()
+            self.autosave.undo()
+        if not self.ui_alive:
+            return
+        if event.job == "load":
+            self.chat.phase.show_phase("failed")
+            await self.note(f"could not load the model from {self.model_dir}: {event.message}", True)
+            return
+        await self._flush_text()
+        self._show_latest_stats()
+        if self._answer is not None and event.job == "turn":
+            await self._answer.finish(f"failed: {event.message}")
+        elif self._answer is not None and event.job == "regen":  # the old answer stands
+            old = self.conversation.messages[-1]
+            await self._answer.finish("regeneration failed; previous answer kept", old.content)
+        self._answer = None
+        await self.note(f"{event.job} failed: {event.message}", error=True)
+
+    async def on_call_done(self, event: CallDone) -> None:
+        self.service.finished()
+        if event.label == "undo":
+            self.conversation.drop_last_turn()
+            self.autosave.undo()
+        if not self.ui_alive:
+            return
+        self._show_latest_stats()
+        if event.label == "session":
+            for text in self._after_session:
+                await self.note(text)
+            self._after_session.clear()
+        await command_handlers.done(self, event.label, event.result)
+
+    # ---- actions --------------------------------------------------------------------------
+
+    def action_cancel(self) -> None:
+        if self.service.cancel():
+            self.notify("stopping…", timeout=2)
+
+    async def action_stats(self) -> None:
+        await command_handlers.run(self, parse("/stats"))
+
+    async def action_quit(self) -> None:
+        self.exit()
+
+    async def regenerate_view(self) -> None:
+        """Replace the last answer's widget with a fresh, streaming one (for /regen)."""
+        last = self.chat.transcript.last_assistant()
+        if last is not None:
+            await last.remove()
+        self._answer = await self.chat.transcript.add_assistant()
+
+    def exit(self, *args, **kwargs) -> None:
+        """Stop a running answer first, so its end is recorded before the app closes."""
+        self.service.stop()
+        super().exit(*args, **kwargs)
+
+    def on_unmount(self) -> None:
+        self.service.close()
+        if self.service.unhandled_turn is not None:  # the turn ended as the app closed
+            self._record_turn(self.service.unhandled_turn)
+        self.autosave.close()

@@ -1,0 +1,145 @@
+"""The app's record of a conversation (what the user sees), independent of the engine.
+
+Saved conversations (`/save NAME`) are JSON files `<data_dir>/saved/NAME.json`:
+
+    {"version": 1, "system": "...", "messages": [
+        {"role": "user"|"assistant", "content": "...", "reasoning": "...", "finish": "eos"}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SAVE_VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ConversationError(ValueError):
+    """A saved conversation cannot be read or written; the message says why."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "user" | "assistant"
+    content: str
+    reasoning: str = ""
+    finish: str = ""  # assistant only: "eos" | "max_tokens" | "cancelled" | "error"
+
+
+@dataclass
+class Conversation:
+    system: str = ""
+    messages: list[ChatMessage] = field(default_factory=list)
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for m in self.messages if m.role == "user")
+
+    def settled(self) -> "Conversation":
+        """A copy without a trailing user message that never got an answer."""
+        msgs = list(self.messages)
+        if msgs and msgs[-1].role == "user":
+            msgs.pop()
+        return Conversation(self.system, msgs)
+
+    def pending_prompt(self) -> str:
+        """The trailing unanswered user message ("" if none)."""
+        if self.messages and self.messages[-1].role == "user":
+            return self.messages[-1].content
+        return ""
+
+    def drop_last_turn(self) -> None:
+        """Remove the last user message and everything after it."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i].role == "user":
+                del self.messages[i:]
+                return
+
+    def replace_last_answer(self, answer: ChatMessage) -> None:
+        if self.messages and self.messages[-1].role == "assistant":
+            self.messages[-1] = answer
+        else:
+            self.messages.append(answer)
+
+    def to_markdown(self) -> str:
+        parts = ["# Conversation\n"]
+        if self.system:
+            parts.append(f"**System:** {self.system}\n")
+        for m in self.messages:
+            if m.role == "user":
+                parts.append(f"## User\n\n{m.content}\n")
+            else:
+                parts.append("## Assistant\n")
+                if m.reasoning:
+                    quoted = "\n".join("> " + line for line in m.reasoning.splitlines())
+                    parts.append(f"<details><summary>Thinking</summary>\n\n{quoted}\n\n</details>\n")
+                suffix = "" if m.finish in ("", "eos") else f"\n\n*({m.finish})*"
+                parts.append(f"{m.content}{suffix}\n")
+        return "\n".join(parts)
+
+    def to_json(self) -> str:
+        data = {
+            "version": SAVE_VERSION,
+            "system": self.system,
+            "messages": [asdict(m) for m in self.messages],
+        }
+        return json.dumps(data, ensure_ascii=False, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, origin: str) -> "Conversation":
+        try:
+            data = json.loads(text)
+            if data.get("version") != SAVE_VERSION:
+                raise ConversationError(
+                    f"{origin}: format version {data.get('version')!r}, this app reads {SAVE_VERSION}"
+                )
+            msgs = [ChatMessage(**m) for m in data["messages"]]
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            if isinstance(err, ConversationError):
+                raise
+            raise ConversationError(f"{origin}: not a saved conversation ({err})") from None
+        return cls(str(data.get("system", "")), msgs)
+
+
+def check_name(name: str) -> str:
+    """A save name is letters, digits, '_', '.', '-' (max 64); raises ConversationError."""
+    if not _NAME.match(name):
+        raise ConversationError(
+            f"bad name {name!r}: use letters, digits, '_', '.', '-' (e.g. /save my-chat)"
+        )
+    return name
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temp file + fsync + rename (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(conv: Conversation, saved_dir: Path, name: str) -> Path:
+    path = saved_dir / f"{check_name(name)}.json"
+    write_atomic(path, conv.to_json())
+    return path
+
+
+def load(saved_dir: Path, name: str) -> Conversation:
+    path = saved_dir / f"{check_name(name)}.json"
+    if not path.is_file():
+        have = sorted(p.stem for p in saved_dir.glob("*.json")) if saved_dir.is_dir() else []
+        hint = f"saved: {', '.join(have)}" if have else "nothing saved yet (/save NAME)"
+        raise ConversationError(f"no saved conversation {name!r} ({hint})")
+    return Conversation.from_json(path.read_text(encoding="utf-8"), str(path))

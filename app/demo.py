@@ -1,0 +1,72 @@
+"""The demo model: a tiny synthetic checkpoint (random weights, real tokenizer), converted once.
+
+`<data_dir>/models/demo/` is created atomically: built in a temporary directory next to it and
+renamed into place only when complete, so a half-built demo never looks usable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from app.wizard import DEMO_NAME, WizardError, is_converted
+from engine.events import LoadProgress
+
+DEMO_NOTICE = ("demo model: a tiny network with RANDOM weights and the real tokenizer — "
+               "answers are gibberish; it shows the engine, cache and UI at work")
+
+ProgressFn = Callable[[Any], None]
+BuildFn = Callable[[Path, Path, ProgressFn], None]
+
+
+def _synth_progress(progress: ProgressFn) -> Callable[[str], None]:
+    """Turn synth's "[k/n] shard…" log lines into LoadProgress events."""
+
+    def log(line: str) -> None:
+        m = re.match(r"\[(\d+)/(\d+)\]\s*([^:]*)", line)
+        done, total = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        progress(LoadProgress("writing the demo checkpoint", done, total, "shards",
+                              m.group(3) if m else line))
+
+    return log
+
+
+def build_with_converter(work_dir: Path, out_dir: Path, progress: ProgressFn) -> None:
+    """Write the synthetic checkpoint into `work_dir` and convert it into `out_dir`."""
+    try:
+        from converter import convert, synth
+    except ImportError as err:
+        raise WizardError(f"cannot build the demo model: converter missing ({err})") from None
+    ckpt = work_dir / "checkpoint"
+    synth.write_checkpoint(ckpt, synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0),
+                           log=_synth_progress(progress))
+    convert.convert(ckpt, out_dir, progress=progress, cancel=threading.Event(), resume=False)
+
+
+def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | None = None) -> Path:
+    """The converted demo model under `data_dir/models/demo`, building it on first use."""
+    models = data_dir / "models"
+    target = models / DEMO_NAME
+    if is_converted(target):
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
+    try:
+        out = work / "converted"
+        (build or build_with_converter)(work, out, progress)
+        if not is_converted(out):
+            raise WizardError("building the demo model produced no manifest.json")
+        if target.exists():  # a stale, incomplete demo directory from an older build
+            shutil.rmtree(target)
+        try:
+            out.rename(target)
+        except OSError:
+            if not is_converted(target):  # not another instance winning the race
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target

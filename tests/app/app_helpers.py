@@ -1,0 +1,52 @@
+"""Helpers for driving ChatApp under Textual's Pilot."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from rich.console import Console
+from textual.app import App
+from textual.pilot import Pilot
+
+
+def screen_text(app: App) -> str:
+    """The current screen as plain text (what a user would read)."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
+                      color_system=None, record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens, simplify=True))
+    return console.export_text()
+
+
+async def wait_for(pilot: Pilot, condition, timeout: float = 5.0, what: str = "condition") -> None:
+    """Let the app run until `condition()` holds (fails the test after `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def wait_idle(pilot: Pilot, app) -> None:
+    """Wait until the engine service has no job and the UI processed the results."""
+    await wait_for(pilot, lambda: app.service.busy is None and app.service.ready,
+                   what="the engine to be idle")
+    await pilot.pause()
+
+
+async def type_and_send(pilot: Pilot, app, text: str) -> None:
+    """Type `text` into the prompt, press Enter and wait for the resulting job to finish."""
+    app.chat.prompt.load_text(text)
+    await pilot.press("enter")
+    await pilot.pause()
+    await wait_idle(pilot, app)
+
+
+async def start_turn(pilot: Pilot, app, text: str) -> None:
+    """Submit `text` and return as soon as the first answer text has arrived (mid-stream)."""
+    app.chat.prompt.load_text(text)
+    app.chat.prompt.submit()
+    await wait_for(pilot, lambda: app._answer is not None and app._answer.answer_text,
+                   what="the first token")
