@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--workdir", default="/tmp/dsv4b")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--backends", default="tilelang,torch", help="comma-separated kernel backends to time")
+    p.add_argument("--skip-stream", action="store_true", help="skip the converted 25 %% cache run")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.decode_engine needs a CUDA GPU")
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
           f"roofline {roofline_ms:.3f} ms/token")
     experts = GpuResidentExperts(files, args.n_layers, args.n_routed_experts, dev)
     rows = []
-    for backend in ("tilelang", "torch"):
+    for backend in a.backends.split(","):
         model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
         pre, ms = _decode(model, experts, ids, a.prefill, a.tokens)
         rows.append((f"ours native, {backend}, all resident", pre, ms))
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     del experts
     torch.cuda.empty_cache()
-    rows.append(_streaming(ckpt, ids, a, dev))
+    if not a.skip_stream:
+        rows.append(_streaming(ckpt, ids, a, dev))
     if not a.skip_hf:
         pre, ms, gib = _hf_decode(ckpt, ids, a.prefill, a.tokens)
         rows.append((f"transformers bf16-dequantised ({gib:.0f} GiB)", pre, ms))

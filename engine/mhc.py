@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelArgs
+from engine.numerics import Numerics
 from kernels import reference as ref
 
 
@@ -19,13 +20,14 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           iters: int, hc_eps: float, eps: float, sinkhorn=ref.sinkhorn
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre)."""
     m = _mixes(streams, fn, eps)
     pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb_logits = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)  # row-major n×n
-    comb = ref.sinkhorn(comb_logits, iters, hc_eps)
+    comb = sinkhorn(comb_logits, iters, hc_eps)
     x = (pre.unsqueeze(-1) * streams.float()).sum(dim=1)
     return x.to(streams.dtype), post, comb
 
@@ -49,12 +51,15 @@ class HyperConnection:
 
     post = staticmethod(hc_post)
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
+                 numerics: Numerics):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
         self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
+        # Native runs the backend's fused Sinkhorn (one launch instead of ~120); exact the reference.
+        self.sinkhorn = numerics.backend.sinkhorn if numerics.native else ref.sinkhorn
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc_pre(streams, self.fn, self.scale, self.base, *self.consts)
+        return hc_pre(streams, self.fn, self.scale, self.base, *self.consts, self.sinkhorn)
 
 
 class HyperHead:

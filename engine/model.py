@@ -40,9 +40,9 @@ class Block:
     def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.eps = layer, args.norm_eps
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
-                                       get(f"{prefix}.hc_attn_base"), args)
+                                       get(f"{prefix}.hc_attn_base"), args, numerics)
         self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
-                                      get(f"{prefix}.hc_ffn_base"), args)
+                                      get(f"{prefix}.hc_ffn_base"), args, numerics)
         self.attn_norm = get(f"{prefix}.attn_norm.weight").float()
         self.ffn_norm = get(f"{prefix}.ffn_norm.weight").float()
         self.attn = Attention(get, f"{prefix}.attn", args, layer, numerics)

@@ -32,6 +32,10 @@ class Backend(Protocol):
         """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
         ...
 
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """mHC doubly-stochastic projection of [..., n, n] fp32 logits."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -47,6 +51,9 @@ class TorchBackend:
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
 
+    def sinkhorn(self, logits, iters, eps):
+        return ref.sinkhorn(logits, iters, eps)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -54,7 +61,7 @@ class TileLangBackend:
 
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention"}
+            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -77,6 +84,9 @@ class TileLangBackend:
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)
+
+    def sinkhorn(self, logits, iters, eps):
+        return self._impl["sinkhorn"](logits, iters, eps)
 
 
 def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
