@@ -389,7 +389,8 @@ class Engine:
                                  entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
                                  hits=s.hits, misses=s.misses, evictions=s.evictions, bytes_read=s.bytes_read,
                                  hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
-                                 per_layer_hit_rate=s.per_layer_hit_rate)
+                                 # the main layers only: the MTP block's slot row is never routed
+                                 per_layer_hit_rate=s.per_layer_hit_rate[:self.args.n_layers])
         n = self.args.n_layers * self.args.n_routed_experts
         total = n * self.args.expert_record_bytes()
         hits = sum(self.experts.layer_uses)

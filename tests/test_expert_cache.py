@@ -11,8 +11,8 @@ from engine.experts.cache import (
     CacheStats,
     ExpertCache,
     ExpertCacheError,
-    LFUPolicy,
 )
+from engine.experts.policy import LFUPolicy
 
 E = 1000  # entry bytes in these tests
 
