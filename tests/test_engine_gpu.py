@@ -7,6 +7,7 @@ import torch
 
 from engine.model import Transformer
 from engine.numerics import Numerics
+from engine.runtime import DeviceExperts
 from engine.weights import open_official
 from kernels.backend import make_backend
 from oracle import rel_err
@@ -24,26 +25,9 @@ def _logits(ckpt, device: str, backend: str, ids: torch.Tensor, chunks: list[int
     state, out, pos = model.new_state(), [], 0
     with torch.inference_mode():
         for c in chunks:
-            out.append(model.forward(ids[pos:pos + c].to(dev), state, _DeviceExperts(files.experts, dev)))
+            out.append(model.forward(ids[pos:pos + c].to(dev), state, DeviceExperts(files.experts, dev)))
             pos += c
     return torch.cat(out).float().cpu()
-
-
-class _DeviceExperts:
-    """Moves resident experts to the device on use (the tiny model's experts are a few KiB)."""
-
-    def __init__(self, inner, device):
-        self.inner, self.device = inner, device
-
-    def experts(self, layer, ids):
-        from engine.moe import ExpertWeights
-
-        for e, w in self.inner.experts(layer, ids):
-            yield e, ExpertWeights(*(t.to(self.device) for t in (w.w1, w.w1_scale, w.w3, w.w3_scale,
-                                                                    w.w2, w.w2_scale)))
-
-    def prefetch(self, layer, ids):
-        self.inner.prefetch(layer, ids)
 
 
 IDS = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(0))
