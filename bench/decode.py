@@ -7,8 +7,8 @@ weights, bf16 wo_a and gate, an expert arena of FP4 records) and times one token
 them: q/kv/indexer projections, sparse attention over 128 window + 512 selected rows, grouped
 wo_a + wo_b, gate, shared expert and 6 routed experts read from arena slots. Norms, RoPE, mHC,
 the compressor/indexer scoring and the routing top-k are left out (small elementwise work),
-and so is the full engine (checkpoint, conversion, cache policy, transformers baseline): the
-issue's end-to-end benchmark still needs the engine wired to these kernels.
+and so is the full engine (checkpoint, conversion, cache policy, transformers baseline): that
+end-to-end measurement is bench/decode_engine.py.
 
 Reported: bytes touched per token per layer, ms per layer (eager = launch-bound, and CUDA-graph
 replay), achieved GB/s as a fraction of the device-to-device copy bandwidth measured in the
