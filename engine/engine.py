@@ -1,4 +1,4 @@
-"""The engine facade (.notes/ENGINE_API.md): load a model, run chat sessions, report statistics.
+"""The engine facade: load a model, run chat sessions, report statistics.
 
     eng = Engine.load(model_dir, EngineConfig(...), progress=print)
     sess = eng.new_session(system="You are helpful.")

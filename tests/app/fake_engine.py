@@ -1,4 +1,4 @@
-"""A fake engine implementing the Engine facade contract (.notes/ENGINE_API.md) for app tests.
+"""A fake engine implementing the Engine facade contract (engine/engine.py) for app tests.
 
 It streams a canned answer word by word, yields StepUpdates built from the real
 engine.stats dataclasses, honours `cancel` between steps, and keeps a small fake expert cache
