@@ -108,25 +108,3 @@ def quantize_fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _e2m1_codes_of_4x((blocks * inv4.unsqueeze(2)).view(n, k))  # [N, K]
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [N, K/2], low nibble = even element
     return packed.view(torch.int8), _e8m0_from_exponent(exp)
-
-
-def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
-    """float8_e8m0fnu -> float32 (2^(byte-127))."""
-    exponent = s.view(torch.uint8).to(torch.int32) - 127
-    return torch.ldexp(torch.ones(s.shape, device=s.device), exponent)
-
-
-def dequantize_fp8_block(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(e4m3 [N, K], e8m0 [ceil(N/128), ceil(K/128)]) -> float32 [N, K]."""
-    n, k = q.shape
-    scale = e8m0_to_float(s).repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)
-    return q.float() * scale[:, :k]
-
-
-def dequantize_fp4_rows(packed: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(int8 [N, K/2], e8m0 [N, K/32]) -> float32 [N, K]."""
-    b = packed.view(torch.uint8)
-    codes = torch.stack([b & 0xF, b >> 4], dim=2).view(b.shape[0], -1)  # [N, K]
-    mag = torch.tensor(E2M1_VALUES)[(codes & 7).long()]
-    vals = torch.where(codes >= 8, -mag, mag)
-    return vals * e8m0_to_float(s).repeat_interleave(FP4_BLOCK, 1)

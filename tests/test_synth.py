@@ -10,14 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converter.quant import (
-    QuantError, dequantize_fp4_rows, dequantize_fp8_block, e2m1_codes, e8m0_to_float,
-    quantize_fp4_rows, quantize_fp8_block,
-)
+from converter.quant import QuantError, e2m1_codes, quantize_fp4_rows, quantize_fp8_block
 from converter.stwriter import SafetensorsWriteError, SafetensorsWriter, TensorSpec, aligned_first
 from converter.synth import (
     SynthError, SynthOptions, flash_config, main, plan_tensors, tiny_config, write_checkpoint,
 )
+from kernels import reference as ref
 
 F8, E8, I8, I64 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.int64
 BF16, F32 = torch.bfloat16, torch.float32
@@ -228,9 +226,9 @@ def test_tiny_weight_statistics(tiny: Path):
     assert abs(t["layers.3.hc_attn_fn"].std().item() - 0.05) < 0.002
     assert abs(t["layers.3.hc_attn_base"].std().item() - 0.5) < 0.25
     assert abs(t["layers.2.attn.compressor.ape"].std().item() - 0.5) < 0.02
-    wq_b = dequantize_fp8_block(t["layers.0.attn.wq_b.weight"], t["layers.0.attn.wq_b.scale"])
+    wq_b = ref.dequant_fp8_block(t["layers.0.attn.wq_b.weight"], t["layers.0.attn.wq_b.scale"])
     assert abs(wq_b.std().item() * math.sqrt(128) - 1.0) < 0.05  # N(0, fan_in^-1/2)
-    w2 = dequantize_fp4_rows(t["layers.4.ffn.experts.3.w2.weight"],
+    w2 = ref.dequant_fp4(t["layers.4.ffn.experts.3.w2.weight"],
                              t["layers.4.ffn.experts.3.w2.scale"])
     assert abs(w2.std().item() * math.sqrt(128) - 1.0) < 0.1
 
@@ -249,12 +247,12 @@ def test_clamp_stress_expert(tmp_path: Path):
     t = read_all(out)
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))  # unit-RMS input
     for p in ("layers.0.ffn.experts.5.w1", "layers.4.ffn.experts.5.w3", "mtp.0.ffn.experts.5.w1"):
-        pre = x @ dequantize_fp4_rows(t[p + ".weight"], t[p + ".scale"]).T
+        pre = x @ ref.dequant_fp4(t[p + ".weight"], t[p + ".scale"]).T
         assert pre.abs().max() > 10 and pre.std() > 10
-    shared = dequantize_fp8_block(t["layers.2.ffn.shared_experts.w1.weight"],
+    shared = ref.dequant_fp8_block(t["layers.2.ffn.shared_experts.w1.weight"],
                                   t["layers.2.ffn.shared_experts.w1.scale"])
     assert (x @ shared.T).std() > 10
-    normal = dequantize_fp4_rows(t["layers.0.ffn.experts.4.w1.weight"],
+    normal = ref.dequant_fp4(t["layers.0.ffn.experts.4.w1.weight"],
                                  t["layers.0.ffn.experts.4.w1.scale"])
     assert (x @ normal.T).std() < 2
 
@@ -270,13 +268,13 @@ def test_hf_oracle_loads_and_dequantises_equal(tiny: Path):
     sd, t = model.state_dict(), read_all(tiny)
 
     def fp4(n):
-        return dequantize_fp4_rows(t[n + ".weight"], t[n + ".scale"])
+        return ref.dequant_fp4(t[n + ".weight"], t[n + ".scale"])
 
     p = "layers.3.ffn.experts.9."
     gate_up = sd["model.layers.3.mlp.experts.gate_up_proj"][9]  # [2I, D]: w1 rows, then w3
     assert torch.equal(gate_up, torch.cat([fp4(p + "w1"), fp4(p + "w3")]))
     assert torch.equal(sd["model.layers.3.mlp.experts.down_proj"][9], fp4(p + "w2"))
-    wq_b = dequantize_fp8_block(t["layers.2.attn.wq_b.weight"], t["layers.2.attn.wq_b.scale"])
+    wq_b = ref.dequant_fp8_block(t["layers.2.attn.wq_b.weight"], t["layers.2.attn.wq_b.scale"])
     assert torch.equal(sd["model.layers.2.self_attn.q_b_proj.weight"], wq_b)
     assert torch.equal(sd["model.layers.1.mlp.gate.tid2eid"], t["layers.1.ffn.gate.tid2eid"])
     logits = model(torch.tensor([[0, 17, 300, 5]])).logits
@@ -334,15 +332,15 @@ def test_fp4_pack_order_scales_and_round_trip():
     packed, scale = quantize_fp4_rows(row[None])
     assert packed.dtype == I8 and packed.shape == (1, 16) and scale.shape == (1, 1)
     assert packed.view(torch.uint8)[0, :2].tolist() == [0x21, 0x5F]  # low nibble = even element
-    assert e8m0_to_float(scale).item() == 1.0
-    assert torch.equal(dequantize_fp4_rows(packed, scale), row[None])
+    assert ref.e8m0_to_float(scale).item() == 1.0
+    assert torch.equal(ref.dequant_fp4(packed, scale), row[None])
     for amax, want in [(6.0, 1.0), (6.01, 2.0), (3.0, 0.5), (12.0, 2.0), (0.0, 2.0 ** -42)]:
         _, s = quantize_fp4_rows(torch.full((1, 32), amax))
-        assert e8m0_to_float(s).item() == want, amax  # 2^ceil(log2(amax/6)), floored amax
+        assert ref.e8m0_to_float(s).item() == want, amax  # 2^ceil(log2(amax/6)), floored amax
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 3
     packed, scale = quantize_fp4_rows(w)
-    err = (dequantize_fp4_rows(packed, scale) - w).abs()
-    step = e8m0_to_float(scale).repeat_interleave(32, 1)  # largest gap is 2 * scale
+    err = (ref.dequant_fp4(packed, scale) - w).abs()
+    step = ref.e8m0_to_float(scale).repeat_interleave(32, 1)  # largest gap is 2 * scale
     assert (err <= step + 1e-7).all()
     with pytest.raises(QuantError, match="K % 32"):
         quantize_fp4_rows(torch.zeros(4, 48))
@@ -357,14 +355,14 @@ def test_fp8_block_scales_and_round_trip():
     w[128, 128] = 448.0 * 4 * 1.01  # just above -> scale 8
     q, s = quantize_fp8_block(w)
     assert q.dtype == F8 and s.dtype == E8 and s.shape == (3, 3)
-    sf = e8m0_to_float(s)
+    sf = ref.e8m0_to_float(s)
     assert sf[0, 0].item() == 4.0 and sf[1, 1].item() == 8.0
-    deq = dequantize_fp8_block(q, s)
+    deq = ref.dequant_fp8_block(q, s)
     assert deq[0, 0].item() == 1792.0 and (deq[1:128, :128] == 0).all()
     scale = sf.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
     assert ((deq - w).abs() <= w.abs() / 16 + scale * 2.0 ** -10).all()  # e4m3 half-ulp
     exact = torch.tensor([[1.0, -0.5, 448.0, 0.015625]])
-    assert torch.equal(dequantize_fp8_block(*quantize_fp8_block(exact)), exact)
+    assert torch.equal(ref.dequant_fp8_block(*quantize_fp8_block(exact)), exact)
 
 
 # ----------------------------------------------------------------------------- safetensors writer
