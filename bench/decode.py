@@ -20,17 +20,11 @@ import statistics
 
 import torch
 
-from bench.kernels import copy_bandwidth
+from bench.kernels import _fp8, copy_bandwidth
 
 DIM, HEADS, HEAD_DIM, Q_RANK, INTER, N_EXPERTS, TOPK = 4096, 64, 512, 1024, 2048, 256, 6
 IDX_HEADS, IDX_DIM, GROUPS, O_RANK, WINDOW, SELECTED = 64, 128, 8, 1024, 128, 512
 FULL_LAYERS = 43
-
-
-def _fp8(n, k, dev):
-    w = torch.randn(n, k, device=dev).mul(40).to(torch.float8_e4m3fn)
-    s = torch.randint(118, 128, ((n + 127) // 128, k // 128), device=dev, dtype=torch.uint8)
-    return w, s.view(torch.float8_e8m0fnu)
 
 
 class _Field:

@@ -27,6 +27,7 @@ import torch
 
 from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
+from kernels import reference as ref
 from kernels.fp8_gemm import e8m0_bits_to_float
 
 GEMV_MAX_M = 16
@@ -36,8 +37,6 @@ TILE_PARAMS = {
 }
 DEFAULT_TILE = {"rows": 2, "warps": 4}
 _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
-_FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def _fp4_lo(T, byte):
@@ -126,7 +125,7 @@ def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """FP4 weight [N, K/2] -> bf16 [N, K], exactly (e2m1 times a power of two fits bf16)."""
     b = _as_bytes(w)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()  # [N, K/2, 2] -> [N, K]
-    v = _FP4_LUT.to(device=w.device, dtype=torch.bfloat16)[codes]
+    v = ref.FP4_VALUES.to(device=w.device, dtype=torch.bfloat16)[codes]
     e = (_as_bytes(w_scale).to(torch.int32) - 127).repeat_interleave(32, dim=-1)
     return torch.ldexp(v, e.to(torch.bfloat16))
 
