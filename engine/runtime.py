@@ -5,11 +5,10 @@ lock and `torch.inference_mode()`, and returns the last position's logits with t
 time split into attention / MoE compute / expert wait / other. `Runtime.prefill` yields one
 result per chunk and stops between chunks when `cancel` is set.
 
-Timing split without hooks in the model: `InstrumentedProvider` wraps the expert provider and
-measures (a) the time spent waiting inside the provider for each expert (expert wait) and (b)
-the time from a layer's first expert request to its last expert processed minus that wait (the
-routed-expert compute). The model's own `timer` sections give attention and the whole MoE
-(router, shared and routed experts); mHC, embedding and the head are "other".
+Timing split: the model's own `timer` sections give attention and the whole MoE (router,
+shared and routed experts); `InstrumentedProvider` wraps the expert provider and measures the
+time spent waiting inside it for experts (expert wait, taken out of the MoE figure); mHC,
+embedding and the head are "other".
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class InstrumentedProvider:
         self.uses: Counter[tuple[int, int]] = Counter()  # all-time uses per (layer, expert)
         self.layer_uses = [0] * n_layers
         self.wait_s = 0.0  # cumulative seconds inside the provider producing experts
-        self.routed_s = 0.0  # cumulative seconds from first request to last expert, per call
 
     @property
     def cache(self):
@@ -44,24 +42,20 @@ class InstrumentedProvider:
         return getattr(self.inner, "cache", None)
 
     def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        start = time.perf_counter()
         it = iter(self.inner.experts(layer, ids))
-        try:
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    self.wait_s += time.perf_counter() - t0
-                    return
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
                 self.wait_s += time.perf_counter() - t0
-                key = (layer, int(item[0]))
-                self.uses[key] += 1
-                if 0 <= layer < len(self.layer_uses):
-                    self.layer_uses[layer] += 1
-                yield item
-        finally:
-            self.routed_s += time.perf_counter() - start
+                return
+            self.wait_s += time.perf_counter() - t0
+            key = (layer, int(item[0]))
+            self.uses[key] += 1
+            if 0 <= layer < len(self.layer_uses):
+                self.layer_uses[layer] += 1
+            yield item
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         self.inner.prefetch(layer, ids)
@@ -129,7 +123,7 @@ class Runtime:
         if self.log is not None:
             kwargs["log"] = self.log
         with self.lock:
-            wait0, routed0 = self.experts.wait_s, self.experts.routed_s
+            wait0 = self.experts.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
                 logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
@@ -137,9 +131,8 @@ class Runtime:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
             wait = self.experts.wait_s - wait0
-            routed = self.experts.routed_s - routed0
         attention = timer.seconds.get("attention", 0.0)
-        moe = max(0.0, timer.seconds.get("moe", routed) - wait)
+        moe = max(0.0, timer.seconds.get("moe", 0.0) - wait)
         other = max(0.0, seconds - attention - moe - wait)
         timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
                             other_ms=1e3 * other)
