@@ -6,8 +6,9 @@
    drawing the random weights on the GPU;
 2. our engine, native numerics, every weight and expert resident on the GPU, with the
    `torch` reference backend and with the `tilelang` kernels: prefill, then one token at a time;
-3. the same with a converted directory and an expert cache of 25 % of the expert pool
-   (streamed through the cache), if the converter and streaming provider are available;
+3. the same with a converted directory: every expert loaded into the GPU arena and the decode
+   step replayed from one CUDA graph (engine.decode_graph, "whole"); then an expert cache of
+   25 % of the expert pool, streamed, with one CUDA graph per layer segment ("layered");
 4. transformers' DeepseekV4ForCausalLM on the same checkpoint (FP8 dequantised to bf16, since
    its FP8 kernels come from a hub that is unreachable here).
 Prints ms/token, bytes touched per token and GB/s against the copy bandwidth of this run.
@@ -69,28 +70,27 @@ def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int) -> tup
     return t1 - t0, (t3 - t2) * 1e3 / tokens
 
 
-def _profile(model, experts, ids: torch.Tensor, steps: int = 4) -> None:
-    """Where a decode step's time goes: GPU kernel time vs wall time (launch + Python gaps)."""
+def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
+    """Where a decode step's time goes: GPU kernel time vs wall time (launch + Python gaps).
+
+    `step(token) -> logits` runs one decode step (eager forward, or a graph replay)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    state = model.new_state()
     with torch.inference_mode():
-        nxt = model.forward(ids, state, experts, last_only=True).argmax(-1)
-        nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             for _ in range(steps):
-                nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+                nxt = step(nxt).argmax(-1)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t) / steps
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type == DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # ms per step
     launches = sum(e.count for e in kernels) / steps
     print(f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels busy {busy:.2f} ms/token "
-          f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernel launches per token")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+          f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernels per token")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
 
 
@@ -122,26 +122,62 @@ def _hf_decode(path: Path, ids: torch.Tensor, prefill: int, tokens: int) -> tupl
     return t1 - t0, (t3 - t2) * 1e3 / tokens, gib
 
 
-def _streaming(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> tuple[str, float, float]:
-    """Converted directory, expert cache of 25 % of the pool in a GPU arena, tilelang kernels."""
+def _graph_decode(files, runner, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float]:
+    """(prefill seconds, ms per decoded token) through the CUDA-graph runner, greedy."""
+    model = runner.model
+    state = model.new_state()
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model.forward(ids[:prefill], state, files.experts, last_only=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        nxt = logits.argmax(-1)
+        for _ in range(3):  # eager step + capture, then replays
+            nxt = runner.step(state, nxt).argmax(-1)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        for _ in range(tokens):
+            nxt = runner.step(state, nxt).argmax(-1)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        print(f"  graph captures: {runner.captures}")
+        _profile(lambda t: runner.step(state, t), nxt)
+    return t1 - t0, (t3 - t2) * 1e3 / tokens
+
+
+def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[str, float, float]]:
+    """Converted directory; (1) every expert in the GPU arena, one graph per step; (2) a cache of
+    25 % of the expert pool, one graph per layer segment, misses streamed from disk."""
     from converter.convert import convert
+    from engine.decode_graph import DecodeRunner
 
     out = Path(a.workdir) / f"flash{a.layers}-pack"
-    t = time.perf_counter()
-    convert(ckpt, out)
-    print(f"converted in {time.perf_counter() - t:.1f} s")
-    files = open_model(out)  # default budget: room for the whole expert pool
-    pool_bytes = files.experts.cache.capacity_bytes
-    files.close()
-    files = open_model(out, cache_bytes=pool_bytes // 4, device=str(dev))
-    model = Transformer(lambda n: files.get(n).to(dev), files.args,
-                        Numerics.named("native", make_backend("tilelang", dev)))
-    pre, ms = _decode(model, files.experts, ids, a.prefill, a.tokens)
-    st = files.experts.stats()
-    print(f"25 % cache: hit rate {st.hit_rate:.3f}, bytes read {st.bytes_read / 2**30:.2f} GiB, "
-          f"evictions {st.evictions}")
-    files.close()
-    return "ours native, tilelang, 25 % expert cache (streamed)", pre, ms
+    if not (out / "manifest.json").exists():
+        t = time.perf_counter()
+        convert(ckpt, out)
+        print(f"converted in {time.perf_counter() - t:.1f} s")
+    rows = []
+    for share, label in ((1.0, "all resident, CUDA graph per step"), (0.25, "25 % expert cache, graph per layer")):
+        files = open_model(out, device=str(dev))
+        budget = int(files.experts.cache.capacity_bytes * share)
+        if share < 1.0:
+            files.close()
+            files = open_model(out, cache_bytes=budget, device=str(dev))
+        t = time.perf_counter()
+        whole = files.experts.load_all()
+        print(f"{label}: load_all -> {whole} in {time.perf_counter() - t:.1f} s")
+        model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                            Numerics.named("native", make_backend("tilelang", dev)))
+        pre, ms = _graph_decode(files, DecodeRunner(model, files.experts, whole=whole), ids, a.prefill, a.tokens)
+        st = files.experts.stats()
+        print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
+              f"evictions {st.evictions}")
+        rows.append((f"ours native, tilelang, {label}", pre, ms))
+        del model
+        files.close()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _bytes_per_token(files, n_layers: int) -> int:
@@ -159,8 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--workdir", default="/tmp/dsv4b")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--backends", default="tilelang,torch", help="comma-separated kernel backends to time")
-    p.add_argument("--skip-stream", action="store_true", help="skip the converted 25 %% cache run")
+    p.add_argument("--backends", default="tilelang,torch",
+                   help="comma-separated kernel backends to time eagerly (empty: none)")
+    p.add_argument("--skip-graph", action="store_true", help="skip the converted CUDA-graph runs")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.decode_engine needs a CUDA GPU")
@@ -180,20 +217,24 @@ def main(argv=None) -> int:
     roofline_ms = per_token / (bw * 1e9) * 1e3
     print(f"HBM copy {bw:.0f} GB/s (read+write); bytes touched per token {per_token / 2**20:.1f} MiB; "
           f"roofline {roofline_ms:.3f} ms/token")
-    experts = GpuResidentExperts(files, args.n_layers, args.n_routed_experts, dev)
+    backends = [b for b in a.backends.split(",") if b]
+    experts = GpuResidentExperts(files, args.n_layers, args.n_routed_experts, dev) if backends else None
     rows = []
-    for backend in a.backends.split(","):
+    for backend in backends:
         model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
         pre, ms = _decode(model, experts, ids, a.prefill, a.tokens)
         rows.append((f"ours native, {backend}, all resident", pre, ms))
         if backend == "tilelang":
-            _profile(model, experts, ids[:16])
+            state = model.new_state()
+            with torch.inference_mode():
+                nxt = model.forward(ids[:16], state, experts, last_only=True).argmax(-1)
+            _profile(lambda t: model.forward(t, state, experts, last_only=True), nxt)
         del model
         torch.cuda.empty_cache()
     del experts
     torch.cuda.empty_cache()
-    if not a.skip_stream:
-        rows.append(_streaming(ckpt, ids, a, dev))
+    if not a.skip_graph:
+        rows.extend(_graphed(ckpt, ids, a, dev))
     if not a.skip_hf:
         pre, ms, gib = _hf_decode(ckpt, ids, a.prefill, a.tokens)
         rows.append((f"transformers bf16-dequantised ({gib:.0f} GiB)", pre, ms))

@@ -62,7 +62,7 @@ class Compressor:
 
     def __call__(self, x: torch.Tensor, start: int, st: CompressorState) -> None:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
-        r, d, s = self.ratio, self.dim, x.shape[0]
+        r, s = self.ratio, x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
         kv = self.wkv(x)  # [S, c·d] fp32
         gate = self.wgate(x) + self.ape[positions % r]
@@ -79,27 +79,48 @@ class Compressor:
         win_kv = kv[: n_win * r].view(n_win, r, -1)  # [n_win, r, c·d]
         win_gate = gate[: n_win * r].view(n_win, r, -1)
         if self.overlap:
-            win_kv, win_gate = self._overlap(win_kv, win_gate, st)  # [n_win, 2r, d]
-        weights = torch.softmax(win_gate, dim=1)  # over the window's slots, per channel
-        pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        entries = self.rope(entries, (first + torch.arange(n_win, device=x.device)) * r)
-        st.store_entries(first, self._storage_rounding(entries))
+            win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)  # [n_win, 2r, d]
+            st.prev_kv.copy_(kv[(n_win - 1) * r:n_win * r, :self.dim])  # in place: graphs hold it
+            st.prev_gate.copy_(gate[(n_win - 1) * r:n_win * r, :self.dim])
+        st.store_entries(first, self._pool(win_kv, win_gate, first + torch.arange(n_win, device=x.device)))
 
-    def _overlap(self, win_kv, win_gate, st: CompressorState):
-        """8 slots per entry: the previous window's first half, then this window's second half."""
-        r, d = self.ratio, self.dim
-        prev_kv = torch.cat((self._prev(st.prev_kv, 0.0, win_kv), win_kv[:-1, :, :d]))  # [n_win, r, d]
-        prev_gate = torch.cat((self._prev(st.prev_gate, float("-inf"), win_kv), win_gate[:-1, :, :d]))
-        st.prev_kv, st.prev_gate = win_kv[-1, :, :d].clone(), win_gate[-1, :, :d].clone()
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> None:
+        """One token x [1, D] at device position pos [1], with static shapes (no host sync).
+
+        The token goes to buffer row pos mod r; the entry of its window (index pos // r) is
+        pooled and written every step — before the window completes it is not yet visible to
+        any reader and is overwritten at completion, when every buffer row is of this window."""
+        r = self.ratio
+        row = pos % r
+        st.buf_kv.index_copy_(0, row, self.wkv(x))
+        st.buf_gate.index_copy_(0, row, self.wgate(x) + self.ape[row])
+        win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]
+        if self.overlap:
+            win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)
+            done = ((pos + 1) % r == 0).view(1, 1)
+            st.prev_kv.copy_(torch.where(done, st.buf_kv[:, :self.dim], st.prev_kv))
+            st.prev_gate.copy_(torch.where(done, st.buf_gate[:, :self.dim], st.prev_gate))
+        st.entries.index_copy_(0, pos // r, self._pool(win_kv, win_gate, pos // r))
+
+    def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
+        """8 slots per entry: the previous window's first half, then this window's second half.
+
+        win_* [n_win, r, 2d]; prev_* [r, d] (the window before the first) -> [n_win, 2r, d]."""
+        d = self.dim
+        prev_kv = torch.cat((prev_kv.unsqueeze(0), win_kv[:-1, :, :d]))  # [n_win, r, d]
+        prev_gate = torch.cat((prev_gate.unsqueeze(0), win_gate[:-1, :, :d]))
         kv = torch.cat((prev_kv, win_kv[:, :, d:]), dim=1)  # [n_win, 2r, d]
         gate = torch.cat((prev_gate, win_gate[:, :, d:]), dim=1)
         return kv, gate
 
-    def _prev(self, saved: torch.Tensor | None, fill: float, like: torch.Tensor) -> torch.Tensor:
-        if saved is None:  # window 0 has no predecessor: zero values with -inf logits
-            return like.new_full((1, self.ratio, self.dim), fill)
-        return saved.unsqueeze(0)
+    def _pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Gated pooling of windows [n_win, slots, d] (indices `windows` [n_win]) -> stored entries."""
+        # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
+        weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
+        pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
+        entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
+        entries = self.rope(entries, windows * self.ratio)
+        return self._storage_rounding(entries)
 
     def _storage_rounding(self, entries: torch.Tensor) -> torch.Tensor:
         if not self.numerics.native:
@@ -128,23 +149,40 @@ class Indexer:
         positions = torch.arange(start, start + s, device=x.device)
         self.compressor(x, start, st)
         n_entries = (start + s) // self.ratio
+        scores = self._scores(x, c, positions, st.entries[:n_entries])
+        if log is not None:
+            log(scores)
+        return self._select(scores, positions)
+
+    def decode(self, x: torch.Tensor, c: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+               n_keys: int) -> torch.Tensor:
+        """One token at device position pos [1], scoring the first `n_keys` (static) entry slots;
+        slots not yet visible score -inf, so the picks equal those of `__call__`."""
+        self.compressor.decode(x, pos, st)
+        return self._select(self._scores(x, c, pos, st.entries[:n_keys]), pos)
+
+    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf where not visible."""
+        s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions)
         if self.numerics.native:
             q = fp4_rounding(q)
-        keys = st.entries[:n_entries]
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
         scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [S, T]
         visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
-        invisible = torch.arange(n_entries, device=x.device).unsqueeze(0) >= visible.unsqueeze(1)
-        scores = scores.masked_fill(invisible, float("-inf"))
-        if log is not None:
-            log(scores)
-        k = min(self.topk, n_entries)
+        invisible = torch.arange(keys.shape[0], device=x.device).unsqueeze(0) >= visible.unsqueeze(1)
+        return scores.masked_fill(invisible, float("-inf"))
+
+    def _select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""
+        s, n = scores.shape
+        k = min(self.topk, n)
         top = ref.topk_desc(scores, k)
-        top = torch.where(top >= visible.unsqueeze(1), torch.full_like(top, -1), top)
-        if k < self.topk:  # fixed width: always `index_topk` candidates, absent ones -1
+        visible = ((positions + 1) // self.ratio).unsqueeze(1)
+        top = torch.where(top >= visible, torch.full_like(top, -1), top)
+        if k < self.topk:
             top = torch.cat((top, top.new_full((s, self.topk - k), -1)), dim=1)
         return top
 
@@ -177,38 +215,67 @@ class Attention:
         """x [S, D] (attn-normed) at positions start.. -> [S, D].
 
         `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
-        args, s, eps = self.args, x.shape[0], self.args.norm_eps
+        s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
-        c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)  # [S, q_lora_rank]
-        q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = ref.rms_norm(q, None, eps)
-        q = self.rope(q, positions)
-        kv = ref.rms_norm(self.wkv(x), self.kv_norm, eps)  # [S, D]
-        kv = self.rope(kv, positions)
-        if self.numerics.native:
-            kv = kv_rounding(kv, args.nope_head_dim)
-
+        c, q, kv = self._project(x, positions)
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:
-            self.compressor(x, start, st.compressor)
             n_entries = (start + s) // self.ratio
+            st.reserve(n_entries)
+            self.compressor(x, start, st.compressor)
             if self.indexer is not None:
                 chosen = self.indexer(x, c, start, st.indexer,
                                       None if log is None else lambda t: log("indexer_scores", t))
                 if log is not None:
                     log("indexer", chosen)
-            else:  # HCA: every complete entry, -1 for those not yet visible at p
-                chosen = torch.arange(n_entries, device=x.device).expand(s, -1)
-                visible = ((positions + 1) // self.ratio).unsqueeze(1)
-                chosen = torch.where(chosen < visible, chosen, torch.full_like(chosen, -1))
+            else:
+                chosen = self._all_visible(n_entries, positions)
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
+        return self._output(self._attend(q, window_kv, idx), positions)
 
-        o = self._attend(q, window_kv, idx)  # [S, H, D] fp32
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """One token x [1, D] at device position pos [1] -> [1, D], with static shapes.
+
+        Keys are read in place from `st.kv` (ring rows in position order, then entry slots
+        0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
+        caller reserves room for entry pos // ratio first. Equals `__call__` on one token."""
+        c, q, kv = self._project(x, pos)
+        w = self.window
+        st.window.index_copy_(0, pos % w, kv.to(st.kv.dtype))
+        want = pos - torch.arange(w - 1, -1, -1, device=x.device)  # positions p-W+1..p
+        idx = torch.where(want >= 0, want % w, torch.full_like(want, -1)).unsqueeze(0)  # [1, W]
+        if self.ratio:
+            self.compressor.decode(x, pos, st.compressor)
+            if self.indexer is not None:
+                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity)
+            else:
+                chosen = self._all_visible(st.capacity, pos)
+            idx = torch.cat((idx, torch.where(chosen >= 0, chosen + w, chosen)), dim=1)
+        return self._output(self._attend(q, st.kv, idx), pos)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded)."""
+        eps, s = self.args.norm_eps, x.shape[0]
+        c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)
+        q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
+        q = self.rope(ref.rms_norm(q, None, eps), positions)
+        kv = self.rope(ref.rms_norm(self.wkv(x), self.kv_norm, eps), positions)  # [S, D]
+        if self.numerics.native:
+            kv = kv_rounding(kv, self.args.nope_head_dim)
+        return c, q, kv
+
+    def _all_visible(self, n_entries: int, positions: torch.Tensor) -> torch.Tensor:
+        """HCA picks: every entry slot 0..n_entries-1, -1 for those not yet visible at p [S, n]."""
+        chosen = torch.arange(n_entries, device=positions.device).expand(positions.shape[0], -1)
+        visible = ((positions + 1) // self.ratio).unsqueeze(1)
+        return torch.where(chosen < visible, chosen, torch.full_like(chosen, -1))
+
+    def _output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output o [S, H, D] fp32 -> inverse RoPE -> grouped wo_a -> wo_b -> [S, D]."""
         o = self.rope(o.to(self.numerics.dtype), positions, inverse=True)
-        z = self.wo_a(o.reshape(s, -1))
-        return self.wo_b(z)
+        return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.numerics.native:

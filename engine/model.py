@@ -10,6 +10,7 @@ formats (e.g. `TensorIndex.get`).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -64,6 +65,33 @@ class Block:
             f = self.ffn(x, ids, experts, routed)
         return self.hc_ffn.post(f, streams, post, comb)
 
+    # One-token decode with static shapes and a device position (CUDA-graph capturable), split at
+    # the routing decision so a streaming runner can load the chosen experts in between.
+    def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st) -> DecodeCarry:
+        """First half of the block for one token: mHC + attention + mHC pre of the FFN + route."""
+        x, post, comb = self.hc_attn.pre(streams)
+        a = self.attn.decode(ref.rms_norm(x, self.attn_norm, self.eps), pos, st)
+        streams = self.hc_attn.post(a, streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        x = ref.rms_norm(x, self.ffn_norm, self.eps)
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(x, ids))
+
+    def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
+        """Second half: routed experts from the arena + shared expert, mHC post -> streams."""
+        f = self.ffn.decode(carry.x, carry.routed, arena)
+        return self.hc_ffn.post(f, carry.streams, carry.post, carry.comb)
+
+
+@dataclass
+class DecodeCarry:
+    """What a block's decode passes from its attention half to its FFN half."""
+
+    streams: torch.Tensor  # [1, n_hc, D] after the attention's mHC post
+    x: torch.Tensor  # [1, D] ffn-normed block input
+    post: torch.Tensor
+    comb: torch.Tensor
+    routed: tuple[torch.Tensor, torch.Tensor]  # expert ids [1, k] int64, weights [1, k] fp32
+
 
 class MTP:
     """The multi-token-prediction block `mtp.0` (§C.8): logical layer n_layers, window-only."""
@@ -88,7 +116,7 @@ class Transformer:
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
         self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
         self.norm = get("norm.weight").float()
-        self.head = get("head.weight").float()  # [V, D]: the official head runs in fp32
+        self.head = get("head.weight")  # [V, D] bf16: the official head runs in fp32 (widened per call)
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
 
     def new_state(self) -> SequenceState:
@@ -121,13 +149,42 @@ class Transformer:
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [S, n_hc, D] -> logits [S, V] fp32 (HCHead, norm, fp32 head)."""
         y = ref.rms_norm(self.hc_head(streams), self.norm, self.args.norm_eps)
-        return y.float() @ self.head.T
+        return self._head(y)
+
+    def _head(self, y: torch.Tensor) -> torch.Tensor:
+        if self.numerics.native:
+            return self.numerics.backend.head_logits(y, self.head)
+        return ref.head_logits(y, self.head)
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
                 last_only: bool = False, log: SelectionLog | None = None, timer=None) -> torch.Tensor:
         """ids [S] -> logits [S, V] (or [1, V] with last_only) fp32."""
         streams = self.forward_streams(ids, state, experts, log, timer)
         return self.logits(streams[-1:] if last_only else streams)
+
+    def reserve(self, state: SequenceState, pos: int) -> bool:
+        """Room in every compressed layer for the entry of position `pos` (what `decode` at pos
+        writes); True when some buffer was reallocated."""
+        grown = False
+        for i, st in enumerate(state.layers):
+            if self.args.ratio(i):
+                grown |= st.reserve(pos // self.args.ratio(i) + 1)
+        return grown
+
+    def decode_begin(self, ids: torch.Tensor) -> torch.Tensor:
+        """Streams [1, n_hc, D] of one token id [1]."""
+        return self.embed_tokens(ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, state: SequenceState, arena) -> torch.Tensor:
+        """One token ids [1] at device position pos [1] -> logits [1, V] fp32, static shapes.
+
+        Every routed expert must be resident in `arena` (engine.experts.arena.ExpertArena) and
+        `reserve(state, pos)` done; `state.pos` is the caller's to advance (engine.decode_graph).
+        Equals `forward(ids, state, ...)` at state.pos."""
+        streams = self.decode_begin(ids)
+        for block, st in zip(self.blocks, state.layers):
+            streams = block.decode_ffn(block.decode_attention(streams, ids, pos, st), arena)
+        return self.logits(streams)
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,
                     experts: ExpertProvider) -> torch.Tensor:
@@ -140,4 +197,4 @@ class Transformer:
         x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
         x = m.block(x.to(self.numerics.dtype), next_ids, start, state.mtp, experts)
         y = ref.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
-        return y.float() @ self.head.T
+        return self._head(y)

@@ -18,6 +18,7 @@ from engine.config import ModelArgs
 from engine.linear import FP8Linear
 from engine.numerics import Numerics
 from kernels import reference as ref
+from kernels.reference import swiglu
 
 EXPERT_FIELDS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
 
@@ -48,11 +49,6 @@ class ExpertProvider(Protocol):
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """Hint: `layer` will need these experts soon (hash layers know them from token ids)."""
         ...
-
-
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU: gate clamped above at `limit`, up clamped to ±limit (§C.7 step 4)."""
-    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
 class Gate:
@@ -111,8 +107,30 @@ class MoE:
         for e, weights in provider.experts(self.layer, wanted):
             rows, cols = where[:, spans[e][0]:spans[e][1]]
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
+        return self._combine(slots, x)
+
+    def decode(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
+        """One token x [1, D] with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
+
+        Experts are read from `arena` (engine.experts.arena.ExpertArena: `data` [slots, R] u8,
+        `table` [units, E] int32 slot per (layer, expert), `record.fields`); every routed expert
+        of this layer must be resident. Equals `__call__`: same per-expert math, same order."""
+        idx, w = routed
+        k = idx.shape[1]
+        slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
+        if self.numerics.native:
+            y = self.numerics.backend.fp4_moe(x.expand(k, -1), arena.data, arena.record.fields, slots, w[0],
+                                              self.limit)  # [k, D] fp32, row j = choice j
+        else:
+            recs = arena.data.index_select(0, slots.long())  # [k, R]
+            y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
+                           for j in range(k)])
+        return self._combine(y.unsqueeze(0), x)  # [1, k, D]
+
+    def _combine(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Sum the (token, choice) cells [N, k, D] in routing order, then the shared expert."""
         y = slots[:, 0]
-        for j in range(1, k):  # fixed summation order: independent of expert arrival order
+        for j in range(1, slots.shape[1]):  # fixed summation order: independent of expert arrival order
             y = y + slots[:, j]
         y = y + self._shared(x)
         return y.to(self.numerics.dtype)

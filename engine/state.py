@@ -3,6 +3,13 @@
 One `SequenceState` per conversation: the number of tokens processed, and for every layer the
 sliding-window ring of KV, plus for compressed layers the compressor state and the compressed
 caches. `clone()` gives an independent snapshot (used at turn boundaries for regenerate/undo).
+
+Layout contract (the one-token decode step and its CUDA graphs rely on it): a layer's attention
+keys live in ONE buffer `LayerState.kv` [W + capacity, head_dim]; rows 0..W-1 are the window
+ring (`window`, slot p mod W holds position p) and rows W.. the attention compressor's entries
+(`compressor.entries`, entry w covers tokens [w·r, (w+1)·r)). Both are views of `kv`, so a
+sparse-attention call indexes window and compressed keys in one tensor. Tensors change identity
+only when `reserve` grows the capacity; everything else is written in place.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_ENTRIES = 16  # initial compressed-entry capacity of a layer
+
 
 @dataclass
 class CompressorState:
@@ -19,9 +28,9 @@ class CompressorState:
 
     `buf_kv`/`buf_gate` [r, c·d] fp32 hold the projected values and gate logits (ape included)
     of the current incomplete window; row t mod r. For overlap compressors (r = 4, c = 2)
-    `prev_kv`/`prev_gate` [r, d] hold the first half of the previous complete window (None
-    before the first window completes). `entries` [capacity, d] hold emitted compressed
-    entries; entry w covers tokens [w·r, (w+1)·r). The number of entries is derived from the
+    `prev_kv`/`prev_gate` [r, d] hold the first half of the previous complete window (zeros
+    with -inf logits before the first window completes, i.e. weight 0). `entries`
+    [capacity, d] hold emitted compressed entries. The number of entries is derived from the
     sequence position, so it is not stored twice.
     """
 
@@ -33,30 +42,59 @@ class CompressorState:
     prev_gate: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, ratio: int, width: int, dim: int, dtype: torch.dtype, device: torch.device,
-              capacity: int = 16) -> "CompressorState":
+    def empty(cls, ratio: int, width: int, dim: int, entries: torch.Tensor) -> "CompressorState":
+        dev = entries.device
+        overlap = width == 2 * dim
         return cls(ratio=ratio,
-                   buf_kv=torch.zeros(ratio, width, device=device),
-                   buf_gate=torch.full((ratio, width), float("-inf"), device=device),
-                   entries=torch.zeros(capacity, dim, dtype=dtype, device=device))
+                   buf_kv=torch.zeros(ratio, width, device=dev),
+                   buf_gate=torch.full((ratio, width), float("-inf"), device=dev),
+                   entries=entries,
+                   prev_kv=torch.zeros(ratio, dim, device=dev) if overlap else None,
+                   prev_gate=torch.full((ratio, dim), float("-inf"), device=dev) if overlap else None)
 
     def store_entries(self, first: int, new: torch.Tensor) -> None:
-        """Write entries first..first+len(new)-1, growing the buffer geometrically."""
+        """Write entries first..first+len(new)-1 (capacity reserved by `LayerState.reserve`)."""
         end = first + new.shape[0]
         if end > self.entries.shape[0]:
-            grown = self.entries.new_zeros(max(end, 2 * self.entries.shape[0]), self.entries.shape[1])
-            grown[:first] = self.entries[:first]
-            self.entries = grown
+            raise IndexError(f"compressed entries {first}..{end - 1} exceed the reserved capacity "
+                             f"{self.entries.shape[0]}; call LayerState.reserve first")
         self.entries[first:end] = new
 
 
 @dataclass
 class LayerState:
-    """The window ring [W, head_dim] (slot p mod W holds position p) and compressors."""
+    """The key buffer `kv` [W + capacity, D] (window ring, then compressed entries) and compressors."""
 
-    window: torch.Tensor
+    kv: torch.Tensor
+    window_size: int
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+
+    @property
+    def window(self) -> torch.Tensor:
+        """The window ring [W, D] (a view of `kv`)."""
+        return self.kv[:self.window_size]
+
+    @property
+    def capacity(self) -> int:
+        """Compressed entries the buffers hold without growing (0 for window-only layers)."""
+        return self.kv.shape[0] - self.window_size
+
+    def reserve(self, n_entries: int) -> bool:
+        """Make room for `n_entries` compressed entries (attention and indexer), growing
+        geometrically; True when the buffers were reallocated (their identity changed)."""
+        if self.compressor is None or n_entries <= self.capacity:
+            return False
+        cap = max(n_entries, 2 * self.capacity)
+        kv = self.kv.new_zeros(self.window_size + cap, self.kv.shape[1])
+        kv[:self.kv.shape[0]] = self.kv
+        self.kv = kv
+        self.compressor.entries = kv[self.window_size:]
+        if self.indexer is not None:
+            old = self.indexer.entries
+            self.indexer.entries = old.new_zeros(cap, old.shape[1])
+            self.indexer.entries[:old.shape[0]] = old
+        return True
 
 
 @dataclass
@@ -69,30 +107,35 @@ class SequenceState:
     extra: dict = field(default_factory=dict)
 
     def clone(self) -> "SequenceState":
-        """An independent deep copy (tensors copied)."""
+        """An independent deep copy (tensors copied; views stay views of their copied buffer)."""
         return copy.deepcopy(self)
 
     def nbytes(self) -> int:
-        """Bytes held by the state's tensors (for the memory budget)."""
+        """Bytes held by the state's tensors (for the memory budget); views are not counted twice."""
         total = 0
         for layer in self.layers + ([self.mtp] if self.mtp else []):
-            total += layer.window.numel() * layer.window.element_size()
+            total += layer.kv.numel() * layer.kv.element_size()  # window + attention entries
             for comp in (layer.compressor, layer.indexer):
                 if comp is None:
                     continue
-                for t in (comp.buf_kv, comp.buf_gate, comp.entries, comp.prev_kv, comp.prev_gate):
+                for t in (comp.buf_kv, comp.buf_gate, comp.prev_kv, comp.prev_gate):
                     if t is not None:
                         total += t.numel() * t.element_size()
+            if layer.indexer is not None:
+                total += layer.indexer.entries.numel() * layer.indexer.entries.element_size()
         return total
 
 
 def new_layer_state(window: int, head_dim: int, ratio: int, index_head_dim: int, dtype: torch.dtype,
-                    device: torch.device | str = "cpu") -> LayerState:
+                    device: torch.device | str = "cpu", capacity: int = MIN_ENTRIES) -> LayerState:
     """Fresh state for one layer with compression ratio `ratio` (0, 4 or 128)."""
-    state = LayerState(window=torch.zeros(window, head_dim, dtype=dtype, device=device))
+    cap = capacity if ratio else 0
+    kv = torch.zeros(window + cap, head_dim, dtype=dtype, device=device)
+    state = LayerState(kv=kv, window_size=window)
     if ratio:
         c = 2 if ratio == 4 else 1
-        state.compressor = CompressorState.empty(ratio, c * head_dim, head_dim, dtype, device)
+        state.compressor = CompressorState.empty(ratio, c * head_dim, head_dim, kv[window:])
         if ratio == 4:
-            state.indexer = CompressorState.empty(ratio, 2 * index_head_dim, index_head_dim, dtype, device)
+            idx_entries = torch.zeros(cap, index_head_dim, dtype=dtype, device=device)
+            state.indexer = CompressorState.empty(ratio, 2 * index_head_dim, index_head_dim, idx_entries)
     return state

@@ -36,6 +36,15 @@ class Backend(Protocol):
         """mHC doubly-stochastic projection of [..., n, n] fp32 logits."""
         ...
 
+    def fp4_moe(self, x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
+                weights: torch.Tensor, limit: float) -> torch.Tensor:
+        """Routed experts read from arena slots (one per row of x) -> fp32 [G, D]."""
+        ...
+
+    def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, D] × bf16 head weight [V, D] in fp32 -> logits [M, V] fp32."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -54,6 +63,12 @@ class TorchBackend:
     def sinkhorn(self, logits, iters, eps):
         return ref.sinkhorn(logits, iters, eps)
 
+    def fp4_moe(self, x, arena, fields, slots, weights, limit):
+        return ref.fp4_moe(x, arena, fields, slots, weights, limit)
+
+    def head_logits(self, x, w):
+        return ref.head_logits(x, w)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -61,7 +76,8 @@ class TileLangBackend:
 
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn"}
+            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn", "fp4_moe": "kernels.fp4_moe",
+            "head_logits": "kernels.head_gemv"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -87,6 +103,12 @@ class TileLangBackend:
 
     def sinkhorn(self, logits, iters, eps):
         return self._impl["sinkhorn"](logits, iters, eps)
+
+    def fp4_moe(self, x, arena, fields, slots, weights, limit):
+        return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)
+
+    def head_logits(self, x, w):
+        return self._impl["head_logits"](x, w)
 
 
 def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:

@@ -191,15 +191,13 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
             limit: float) -> torch.Tensor:
-    """Routed experts of decode, read from arena slots: x [G, D] (row g = the token routed to
-    expert g), arena uint8 [slots, record_bytes], `fields` = {"w1.weight": f, "w1.scale": f, ...}
-    with `.offset` and `.shape` (converter.layout.FieldLayout), slots int32 [G], routing weights
-    [G] -> fp32 [G, D]: w2(swiglu(w1 x, w3 x) * weight) per group, as engine.moe does per expert.
-    """
+    """Routed experts of decode, read from arena slots, three launches for all G: the contract of
+    `reference.fp4_moe` (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G],
+    routing weights [G] -> fp32 [G, D])."""
+    slots = slots.to(torch.int32)
     inter, dim = fields["w1.weight"].shape[0], x.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
     g = fp4_gemm_grouped(x, arena, off["w1.weight"], arena, off["w1.scale"], inter, dim, slots).float()
     u = fp4_gemm_grouped(x, arena, off["w3.weight"], arena, off["w3.scale"], inter, dim, slots).float()
-    h = torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
-    h = (h * weights.float().unsqueeze(-1)).to(torch.bfloat16)
+    h = (ref.swiglu(g, u, limit) * weights.float().unsqueeze(-1)).to(torch.bfloat16)
     return fp4_gemm_grouped(h, arena, off["w2.weight"], arena, off["w2.scale"], dim, inter, slots).float()

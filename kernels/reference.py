@@ -30,7 +30,8 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """Decode e8m0 scales (value = 2^(byte - 127)) to float32."""
     if scale.dtype == torch.float8_e8m0fnu:
         return scale.to(torch.float32)
-    return torch.ldexp(torch.ones((), dtype=torch.float32), scale.view(torch.uint8).to(torch.int32) - 127)
+    e = scale.view(torch.uint8).to(torch.int32) - 127
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e)
 
 
 def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -45,7 +46,12 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """[N, K/2] packed e2m1 codes (low nibble first) -> float32 values [N, K] (unscaled)."""
     b = packed.view(torch.uint8)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
-    return FP4_VALUES.to(packed.device)[codes.long()]
+    # decoded from the bits (sign | 2 exponent bits | 1 mantissa bit) rather than looked up in
+    # FP4_VALUES: no host-to-device copy, so the reference path can be captured in a CUDA graph
+    e = ((codes >> 1) & 3).float()
+    m = (codes & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))  # exact: powers of two
+    return torch.where(codes >= 8, -mag, mag)
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -134,6 +140,37 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
     q, s = act_quant(x, 128)
     return (act_dequant(q, s, 128) @ dequant_fp4(w, w_scale).T).to(torch.bfloat16)
+
+
+def head_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The output head: x [M, D] × weight [V, D] (bf16 on disk) in fp32 -> logits [M, V] fp32."""
+    return x.float() @ w.float().T
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU: gate clamped above at `limit`, up clamped to ±limit (§C.7 step 4)."""
+    return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
+def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
+            limit: float) -> torch.Tensor:
+    """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
+    [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
+    (converter.layout.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
+    row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g]."""
+    recs = arena.index_select(0, slots.long())  # [G, record_bytes]: no host sync
+
+    def field(g: int, name: str) -> torch.Tensor:
+        f = fields[name]
+        return recs[g, f.offset:f.offset + math.prod(f.shape)].view(f.shape)  # 1-byte elements
+
+    out = []
+    for g in range(x.shape[0]):
+        h = swiglu(fp4_gemm(x[g:g + 1], field(g, "w1.weight"), field(g, "w1.scale")).float(),
+                   fp4_gemm(x[g:g + 1], field(g, "w3.weight"), field(g, "w3.scale")).float(), limit)
+        h = (h * weights[g:g + 1].float().unsqueeze(1)).to(torch.bfloat16)
+        out.append(fp4_gemm(h, field(g, "w2.weight"), field(g, "w2.scale")).float())
+    return torch.cat(out) if out else x.new_zeros(0, x.shape[-1], dtype=torch.float32)
 
 
 # -------------------------------------------------------------------------------------- RoPE

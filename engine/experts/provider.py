@@ -51,6 +51,7 @@ class StreamingExperts:
         self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
         self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
+        self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
         if not arena.on_host:  # device arena: read into pinned host buffers, then copy
@@ -183,6 +184,60 @@ class StreamingExperts:
         finally:  # normal end, consumer stopped early, or an error: leave nothing held
             for key in keys:
                 self._settle(key)
+
+    # ------------------------------------------------------------------ slot-table access
+    def acquire(self, layer: int, ids: Iterable[int]) -> None:
+        """Make every id of `layer` resident at once and hold them until `release(layer)`.
+
+        For kernels that read experts through `arena.table` (the CUDA-graph decode): lookups
+        count as hits/misses like `experts`; misses are read before this returns. Raises
+        CacheFullError when the budget cannot hold all of them at the same time."""
+        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
+        user = self.cache.pinned() - self._held
+        for key in set(self._prefetched.pop(layer, ())) - set(keys):
+            self._settle(key)
+        held: list[ExpertKey] = []
+        self._acquired[layer] = held
+        for key in keys:
+            hit = self.cache.lookup(key) is not None
+            ok = self._hold(key, user) if hit else self._admit(key, user)
+            if not ok and not hit:
+                self._drop_prefetches()
+                ok = self._admit(key, user)
+            if not ok:
+                self.release(layer)
+                raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
+                                     f"{self.cache.capacity_slots} cache slots; unpin some or give the "
+                                     "expert cache a larger budget")
+            held.append(key)
+        try:
+            for key in keys:
+                self._join(key)
+        except BaseException:
+            self.release(layer)
+            raise
+
+    def release(self, layer: int) -> None:
+        """Drop the holds of `acquire(layer)`."""
+        for key in self._acquired.pop(layer, ()):
+            self._settle(key)
+
+    def load_all(self) -> bool:
+        """Read every expert of the store into the arena when the budget holds the whole pool
+        (then `arena.table` is complete); False, reading nothing, when it does not."""
+        units = self.store.layers()
+        if len(units) * self.store.count > self.cache.capacity_slots:
+            return False
+        for u in units:
+            self.acquire(u, range(self.store.count))
+            self.release(u)
+        return True
+
+    def record(self, layer: int, ids: Iterable[int]) -> None:
+        """Count uses of experts that are known resident (all hits): statistics only."""
+        for e in dict.fromkeys(int(i) for i in ids):
+            if self.cache.lookup((layer, e)) is None:
+                raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Start reading these experts of `layer` now and keep them until its next call."""

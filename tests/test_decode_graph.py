@@ -1,0 +1,166 @@
+"""The static one-token decode step (`Transformer.decode`, run by `engine.decode_graph.DecodeRunner`)
+against `Transformer.forward` on the CPU: same logits and state across window wrap-around,
+compressed-entry emission (ratios 4 and 128) and capacity growth, in both numerics; layered
+mode streams through a bounded cache; whole mode counts statistics. (CUDA graphs themselves are
+exercised by tests/test_decode_graph_gpu.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from converter.convert import convert
+from converter.synth import SynthOptions, tiny_config, write_checkpoint
+from engine.decode_graph import DecodeRunner, make_runner
+from engine.experts.cache import CacheFullError
+from engine.model import Transformer
+from engine.numerics import Numerics
+from engine.weights import open_model
+
+PROMPT = [0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3, 77]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(index_topk=512),
+                           SynthOptions(seed=1, gate_bias_std=2.0))
+    return convert(src, tmp_path_factory.mktemp("out") / "pack")
+
+
+def _pair(files, numerics: str, steps: int, whole: bool = True):
+    """Greedy decode `steps` tokens twice from one prefill: forward(S=1) vs the runner."""
+    model = Transformer(files.get, files.args, Numerics.named(numerics))
+    ref_state = model.new_state()
+    first = model.forward(torch.tensor(PROMPT), ref_state, files.experts, last_only=True)
+    state = ref_state.clone()
+    runner = DecodeRunner(model, files.experts, whole=whole)
+    tok = first.argmax(-1)
+    pairs = []
+    for _ in range(steps):
+        a = model.forward(tok, ref_state, files.experts, last_only=True)
+        b = runner.step(state, tok)
+        pairs.append((a, b))
+        tok = a.argmax(-1)
+    return model, ref_state, state, pairs
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+
+def test_decode_step_equals_forward_exact(packed):
+    files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        model, ref_state, state, pairs = _pair(files, "exact", 140)  # positions 13..152: 128 crossed
+        assert max(_rel(a, b) for a, b in pairs) <= 1e-5
+        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
+        assert state.pos == ref_state.pos == len(PROMPT) + 140
+        for i, (r, s) in enumerate(zip(ref_state.layers, state.layers)):
+            torch.testing.assert_close(s.window, r.window, rtol=1e-5, atol=1e-6)
+            ratio = files.args.ratio(i)
+            if ratio:
+                n = state.pos // ratio  # complete entries; later slots may hold a partial one
+                assert s.capacity >= n + 1
+                if ratio == 4:
+                    assert s.capacity > 16  # grew past the initial 16 entries while decoding
+                torch.testing.assert_close(s.compressor.entries[:n], r.compressor.entries[:n], rtol=1e-5, atol=1e-6)
+    finally:
+        files.close()
+
+
+def test_decode_step_equals_forward_native(packed):
+    files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        _, _, _, pairs = _pair(files, "native", 70)
+        # same kernels and order: native quantisation sees the same inputs, so results agree bitwise
+        # unless a reduction over a different number of masked slots rounds differently
+        assert max(_rel(a, b) for a, b in pairs) <= 1e-4
+        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
+    finally:
+        files.close()
+
+
+def test_layered_mode_streams_through_a_small_cache(packed):
+    rec = open_model(packed)
+    record = rec.experts.store.record_bytes
+    k, units = rec.args.n_activated_experts, len(rec.experts.store.layers())
+    rec.close()
+    files = open_model(packed, cache_bytes=(k + 2) * record)  # far below the pool: evictions
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("exact"))
+        runner = make_runner(model, files.experts, torch.device("cpu"), enabled=True)
+        assert runner is None  # no graphs on the CPU: the engine keeps its eager path
+        ref_files = open_model(packed)
+        ref_model = Transformer(ref_files.get, ref_files.args, Numerics.named("exact"))
+        ref_state, state = ref_model.new_state(), model.new_state()
+        ref_model.forward(torch.tensor(PROMPT), ref_state, ref_files.experts)
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, files.experts, whole=False)
+        before = files.experts.stats()
+        tok = 5
+        for _ in range(6):
+            a = ref_model.forward(torch.tensor([tok]), ref_state, ref_files.experts, last_only=True)
+            b = runner.step(state, tok)
+            assert _rel(a, b) <= 1e-5
+            tok = int(a.argmax())
+        after = files.experts.stats()
+        lookups = (after.hits + after.misses) - (before.hits + before.misses)
+        assert 6 * (units - 1) <= lookups <= 6 * (units - 1) * k  # distinct experts per main layer
+        assert after.misses > before.misses and after.evictions > before.evictions
+        assert files.experts.cache.pinned() == frozenset()  # every hold released
+        ref_files.close()
+    finally:
+        files.close()
+
+
+def test_layered_mode_needs_room_for_one_layers_experts(packed):
+    rec = open_model(packed)
+    record, k = rec.experts.store.record_bytes, rec.args.n_activated_experts
+    rec.close()
+    files = open_model(packed, cache_bytes=(k - 1) * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("exact"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, files.experts, whole=False)
+        with pytest.raises(CacheFullError, match="larger budget"):
+            for tok in range(20):  # some layer routes the token to k distinct experts
+                runner.step(state, tok)
+        assert files.experts.cache.pinned() == frozenset()
+    finally:
+        files.close()
+
+
+def test_whole_mode_counts_every_use_as_a_hit(packed):
+    files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        before = files.experts.stats()
+        runner = DecodeRunner(model, files.experts, whole=True)
+        for tok in (3, 4, 5):
+            runner.step(state, tok)
+        after = files.experts.stats()
+        assert after.misses == before.misses
+        main_layers = files.args.n_layers
+        assert 3 * main_layers <= after.hits - before.hits <= 3 * main_layers * files.args.n_activated_experts
+    finally:
+        files.close()
+
+
+def test_load_all_refuses_a_budget_below_the_pool(packed):
+    rec = open_model(packed)
+    record = rec.experts.store.record_bytes
+    rec.close()
+    files = open_model(packed, cache_bytes=10 * record)
+    try:
+        assert files.experts.load_all() is False
+        assert files.experts.stats().misses == 0  # nothing was read
+    finally:
+        files.close()
