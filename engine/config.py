@@ -233,6 +233,7 @@ class EngineConfig:
     max_seq_len: int = 4096
     prefill_chunk: int = 256
     trace_path: str | None = None  # record routing decisions as JSONL
+    cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -44,8 +44,10 @@ class ArenaProvider(Protocol):
 class DecodeRunner:
     """One-token decode steps of `model` with experts from `provider.arena` (module docstring)."""
 
-    def __init__(self, model: Transformer, provider: ArenaProvider, whole: bool, graphs: bool | None = None):
-        self.model, self.provider, self.whole = model, provider, whole
+    def __init__(self, model: Transformer, provider: ArenaProvider, whole: bool, graphs: bool | None = None,
+                 on_routes: Callable[[int, int, list[int]], None] | None = None):
+        """`on_routes(layer, position, expert ids)` observes every routing decision of a step."""
+        self.model, self.provider, self.whole, self.on_routes = model, provider, whole, on_routes
         self.device = model.embed.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
@@ -59,6 +61,7 @@ class DecodeRunner:
         self._pool = None  # one memory pool shared by the segment graphs (replayed in order)
         self._key: tuple | None = None
         self.captures = 0  # how many times graphs were (re)captured
+        self._position = 0
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState) -> None:
@@ -75,7 +78,10 @@ class DecodeRunner:
             self._logits = self.model.logits(streams)
 
     def _routes(self, layer: int) -> list[int]:
-        return self._carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
+        ids = self._carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
+        if self.on_routes is not None:
+            self.on_routes(layer, self._position, ids)
+        return ids
 
     def _run_eager(self, state: SequenceState) -> None:
         n = len(self.model.blocks)
@@ -138,6 +144,7 @@ class DecodeRunner:
         else:
             self.ids.fill_(int(token))
         self.pos.fill_(state.pos)
+        self._position = state.pos  # host copy for on_routes
         key = self._buffers(state)
         if not self.graphs:
             self._run_eager(state)
@@ -156,19 +163,19 @@ class DecodeRunner:
             routes = torch.stack([c.routed[0][0] for c in self._carry]).tolist()  # [n_layers, k]
             for layer, ids in enumerate(routes):
                 self.provider.record(layer, ids)
+                if self.on_routes is not None:
+                    self.on_routes(layer, state.pos, ids)
         state.pos += 1
         return self._logits.clone()
 
 
 def make_runner(model: Transformer, provider, device: torch.device, enabled: bool,
-                log: Callable[[str], None] | None = None) -> DecodeRunner | None:
+                on_routes: Callable[[int, int, list[int]], None] | None = None) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, not native
-    numerics, graphs disabled, or a provider without a device slot table."""
+    numerics, graphs disabled, or a provider without a device slot table. Reads every expert
+    into the arena first when the cache budget holds the whole pool (then one graph per step)."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
     if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "load_all")):
         return None
-    whole = provider.load_all()
-    if log is not None:
-        log(f"decode: CUDA graphs, {'one per step (all experts resident)' if whole else 'one per layer'}")
-    return DecodeRunner(model, provider, whole=whole)
+    return DecodeRunner(model, provider, whole=provider.load_all(), on_routes=on_routes)

@@ -38,6 +38,7 @@ from engine.events import EngineFailure, Event, LoadProgress, StepUpdate, TurnFi
 from engine.memory import memory_budget, tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
+from engine.decode_graph import make_runner
 from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime, StepResult
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
@@ -80,13 +81,15 @@ class Engine:
 
             self._trace = TraceWriter(config.trace_path)
         log = RoutingTrace(self._trace) if self._trace is not None else None
-        self.runtime = Runtime(model, self.experts, self.device, self._lock, log)
+        runner = make_runner(model, files.experts, self.device, config.cuda_graphs, self._graph_routes)
+        self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
         self._weights_bytes = tensor_bytes(model)
         self._step_s: deque[float] = deque(maxlen=RATE_WINDOW)  # recent decode step times
         self._reads: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, bytes read)
         self._last = (0, 0, StepTiming(), None)  # (tokens, position, timing, ttft) of the last step
+        self._phase = "eager"  # how the last step ran: "eager" or "graph replay"
 
     # ---------------------------------------------------------------------------- loading
     @classmethod
@@ -368,8 +371,15 @@ class Engine:
         tokens, position, timing, ttft = self._last
         return self._snapshot(tokens, position, timing, ttft)
 
+    def _graph_routes(self, layer: int, position: int, ids: list[int]) -> None:
+        """Routing decisions of a graph-replayed step: usage counts, and the trace if recording."""
+        self.experts.note_uses(layer, ids)
+        if self.runtime.log is not None:
+            self.runtime.log("experts", layer, position, torch.tensor([ids]))
+
     def _step_stats(self, res: StepResult, position: int, ttft: float | None) -> StepStats:
         self._last = (res.tokens, position, res.timing, ttft)
+        self._phase = "graph replay" if res.graphed else "eager"
         return self._snapshot(res.tokens, position, res.timing, ttft)
 
     def _snapshot(self, tokens: int, position: int, timing: StepTiming, ttft: float | None) -> StepStats:
@@ -377,7 +387,7 @@ class Engine:
         self._reads.append((time.perf_counter(), cache.bytes_read))
         (t0, b0), (t1, b1) = self._reads[0], self._reads[-1]
         steps = list(self._step_s)
-        return StepStats(phase="eager", tokens=tokens, position=position, timing=timing,
+        return StepStats(phase=self._phase, tokens=tokens, position=position, timing=timing,
                          tok_per_s=len(steps) / sum(steps) if steps else 0.0, ttft_s=ttft, cache=cache,
                          memory=self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
 

@@ -60,6 +60,13 @@ class InstrumentedProvider:
     def prefetch(self, layer: int, ids: list[int]) -> None:
         self.inner.prefetch(layer, ids)
 
+    def note_uses(self, layer: int, ids: list[int]) -> None:
+        """Count uses made without `experts` (the CUDA-graph decode reads the arena directly)."""
+        for e in dict.fromkeys(ids):
+            self.uses[(layer, int(e))] += 1
+            if 0 <= layer < len(self.layer_uses):
+                self.layer_uses[layer] += 1
+
 
 class DeviceExperts:
     """An ExpertProvider wrapper that copies each expert's tensors to `device` (for providers that
@@ -99,14 +106,16 @@ class StepResult:
     tokens: int
     seconds: float
     timing: StepTiming
+    graphed: bool = False  # replayed from CUDA graphs (no attention/MoE split inside)
 
 
 class Runtime:
     """Runs forward calls of one model with its (instrumented) expert provider."""
 
     def __init__(self, model, experts: InstrumentedProvider, device: torch.device,
-                 lock: threading.RLock, log=None) -> None:
+                 lock: threading.RLock, log=None, runner=None) -> None:
         self.model = model
+        self.runner = runner  # engine.decode_graph.DecodeRunner for one-token steps, or None
         self.log = log  # optional selection observer passed to forward (e.g. a RoutingTrace)
         self.experts = experts
         self.device = torch.device(device)
@@ -122,11 +131,15 @@ class Runtime:
         kwargs = {"timer": timer}
         if self.log is not None:
             kwargs["log"] = self.log
+        graphed = self.runner is not None and x.shape[0] == 1
         with self.lock:
             wait0 = self.experts.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
+                if graphed:
+                    logits = self.runner.step(state, x)[0]
+                else:
+                    logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
@@ -136,7 +149,7 @@ class Runtime:
         other = max(0.0, seconds - attention - moe - wait)
         timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
                             other_ms=1e3 * other)
-        return StepResult(logits=logits, tokens=int(x.shape[0]), seconds=seconds, timing=timing)
+        return StepResult(logits=logits, tokens=int(x.shape[0]), seconds=seconds, timing=timing, graphed=graphed)
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
                 cancel: threading.Event | None = None) -> Iterator[StepResult]:

@@ -27,7 +27,9 @@ def packed(separated_ckpt, tmp_path_factory) -> Path:
     return convert(separated_ckpt, tmp_path_factory.mktemp("gpack") / "pack")
 
 
-def _run(packed: Path, backend: str, cache_records: int | None, steps: int, graphs: bool):
+def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
+    """Greedy decode through graphs; each step is also run eagerly on a copy of the state (same
+    token, same position): returns the per-step max relative difference and the captures."""
     dev = torch.device("cuda")
     probe = open_model(packed)
     record = probe.experts.store.record_bytes
@@ -37,31 +39,59 @@ def _run(packed: Path, backend: str, cache_records: int | None, steps: int, grap
     whole = files.experts.load_all()
     model = Transformer(lambda n: files.get(n).to(dev), files.args,
                         Numerics.named("native", make_backend(backend, dev)))
-    runner = DecodeRunner(model, files.experts, whole=whole, graphs=graphs)
-    out = []
+    runner = DecodeRunner(model, files.experts, whole=whole, graphs=True)
+    errs, agree = [], 0
     with torch.inference_mode():
         state = model.new_state()
         tok = model.forward(PROMPT.to(dev), state, files.experts, last_only=True).argmax(-1)
         for i in range(steps):
             if i == steps // 2:  # another sequence state object: the runner must re-capture
                 state = state.clone()
-            logits = runner.step(state, tok)
-            out.append(logits.float().cpu())
-            tok = logits.argmax(-1)
+            eager_state = state.clone()
+            want = model.forward(tok, eager_state, files.experts, last_only=True)
+            got = runner.step(state, tok)
+            errs.append(((got - want).abs().max() / want.abs().max()).item())
+            agree += int(torch.equal(got.argmax(-1), want.argmax(-1)))
+            tok = got.argmax(-1)
     captures = runner.captures
     files.close()
-    return torch.cat(out), captures
+    print(f"{backend} cache={cache_records}: max rel diff per step {max(errs):.2e}, "
+          f"{sum(e == 0 for e in errs)}/{steps} bitwise, argmax agree {agree}/{steps}, captures {captures}")
+    return errs, agree, captures
 
 
 @pytest.mark.parametrize("backend", ["torch", "tilelang"])
 def test_whole_graph_equals_eager(packed, backend):
-    eager, _ = _run(packed, backend, None, 100, graphs=False)  # positions 40..139: growth + 128
-    graph, captures = _run(packed, backend, None, 100, graphs=True)
+    errs, agree, captures = _run(packed, backend, None, 100)  # positions 40..139: growth, ratio 128
     assert captures >= 3  # first step, capacity growth, the cloned state
-    assert torch.equal(graph, eager)
+    assert max(errs) <= 1e-2 and agree >= 98
 
 
 def test_layered_graphs_through_a_small_cache_equal_eager(packed):
-    eager, _ = _run(packed, "tilelang", None, 24, graphs=False)
-    graph, _ = _run(packed, "tilelang", 12, 24, graphs=True)
-    assert torch.equal(graph, eager)
+    errs, agree, captures = _run(packed, "tilelang", 12, 24)
+    assert max(errs) <= 1e-2 and agree >= 23
+
+
+def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
+    """A real engine on CUDA: multi-turn greedy chat through graphs gives the eager engine's text."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TurnFinished
+    from engine.sampling import SamplingParams
+
+    texts = {}
+    for graphs in (False, True):
+        eng = Engine.load(packed, EngineConfig(device="cuda", backend="tilelang", cuda_graphs=graphs))
+        try:
+            assert (eng.runtime.runner is not None) == graphs
+            sess, out = eng.new_session(), []
+            for user in ("hello there", "and again, longer this time"):
+                events = list(eng.generate(sess, user, SamplingParams(temperature=0.0, max_tokens=40)))
+                fin = events[-1]
+                assert isinstance(fin, TurnFinished), fin
+                out.append(sess.ids[fin.stats.prompt_tokens:])
+            assert eng.stats().phase == ("graph replay" if graphs else "eager")
+            texts[graphs] = out
+        finally:
+            eng.close()
+    assert texts[True] == texts[False]
