@@ -155,18 +155,22 @@ class DecodeRunner:
             with torch.cuda.stream(side):
                 self._run_eager(state)  # this step, eagerly; also compiles the kernels it needs
             torch.cuda.current_stream(self.device).wait_stream(side)
-            self._capture(state)
-            self._key = key
         else:
             self._replay()
-        if self.whole:
-            routes = torch.stack([c.routed[0][0] for c in self._carry]).tolist()  # [n_layers, k]
-            for layer, ids in enumerate(routes):
+        logits = self._logits.clone()
+        routes = torch.stack([c.routed[0][0] for c in self._carry]) if self.whole else None  # [n_layers, k]
+        if self.graphs and key != self._key:
+            # capture after taking this step's results: capturing re-binds the carries and the
+            # logits to the graphs' (not yet computed) output tensors
+            self._capture(state)
+            self._key = key
+        if routes is not None:
+            for layer, ids in enumerate(routes.tolist()):
                 self.provider.record(layer, ids)
                 if self.on_routes is not None:
                     self.on_routes(layer, state.pos, ids)
         state.pos += 1
-        return self._logits.clone()
+        return logits
 
 
 def make_runner(model: Transformer, provider, device: torch.device, enabled: bool,

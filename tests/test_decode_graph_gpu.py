@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from converter.convert import convert
+from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.decode_graph import DecodeRunner
 from engine.model import Transformer
 from engine.numerics import Numerics
@@ -19,12 +20,16 @@ from kernels.backend import make_backend
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3))
+PROMPT = torch.randint(0, 129280, (40,), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.fixture(scope="module")
-def packed(separated_ckpt, tmp_path_factory) -> Path:
-    return convert(separated_ckpt, tmp_path_factory.mktemp("gpack") / "pack")
+def packed(tmp_path_factory) -> Path:
+    """The no-flip tiny model (index_topk 512, router bias std 2) with the real vocabulary, so
+    the engine test can use the real tokenizer."""
+    src = write_checkpoint(tmp_path_factory.mktemp("gsrc") / "ckpt", tiny_config(index_topk=512, vocab_size=129280),
+                           SynthOptions(seed=1, gate_bias_std=2.0))
+    return convert(src, tmp_path_factory.mktemp("gpack") / "pack")
 
 
 def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
