@@ -27,8 +27,13 @@ class Rope:
         theta = args.compress_rope_theta if compressed else args.rope_theta
         self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn).to(device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        cos, sin = ref.rope_cos_sin(positions, self.inv_freq)
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [S, rope_dim/2] for `positions`: compute once, rotate several tensors."""
+        return ref.rope_cos_sin(positions, self.inv_freq)
+
+    def __call__(self, x: torch.Tensor, at, inverse: bool = False) -> torch.Tensor:
+        """Rotate x at `at`: positions [S], or a `table` of them."""
+        cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
 
@@ -141,31 +146,34 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None,
+                 rot=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
 
-        `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips)."""
+        `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips);
+        `rot` is the queries' RoPE table if the caller has it."""
         s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
         self.compressor(x, start, st)
         n_entries = (start + s) // self.ratio
-        scores = self._scores(x, c, positions, st.entries[:n_entries])
+        scores = self._scores(x, c, positions, st.entries[:n_entries], rot)
         if log is not None:
             log(scores)
         return self._select(scores, positions)
 
     def decode(self, x: torch.Tensor, c: torch.Tensor, pos: torch.Tensor, st: CompressorState,
-               n_keys: int) -> torch.Tensor:
+               n_keys: int, rot=None) -> torch.Tensor:
         """One token at device position pos [1], scoring the first `n_keys` (static) entry slots;
         slots not yet visible score -inf, so the picks equal those of `__call__`."""
         self.compressor.decode(x, pos, st)
-        return self._select(self._scores(x, c, pos, st.entries[:n_keys]), pos)
+        return self._select(self._scores(x, c, pos, st.entries[:n_keys], rot), pos)
 
-    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                rot=None) -> torch.Tensor:
         """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf where not visible."""
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
-        q = self.rope(q, positions)
+        q = self.rope(q, positions if rot is None else rot)
         if self.numerics.native:
             q = fp4_rounding(q)
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
@@ -217,7 +225,8 @@ class Attention:
         `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
         s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
-        c, q, kv = self._project(x, positions)
+        rot = self.rope.table(positions)
+        c, q, kv = self._project(x, rot)
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:
             n_entries = (start + s) // self.ratio
@@ -225,7 +234,7 @@ class Attention:
             self.compressor(x, start, st.compressor)
             if self.indexer is not None:
                 chosen = self.indexer(x, c, start, st.indexer,
-                                      None if log is None else lambda t: log("indexer_scores", t))
+                                      None if log is None else lambda t: log("indexer_scores", t), rot)
                 if log is not None:
                     log("indexer", chosen)
             else:
@@ -233,7 +242,7 @@ class Attention:
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
-        return self._output(self._attend(q, window_kv, idx), positions)
+        return self._output(self._attend(q, window_kv, idx), rot)
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         """One token x [1, D] at device position pos [1] -> [1, D], with static shapes.
@@ -241,7 +250,8 @@ class Attention:
         Keys are read in place from `st.kv` (ring rows in position order, then entry slots
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry pos // ratio first. Equals `__call__` on one token."""
-        c, q, kv = self._project(x, pos)
+        rot = self.rope.table(pos)
+        c, q, kv = self._project(x, rot)
         w = self.window
         st.window.index_copy_(0, pos % w, kv.to(st.kv.dtype))
         want = pos - torch.arange(w - 1, -1, -1, device=x.device)  # positions p-W+1..p
@@ -249,19 +259,20 @@ class Attention:
         if self.ratio:
             self.compressor.decode(x, pos, st.compressor)
             if self.indexer is not None:
-                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity)
+                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity, rot)
             else:
                 chosen = self._all_visible(st.capacity, pos)
             idx = torch.cat((idx, torch.where(chosen >= 0, chosen + w, chosen)), dim=1)
-        return self._output(self._attend(q, st.kv, idx), pos)
+        return self._output(self._attend(q, st.kv, idx), rot)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded)."""
+    def _project(self, x: torch.Tensor, rot):
+        """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded);
+        `rot` = the tokens' RoPE table."""
         eps, s = self.args.norm_eps, x.shape[0]
         c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = self.rope(ref.rms_norm(q, None, eps), positions)
-        kv = self.rope(ref.rms_norm(self.wkv(x), self.kv_norm, eps), positions)  # [S, D]
+        q = self.rope(ref.rms_norm(q, None, eps), rot)
+        kv = self.rope(ref.rms_norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
         if self.numerics.native:
             kv = kv_rounding(kv, self.args.nope_head_dim)
         return c, q, kv
@@ -272,9 +283,9 @@ class Attention:
         visible = ((positions + 1) // self.ratio).unsqueeze(1)
         return torch.where(chosen < visible, chosen, torch.full_like(chosen, -1))
 
-    def _output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Attention output o [S, H, D] fp32 -> inverse RoPE -> grouped wo_a -> wo_b -> [S, D]."""
-        o = self.rope(o.to(self.numerics.dtype), positions, inverse=True)
+    def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
+        """Attention output o [S, H, D] fp32 -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
+        o = self.rope(o.to(self.numerics.dtype), rot, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

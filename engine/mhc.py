@@ -13,23 +13,32 @@ from engine.numerics import Numerics
 from kernels import reference as ref
 
 
-def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted RMS-normalised flat streams times fn: [S, n, D] -> [S, fn rows] fp32."""
-    flat = streams.flatten(1).float()  # [S, n·D], stream 0 first
+def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMS-normalised flat streams [S, n·D] fp32 times fn -> [S, fn rows] fp32."""
     return ref.rms_norm(flat, None, eps) @ fn.T
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
            iters: int, hc_eps: float, eps: float, sinkhorn=ref.sinkhorn
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre)."""
-    m = _mixes(streams, fn, eps)
-    pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
-    comb_logits = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)  # row-major n×n
-    comb = sinkhorn(comb_logits, iters, hc_eps)
-    x = (pre.unsqueeze(-1) * streams.float()).sum(dim=1)
+    """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre).
+
+    `scale` is [3] (pre, post, comb) or already spread over the 2n + n² mix columns."""
+    sf = streams.float()
+    m = _mixes(sf.flatten(1), fn, eps)  # [S, 2n + n²], stream 0 first
+    if scale.numel() == 3:
+        scale = spread_scale(scale, n)
+    z = m * scale + base  # the same per-column products and sums as three separate slices
+    pre = torch.sigmoid(z[:, :n]) + hc_eps
+    post = 2 * torch.sigmoid(z[:, n:2 * n])
+    comb = sinkhorn(z[:, 2 * n:].view(-1, n, n), iters, hc_eps)  # row-major n×n
+    x = (pre.unsqueeze(-1) * sf).sum(dim=1)
     return x.to(streams.dtype), post, comb
+
+
+def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """[3] (pre, post, comb) -> [2n + n²]: each mix column's scale."""
+    return torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -41,9 +50,9 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
             eps: float) -> torch.Tensor:
     """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn)."""
-    m = _mixes(streams, fn, eps)
-    pre = torch.sigmoid(m * scale + base) + hc_eps  # [S, n]
-    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+    sf = streams.float()
+    pre = torch.sigmoid(_mixes(sf.flatten(1), fn, eps) * scale + base) + hc_eps  # [S, n]
+    return (pre.unsqueeze(-1) * sf).sum(dim=1).to(streams.dtype)
 
 
 class HyperConnection:
@@ -53,7 +62,8 @@ class HyperConnection:
 
     def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
                  numerics: Numerics):
-        self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
+        self.fn, self.base = fn.float(), base.float()
+        self.scale = spread_scale(scale.float(), args.hc_mult)  # [2n + n²]
         self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
         # Native runs the backend's fused Sinkhorn (one launch instead of ~120); exact the reference.
         self.sinkhorn = numerics.backend.sinkhorn if numerics.native else ref.sinkhorn
