@@ -26,6 +26,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gb", type=float, help="expert-cache budget in GiB")
     p.add_argument("--numerics", choices=("native", "exact"))
     p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--backend", choices=("torch", "tilelang"),
+                   help="kernel backend (default: tilelang on CUDA when installed, else torch)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="run every decode step eagerly instead of replaying CUDA graphs")
     return p
 
 
@@ -38,6 +42,8 @@ def config_from_args(argv: list[str] | None, env: dict[str, str]) -> AppConfig:
         "cache_gb": args.cache_gb,
         "numerics": args.numerics,
         "device": args.device,
+        "backend": args.backend,
+        "cuda_graphs": args.cuda_graphs,
     }
     config_file = args.config.expanduser() if args.config else None
     if config_file is not None and not config_file.is_file():

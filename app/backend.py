@@ -48,7 +48,10 @@ class RealBackend:
         from engine.config import EngineConfig
         from engine.engine import Engine
 
-        kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available())
+        from kernels.backend import tilelang_available
+
+        kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available(),
+                                      tilelang_available=tilelang_available())
         return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
 
     def sampling_params(self, gen: GenParams) -> Any:

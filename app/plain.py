@@ -249,6 +249,7 @@ def load_engine(config: AppConfig, log: TextIO):
     from app.wizard import WizardError, find_model
     from engine.config import EngineConfig
     from engine.engine import Engine
+    from kernels.backend import tilelang_available
 
     def progress(p) -> None:
         log.write(f"{p.phase}: {getattr(p, 'done', '')}/{getattr(p, 'total', '')} {getattr(p, 'unit', '')}\n")
@@ -266,7 +267,8 @@ def load_engine(config: AppConfig, log: TextIO):
         model_dir = find_model(config)
         if model_dir is None:
             raise SystemExit("dsv4-chat: no model: pass --model DIR (a converted model) or --demo")
-    kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available())
+    kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available(),
+                                  tilelang_available=tilelang_available())
     return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
 
 

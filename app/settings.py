@@ -7,6 +7,8 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     cache_gb = 40                    # expert-cache budget (GiB); absent = sized automatically
     numerics = "native"              # or "exact"
     device = "cuda"                  # or "cpu"; absent = cuda when available
+    backend = "tilelang"             # GPU kernels, or "torch"; absent = tilelang on CUDA when installed
+    cuda_graphs = true               # replay decode steps from CUDA graphs (CUDA, converted model)
     cache_policy = "lfu"
     io_threads = 2
     max_seq_len = 4096
@@ -66,6 +68,8 @@ class AppConfig:
     cache_gb: float | None = None
     numerics: str = "native"
     device: str | None = None
+    backend: str | None = None
+    cuda_graphs: bool = True
     cache_policy: str = "lfu"
     io_threads: int = 2
     max_seq_len: int = 4096
@@ -125,6 +129,8 @@ _KEYS: dict[str, Callable[[str], Any]] = {
     "cache_gb": _positive(float),
     "numerics": _choice("native", "exact"),
     "device": _choice("cpu", "cuda"),
+    "backend": _choice("torch", "tilelang"),
+    "cuda_graphs": _to_bool,
     "cache_policy": str,
     "io_threads": _positive(int),
     "max_seq_len": _positive(int),
@@ -227,10 +233,15 @@ def with_gen(config: AppConfig, **changes: Any) -> AppConfig:
     return replace(config, gen=gen)
 
 
-def engine_config_kwargs(config: AppConfig, cuda_available: bool) -> dict[str, Any]:
-    """Keyword arguments for engine.config.EngineConfig built from the app settings."""
+def engine_config_kwargs(config: AppConfig, cuda_available: bool, tilelang_available: bool = False) -> dict[str, Any]:
+    """Keyword arguments for engine.config.EngineConfig built from the app settings: on CUDA the
+    TileLang kernels are the default backend when the package is installed."""
+    device = config.device or ("cuda" if cuda_available else "cpu")
+    backend = config.backend or ("tilelang" if device == "cuda" and tilelang_available else "torch")
     return {
-        "device": config.device or ("cuda" if cuda_available else "cpu"),
+        "device": device,
+        "backend": backend,
+        "cuda_graphs": config.cuda_graphs,
         "numerics": config.numerics,
         "cache_policy": config.cache_policy,
         "io_threads": config.io_threads,

@@ -9,6 +9,7 @@ can be checked against the other.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -109,6 +110,11 @@ class TileLangBackend:
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)
+
+
+def tilelang_available() -> bool:
+    """Whether the TileLang package is installed (looked up, not imported)."""
+    return importlib.util.find_spec("tilelang") is not None
 
 
 def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:

@@ -75,6 +75,10 @@ def test_argv_end_to_end(toml_file, tmp_path):
     assert (cfg.cache_gb, cfg.numerics, cfg.demo, cfg.device) == (5.0, "native", True, "cuda")
     assert cfg.model == tmp_path / "m" and not cfg.plain
     assert config_from_args(["--plain", "--config", str(toml_file)], {}).plain
+    gpu = config_from_args(["--config", str(toml_file), "--backend", "torch", "--no-cuda-graphs"], {})
+    assert (gpu.backend, gpu.cuda_graphs) == ("torch", False)
+    plain = config_from_args(["--config", str(toml_file)], {})
+    assert (plain.backend, plain.cuda_graphs) == (None, True)
 
 
 def test_argv_missing_config_file(tmp_path):
@@ -118,8 +122,16 @@ def test_with_gen_validates():
 def test_engine_config_kwargs(toml_file):
     cfg = build_config({"device": None}, {"DSV4_DEVICE": "cuda"}, toml_file)
     kw = engine_config_kwargs(cfg, cuda_available=False)
-    assert kw == {"device": "cuda", "numerics": "exact", "cache_policy": "lfu", "io_threads": 2,
-                  "max_seq_len": 4096, "cache_bytes": 10 * 2**30}
+    assert kw == {"device": "cuda", "backend": "torch", "cuda_graphs": True, "numerics": "exact",
+                  "cache_policy": "lfu", "io_threads": 2, "max_seq_len": 4096, "cache_bytes": 10 * 2**30}
+    assert engine_config_kwargs(cfg, cuda_available=True, tilelang_available=True)["backend"] == "tilelang"
+    cpu = build_config({"device": "cpu"}, {"DSV4_CUDA_GRAPHS": "off"}, Path("/nonexistent.toml"))
+    kw = engine_config_kwargs(cpu, cuda_available=True, tilelang_available=True)
+    assert (kw["device"], kw["backend"], kw["cuda_graphs"]) == ("cpu", "torch", False)
+    pinned = build_config({}, {"DSV4_BACKEND": "torch"}, Path("/nonexistent.toml"))
+    assert engine_config_kwargs(pinned, cuda_available=True, tilelang_available=True)["backend"] == "torch"
+    with pytest.raises(SettingsError, match="tilelang"):
+        build_config({}, {"DSV4_BACKEND": "triton"}, Path("/nonexistent.toml"))
     auto = build_config({}, {}, Path("/nonexistent.toml"))
     assert engine_config_kwargs(auto, cuda_available=True)["device"] == "cuda"
     assert engine_config_kwargs(auto, cuda_available=False)["device"] == "cpu"

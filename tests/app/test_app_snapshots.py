@@ -28,6 +28,7 @@ def test_main_screen(config, snap_compare):
 
     async def run_before(pilot) -> None:
         await wait_idle(pilot, app)
+        app.chat.prompt.cursor_blink = False  # a blinking cursor makes the capture timing-dependent
         await type_and_send(pilot, app, "/set think on")
         await type_and_send(pilot, app, "How do experts stream?")
 
@@ -43,6 +44,7 @@ def test_stats_screen(config, snap_compare):
 
     async def run_before(pilot) -> None:
         await wait_idle(pilot, app)
+        app.chat.prompt.cursor_blink = False  # a blinking cursor makes the capture timing-dependent
         await type_and_send(pilot, app, "hello")
         await type_and_send(pilot, app, "/pin hot 4")
         await type_and_send(pilot, app, "/stats")
