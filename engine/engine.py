@@ -42,7 +42,7 @@ from engine.decode_graph import make_runner
 from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime, StepResult
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
-from engine.stats import CacheSnapshot, StepStats, StepTiming, TurnStats
+from engine.stats import CacheSnapshot, StepStats, StepTiming, TurnStats, cache_snapshot
 
 ProgressFn = Callable[[LoadProgress], None]
 RATE_WINDOW = 32  # decode steps in the windowed tok/s and read bandwidth
@@ -392,22 +392,7 @@ class Engine:
                          memory=self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
 
     def _cache_snapshot(self) -> CacheSnapshot:
-        cache = self.experts.cache
-        if cache is not None:
-            s = cache.stats()
-            return CacheSnapshot(capacity_bytes=s.capacity_entries * s.entry_bytes, used_bytes=s.used_bytes,
-                                 entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
-                                 hits=s.hits, misses=s.misses, evictions=s.evictions, bytes_read=s.bytes_read,
-                                 hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
-                                 # the main layers only: the MTP block's slot row is never routed
-                                 per_layer_hit_rate=s.per_layer_hit_rate[:self.args.n_layers])
-        n = self.args.n_layers * self.args.n_routed_experts
-        total = n * self.args.expert_record_bytes()
-        hits = sum(self.experts.layer_uses)
-        return CacheSnapshot(capacity_bytes=total, used_bytes=total, entries=n, capacity_entries=n, pinned=0,
-                             hits=hits, misses=0, evictions=0, bytes_read=0, hit_rate=1.0 if hits else 0.0,
-                             hit_rate_window=1.0 if hits else 0.0,
-                             per_layer_hit_rate=tuple(1.0 if u else 0.0 for u in self.experts.layer_uses))
+        return cache_snapshot(self.experts.cache, self.args, self.experts.layer_uses)
 
     def workspace_bytes(self) -> int:
         """Estimate of transient memory of the largest step: a prefill chunk's residual streams and

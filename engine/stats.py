@@ -90,3 +90,23 @@ class TurnStats:
     step_ms: tuple[float, ...] = field(default=())  # per decode step, for sparklines
     prefill_tokens: int = 0  # prompt tokens actually run this turn (the rest was reused)
     reused_tokens: int = 0  # prompt tokens whose state was kept from earlier turns
+
+
+def cache_snapshot(cache, args, layer_uses: list[int]) -> CacheSnapshot:
+    """The expert-cache figures the app shows: from `cache` (engine.experts.cache.ExpertCache), or,
+    when every expert is resident without a cache (None), from the per-layer use counts."""
+    if cache is not None:
+        s = cache.stats()
+        return CacheSnapshot(capacity_bytes=s.capacity_entries * s.entry_bytes, used_bytes=s.used_bytes,
+                             entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
+                             hits=s.hits, misses=s.misses, evictions=s.evictions, bytes_read=s.bytes_read,
+                             hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
+                             # the main layers only: the MTP block's slot row is never routed
+                             per_layer_hit_rate=s.per_layer_hit_rate[:args.n_layers])
+    n = args.n_layers * args.n_routed_experts
+    total = n * args.expert_record_bytes()
+    hits = sum(layer_uses)
+    return CacheSnapshot(capacity_bytes=total, used_bytes=total, entries=n, capacity_entries=n, pinned=0,
+                         hits=hits, misses=0, evictions=0, bytes_read=0, hit_rate=1.0 if hits else 0.0,
+                         hit_rate_window=1.0 if hits else 0.0,
+                         per_layer_hit_rate=tuple(1.0 if u else 0.0 for u in layer_uses))
