@@ -10,7 +10,8 @@ the step can be captured once and replayed. Two modes:
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
   half, head]. Between segments the host reads the layer's routed experts (one small copy) and
-  `provider.acquire` makes them resident in the arena before their segment runs.
+  `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
+  experts follow from the token id, so their reads start with the step (`provider.prefetch`).
 
 Graphs capture tensor addresses, so the runner re-captures when the sequence state's buffers
 change identity (another conversation or snapshot, or `LayerState.reserve` growing the
@@ -38,6 +39,8 @@ class ArenaProvider(Protocol):
 
     def release(self, layer: int) -> None: ...
 
+    def prefetch(self, layer: int, ids: list[int]) -> None: ...
+
     def record(self, layer: int, ids: list[int]) -> None: ...
 
 
@@ -61,6 +64,8 @@ class DecodeRunner:
         self._pool = None  # one memory pool shared by the segment graphs (replayed in order)
         self._key: tuple | None = None
         self.captures = 0  # how many times graphs were (re)captured
+        # hash layers know their experts from the token id: layered mode reads them ahead
+        self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._position = 0
 
     # ------------------------------------------------------------------ segments
@@ -139,6 +144,10 @@ class DecodeRunner:
     def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1."""
         self.model.reserve(state, state.pos)
+        if not self.whole and self._hashed:  # start their reads now, overlapping earlier layers
+            tok = int(token)
+            for layer, table in self._hashed:
+                self.provider.prefetch(layer, table[tok].tolist())
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1))
         else:
@@ -180,6 +189,6 @@ def make_runner(model: Transformer, provider, device: torch.device, enabled: boo
     into the arena first when the cache budget holds the whole pool (then one graph per step)."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
-    if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "load_all")):
+    if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "prefetch", "load_all")):
         return None
     return DecodeRunner(model, provider, whole=provider.load_all(), on_routes=on_routes)

@@ -136,8 +136,9 @@ class Runtime:
             wait0 = self.experts.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
-                if graphed:
-                    logits = self.runner.step(state, x)[0]
+                if graphed:  # a host token id spares the runner a device read
+                    token = ids if isinstance(ids, torch.Tensor) else int(list(ids)[0])
+                    logits = self.runner.step(state, token)[0]
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
             if self.device.type == "cuda":

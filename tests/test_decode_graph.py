@@ -164,3 +164,52 @@ def test_load_all_refuses_a_budget_below_the_pool(packed):
         assert files.experts.stats().misses == 0  # nothing was read
     finally:
         files.close()
+
+
+class _Spy:
+    """Records the runner's provider calls, passing them on."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+        self.arena = inner.arena
+
+    def acquire(self, layer, ids):
+        self.calls.append(("acquire", layer, sorted(set(ids))))
+        self.inner.acquire(layer, ids)
+
+    def release(self, layer):
+        self.inner.release(layer)
+
+    def prefetch(self, layer, ids):
+        self.calls.append(("prefetch", layer, sorted(set(ids))))
+        self.inner.prefetch(layer, ids)
+
+    def record(self, layer, ids):
+        self.inner.record(layer, ids)
+
+
+def test_layered_mode_reads_hash_layer_experts_ahead(packed):
+    rec = open_model(packed)
+    record, k = rec.experts.store.record_bytes, rec.args.n_activated_experts
+    rec.close()
+    files = open_model(packed, cache_bytes=4 * k * record)
+    try:
+        args = files.args
+        hashed = [i for i in range(args.n_layers) if args.is_hash_layer(i)]
+        assert hashed  # the tiny model has hash layers
+        model = Transformer(files.get, args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        spy = _Spy(files.experts)
+        runner = DecodeRunner(model, spy, whole=False)
+        tok = 321
+        runner.step(state, tok)
+        first_acquire = next(i for i, c in enumerate(spy.calls) if c[0] == "acquire")
+        prefetched = {c[1]: c[2] for c in spy.calls[:first_acquire] if c[0] == "prefetch"}
+        assert set(prefetched) == set(hashed)  # every hash layer, before any layer runs its experts
+        for layer in hashed:
+            assert prefetched[layer] == sorted(set(model.blocks[layer].ffn.gate.tid2eid_host[tok].tolist()))
+            acquired = next(c[2] for c in spy.calls if c[0] == "acquire" and c[1] == layer)
+            assert acquired == prefetched[layer]
+    finally:
+        files.close()
