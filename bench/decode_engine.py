@@ -158,7 +158,8 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         convert(ckpt, out)
         print(f"converted in {time.perf_counter() - t:.1f} s")
     rows = []
-    for share, label in ((1.0, "all resident, CUDA graph per step"), (0.25, "25 % expert cache, graph per layer")):
+    runs = [(1.0, "all resident, CUDA graph per step"), (0.25, "25 % expert cache, graph per layer")]
+    for share, label in runs[:1] if a.skip_stream else runs:
         files = open_model(out, device=str(dev))
         budget = int(files.experts.cache.capacity_bytes * share)
         if share < 1.0:
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="tilelang,torch",
                    help="comma-separated kernel backends to time eagerly (empty: none)")
     p.add_argument("--skip-graph", action="store_true", help="skip the converted CUDA-graph runs")
+    p.add_argument("--skip-stream", action="store_true", help="skip the 25 %% expert-cache (streamed) run")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.decode_engine needs a CUDA GPU")

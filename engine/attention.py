@@ -37,9 +37,10 @@ class Rope:
         return ref.apply_rope(x, cos, sin, inverse)
 
 
-def kv_rounding(kv: torch.Tensor, nope: int) -> torch.Tensor:
-    """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays."""
-    return torch.cat((ref.qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+def kv_rounding(kv: torch.Tensor, nope: int, qdq8=ref.qdq8) -> torch.Tensor:
+    """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays.
+    `qdq8` is the backend's (the same bits as the reference's)."""
+    return torch.cat((qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
 
 
 def fp4_rounding(x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,7 @@ class Compressor:
             return entries
         if self.kind == "indexer":
             return fp4_rounding(entries)
-        return kv_rounding(entries, self.dim - self.rope_dim)
+        return kv_rounding(entries, self.dim - self.rope_dim, self.numerics.backend.qdq8)
 
 
 class Indexer:
@@ -274,7 +275,7 @@ class Attention:
         q = self.rope(ref.rms_norm(q, None, eps), rot)
         kv = self.rope(ref.rms_norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
         if self.numerics.native:
-            kv = kv_rounding(kv, self.args.nope_head_dim)
+            kv = kv_rounding(kv, self.args.nope_head_dim, self.numerics.backend.qdq8)
         return c, q, kv
 
     def _all_visible(self, n_entries: int, positions: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from kernels import reference as ref
+
 # Groups (rows of `block` channels) per CTA of 128 threads, per compute capability.
 # sm_90 (H100/H200) is tested; sm_121 (GB10, ~99 KB shared memory per block) is untested.
 TILE_PARAMS = {
@@ -122,3 +124,10 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     if xg.shape[0]:
         act_quant_kernel(block, _TORCH_TO_TL[x.dtype], arch)(xg, q, s)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // block)
+
+
+def qdq8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """FP8 storage simulation: the contract of `reference.qdq8`, quantised by this module's kernel
+    (the same q and s bits as the reference), dequantised exactly (q times a power of two)."""
+    q, s = act_quant(x, block)
+    return ref.act_dequant(q, s, block).to(x.dtype)

@@ -46,6 +46,10 @@ class Backend(Protocol):
         """x [M, D] × bf16 head weight [V, D] in fp32 -> logits [M, V] fp32."""
         ...
 
+    def qdq8(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """FP8 storage simulation (QDQ8) of x's last dim in blocks of `block`; keeps the dtype."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -70,6 +74,9 @@ class TorchBackend:
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
 
+    def qdq8(self, x, block):
+        return ref.qdq8(x, block)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -78,7 +85,7 @@ class TileLangBackend:
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe",
             "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn", "fp4_moe": "kernels.fp4_moe",
-            "head_logits": "kernels.head_gemv"}
+            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -110,6 +117,9 @@ class TileLangBackend:
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)
+
+    def qdq8(self, x, block):
+        return self._impl["qdq8"](x, block)
 
 
 def tilelang_available() -> bool:

@@ -240,3 +240,12 @@ def test_head_logits_matches_reference(m, v, d, gen):
     err = rel_err(head_logits(x, w), ref.head_logits(x, w))
     print(f"head_logits m={m} v={v}: rel err {err:.2e}")
     assert err < 1e-5  # fp32 products of the same operands; only the summation order differs
+
+
+@pytest.mark.parametrize("shape,block", [((1, 448), 64), ((3, 448), 64), ((1, 2, 448), 64), ((5, 256), 128)])
+def test_qdq8_matches_reference_exactly(shape, block, gen):
+    """The KV-storage rounding through the TileLang quantiser: the reference's bits exactly."""
+    from kernels.act_quant import qdq8
+    full = (torch.randn(*shape[:-1], shape[-1] + 64, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    x = full[..., :shape[-1]]  # a non-contiguous slice, as kv_rounding passes it
+    assert torch.equal(qdq8(x, block), ref.qdq8(x, block))
