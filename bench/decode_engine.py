@@ -171,6 +171,7 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         model = Transformer(lambda n: files.get(n).to(dev), files.args,
                             Numerics.named("native", make_backend("tilelang", dev)))
         pre, ms = _graph_decode(files, DecodeRunner(model, files.experts, whole=whole), ids, a.prefill, a.tokens)
+        print(f"  decode {ms:.2f} ms/token")
         st = files.experts.stats()
         print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
               f"evictions {st.evictions}")
@@ -239,6 +240,7 @@ def main(argv=None) -> int:
         rows.extend(_graphed(ckpt, ids, a, dev))
     if not a.skip_hf:
         pre, ms, gib = _hf_decode(ckpt, ids, a.prefill, a.tokens)
+        print(f"transformers: decode {ms:.2f} ms/token")
         rows.append((f"transformers bf16-dequantised ({gib:.0f} GiB)", pre, ms))
     print(f"| run | prefill {a.prefill} s | decode ms/token | GB/s | % of copy bw | vs transformers |")
     hf_ms = rows[-1][2] if not a.skip_hf else None

@@ -90,22 +90,23 @@ class Compressor:
             st.prev_gate.copy_(gate[(n_win - 1) * r:n_win * r, :self.dim])
         st.store_entries(first, self._pool(win_kv, win_gate, first + torch.arange(n_win, device=x.device)))
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState) -> None:
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, emit: bool) -> None:
         """One token x [1, D] at device position pos [1], with static shapes (no host sync).
 
-        The token goes to buffer row pos mod r; the entry of its window (index pos // r) is
-        pooled and written every step — before the window completes it is not yet visible to
-        any reader and is overwritten at completion, when every buffer row is of this window."""
+        The token goes to buffer row pos mod r. `emit` (the caller knows the position on the
+        host: (pos + 1) % r == 0) says that it completes its window: then the window is pooled
+        into entry pos // r, and an overlap compressor keeps the window's first half."""
         r = self.ratio
         row = pos % r
         st.buf_kv.index_copy_(0, row, self.wkv(x))
         st.buf_gate.index_copy_(0, row, self.wgate(x) + self.ape[row])
+        if not emit:
+            return
         win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]
         if self.overlap:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)
-            done = ((pos + 1) % r == 0).view(1, 1)
-            st.prev_kv.copy_(torch.where(done, st.buf_kv[:, :self.dim], st.prev_kv))
-            st.prev_gate.copy_(torch.where(done, st.buf_gate[:, :self.dim], st.prev_gate))
+            st.prev_kv.copy_(st.buf_kv[:, :self.dim])
+            st.prev_gate.copy_(st.buf_gate[:, :self.dim])
         st.entries.index_copy_(0, pos // r, self._pool(win_kv, win_gate, pos // r))
 
     def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
@@ -163,10 +164,11 @@ class Indexer:
         return self._select(scores, positions)
 
     def decode(self, x: torch.Tensor, c: torch.Tensor, pos: torch.Tensor, st: CompressorState,
-               n_keys: int, rot=None) -> torch.Tensor:
+               n_keys: int, emit: bool, rot=None) -> torch.Tensor:
         """One token at device position pos [1], scoring the first `n_keys` (static) entry slots;
-        slots not yet visible score -inf, so the picks equal those of `__call__`."""
-        self.compressor.decode(x, pos, st)
+        slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
+        for `Compressor.decode`."""
+        self.compressor.decode(x, pos, st, emit)
         return self._select(self._scores(x, c, pos, st.entries[:n_keys], rot), pos)
 
     def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
@@ -245,12 +247,13 @@ class Attention:
             idx = torch.cat((idx, chosen), dim=1)
         return self._output(self._attend(q, window_kv, idx), rot)
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, emit: bool) -> torch.Tensor:
         """One token x [1, D] at device position pos [1] -> [1, D], with static shapes.
 
         Keys are read in place from `st.kv` (ring rows in position order, then entry slots
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
-        caller reserves room for entry pos // ratio first. Equals `__call__` on one token."""
+        caller reserves room for entry pos // ratio first and says whether the token completes a
+        compression window (`emit`, from the host position; see `emits`). Equals `__call__`."""
         rot = self.rope.table(pos)
         c, q, kv = self._project(x, rot)
         w = self.window
@@ -258,9 +261,9 @@ class Attention:
         want = pos - torch.arange(w - 1, -1, -1, device=x.device)  # positions p-W+1..p
         idx = torch.where(want >= 0, want % w, torch.full_like(want, -1)).unsqueeze(0)  # [1, W]
         if self.ratio:
-            self.compressor.decode(x, pos, st.compressor)
+            self.compressor.decode(x, pos, st.compressor, emit)
             if self.indexer is not None:
-                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity, rot)
+                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity, emit, rot)
             else:
                 chosen = self._all_visible(st.capacity, pos)
             idx = torch.cat((idx, torch.where(chosen >= 0, chosen + w, chosen)), dim=1)

@@ -13,15 +13,20 @@ the step can be captured once and replayed. Two modes:
   `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
   experts follow from the token id, so their reads start with the step (`provider.prefetch`).
 
-Graphs capture tensor addresses, so the runner re-captures when the sequence state's buffers
-change identity (another conversation or snapshot, or `LayerState.reserve` growing the
-compressed caches — geometric, so rarely). The step that triggers a capture runs eagerly (it
-also compiles any kernel it needs) and the captured graphs serve the following steps. On the
-CPU the same step runs eagerly (no graphs): the tests check it against `Transformer.forward`.
+A step's control flow depends on one host-known fact: which compression ratios complete a
+window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
+compressed entries, so the runner keeps one graph set per pattern (at most three). Graphs
+capture tensor addresses, so the sets are re-captured when the sequence state's buffers change
+identity (another conversation or snapshot, or `LayerState.reserve` growing the compressed
+caches — geometric, so rarely). The step that needs a missing set runs eagerly (it also
+compiles any kernel it needs) and the set is captured right after it for the following steps.
+On the CPU the same step runs eagerly (no graphs): the tests check it against
+`Transformer.forward`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -44,6 +49,22 @@ class ArenaProvider(Protocol):
     def record(self, layer: int, ids: list[int]) -> None: ...
 
 
+@dataclass
+class _Outputs:
+    """A step's static intermediates: the carries between segments and the logits."""
+
+    carry: list[DecodeCarry | None]
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class _GraphSet:
+    """The captured graphs of one emission pattern, and the output tensors they write."""
+
+    graphs: list
+    out: _Outputs
+
+
 class DecodeRunner:
     """One-token decode steps of `model` with experts from `provider.arena` (module docstring)."""
 
@@ -57,76 +78,74 @@ class DecodeRunner:
             raise ValueError("CUDA graphs need a CUDA device; run the decode step eagerly on the CPU")
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        n = len(model.blocks)
-        self._carry: list[DecodeCarry | None] = [None] * n  # static intermediates between segments
-        self._logits: torch.Tensor | None = None
-        self._graphs: list[torch.cuda.CUDAGraph] = []
-        self._pool = None  # one memory pool shared by the segment graphs (replayed in order)
-        self._key: tuple | None = None
-        self.captures = 0  # how many times graphs were (re)captured
+        # One graph set per emission pattern (which compression ratios complete a window at this
+        # token: none, 4, or 4 and 128): the step's control flow differs only in that.
+        self._sets: dict[frozenset[int], _GraphSet] = {}
+        self._key: tuple | None = None  # the state buffers the graph sets were captured on
+        self.captures = 0  # graph sets captured so far
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._position = 0
 
     # ------------------------------------------------------------------ segments
-    def _segment(self, i: int, state: SequenceState) -> None:
+    def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
         """Segment i of the step: FFN half of block i-1 (if any), then the attention half of
-        block i, or the head after the last block. Reads/writes the static carries."""
+        block i, or the head after the last block. Reads/writes `out`."""
         blocks = self.model.blocks
         if i == 0:
             streams = self.model.decode_begin(self.ids)
         else:
-            streams = blocks[i - 1].decode_ffn(self._carry[i - 1], self.provider.arena)
+            streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena)
         if i < len(blocks):
-            self._carry[i] = blocks[i].decode_attention(streams, self.ids, self.pos, state.layers[i])
+            out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.pos, state.layers[i], emitting)
         else:
-            self._logits = self.model.logits(streams)
+            out.logits = self.model.logits(streams)
 
-    def _routes(self, layer: int) -> list[int]:
-        ids = self._carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
+    def _routes(self, out: _Outputs, layer: int) -> list[int]:
+        ids = out.carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
         if self.on_routes is not None:
             self.on_routes(layer, self._position, ids)
         return ids
 
-    def _run_eager(self, state: SequenceState) -> None:
-        n = len(self.model.blocks)
-        for i in range(n + 1):
+    def _run(self, out: _Outputs, segment, n_segments: int) -> None:
+        """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
+        resident (and holds them) around the segment that uses them."""
+        for i in range(n_segments):
             if i and not self.whole:
-                self.provider.acquire(i - 1, self._routes(i - 1))
+                self.provider.acquire(i - 1, self._routes(out, i - 1))
             try:
-                self._segment(i, state)
+                segment(i)
             finally:
                 if i and not self.whole:
                     self.provider.release(i - 1)
 
-    def _capture(self, state: SequenceState) -> None:
-        """Record the graphs of the current state buffers (nothing runs during capture)."""
-        self._graphs = []
+    def _run_eager(self, state: SequenceState, emitting: frozenset[int]) -> _Outputs:
+        out = _Outputs([None] * len(self.model.blocks))
+        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1)
+        return out
+
+    def _capture(self, state: SequenceState, emitting: frozenset[int]) -> _GraphSet:
+        """Record the graphs of one emission pattern on the current state buffers (nothing runs
+        during capture). Whole mode: one graph; layered: one per segment, sharing a pool."""
         torch.cuda.synchronize(self.device)
-        self._pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         n = len(self.model.blocks)
+        out = _Outputs([None] * n)
         parts = [list(range(n + 1))] if self.whole else [[i] for i in range(n + 1)]
+        graphs = []
         for seg in parts:
             g = torch.cuda.CUDAGraph()
             # thread_local: the app's other threads may touch CUDA (e.g. an I/O thread's copy)
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 for i in seg:
-                    self._segment(i, state)
-            self._graphs.append(g)
+                    self._segment(i, state, emitting, out)
+            graphs.append(g)
         self.captures += 1
+        return _GraphSet(graphs, out)
 
-    def _replay(self) -> None:
-        if self.whole:
-            self._graphs[0].replay()
-            return
-        for i, g in enumerate(self._graphs):
-            if i:
-                self.provider.acquire(i - 1, self._routes(i - 1))
-            try:
-                g.replay()
-            finally:
-                if i:
-                    self.provider.release(i - 1)
+    def _replay(self, gs: _GraphSet) -> _Outputs:
+        self._run(gs.out, lambda i: gs.graphs[i].replay(), len(gs.graphs))
+        return gs.out
 
     @staticmethod
     def _buffers(state: SequenceState) -> tuple:
@@ -154,25 +173,25 @@ class DecodeRunner:
             self.ids.fill_(int(token))
         self.pos.fill_(state.pos)
         self._position = state.pos  # host copy for on_routes
+        emitting = self.model.emitting(state.pos)
         key = self._buffers(state)
+        if key != self._key:  # other buffers: every captured set is stale
+            self._sets, self._key = {}, key
+        gs = self._sets.get(emitting)
         if not self.graphs:
-            self._run_eager(state)
-        elif key != self._key:
-            self._graphs, self._key = [], None
+            out = self._run_eager(state, emitting)
+        elif gs is None:
             side = torch.cuda.Stream(self.device)  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._run_eager(state)  # this step, eagerly; also compiles the kernels it needs
+                out = self._run_eager(state, emitting)  # this step, eagerly; compiles its kernels
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            self._replay()
-        logits = self._logits.clone()
-        routes = torch.stack([c.routed[0][0] for c in self._carry]) if self.whole else None  # [n_layers, k]
-        if self.graphs and key != self._key:
-            # capture after taking this step's results: capturing re-binds the carries and the
-            # logits to the graphs' (not yet computed) output tensors
-            self._capture(state)
-            self._key = key
+            out = self._replay(gs)
+        logits = out.logits.clone()
+        routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
+        if self.graphs and gs is None:
+            self._sets[emitting] = self._capture(state, emitting)  # after this step's results are taken
         if routes is not None:
             for layer, ids in enumerate(routes.tolist()):
                 self.provider.record(layer, ids)

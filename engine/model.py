@@ -67,10 +67,13 @@ class Block:
 
     # One-token decode with static shapes and a device position (CUDA-graph capturable), split at
     # the routing decision so a streaming runner can load the chosen experts in between.
-    def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st) -> DecodeCarry:
-        """First half of the block for one token: mHC + attention + mHC pre of the FFN + route."""
+    def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st,
+                         emitting: frozenset[int]) -> DecodeCarry:
+        """First half of the block for one token: mHC + attention + mHC pre of the FFN + route.
+        `emitting`: the compression ratios whose window this token completes."""
         x, post, comb = self.hc_attn.pre(streams)
-        a = self.attn.decode(ref.rms_norm(x, self.attn_norm, self.eps), pos, st)
+        emit = self.attn.ratio in emitting
+        a = self.attn.decode(ref.rms_norm(x, self.attn_norm, self.eps), pos, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = ref.rms_norm(x, self.ffn_norm, self.eps)
@@ -175,15 +178,21 @@ class Transformer:
         """Streams [1, n_hc, D] of one token id [1]."""
         return self.embed_tokens(ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
 
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, state: SequenceState, arena) -> torch.Tensor:
+    def emitting(self, pos: int) -> frozenset[int]:
+        """The compression ratios whose window the token at `pos` completes (it emits an entry):
+        the one host-known fact a decode step's control flow depends on."""
+        return frozenset(r for r in self.args.compress_ratios if r and (pos + 1) % r == 0)
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, state: SequenceState, arena,
+               emitting: frozenset[int]) -> torch.Tensor:
         """One token ids [1] at device position pos [1] -> logits [1, V] fp32, static shapes.
 
-        Every routed expert must be resident in `arena` (engine.experts.arena.ExpertArena) and
-        `reserve(state, pos)` done; `state.pos` is the caller's to advance (engine.decode_graph).
-        Equals `forward(ids, state, ...)` at state.pos."""
+        Every routed expert must be resident in `arena` (engine.experts.arena.ExpertArena),
+        `reserve(state, pos)` done and `emitting` = `emitting(pos)`; `state.pos` is the
+        caller's to advance (engine.decode_graph). Equals `forward(ids, state, ...)` at pos."""
         streams = self.decode_begin(ids)
         for block, st in zip(self.blocks, state.layers):
-            streams = block.decode_ffn(block.decode_attention(streams, ids, pos, st), arena)
+            streams = block.decode_ffn(block.decode_attention(streams, ids, pos, st, emitting), arena)
         return self.logits(streams)
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,
