@@ -253,7 +253,7 @@ class Attention:
         Keys are read in place from `st.kv` (ring rows in position order, then entry slots
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry pos // ratio first and says whether the token completes a
-        compression window (`emit`, from the host position; see `emits`). Equals `__call__`."""
+        compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
         rot = self.rope.table(pos)
         c, q, kv = self._project(x, rot)
         w = self.window

@@ -7,6 +7,7 @@ the step can be captured once and replayed. Two modes:
 - **whole** (every expert of every layer resident in the arena, e.g. after
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; afterwards the
   routes of all layers are copied to the host once and counted by the provider (statistics).
+  Checked every step: after a flush the runner goes layered until the pool is resident again.
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
   half, head]. Between segments the host reads the layer's routed experts (one small copy) and
@@ -40,6 +41,8 @@ class ArenaProvider(Protocol):
 
     arena: object  # engine.experts.arena.ExpertArena
 
+    def all_resident(self) -> bool: ...
+
     def acquire(self, layer: int, ids: list[int]) -> None: ...
 
     def release(self, layer: int) -> None: ...
@@ -70,8 +73,10 @@ class DecodeRunner:
 
     def __init__(self, model: Transformer, provider: ArenaProvider, whole: bool, graphs: bool | None = None,
                  on_routes: Callable[[int, int, list[int]], None] | None = None):
-        """`on_routes(layer, position, expert ids)` observes every routing decision of a step."""
-        self.model, self.provider, self.whole, self.on_routes = model, provider, whole, on_routes
+        """`whole`: use one graph per step while every expert is resident (else one per layer);
+        `on_routes(layer, position, expert ids)` observes every routing decision of a step."""
+        self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
+        self.whole = whole  # the mode of the current step
         self.device = model.embed.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
@@ -80,7 +85,7 @@ class DecodeRunner:
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         # One graph set per emission pattern (which compression ratios complete a window at this
         # token: none, 4, or 4 and 128): the step's control flow differs only in that.
-        self._sets: dict[frozenset[int], _GraphSet] = {}
+        self._sets: dict[tuple[bool, frozenset[int]], _GraphSet] = {}  # by (whole, emitting)
         self._key: tuple | None = None  # the state buffers the graph sets were captured on
         self.captures = 0  # graph sets captured so far
         # hash layers know their experts from the token id: layered mode reads them ahead
@@ -163,6 +168,7 @@ class DecodeRunner:
     def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1."""
         self.model.reserve(state, state.pos)
+        self.whole = self.prefer_whole and self.provider.all_resident()
         if not self.whole and self._hashed:  # start their reads now, overlapping earlier layers
             tok = int(token)
             for layer, table in self._hashed:
@@ -177,7 +183,7 @@ class DecodeRunner:
         key = self._buffers(state)
         if key != self._key:  # other buffers: every captured set is stale
             self._sets, self._key = {}, key
-        gs = self._sets.get(emitting)
+        gs = self._sets.get((self.whole, emitting))
         if not self.graphs:
             out = self._run_eager(state, emitting)
         elif gs is None:
@@ -191,7 +197,7 @@ class DecodeRunner:
         logits = out.logits.clone()
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         if self.graphs and gs is None:
-            self._sets[emitting] = self._capture(state, emitting)  # after this step's results are taken
+            self._sets[self.whole, emitting] = self._capture(state, emitting)  # after this step's results
         if routes is not None:
             for layer, ids in enumerate(routes.tolist()):
                 self.provider.record(layer, ids)
@@ -208,6 +214,7 @@ def make_runner(model: Transformer, provider, device: torch.device, enabled: boo
     into the arena first when the cache budget holds the whole pool (then one graph per step)."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
-    if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "prefetch", "load_all")):
+    if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "prefetch", "load_all",
+                                              "all_resident")):
         return None
     return DecodeRunner(model, provider, whole=provider.load_all(), on_routes=on_routes)

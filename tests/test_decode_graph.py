@@ -154,6 +154,33 @@ def test_whole_mode_counts_every_use_as_a_hit(packed):
         files.close()
 
 
+def test_whole_mode_survives_a_flush(packed):
+    """/flush evicts experts the one-graph step would read: the runner goes layered (loading what
+    it needs) and returns to one graph per step once the pool is resident again."""
+    files = open_model(packed)
+    ref_files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        model = Transformer(files.get, files.args, Numerics.named("exact"))
+        ref_model = Transformer(ref_files.get, ref_files.args, Numerics.named("exact"))
+        state, ref_state = model.new_state(), ref_model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        ref_model.forward(torch.tensor(PROMPT), ref_state, ref_files.experts)
+        runner = DecodeRunner(model, files.experts, whole=True)
+        for i, tok in enumerate((3, 4, 5)):
+            if i == 1:
+                files.experts.flush()
+            want = ref_model.forward(torch.tensor([tok]), ref_state, ref_files.experts, last_only=True)
+            assert _rel(want, runner.step(state, tok)) <= 1e-5
+            assert runner.whole == (i == 0)
+        assert files.experts.load_all() and files.experts.all_resident()
+        want = ref_model.forward(torch.tensor([6]), ref_state, ref_files.experts, last_only=True)
+        assert _rel(want, runner.step(state, 6)) <= 1e-5 and runner.whole
+    finally:
+        files.close()
+        ref_files.close()
+
+
 def test_load_all_refuses_a_budget_below_the_pool(packed):
     rec = open_model(packed)
     record = rec.experts.store.record_bytes
@@ -186,6 +213,9 @@ class _Spy:
 
     def record(self, layer, ids):
         self.inner.record(layer, ids)
+
+    def all_resident(self):
+        return self.inner.all_resident()
 
 
 def test_layered_mode_reads_hash_layer_experts_ahead(packed):

@@ -233,6 +233,10 @@ class StreamingExperts:
             self.release(u)
         return True
 
+    def all_resident(self) -> bool:
+        """Every expert of every unit is in the arena (e.g. after `load_all`, until a flush)."""
+        return len(self.cache) == len(self.store.layers()) * self.store.count
+
     def record(self, layer: int, ids: Iterable[int]) -> None:
         """Count uses of experts that are known resident (all hits): statistics only."""
         for e in dict.fromkeys(int(i) for i in ids):
