@@ -208,13 +208,15 @@ class DecodeRunner:
 
 
 def make_runner(model: Transformer, provider, device: torch.device, enabled: bool,
-                on_routes: Callable[[int, int, list[int]], None] | None = None) -> DecodeRunner | None:
+                on_routes: Callable[[int, int, list[int]], None] | None = None,
+                on_loaded: Callable[[int, int], None] | None = None) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, not native
     numerics, graphs disabled, or a provider without a device slot table. Reads every expert
-    into the arena first when the cache budget holds the whole pool (then one graph per step)."""
+    into the arena first when the cache budget holds the whole pool (then one graph per step),
+    reporting `on_loaded(units done, units)`."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
     if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "prefetch", "load_all",
                                               "all_resident")):
         return None
-    return DecodeRunner(model, provider, whole=provider.load_all(), on_routes=on_routes)
+    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes)

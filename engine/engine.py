@@ -68,7 +68,8 @@ def open_model_files(path: str | Path, config: EngineConfig):
 class Engine:
     """One loaded model, its tokenizer and expert provider; runs turns of `Session`s."""
 
-    def __init__(self, files, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig) -> None:
+    def __init__(self, files, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig,
+                 progress: ProgressFn | None = None) -> None:
         self.files, self.model, self.tokenizer, self.config = files, model, tokenizer, config
         self.args = files.args
         self.device = torch.device(config.device)
@@ -81,7 +82,9 @@ class Engine:
 
             self._trace = TraceWriter(config.trace_path)
         log = RoutingTrace(self._trace) if self._trace is not None else None
-        runner = make_runner(model, files.experts, self.device, config.cuda_graphs, self._graph_routes)
+        loaded = None if progress is None else (
+            lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
+        runner = make_runner(model, files.experts, self.device, config.cuda_graphs, self._graph_routes, loaded)
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
@@ -117,7 +120,7 @@ class Engine:
             if tokenizer.vocab_size > files.args.vocab_size:
                 raise EngineError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                                   f"vocab_size is {files.args.vocab_size}; the checkpoint does not fit it")
-            engine = cls(files, model, tokenizer, config)
+            engine = cls(files, model, tokenizer, config, progress)
         except BaseException:
             files.close()
             raise

@@ -181,6 +181,17 @@ def test_whole_mode_survives_a_flush(packed):
         ref_files.close()
 
 
+def test_load_all_reports_progress(packed):
+    files = open_model(packed)
+    try:
+        seen = []
+        assert files.experts.load_all(lambda done, total: seen.append((done, total)))
+        units = len(files.experts.store.layers())
+        assert seen == [(i, units) for i in range(units + 1)] and files.experts.all_resident()
+    finally:
+        files.close()
+
+
 def test_load_all_refuses_a_budget_below_the_pool(packed):
     rec = open_model(packed)
     record = rec.experts.store.record_bytes

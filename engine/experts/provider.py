@@ -28,7 +28,7 @@ from __future__ import annotations
 import queue
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -222,15 +222,20 @@ class StreamingExperts:
         for key in self._acquired.pop(layer, ()):
             self._settle(key)
 
-    def load_all(self) -> bool:
+    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
         """Read every expert of the store into the arena when the budget holds the whole pool
-        (then `arena.table` is complete); False, reading nothing, when it does not."""
+        (then `arena.table` is complete), calling `on_unit(units done, units)` as it goes;
+        False, reading nothing, when it does not."""
         units = self.store.layers()
         if len(units) * self.store.count > self.cache.capacity_slots:
             return False
-        for u in units:
+        for i, u in enumerate(units):
+            if on_unit is not None:
+                on_unit(i, len(units))
             self.acquire(u, range(self.store.count))
             self.release(u)
+        if on_unit is not None:
+            on_unit(len(units), len(units))
         return True
 
     def all_resident(self) -> bool:
