@@ -139,9 +139,11 @@ class ChatApp(App):
         demo = bool(info.get("demo")) or self.model_dir == demo_dir(self.config)
         self.sub_title = " · ".join(
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
-                             info.get("numerics")) if x)
+                             info.get("numerics"), info.get("decode") == "CUDA graphs" and "CUDA graphs") if x)
         self.chat.phase.show_phase("ready")
         self._show_latest_stats()
+        if info.get("decode_note"):
+            await self.note(info["decode_note"])
         if demo:
             await self.note(DEMO_NOTICE)
         self._after_session.append("ready — type a message; /help lists the commands")

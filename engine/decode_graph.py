@@ -88,6 +88,7 @@ class DecodeRunner:
         self._sets: dict[tuple[bool, frozenset[int]], _GraphSet] = {}  # by (whole, emitting)
         self._key: tuple | None = None  # the state buffers the graph sets were captured on
         self.captures = 0  # graph sets captured so far
+        self.capture_error: str | None = None  # why graphs were given up, if they were
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._position = 0
@@ -196,8 +197,11 @@ class DecodeRunner:
             out = self._replay(gs)
         logits = out.logits.clone()
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
-        if self.graphs and gs is None:
-            self._sets[self.whole, emitting] = self._capture(state, emitting)  # after this step's results
+        if self.graphs and gs is None:  # capture after this step's results are taken
+            try:
+                self._sets[self.whole, emitting] = self._capture(state, emitting)
+            except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
+                self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
         if routes is not None:
             for layer, ids in enumerate(routes.tolist()):
                 self.provider.record(layer, ids)

@@ -136,12 +136,15 @@ class Engine:
 
     @property
     def info(self) -> dict:
-        a = self.args
+        a, runner = self.args, self.runtime.runner
+        decode = "eager" if runner is None or not runner.graphs else "CUDA graphs"
         return {"model": self.files.path.name, "path": str(self.files.path), "n_layers": a.n_layers,
                 "n_experts": a.n_routed_experts, "demo": (a.dim, a.n_layers) != (4096, 43),
                 "device": str(self.device), "numerics": self.config.numerics, "vocab_size": a.vocab_size,
                 "max_seq_len": self.config.max_seq_len,
-                "experts": "streaming" if self.experts.cache is not None else "resident"}
+                "experts": "streaming" if self.experts.cache is not None else "resident",
+                "backend": self.config.backend, "decode": decode,
+                "decode_note": runner.capture_error if runner is not None else None}
 
     def close(self) -> None:
         """Release the model files and stop the expert provider's threads. Idempotent."""
