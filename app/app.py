@@ -137,9 +137,10 @@ class ChatApp(App):
             return
         info = event.info
         demo = bool(info.get("demo")) or self.model_dir == demo_dir(self.config)
+        graphs = "CUDA graphs" if info.get("decode") == "CUDA graphs" else None
         self.sub_title = " · ".join(
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
-                             info.get("numerics"), info.get("decode") == "CUDA graphs" and "CUDA graphs") if x)
+                             info.get("numerics"), graphs) if x)
         self.chat.phase.show_phase("ready")
         self._show_latest_stats()
         if info.get("decode_note"):

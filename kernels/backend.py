@@ -83,8 +83,8 @@ class TileLangBackend:
     yet, and says so in `missing` so benchmarks can report it."""
 
     name = "tilelang"
-    _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn", "fp4_moe": "kernels.fp4_moe",
+    _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
+            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
             "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant"}
 
     def __init__(self, device: torch.device):
