@@ -254,3 +254,46 @@ def test_layered_mode_reads_hash_layer_experts_ahead(packed):
             assert acquired == prefetched[layer]
     finally:
         files.close()
+
+
+def test_runtime_replays_through_the_runner_with_stats_and_trace(packed, tmp_path):
+    """The engine's Runtime with a runner (the GPU path, here run eagerly on the CPU): same
+    logits as the eager Runtime, steps flagged as graphed, usage counts and the routing trace fed
+    from the runner's routes."""
+    import threading
+
+    from engine.experts.provider import RoutingTrace
+    from engine.experts.trace import TraceWriter, read_records
+    from engine.runtime import InstrumentedProvider, Runtime
+
+    files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        args = files.args
+        model = Transformer(files.get, args, Numerics.named("native"))
+        with TraceWriter(tmp_path / "t.jsonl") as writer:
+            trace = RoutingTrace(writer)
+            experts = InstrumentedProvider(files.experts, args.n_layers)
+
+            def routes(layer, position, ids):
+                experts.note_uses(layer, ids)
+                trace("experts", layer, position, torch.tensor([ids]))
+
+            runner = DecodeRunner(model, files.experts, whole=True, on_routes=routes)
+            lock = threading.RLock()
+            graphed = Runtime(model, experts, torch.device("cpu"), lock, trace, runner)
+            plain = Runtime(model, InstrumentedProvider(files.experts, args.n_layers), torch.device("cpu"), lock)
+            s1, s2 = model.new_state(), model.new_state()
+            a, b = plain.step(s1, PROMPT), graphed.step(s2, PROMPT)  # prefill: eager in both
+            assert not b.graphed and torch.equal(a.logits, b.logits)
+            for tok in (5, 6, 7):
+                a, b = plain.step(s1, [tok]), graphed.step(s2, [tok])
+                assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
+            assert s1.pos == s2.pos == len(PROMPT) + 3
+        assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
+        recs = list(read_records(tmp_path / "t.jsonl"))
+        decode = [r for r in recs if r.tokens == 1]
+        assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
+        assert [r.layer for r in decode[:args.n_layers]] == list(range(args.n_layers))
+    finally:
+        files.close()
