@@ -16,11 +16,10 @@ same run, and the per-token figures extrapolated to 43 layers.
 """
 
 import argparse
-import statistics
 
 import torch
 
-from bench.kernels import _fp8, copy_bandwidth
+from bench.kernels import _fp8, copy_bandwidth, median_seconds
 
 DIM, HEADS, HEAD_DIM, Q_RANK, INTER, N_EXPERTS, TOPK = 4096, 64, 512, 1024, 2048, 256, 6
 IDX_HEADS, IDX_DIM, GROUPS, O_RANK, WINDOW, SELECTED = 64, 128, 8, 1024, 128, 512
@@ -91,18 +90,6 @@ class Layer:
         return (routed.sum(0, keepdim=True) + shared).to(torch.bfloat16)
 
 
-def _time(fn, reps=20) -> float:
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[3:])
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="Flash-shaped layers to build (default 4)")
@@ -130,7 +117,7 @@ def main(argv=None) -> None:
 
     token()
     torch.cuda.synchronize()
-    eager = _time(token)
+    eager = median_seconds(token)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         token()
@@ -138,7 +125,7 @@ def main(argv=None) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         token()
-    graphed = _time(graph.replay)
+    graphed = median_seconds(graph.replay)
 
     res, exp = layers[0].resident_bytes(), layers[0].expert_bytes()
     per_layer = res + exp

@@ -17,19 +17,24 @@ CALLS_PER_GRAPH = 20
 MIN_ROTATION_BYTES = 512 << 20  # well above the H200's 60 MiB L2
 
 
+def median_seconds(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median GPU time of `fn()` in seconds over `reps` calls (CUDA events), after `warmup` calls."""
+    times = []
+    for _ in range(reps + warmup):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[warmup:])
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), median of `reps`."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * nbytes / statistics.median(times[3:])
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), reps)
 
 
 def time_calls(calls, reps: int = 30) -> tuple[float, bool]:
@@ -58,15 +63,7 @@ def time_calls(calls, reps: int = 30) -> tuple[float, bool]:
             for c in calls:
                 c()
         graphed = False
-    times = []
-    for _ in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[3:]) / len(calls), graphed
+    return median_seconds(run, reps) / len(calls), graphed
 
 
 def copies(nbytes: int) -> int:
