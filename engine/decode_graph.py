@@ -28,7 +28,7 @@ On the CPU the same step runs eagerly (no graphs): the tests check it against
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -36,10 +36,13 @@ from engine.model import DecodeCarry, Transformer
 from engine.state import SequenceState
 
 
+@runtime_checkable
 class ArenaProvider(Protocol):
     """The expert provider side the runner needs (engine.experts.provider.StreamingExperts)."""
 
     arena: object  # engine.experts.arena.ExpertArena
+
+    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool: ...
 
     def all_resident(self) -> bool: ...
 
@@ -155,15 +158,8 @@ class DecodeRunner:
 
     @staticmethod
     def _buffers(state: SequenceState) -> tuple:
-        """Addresses of every state tensor a captured step reads or writes."""
-        out = []
-        for st in state.layers:
-            out.append(st.kv.data_ptr())
-            for comp in (st.compressor, st.indexer):
-                if comp is not None:
-                    out += [t.data_ptr() for t in (comp.buf_kv, comp.buf_gate, comp.entries, comp.prev_kv,
-                                                   comp.prev_gate) if t is not None]
-        return tuple(out)
+        """Addresses of every state tensor a captured step reads or writes (views follow `kv`)."""
+        return tuple(t.data_ptr() for st in state.layers for t in st.tensors())
 
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
@@ -220,7 +216,6 @@ def make_runner(model: Transformer, provider, device: torch.device, enabled: boo
     reporting `on_loaded(units done, units)`."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
-    if not all(hasattr(provider, a) for a in ("arena", "acquire", "release", "record", "prefetch", "load_all",
-                                              "all_resident")):
+    if not isinstance(provider, ArenaProvider):
         return None
     return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes)

@@ -80,6 +80,16 @@ class LayerState:
         """Compressed entries the buffers hold without growing (0 for window-only layers)."""
         return self.kv.shape[0] - self.window_size
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer owns (views such as `window` and the attention entries excluded)."""
+        out = [self.kv]
+        for comp in (self.compressor, self.indexer):
+            if comp is not None:
+                out += [t for t in (comp.buf_kv, comp.buf_gate, comp.prev_kv, comp.prev_gate) if t is not None]
+        if self.indexer is not None:
+            out.append(self.indexer.entries)
+        return out
+
     def reserve(self, n_entries: int) -> bool:
         """Make room for `n_entries` compressed entries (attention and indexer), growing
         geometrically; True when the buffers were reallocated (their identity changed)."""
@@ -112,18 +122,8 @@ class SequenceState:
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (for the memory budget); views are not counted twice."""
-        total = 0
-        for layer in self.layers + ([self.mtp] if self.mtp else []):
-            total += layer.kv.numel() * layer.kv.element_size()  # window + attention entries
-            for comp in (layer.compressor, layer.indexer):
-                if comp is None:
-                    continue
-                for t in (comp.buf_kv, comp.buf_gate, comp.prev_kv, comp.prev_gate):
-                    if t is not None:
-                        total += t.numel() * t.element_size()
-            if layer.indexer is not None:
-                total += layer.indexer.entries.numel() * layer.indexer.entries.element_size()
-        return total
+        return sum(t.numel() * t.element_size()
+                   for layer in self.layers + ([self.mtp] if self.mtp else []) for t in layer.tensors())
 
 
 def new_layer_state(window: int, head_dim: int, ratio: int, index_head_dim: int, dtype: torch.dtype,
