@@ -138,11 +138,8 @@ class MoE:
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
         if self.numerics.native:
-            fp4 = self.numerics.backend.fp4_gemm
-            g = fp4(x, e.w1, e.w1_scale).float()
-            u = fp4(x, e.w3, e.w3_scale).float()
-            h = (swiglu(g, u, self.limit) * weight.unsqueeze(1)).to(torch.bfloat16)
-            return fp4(h, e.w2, e.w2_scale).float()
+            return ref.routed_expert(x, e.w1, e.w1_scale, e.w3, e.w3_scale, e.w2, e.w2_scale, weight, self.limit,
+                                     self.numerics.backend.fp4_gemm)
         w1 = ref.dequant_fp4(e.w1, e.w1_scale)
         w3 = ref.dequant_fp4(e.w3, e.w3_scale)
         w2 = ref.dequant_fp4(e.w2, e.w2_scale)

@@ -51,10 +51,7 @@ class InstrumentedProvider:
                 self.wait_s += time.perf_counter() - t0
                 return
             self.wait_s += time.perf_counter() - t0
-            key = (layer, int(item[0]))
-            self.uses[key] += 1
-            if 0 <= layer < len(self.layer_uses):
-                self.layer_uses[layer] += 1
+            self._count(layer, int(item[0]))
             yield item
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
@@ -63,9 +60,12 @@ class InstrumentedProvider:
     def note_uses(self, layer: int, ids: list[int]) -> None:
         """Count uses made without `experts` (the CUDA-graph decode reads the arena directly)."""
         for e in dict.fromkeys(ids):
-            self.uses[(layer, int(e))] += 1
-            if 0 <= layer < len(self.layer_uses):
-                self.layer_uses[layer] += 1
+            self._count(layer, int(e))
+
+    def _count(self, layer: int, expert: int) -> None:
+        self.uses[(layer, expert)] += 1
+        if 0 <= layer < len(self.layer_uses):
+            self.layer_uses[layer] += 1
 
 
 class DeviceExperts:

@@ -164,13 +164,21 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
         f = fields[name]
         return recs[g, f.offset:f.offset + math.prod(f.shape)].view(f.shape)  # 1-byte elements
 
-    out = []
-    for g in range(x.shape[0]):
-        h = swiglu(fp4_gemm(x[g:g + 1], field(g, "w1.weight"), field(g, "w1.scale")).float(),
-                   fp4_gemm(x[g:g + 1], field(g, "w3.weight"), field(g, "w3.scale")).float(), limit)
-        h = (h * weights[g:g + 1].float().unsqueeze(1)).to(torch.bfloat16)
-        out.append(fp4_gemm(h, field(g, "w2.weight"), field(g, "w2.scale")).float())
+    names = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
+    out = [routed_expert(x[g:g + 1], *(field(g, n) for n in names), weights[g:g + 1], limit)
+           for g in range(x.shape[0])]
     return torch.cat(out) if out else x.new_zeros(0, x.shape[-1], dtype=torch.float32)
+
+
+def routed_expert(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                  w2: torch.Tensor, s2: torch.Tensor, weight: torch.Tensor, limit: float,
+                  gemm=fp4_gemm) -> torch.Tensor:
+    """One routed expert in native numerics on its tokens x [N, D] with routing weights [N]:
+    w2(swiglu(w1 x, w3 x) · weight) with the FP4 GEMM `gemm` (a backend's, or the reference);
+    the routing weight scales h before the bf16 rounding and w2 (§C.7 step 4) -> fp32 [N, D]."""
+    h = swiglu(gemm(x, w1, s1).float(), gemm(x, w3, s3).float(), limit)
+    h = (h * weight.float().unsqueeze(1)).to(torch.bfloat16)
+    return gemm(h, w2, s2).float()
 
 
 # -------------------------------------------------------------------------------------- RoPE
