@@ -49,8 +49,14 @@ class GpuResidentExperts:
         """Nothing to do: all resident."""
 
 
-def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float]:
-    """(prefill seconds, ms per decoded token), greedy."""
+def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int, step=None,
+            warmup: int = 2) -> tuple[float, float, object, torch.Tensor]:
+    """Greedy: eager prefill, `warmup` untimed steps (compilation, allocator, graph capture), then
+    `tokens` timed steps of `step(state, token) -> logits` (default: the eager forward).
+    Returns (prefill seconds, ms per decoded token, the state, the next token)."""
+    if step is None:
+        def step(st, t):
+            return model.forward(t, st, experts, last_only=True)
     state = model.new_state()
     with torch.inference_mode():
         torch.cuda.synchronize()
@@ -59,15 +65,15 @@ def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int) -> tup
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         nxt = logits.argmax(-1)
-        for _ in range(2):  # warm-up steps (compilation, allocator)
-            nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+        for _ in range(warmup):
+            nxt = step(state, nxt).argmax(-1)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         for _ in range(tokens):
-            nxt = model.forward(nxt, state, experts, last_only=True).argmax(-1)
+            nxt = step(state, nxt).argmax(-1)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-    return t1 - t0, (t3 - t2) * 1e3 / tokens
+    return t1 - t0, (t3 - t2) * 1e3 / tokens, state, nxt
 
 
 def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
@@ -122,30 +128,6 @@ def _hf_decode(path: Path, ids: torch.Tensor, prefill: int, tokens: int) -> tupl
     return t1 - t0, (t3 - t2) * 1e3 / tokens, gib
 
 
-def _graph_decode(files, runner, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float]:
-    """(prefill seconds, ms per decoded token) through the CUDA-graph runner, greedy."""
-    model = runner.model
-    state = model.new_state()
-    with torch.inference_mode():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        logits = model.forward(ids[:prefill], state, files.experts, last_only=True)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        nxt = logits.argmax(-1)
-        for _ in range(3):  # eager step + capture, then replays
-            nxt = runner.step(state, nxt).argmax(-1)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        for _ in range(tokens):
-            nxt = runner.step(state, nxt).argmax(-1)
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        print(f"  graph captures: {runner.captures}")
-        _profile(lambda t: runner.step(state, t), nxt)
-    return t1 - t0, (t3 - t2) * 1e3 / tokens
-
-
 def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[str, float, float]]:
     """Converted directory; (1) every expert in the GPU arena, one graph per step; (2) a cache of
     25 % of the expert pool, one graph per layer segment, misses streamed from disk."""
@@ -170,8 +152,10 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         print(f"{label}: load_all -> {whole} in {time.perf_counter() - t:.1f} s")
         model = Transformer(lambda n: files.get(n).to(dev), files.args,
                             Numerics.named("native", make_backend("tilelang", dev)))
-        pre, ms = _graph_decode(files, DecodeRunner(model, files.experts, whole=whole), ids, a.prefill, a.tokens)
-        print(f"  decode {ms:.2f} ms/token")
+        runner = DecodeRunner(model, files.experts, whole=whole)
+        pre, ms, state, nxt = _decode(model, files.experts, ids, a.prefill, a.tokens, runner.step, warmup=3)
+        print(f"  decode {ms:.2f} ms/token; graph captures: {runner.captures}")
+        _profile(lambda t: runner.step(state, t), nxt)
         st = files.experts.stats()
         print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
               f"evictions {st.evictions}")
@@ -225,7 +209,7 @@ def main(argv=None) -> int:
     rows = []
     for backend in backends:
         model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
-        pre, ms = _decode(model, experts, ids, a.prefill, a.tokens)
+        pre, ms, _, _ = _decode(model, experts, ids, a.prefill, a.tokens)
         rows.append((f"ours native, {backend}, all resident", pre, ms))
         if backend == "tilelang":
             state = model.new_state()
