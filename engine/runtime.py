@@ -123,22 +123,21 @@ class Runtime:
 
     def step(self, state: SequenceState, ids: Sequence[int] | torch.Tensor) -> StepResult:
         """Process `ids` (a prefill chunk, or one token) from state.pos; advances the state."""
-        if isinstance(ids, torch.Tensor):
-            x = ids.reshape(-1).to(self.device, torch.long)
-        else:
-            x = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        n = ids.numel() if host is None else len(host)
+        graphed = self.runner is not None and n == 1  # the runner takes the host token id itself
+        x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
+                                  else torch.tensor(host, dtype=torch.long, device=self.device))
         timer = StepTimer()
         kwargs = {"timer": timer}
         if self.log is not None:
             kwargs["log"] = self.log
-        graphed = self.runner is not None and x.shape[0] == 1
         with self.lock:
             wait0 = self.experts.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
                 if graphed:  # a host token id spares the runner a device read
-                    token = ids if isinstance(ids, torch.Tensor) else int(list(ids)[0])
-                    logits = self.runner.step(state, token)[0]
+                    logits = self.runner.step(state, ids if host is None else host[0])[0]
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
             if self.device.type == "cuda":
@@ -150,7 +149,7 @@ class Runtime:
         other = max(0.0, seconds - attention - moe - wait)
         timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
                             other_ms=1e3 * other)
-        return StepResult(logits=logits, tokens=int(x.shape[0]), seconds=seconds, timing=timing, graphed=graphed)
+        return StepResult(logits=logits, tokens=n, seconds=seconds, timing=timing, graphed=graphed)
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
                 cancel: threading.Event | None = None) -> Iterator[StepResult]:
