@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from converter.convert import convert
-from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.decode_graph import DecodeRunner, make_runner
 from engine.experts.cache import CacheFullError
 from engine.model import Transformer
@@ -23,10 +22,9 @@ PROMPT = [0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3, 77]
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> Path:
-    src = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(index_topk=512),
-                           SynthOptions(seed=1, gate_bias_std=2.0))
-    return convert(src, tmp_path_factory.mktemp("out") / "pack")
+def packed(separated_ckpt, tmp_path_factory) -> Path:
+    """The no-flip tiny model (conftest), converted."""
+    return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
 
 
 def _pair(files, numerics: str, steps: int, whole: bool = True):
