@@ -96,7 +96,11 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
     launches = sum(e.count for e in kernels) / steps
     print(f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels busy {busy:.2f} ms/token "
           f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernels per token")
+    print("  by GPU time:")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
+    print("  by launches:")
+    for e in sorted(kernels, key=lambda e: -e.count)[:15]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
 
 

@@ -4,12 +4,11 @@ y = act_quant(x) · W^T with W [N, K] stored as packed e2m1 codes [N, K/2] (low 
 channel) and 1×32 e8m0 scales [N, K/32]; fp32 accumulation, bf16 output (spec §B.4).
 
 Hopper has no FP4 tensor cores, so the weight is unpacked in the kernel (weight-only
-dequantisation). A code's three magnitude bits are placed in an fp16 at bits 9..11 (exponent
-LSBs + first mantissa bit) and its sign at bit 15: that fp16 is exactly the e2m1 value times
-2^-14 (codes with exponent 0 land on fp16 subnormals, which the fp16 -> fp32 conversion keeps),
-and the 2^14 goes into the group scale. Each lane reads 16 bytes = 32 channels = one scale group
-per row and step; the rest is the FP8 GEMV of kernels/fp8_gemm.py (a warp owns `rows` rows,
-exact power-of-two scaling of every 32-term partial sum, warp shuffle sum).
+dequantisation) with integer bit moves and a byte permute (kernels/lowbit.py): a code becomes
+the fp16 of its value times 2^-14 (exact), and the 2^14 goes into the group scale. The
+activations arrive quantised to e4m3 and widened to fp32 by the quantiser (no decoding per
+row). Each lane reads 16 bytes = 4 words = 32 channels = one scale group per row and step; the rest is the FP8 GEMV of kernels/fp8_gemm.py (a warp owns `rows`
+rows, exact power-of-two scaling of every 32-term partial sum, warp shuffle sum).
 
 The kernel is grouped: G independent problems, each reading its weight from a slot of an
 arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed byte offsets,
@@ -25,10 +24,11 @@ import functools
 
 import torch
 
+from kernels import lowbit
 from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
-from kernels.fp8_gemm import e8m0_bits_to_float
+from kernels.fp8_gemm import as_words, e8m0_bits_to_float
 
 GEMV_MAX_M = 16
 TILE_PARAMS = {
@@ -39,75 +39,52 @@ DEFAULT_TILE = {"rows": 2, "warps": 4}
 _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
 
 
-def _fp4_lo(T, byte):
-    """Low nibble of a uint8 as fp32 (value * 2^-14)."""
-    b = T.Cast("uint16", byte)
-    return T.Cast("float32", T.reinterpret(((b & T.uint16(7)) << T.uint16(9)) | ((b & T.uint16(8)) << T.uint16(12)),
-                                           "float16"))
-
-
-def _fp4_hi(T, byte):
-    """High nibble of a uint8 as fp32 (value * 2^-14)."""
-    b = T.Cast("uint16", byte)
-    return T.Cast("float32", T.reinterpret(((b & T.uint16(0x70)) << T.uint16(5)) | ((b & T.uint16(0x80)) << T.uint16(8)),
-                                           "float16"))
-
-
 @functools.cache
 def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride: int, s_off: int,
-                    arch: tuple[int, int]):
-    """Grouped FP4 GEMV.
+                    rows: int, warps: int, arch: tuple[int, int]):
+    """Grouped FP4 GEMV, `rows` rows per warp and `warps` warps per CTA.
 
-    (Q [G,m,k] e4m3, SA [G,m,k/128] fp32, WA [Sw, w_stride] u8, SWA [Ss, s_stride] u8,
-    SLOT [G] int32, Y [G,m,n] bf16): group g uses W = WA[SLOT[g], w_off:][: n*k/2] as [n, k/2] and
-    scales SWA[SLOT[g], s_off:][: n*k/32] as [n, k/32].
+    (A [G,m,k] fp32 = the e4m3 activation values, SA [G,m,k/128] fp32, WA [Sw, w_stride/4] int32, SWA [Ss, s_stride]
+    u8, SLOT [G] int32, Y [G,m,n] bf16): group g uses the n*k/2 bytes at byte w_off of row SLOT[g] of
+    WA as W [n, k/2] (packed e2m1) and the n*k/32 bytes at s_off of row SLOT[g] of SWA as its scales.
     """
     import tilelang.language as T
 
-    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps = p["rows"], p["warps"]
-    while rows > 1 and n // (rows * warps) < 128:
-        rows //= 2
     kstep = 32 * 2 * _VEC
     steps = (k + kstep - 1) // kstep
-    kh, kg = k // 2, k // 32
+    kw, kg, w_off_w = k // 8, k // 32, w_off // 4  # int32 words per weight row, scale groups per row
     loop = T.unroll if steps <= 16 else T.serial
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
 
     @T.prim_func
-    def fp4_gemv(Q: T.Tensor((groups, m, k), "float8_e4m3"), SA: T.Tensor((groups, m, k // 128), "float32"),
-                 WA: T.Tensor((wslots, w_stride), "uint8"), SWA: T.Tensor((sslots, s_stride), "uint8"),
+    def fp4_gemv(A: T.Tensor((groups, m, k), "float32"), SA: T.Tensor((groups, m, k // 128), "float32"),
+                 WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
                  SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, m, n), "bfloat16")):
         with T.Kernel(T.ceildiv(n, rows * warps), groups, threads=(32, warps)) as (bn, g):
+            lowbit.import_source(T)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC), "uint8")
+            wq = T.alloc_local((rows, _VEC // 4), "int32")
             wsc = T.alloc_local((rows,), "uint8")
-            aq = T.alloc_local((2 * _VEC,), "float8_e4m3")
             af = T.alloc_local((2 * _VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
-            part = T.alloc_local((1,), "float32")
             slot = SLOT[g]
             T.clear(acc)
             for ko in loop(steps):
-                k0 = ko * kstep + lane * 2 * _VEC
+                k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
                 if k0 < k:
                     for r in T.unroll(rows):
                         row = T.min(bn * rows * warps + warp * rows + r, n - 1)
-                        for v in T.vectorized(_VEC):
-                            wq[r, v] = WA[slot, w_off + row * kh + k0 // 2 + v]
+                        for v in T.vectorized(_VEC // 4):
+                            wq[r, v] = WA[slot, w_off_w + row * kw + k0 // 8 + v]
                         wsc[r] = SWA[slot, s_off + row * kg + k0 // 32]
                     for i in T.unroll(m):
-                        for h in T.unroll(2):
-                            for v in T.vectorized(_VEC):
-                                aq[h * _VEC + v] = Q[g, i, k0 + h * _VEC + v]
-                        for v in T.unroll(2 * _VEC):
-                            af[v] = T.Cast("float32", aq[v])
+                        for v in T.vectorized(2 * _VEC):
+                            af[v] = A[g, i, k0 + v]
                         for r in T.unroll(rows):
-                            part[0] = 0.0
-                            for j in T.unroll(_VEC):
-                                part[0] += af[2 * j] * _fp4_lo(T, wq[r, j]) + af[2 * j + 1] * _fp4_hi(T, wq[r, j])
-                            acc[r, i] += part[0] * (SA[g, i, k0 // 128] * e8m0_bits_to_float(T, wsc[r], 14))
+                            # weights decode to value * 2^-14: the group scale takes 2^14
+                            scale = SA[g, i, k0 // 128] * e8m0_bits_to_float(T, wsc[r], lowbit.E2M1_SHIFT)
+                            acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
             for r in T.unroll(rows):
                 for i in T.unroll(m):
                     total = T.warp_reduce_sum(acc[r, i])
@@ -115,6 +92,15 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
                         Y[g, i, bn * rows * warps + warp * rows + r] = T.Cast("bfloat16", total)
 
     return compile_kernel(fp4_gemv, arch)
+
+
+def gemv_tile(n: int, arch: tuple[int, int]) -> tuple[int, int]:
+    """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`."""
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    rows, warps = p["rows"], p["warps"]
+    while rows > 1 and n // (rows * warps) < 128:
+        rows //= 2
+    return rows, warps
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -159,10 +145,11 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     if slots.dtype != torch.int32 or slots.shape != (g,):
         raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
     arch = cuda_arch(x.device)
-    q, s = act_quant(x3, 128)
+    q, s = act_quant(x3, 128, widen=True)
     y = torch.empty(g, m, n, dtype=torch.bfloat16, device=x.device)
     if g:
-        fp4_gemv_kernel(m, n, k, wb.shape[1], w_off, sb.shape[1], s_off, arch)(q, s, wb, sb, slots, y)
+        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], w_off, sb.shape[1], s_off, *gemv_tile(n, arch), arch)
+        kernel(q, s, as_words(wb), sb, slots, y)
     return y.squeeze(1) if squeeze else y
 
 

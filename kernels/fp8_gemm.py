@@ -4,10 +4,13 @@ y = act_quant(x) · W^T with W [N, K] e4m3 and 128×128 e8m0 block scales, fp32 
 bf16 output (spec §B.4).
 
 * Decode (M <= GEMV_MAX_M rows): a weight-streaming GEMV. Each warp owns `rows` output rows;
-  each lane reads 16 contiguous weight bytes per row per step (a warp covers 512 channels of a
-  row, coalesced), forms the 16-term fp32 dot product with the quantised activations, and adds
-  it times s_act · s_weight (both powers of two, so the scaling is exact). A warp shuffle sum
-  finishes each row. The weight is read once whatever M is; activations come from L1.
+  each lane reads 16 contiguous weight bytes (4 int32 words) per row per step (a warp covers 512
+  channels of a row, coalesced), decodes them and the activation codes with integer bit moves
+  (kernels/lowbit.py: value times 2^-8, exact), forms the 16-term fp32 dot product and adds it
+  times s_act · s_weight · 2^16 (powers of two, so the scaling is exact). A warp shuffle sum
+  finishes each row. Small grids split K between the warps of a CTA (`ksplit`), whose partial
+  sums meet in shared memory in a fixed order. The weight is read once whatever M is;
+  activations come from L1.
 * Prefill (larger M): both operands are dequantised exactly to bf16 (an e4m3 value times a
   power of two has 4 significant bits) and multiplied by cuBLAS with fp32 accumulation.
 
@@ -20,16 +23,18 @@ import functools
 
 import torch
 
+from kernels import lowbit
 from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 
 GEMV_MAX_M = 16
-# rows per warp and warps per CTA of the GEMV, per compute capability (sm_121: untested).
+# GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps
+# of a CTA, per compute capability (sm_121: untested).
 TILE_PARAMS = {
-    (9, 0): {"rows": 4, "warps": 4},
-    (12, 1): {"rows": 2, "warps": 4},
+    (9, 0): {"rows": 4, "warps": 4, "min_ctas": 512},
+    (12, 1): {"rows": 2, "warps": 4, "min_ctas": 192},
 }
-DEFAULT_TILE = {"rows": 2, "warps": 4}
+DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 256}
 _VEC = 16  # fp8 weight bytes per lane per step (one 16-byte load)
 
 
@@ -47,55 +52,88 @@ def _gemv_rows(n: int, p: dict) -> int:
 
 
 @functools.cache
-def fp8_gemv_kernel(m: int, n: int, k: int, arch: tuple[int, int]):
-    """(Q [m,k] e4m3, SA [m,k/128] fp32, W [n,k] e4m3, SW [ceil(n/128),k/128] u8) -> Y [m,n] bf16."""
+def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, arch: tuple[int, int]):
+    """(Q [m,k/4] int32 = e4m3 codes, SA [m,k/128] fp32, W [n,k/4] int32 = e4m3 codes,
+    SW [ceil(n/128),k/128] u8) -> Y [m,n] bf16.
+
+    A CTA has `warps` warps in warps/ksplit row groups of `rows` rows; the `ksplit` warps of a
+    group each sum one contiguous K range, and the group's partial sums are added in shared
+    memory in a fixed order (deterministic)."""
     import tilelang.language as T
 
-    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps = _gemv_rows(n, p), p["warps"]
     kstep = 32 * _VEC
     steps = (k + kstep - 1) // kstep
-    kb, nb = k // 128, (n + 127) // 128
-    loop = T.unroll if steps <= 16 else T.serial
+    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
+    kb, nb, kw = k // 128, (n + 127) // 128, k // 4
+    groups = warps // ksplit
+    cta_rows = rows * groups
+    loop = T.unroll if split_steps <= 16 else T.serial
 
     @T.prim_func
-    def fp8_gemv(Q: T.Tensor((m, k), "float8_e4m3"), SA: T.Tensor((m, kb), "float32"),
-                 W: T.Tensor((n, k), "float8_e4m3"), SW: T.Tensor((nb, kb), "uint8"),
+    def fp8_gemv(Q: T.Tensor((m, kw), "int32"), SA: T.Tensor((m, kb), "float32"),
+                 W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb), "uint8"),
                  Y: T.Tensor((m, n), "bfloat16")):
-        with T.Kernel(T.ceildiv(n, rows * warps), threads=(32, warps)) as bn:
+        with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
+            lowbit.import_source(T)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC), "float8_e4m3")
-            aq = T.alloc_local((_VEC,), "float8_e4m3")
+            wq = T.alloc_local((rows, _VEC // 4), "int32")
+            aq = T.alloc_local((_VEC // 4,), "int32")
             af = T.alloc_local((_VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
-            part = T.alloc_local((1,), "float32")
+            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
+            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
             T.clear(acc)
-            for ko in loop(steps):
-                k0 = ko * kstep + lane * _VEC
+            for ko in loop(split_steps):
+                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
                 if k0 < k:
                     for r in T.unroll(rows):
-                        row = T.min(bn * rows * warps + warp * rows + r, n - 1)
-                        for v in T.vectorized(_VEC):
-                            wq[r, v] = W[row, k0 + v]
+                        for v in T.vectorized(_VEC // 4):
+                            wq[r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
                     for i in T.unroll(m):
-                        for v in T.vectorized(_VEC):
-                            aq[v] = Q[i, k0 + v]
-                        for v in T.unroll(_VEC):
-                            af[v] = T.Cast("float32", aq[v])
+                        for v in T.vectorized(_VEC // 4):
+                            aq[v] = Q[i, k0 // 4 + v]
+                        lowbit.e4m3x16_to_f32(T, aq[0], af[0])
                         for r in T.unroll(rows):
-                            row = T.min(bn * rows * warps + warp * rows + r, n - 1)
-                            part[0] = 0.0
-                            for v in T.unroll(_VEC):
-                                part[0] += af[v] * T.Cast("float32", wq[r, v])
-                            acc[r, i] += part[0] * (SA[i, k0 // 128] * e8m0_bits_to_float(T, SW[row // 128, k0 // 128]))
+                            # both operands decode to value * 2^-8: the block scale takes 2^16
+                            scale = SA[i, k0 // 128] * e8m0_bits_to_float(
+                                T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
+                            acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
             for r in T.unroll(rows):
                 for i in T.unroll(m):
                     total = T.warp_reduce_sum(acc[r, i])
-                    if lane == 0 and bn * rows * warps + warp * rows + r < n:
-                        Y[i, bn * rows * warps + warp * rows + r] = T.Cast("bfloat16", total)
+                    if lane == 0:
+                        red[warp % ksplit, (warp // ksplit) * rows + r, i] = total
+            T.sync_threads()
+            for r in T.unroll(rows):
+                for i in T.unroll(m):
+                    if lane == 0 and warp % ksplit == 0 and first + r < n:
+                        acc[r, i] = red[0, (warp // ksplit) * rows + r, i]
+                        for j in T.unroll(1, ksplit):
+                            acc[r, i] += red[j, (warp // ksplit) * rows + r, i]
+                        Y[i, first + r] = T.Cast("bfloat16", acc[r, i])
 
     return compile_kernel(fp8_gemv, arch)
+
+
+def gemv_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:
+    """(rows per warp, warps per CTA, K split) of the FP8 GEMV for an [n, k] weight on `arch`."""
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    rows, warps = _gemv_rows(n, p), p["warps"]
+    ksplit = 1  # split K between the warps of a CTA while the grid is small and each keeps a full step
+    while (ksplit < warps and -(-n // (rows * warps // ksplit)) < p["min_ctas"]
+           and k // (2 * ksplit) >= 32 * _VEC):
+        ksplit *= 2
+    return rows, warps, ksplit
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of byte codes (last dim a multiple of 4 bytes) as int32 words on a 16-byte aligned
+    base, which the kernels' 16-byte loads need (a misaligned view is copied)."""
+    b = t.contiguous().view(torch.uint8)
+    if b.data_ptr() % 16:
+        b = b.clone()
+    return b.view(torch.int32)
 
 
 def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -143,6 +181,7 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
         xp = pad_rows_to_bucket(x2)
         q, s = act_quant(xp, 128)
         y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
-        fp8_gemv_kernel(xp.shape[0], n, k, arch)(q, s, w.contiguous(), scale_bytes(w_scale), y)
+        fp8_gemv_kernel(xp.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s, as_words(w),
+                                                                      scale_bytes(w_scale), y)
         y = y[:m]
     return y.reshape(*x.shape[:-1], n)

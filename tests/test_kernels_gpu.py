@@ -55,6 +55,8 @@ def test_act_quant_matches_reference_exactly(shape, block, dtype, gen):
          torch.exp2(torch.randint(-20, 10, shape[:-1] + (1,), generator=gen, device=DEV).float())).to(dtype)
     q, s = act_quant(x, block)
     q_ref, s_ref = ref.act_quant(x, block)
+    qw, sw = act_quant(x, block, widen=True)
+    assert qw.dtype == torch.float32 and torch.equal(qw, q_ref.float()) and torch.equal(sw, s_ref)
     assert q.shape == q_ref.shape and s.shape == s_ref.shape
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -77,7 +79,8 @@ def test_act_quant_scale_boundaries(gen):
 
 # ------------------------------------------------------------------------------- fp8_gemm
 FP8_SHAPES = [(1, 1024, 4096), (1, 32768, 1024), (1, 512, 4096), (1, 4096, 8192), (1, 2048, 4096),
-              (2, 4096, 4096), (16, 2048, 4096), (3, 384, 640), (1, 200, 384), (5, 136, 128), (40, 512, 1024)]
+              (2, 4096, 4096), (16, 2048, 4096), (3, 384, 640), (1, 200, 384), (5, 136, 128), (40, 512, 1024),
+              (1, 640, 1536)]  # the last splits K unevenly (3 steps over 2 warps)
 
 
 @pytest.mark.parametrize("m,n,k", FP8_SHAPES)
@@ -91,6 +94,20 @@ def test_fp8_gemm_matches_reference(m, n, k, gen):
     err = rel_err(out, want)
     print(f"fp8_gemm M={m} N={n} K={k}: rel err {err:.2e}")
     assert err < 4e-3  # bf16 output rounding (2^-9) where summation order flips a rounding
+
+
+@pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (4, 4, 1), (1, 8, 8), (2, 4, 2)])
+def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, scale_bytes
+    m, n, k = 2, 640, 1536
+    x = activations(m, k, gen)
+    w, s = fp8_weight(n, k, gen)
+    q, sa = act_quant(x, 128)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+    fp8_gemv_kernel(m, n, k, rows, warps, ksplit, torch.cuda.get_device_capability())(
+        as_words(q), sa, as_words(w), scale_bytes(s), y)
+    assert rel_err(y, ref.fp8_gemm(x, w, s)) < 4e-3
 
 
 def test_fp8_gemm_keeps_leading_dims(gen):
@@ -165,6 +182,25 @@ def test_fp4_grouped_reads_arena_slots(inter, dim, gen):
         e = expert(slot)
         err = rel_err(out[g], ref.fp4_gemm(x[g:g + 1], e["w1.weight"], e["w1.scale"])[0])
         assert err < 4e-3, (g, slot, err)
+
+
+@pytest.mark.parametrize("rows,warps", [(1, 4), (4, 4), (2, 8), (4, 8)])
+def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_gemv_kernel
+    from kernels.fp8_gemm import as_words
+    inter, dim = 256, 384
+    data, fields, expert = _arena(4, inter, dim, gen)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
+    x = activations(3, dim, gen).unsqueeze(1)  # [G, 1, K]
+    q, sa = act_quant(x, 128, widen=True)
+    y = torch.empty(3, 1, inter, dtype=torch.bfloat16, device=DEV)
+    f, fs = fields["w1.weight"], fields["w1.scale"]
+    fp4_gemv_kernel(1, inter, dim, data.shape[1], f.offset, data.shape[1], fs.offset, rows, warps,
+                    torch.cuda.get_device_capability())(q, sa, as_words(data), data, slots, y)
+    for g, slot in enumerate(slots.tolist()):
+        e = expert(slot)
+        assert rel_err(y[g], ref.fp4_gemm(x[g], e["w1.weight"], e["w1.scale"])) < 4e-3, (g, slot)
 
 
 def test_fp4_moe_matches_per_expert_reference(gen):

@@ -1,0 +1,130 @@
+"""Decoding FP8 (e4m3) and FP4 (e2m1) codes to fp32 with integer bit moves, for the GEMV kernels.
+
+The hardware conversion `cvt.rn.f16x2.e4m3x2` (and the byte extraction TileLang emits around
+it, one code at a time) runs on the H200's narrow conversion pipe; at decode shapes that pipe,
+not memory, bounded the FP8 and FP4 GEMVs. Here a 32-bit word of codes becomes two fp16x2
+words with a few shifts and masks (integer pipe), and the fp16 -> fp32 widening is a full-rate
+instruction. Both placements are exact, up to a power of two that the kernels fold into the
+block scales:
+
+* e4m3 (s eeee mmm, bias 7) -> fp16 (s eeeee mmmmmmmmmm, bias 15): the seven magnitude bits go
+  to fp16 bits 7..13 and the sign to bit 15, so the fp16 is exactly the e4m3 value times 2^-8
+  (e4m3 subnormals land on fp16 subnormals). Bytes 0 and 2 of a word form one fp16x2 word,
+  bytes 1 and 3 the other. The e4m3 NaN codes (0x7F, 0xFF) become finite numbers: weights and
+  quantised activations never hold them.
+* e2m1 (s ee m) -> fp16: the three magnitude bits go to fp16 bits 9..11 and the sign to bit 15,
+  which is exactly the e2m1 value times 2^-14. A word holds channels 0..7 (low nibble first);
+  nibbles j and j + 4 form one fp16x2 word, through a byte permute.
+
+`SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
+`T.import_source`, called through the helpers below); `fp8_bits_as_fp16` and
+`fp4_bits_as_fp16` perform the same bit moves in torch, so the CPU tests pin the layout.
+"""
+
+import torch
+
+E4M3_SHIFT = 8  # the fp16 that an e4m3 code becomes is its value times 2^-E4M3_SHIFT
+E2M1_SHIFT = 14  # the fp16 that an e2m1 code becomes is its value times 2^-E2M1_SHIFT
+
+SOURCE = r"""
+#include <cuda_fp16.h>
+
+// 4 e4m3 codes (byte 0 = channel 0) -> out[0..3] = value * 2^-8, exactly.
+__device__ __forceinline__ void dsv4_e4m3x4_to_f32(unsigned w, float* out) {
+  unsigned even = ((w & 0x007F007Fu) << 7) | ((w & 0x00800080u) << 8);  // channels 0, 2
+  unsigned odd = ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);        // channels 1, 3
+  float2 e = __half22float2(*reinterpret_cast<__half2*>(&even));
+  float2 o = __half22float2(*reinterpret_cast<__half2*>(&odd));
+  out[0] = e.x; out[1] = o.x; out[2] = e.y; out[3] = o.y;
+}
+
+// 16 e4m3 codes (4 words) -> out[0..15] = value * 2^-8.
+__device__ __forceinline__ void dsv4_e4m3x16_to_f32(const int* w, float* out) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) dsv4_e4m3x4_to_f32((unsigned)w[j], out + 4 * j);
+}
+
+// sum_c a[c] * e4m3(w)[c] * 2^-8 over 16 channels (4 words), fp32 products and sums.
+__device__ __forceinline__ float dsv4_dot_e4m3x16(const int* w, const float* a) {
+  float f[16];
+  dsv4_e4m3x16_to_f32(w, f);
+  float s = 0.f;
+#pragma unroll
+  for (int c = 0; c < 16; ++c) s = fmaf(a[c], f[c], s);
+  return s;
+}
+
+// sum_c a[c] * e2m1(w)[c] * 2^-14 over 32 channels (4 words, low nibble first), fp32 sums.
+// Per word: each nibble's magnitude goes to bits 1..3 and its sign to bit 7 of its byte (even
+// nibbles in `ev`, odd ones in `od`); a byte permute then moves two such bytes, 16 bits apart,
+// into the high bytes of an fp16x2 (bits 9..11 and 15), zero-filling the low bytes.
+__device__ __forceinline__ float dsv4_dot_e2m1x32(const int* w, const float* a) {
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned x = (unsigned)w[j];
+    unsigned ev = ((x << 1) & 0x0E0E0E0Eu) | ((x << 4) & 0x80808080u);  // channels 0, 2, 4, 6
+    unsigned od = ((x >> 3) & 0x0E0E0E0Eu) | (x & 0x80808080u);         // channels 1, 3, 5, 7
+    unsigned h[4] = {__byte_perm(ev, 0u, 0x2404u),   // channels 0, 4
+                     __byte_perm(od, 0u, 0x2404u),   // channels 1, 5
+                     __byte_perm(ev, 0u, 0x3414u),   // channels 2, 6
+                     __byte_perm(od, 0u, 0x3414u)};  // channels 3, 7
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      float2 f = __half22float2(*reinterpret_cast<__half2*>(&h[p]));
+      s = fmaf(a[8 * j + p], f.x, s);
+      s = fmaf(a[8 * j + p + 4], f.y, s);
+    }
+  }
+  return s;
+}
+"""
+
+
+def import_source(T) -> None:
+    """Make SOURCE's device functions callable in the TileLang kernel being defined."""
+    T.import_source(SOURCE)
+
+
+def e4m3x16_to_f32(T, words, out) -> None:
+    """out[0..15] (fp32 local) = the 16 e4m3 codes of int32 words[0..3] times 2^-8."""
+    T.evaluate(T.call_extern("handle", "dsv4_e4m3x16_to_f32", T.address_of(words), T.address_of(out)))
+
+
+def dot_e4m3x16(T, words, acts):
+    """fp32 expression: sum over 16 channels of acts[c] times e4m3 code c of words[0..3], times 2^-8."""
+    return T.call_extern("float32", "dsv4_dot_e4m3x16", T.address_of(words), T.address_of(acts))
+
+
+def dot_e2m1x32(T, words, acts):
+    """fp32 expression: sum over 32 channels of acts[c] times e2m1 code c of words[0..3], times 2^-14."""
+    return T.call_extern("float32", "dsv4_dot_e2m1x32", T.address_of(words), T.address_of(acts))
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 words held in int64 [..] -> their two fp16 halves as fp32 [.., 2] (low half first)."""
+    h = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)  # [.., 2] 16-bit patterns
+    return h.to(torch.int16).view(torch.float16).float()  # int16 keeps the low 16 bits
+
+
+def decode_e4m3_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] of e4m3 codes -> fp32 [..., 4W] (values times 2^-8): SOURCE's moves in torch."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    even = _halves(((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8))  # channels 0, 2
+    odd = _halves(((w >> 1) & 0x3F803F80) | (w & 0x80008000))  # channels 1, 3
+    return torch.stack((even, odd), dim=-1).flatten(-3)  # [.., W, half, even/odd] -> [.., 4W]
+
+
+def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """__byte_perm(v, 0, ..): byte `lo` of v to byte 1, byte `hi` to byte 3, zeros elsewhere."""
+    return (((v >> (8 * lo)) & 0xFF) << 8) | (((v >> (8 * hi)) & 0xFF) << 24)
+
+
+def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] of e2m1 codes -> fp32 [..., 8W] (values times 2^-14): SOURCE's moves in torch."""
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    ev = ((x << 1) & 0x0E0E0E0E) | ((x << 4) & 0x80808080)  # channels 0, 2, 4, 6
+    od = ((x >> 3) & 0x0E0E0E0E) | (x & 0x80808080)  # channels 1, 3, 5, 7
+    pairs = [_byte_perm_hi(ev, 0, 2), _byte_perm_hi(od, 0, 2), _byte_perm_hi(ev, 1, 3), _byte_perm_hi(od, 1, 3)]
+    h = torch.stack([_halves(p) for p in pairs], dim=-2)  # [.., W, 4 pairs, 2 halves]: channel 4 * half + pair
+    return h.transpose(-1, -2).flatten(-3)
