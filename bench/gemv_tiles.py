@@ -100,12 +100,12 @@ def sweep_fp4(dev, arch) -> list[tuple[str, int, float, bool]]:
         arena[:, n * k // 2:] = torch.randint(118, 128, (ARENA_SLOTS, n * k // 32), device=dev, dtype=torch.uint8)
         slot_sets = [torch.randperm(ARENA_SLOTS, device=dev)[:EXPERTS].to(torch.int32)
                      for _ in range(CALLS_PER_GRAPH)]
-        q, s = act_quant(torch.randn(EXPERTS, 1, k, device=dev).to(torch.bfloat16), 128, widen=True)
+        q, s = act_quant(torch.randn(EXPERTS, 1, k, device=dev).to(torch.bfloat16), 128)
         y = torch.empty(EXPERTS, 1, n, dtype=torch.bfloat16, device=dev)
         chosen = gemv_tile(n, arch)
         for t in fp4_candidates(n):
             kern = fp4_gemv_kernel(1, n, k, rec, 0, rec, n * k // 2, *t, arch)
-            calls = [(lambda sl=sl: kern(q, s, as_words(arena), arena, sl, y)) for sl in slot_sets]
+            calls = [(lambda sl=sl: kern(as_words(q), s, as_words(arena), arena, sl, y)) for sl in slot_sets]
             sec, graphed = time_calls(calls)
             mark = "*" if t == chosen else " "
             rows.append((f"{mark}fp4 x{EXPERTS} {name} {n}x{k} rows={t[0]} warps={t[1]}",

@@ -74,9 +74,8 @@ def pow2_scale_bits(T, amax):
 
 
 @functools.cache
-def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int], q_dtype: str = "float8_e4m3"):
-    """Kernel over G groups of `block` values: X [G, block] -> (Q [G, block] e4m3, S [G] fp32).
-    With q_dtype "float32", Q holds the same e4m3 values widened to fp32 (exact)."""
+def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int]):
+    """Kernel over G groups of `block` values: X [G, block] -> (Q [G, block] e4m3, S [G] fp32)."""
     import tilelang.language as T
 
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
@@ -84,7 +83,7 @@ def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int], q_dtype: 
     groups = T.dynamic("groups")
 
     @T.prim_func
-    def act_quant_main(X: T.Tensor((groups, block), in_dtype), Q: T.Tensor((groups, block), q_dtype),
+    def act_quant_main(X: T.Tensor((groups, block), in_dtype), Q: T.Tensor((groups, block), "float8_e4m3"),
                        S: T.Tensor((groups,), "float32")):
         with T.Kernel(T.ceildiv(groups, rows), threads=p["threads"]) as bx:
             x = T.alloc_fragment((rows, block), "float32")
@@ -103,7 +102,7 @@ def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int], q_dtype: 
                 q[i, j] = T.clamp(x[i, j] * inv[i], -448.0, 448.0)
             for i, j in T.Parallel(rows, block):
                 if bx * rows + i < groups:
-                    Q[bx * rows + i, j] = T.Cast(q_dtype, q[i, j])
+                    Q[bx * rows + i, j] = q[i, j]
             for i in T.Parallel(rows):
                 if bx * rows + i < groups:
                     S[bx * rows + i] = sc[i]
@@ -111,9 +110,8 @@ def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int], q_dtype: 
     return compile_kernel(act_quant_main, arch)
 
 
-def act_quant(x: torch.Tensor, block: int = 128, widen: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (bf16/fp16/fp32, K % block == 0) -> (q [..., K] e4m3, s [..., K/block] fp32).
-    widen=True returns q as fp32 (the same e4m3 values, exactly): `q.float()` without a launch."""
+def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (bf16/fp16/fp32, K % block == 0) -> (q [..., K] e4m3, s [..., K/block] fp32)."""
     k = x.shape[-1]
     if k % block:
         raise KernelInputError(f"act_quant needs the last dim ({k}) to be a multiple of block={block}")
@@ -121,10 +119,10 @@ def act_quant(x: torch.Tensor, block: int = 128, widen: bool = False) -> tuple[t
         raise KernelInputError(f"act_quant takes bf16, fp16 or fp32 input, got {x.dtype}")
     arch = cuda_arch(x.device)
     xg = x.contiguous().reshape(-1, block)  # [G, block]: one row per scale group
-    q = torch.empty(xg.shape, dtype=torch.float32 if widen else torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(xg.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(xg.shape[0], dtype=torch.float32, device=x.device)
     if xg.shape[0]:
-        act_quant_kernel(block, _TORCH_TO_TL[x.dtype], arch, "float32" if widen else "float8_e4m3")(xg, q, s)
+        act_quant_kernel(block, _TORCH_TO_TL[x.dtype], arch)(xg, q, s)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // block)
 
 

@@ -5,9 +5,9 @@ channel) and 1Ã—32 e8m0 scales [N, K/32]; fp32 accumulation, bf16 output (spec Â
 
 Hopper has no FP4 tensor cores, so the weight is unpacked in the kernel (weight-only
 dequantisation) with integer bit moves and a byte permute (kernels/lowbit.py): a code becomes
-the fp16 of its value times 2^-14 (exact), and the 2^14 goes into the group scale. The
-activations arrive quantised to e4m3 and widened to fp32 by the quantiser (no decoding per
-row). Each lane reads 16 bytes = 4 words = 32 channels = one scale group per row and step; the rest is the FP8 GEMV of kernels/fp8_gemm.py (a warp owns `rows`
+the fp16 of its value times 2^-14 and an activation code the fp16 of its value times 2^-8
+(both exact); the 2^22 goes into the group scale. (Reading fp32-widened activations instead
+was 2.3x slower at M = 1: their loads, not the decoding, became the bottleneck.) Each lane reads 16 bytes = 4 words = 32 channels = one scale group per row and step; the rest is the FP8 GEMV of kernels/fp8_gemm.py (a warp owns `rows`
 rows, exact power-of-two scaling of every 32-term partial sum, warp shuffle sum).
 
 The kernel is grouped: G independent problems, each reading its weight from a slot of an
@@ -44,7 +44,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
                     rows: int, warps: int, arch: tuple[int, int]):
     """Grouped FP4 GEMV, `rows` rows per warp and `warps` warps per CTA.
 
-    (A [G,m,k] fp32 = the e4m3 activation values, SA [G,m,k/128] fp32, WA [Sw, w_stride/4] int32, SWA [Ss, s_stride]
+    (Q [G,m,k/4] int32 = e4m3 codes, SA [G,m,k/128] fp32, WA [Sw, w_stride/4] int32, SWA [Ss, s_stride]
     u8, SLOT [G] int32, Y [G,m,n] bf16): group g uses the n*k/2 bytes at byte w_off of row SLOT[g] of
     WA as W [n, k/2] (packed e2m1) and the n*k/32 bytes at s_off of row SLOT[g] of SWA as its scales.
     """
@@ -57,7 +57,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
 
     @T.prim_func
-    def fp4_gemv(A: T.Tensor((groups, m, k), "float32"), SA: T.Tensor((groups, m, k // 128), "float32"),
+    def fp4_gemv(Q: T.Tensor((groups, m, k // 4), "int32"), SA: T.Tensor((groups, m, k // 128), "float32"),
                  WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
                  SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, m, n), "bfloat16")):
         with T.Kernel(T.ceildiv(n, rows * warps), groups, threads=(32, warps)) as (bn, g):
@@ -66,6 +66,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
             warp = T.get_thread_binding(1)
             wq = T.alloc_local((rows, _VEC // 4), "int32")
             wsc = T.alloc_local((rows,), "uint8")
+            aq = T.alloc_local((2 * _VEC // 4,), "int32")
             af = T.alloc_local((2 * _VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             slot = SLOT[g]
@@ -79,11 +80,14 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
                             wq[r, v] = WA[slot, w_off_w + row * kw + k0 // 8 + v]
                         wsc[r] = SWA[slot, s_off + row * kg + k0 // 32]
                     for i in T.unroll(m):
-                        for v in T.vectorized(2 * _VEC):
-                            af[v] = A[g, i, k0 + v]
+                        for v in T.vectorized(2 * _VEC // 4):
+                            aq[v] = Q[g, i, k0 // 4 + v]
+                        lowbit.e4m3x16_to_f32(T, aq[0], af[0])
+                        lowbit.e4m3x16_to_f32(T, aq[_VEC // 4], af[_VEC])
                         for r in T.unroll(rows):
-                            # weights decode to value * 2^-14: the group scale takes 2^14
-                            scale = SA[g, i, k0 // 128] * e8m0_bits_to_float(T, wsc[r], lowbit.E2M1_SHIFT)
+                            # activations decode to value * 2^-8, weights to value * 2^-14
+                            scale = SA[g, i, k0 // 128] * e8m0_bits_to_float(
+                                T, wsc[r], lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
                             acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
             for r in T.unroll(rows):
                 for i in T.unroll(m):
@@ -145,11 +149,11 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     if slots.dtype != torch.int32 or slots.shape != (g,):
         raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
     arch = cuda_arch(x.device)
-    q, s = act_quant(x3, 128, widen=True)
+    q, s = act_quant(x3, 128)
     y = torch.empty(g, m, n, dtype=torch.bfloat16, device=x.device)
     if g:
         kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], w_off, sb.shape[1], s_off, *gemv_tile(n, arch), arch)
-        kernel(q, s, as_words(wb), sb, slots, y)
+        kernel(as_words(q), s, as_words(wb), sb, slots, y)
     return y.squeeze(1) if squeeze else y
 
 
