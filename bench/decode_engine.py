@@ -99,6 +99,10 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
     print("  by GPU time:")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
+    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    print("  host, by self CPU time (includes waiting for the GPU in syncs):")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"  {e.self_cpu_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
     print("  by launches:")
     for e in sorted(kernels, key=lambda e: -e.count)[:15]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")

@@ -41,10 +41,10 @@ def _fp4_record(n: int, k: int) -> int:
     return n * k // 2 + n * k // 32
 
 
-def kernel_specs(arch: tuple[int, int]) -> list[tuple[str, tuple]]:
-    """Every (factory name, arguments) the sweep calls."""
-    specs = [("fp8", (1, n, k, *t, arch)) for _, n, k in FP8_SHAPES for t in fp8_candidates(n, k)]
-    for _, n, k in FP4_SHAPES:
+def kernel_specs(arch: tuple[int, int], kinds: set[str]) -> list[tuple[str, tuple]]:
+    """Every (factory name, arguments) the sweep of `kinds` ("fp8", "fp4") calls."""
+    specs = [("fp8", (1, n, k, *t, arch)) for _, n, k in FP8_SHAPES if "fp8" in kinds for t in fp8_candidates(n, k)]
+    for _, n, k in FP4_SHAPES if "fp4" in kinds else []:
         rec = _fp4_record(n, k)
         specs += [("fp4", (1, n, k, rec, 0, rec, n * k // 2, *t, arch)) for t in fp4_candidates(n)]
     return specs
@@ -118,15 +118,18 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=12, help="processes compiling kernels before timing")
+    ap.add_argument("--kinds", default="fp8,fp4", help="comma-separated: fp8, fp4")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.gemv_tiles needs a CUDA GPU")
     dev = torch.device("cuda")
     arch = torch.cuda.get_device_capability(dev)
-    precompile(kernel_specs(arch), args.jobs)
+    kinds = set(args.kinds.split(","))
+    precompile(kernel_specs(arch, kinds), args.jobs)
     ceiling = copy_bandwidth(dev)
     print(torch.cuda.get_device_name(dev), f"sm_{arch[0]}{arch[1]}")
-    print_table(sweep_fp8(dev, arch) + sweep_fp4(dev, arch), ceiling)
+    print_table((sweep_fp8(dev, arch) if "fp8" in kinds else []) + (sweep_fp4(dev, arch) if "fp4" in kinds else []),
+                ceiling)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class Compressor:
         # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
         weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = ref.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
+        entries = self.numerics.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
         entries = self.rope(entries, windows * self.ratio)
         return self._storage_rounding(entries)
 
@@ -273,10 +273,11 @@ class Attention:
         """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded);
         `rot` = the tokens' RoPE table."""
         eps, s = self.args.norm_eps, x.shape[0]
-        c = ref.rms_norm(self.wq_a(x), self.q_norm, eps)
+        norm = self.numerics.rms_norm
+        c = norm(self.wq_a(x), self.q_norm, eps)
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = self.rope(ref.rms_norm(q, None, eps), rot)
-        kv = self.rope(ref.rms_norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
+        q = self.rope(norm(q, None, eps), rot)
+        kv = self.rope(norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
         if self.numerics.native:
             kv = kv_rounding(kv, self.args.nope_head_dim, self.numerics.backend.qdq8)
         return c, q, kv

@@ -13,19 +13,19 @@ from engine.numerics import Numerics
 from kernels import reference as ref
 
 
-def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float, rms_norm=ref.rms_norm) -> torch.Tensor:
     """Unweighted RMS-normalised flat streams [S, n·D] fp32 times fn -> [S, fn rows] fp32."""
-    return ref.rms_norm(flat, None, eps) @ fn.T
+    return rms_norm(flat, None, eps) @ fn.T
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-           iters: int, hc_eps: float, eps: float, sinkhorn=ref.sinkhorn
+           iters: int, hc_eps: float, eps: float, sinkhorn=ref.sinkhorn, rms_norm=ref.rms_norm
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n]) (§C.3 HCPre).
 
     `scale` is [3] (pre, post, comb) or already spread over the 2n + n² mix columns."""
     sf = streams.float()
-    m = _mixes(sf.flatten(1), fn, eps)  # [S, 2n + n²], stream 0 first
+    m = _mixes(sf.flatten(1), fn, eps, rms_norm)  # [S, 2n + n²], stream 0 first
     if scale.numel() == 3:
         scale = spread_scale(scale, n)
     z = m * scale + base  # the same per-column products and sums as three separate slices
@@ -65,11 +65,13 @@ class HyperConnection:
         self.fn, self.base = fn.float(), base.float()
         self.scale = spread_scale(scale.float(), args.hc_mult)  # [2n + n²]
         self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
-        # Native runs the backend's fused Sinkhorn (one launch instead of ~120); exact the reference.
+        # Native runs the backend's fused Sinkhorn (one launch instead of ~120) and RMSNorm; exact
+        # the reference.
         self.sinkhorn = numerics.backend.sinkhorn if numerics.native else ref.sinkhorn
+        self.rms_norm = numerics.rms_norm
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hc_pre(streams, self.fn, self.scale, self.base, *self.consts, self.sinkhorn)
+        return hc_pre(streams, self.fn, self.scale, self.base, *self.consts, self.sinkhorn, self.rms_norm)
 
 
 class HyperHead:

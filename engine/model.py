@@ -39,7 +39,7 @@ class Block:
     """One decoder block (§C.2): mHC around attention, then mHC around the MoE."""
 
     def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
-        self.layer, self.eps = layer, args.norm_eps
+        self.layer, self.eps, self.norm = layer, args.norm_eps, numerics.rms_norm
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
                                        get(f"{prefix}.hc_attn_base"), args, numerics)
         self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
@@ -53,11 +53,11 @@ class Block:
                  log: SelectionLog | None = None, timer=None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
         with _section(timer, "attention"):
-            a = self.attn(ref.rms_norm(x, self.attn_norm, self.eps), start, st,
+            a = self.attn(self.norm(x, self.attn_norm, self.eps), start, st,
                           None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        x = ref.rms_norm(x, self.ffn_norm, self.eps)
+        x = self.norm(x, self.ffn_norm, self.eps)
         with _section(timer, "moe"):
             routed = self.ffn.route(x, ids)
             if log is not None:
@@ -73,10 +73,10 @@ class Block:
         `emitting`: the compression ratios whose window this token completes."""
         x, post, comb = self.hc_attn.pre(streams)
         emit = self.attn.ratio in emitting
-        a = self.attn.decode(ref.rms_norm(x, self.attn_norm, self.eps), pos, st, emit)
+        a = self.attn.decode(self.norm(x, self.attn_norm, self.eps), pos, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        x = ref.rms_norm(x, self.ffn_norm, self.eps)
+        x = self.norm(x, self.ffn_norm, self.eps)
         return DecodeCarry(streams, x, post, comb, self.ffn.route(x, ids))
 
     def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
@@ -151,7 +151,7 @@ class Transformer:
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [S, n_hc, D] -> logits [S, V] fp32 (HCHead, norm, fp32 head)."""
-        y = ref.rms_norm(self.hc_head(streams), self.norm, self.args.norm_eps)
+        y = self.numerics.rms_norm(self.hc_head(streams), self.norm, self.args.norm_eps)
         return self._head(y)
 
     def _head(self, y: torch.Tensor) -> torch.Tensor:
@@ -200,10 +200,10 @@ class Transformer:
         """MTP logits: streams [S, n, D] of tokens at start.. and the following tokens `next_ids`
         [S] -> logits [S, V] predicting the token after next. Uses `state.mtp` (own window ring)."""
         m = self.mtp
-        e = ref.rms_norm(self.embed_tokens(next_ids), m.enorm, m.eps)
-        hs = ref.rms_norm(streams, m.hnorm, m.eps)  # per stream
+        e = self.numerics.rms_norm(self.embed_tokens(next_ids), m.enorm, m.eps)
+        hs = self.numerics.rms_norm(streams, m.hnorm, m.eps)  # per stream
         s, n, d = hs.shape
         x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
         x = m.block(x.to(self.numerics.dtype), next_ids, start, state.mtp, experts)
-        y = ref.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
+        y = self.numerics.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
         return self._head(y)

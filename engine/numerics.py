@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import reference as ref
 from kernels.backend import Backend, TorchBackend
 
 
@@ -32,6 +33,10 @@ class Numerics:
     @property
     def name(self) -> str:
         return "native" if self.native else "exact"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMSNorm (§C.0): native runs the backend's (one fused launch on CUDA), exact the reference."""
+        return self.backend.rms_norm(x, weight, eps) if self.native else ref.rms_norm(x, weight, eps)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -50,6 +50,10 @@ class Backend(Protocol):
         """FP8 storage simulation (QDQ8) of x's last dim in blocks of `block`; keeps the dtype."""
         ...
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMSNorm of x's last dim in fp32 (weight [D] or None), cast back to x's dtype."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -77,6 +81,9 @@ class TorchBackend:
     def qdq8(self, x, block):
         return ref.qdq8(x, block)
 
+    def rms_norm(self, x, weight, eps):
+        return ref.rms_norm(x, weight, eps)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -85,7 +92,7 @@ class TileLangBackend:
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
             "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
-            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant"}
+            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -120,6 +127,9 @@ class TileLangBackend:
 
     def qdq8(self, x, block):
         return self._impl["qdq8"](x, block)
+
+    def rms_norm(self, x, weight, eps):
+        return self._impl["rms_norm"](x, weight, eps)
 
 
 def tilelang_available() -> bool:

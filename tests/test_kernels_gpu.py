@@ -283,3 +283,20 @@ def test_qdq8_matches_reference_exactly(shape, block, gen):
     full = (torch.randn(*shape[:-1], shape[-1] + 64, generator=gen, device=DEV) * 3).to(torch.bfloat16)
     x = full[..., :shape[-1]]  # a non-contiguous slice, as kv_rounding passes it
     assert torch.equal(qdq8(x, block), ref.qdq8(x, block))
+
+
+# ------------------------------------------------------------------------------- rms_norm
+@pytest.mark.parametrize("shape,dtype,weighted", [((1, 4096), torch.bfloat16, True), ((1, 64, 512), torch.bfloat16, False),
+                                                  ((1, 16384), torch.float32, False), ((3, 1024), torch.bfloat16, True),
+                                                  ((37, 512), torch.float32, True), ((5, 384), torch.bfloat16, True)])
+def test_rms_norm_matches_reference(shape, dtype, weighted, gen):
+    from kernels.rms_norm import rms_norm
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(dtype)
+    w = torch.rand(shape[-1], generator=gen, device=DEV) + 0.5 if weighted else None
+    got, want = rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    diff = (got.double() - want.double()).abs().max().item()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22  # one rounding step of the output
+    print(f"rms_norm {shape} {dtype}: max abs diff {diff:.2e}")
+    assert diff <= ulp * want.double().abs().max().item()
+
