@@ -7,8 +7,10 @@ Hopper has no FP4 tensor cores, so the weight is unpacked in the kernel (weight-
 dequantisation) with integer bit moves and a byte permute (kernels/lowbit.py): a code becomes
 the fp16 of its value times 2^-14 and an activation code the fp16 of its value times 2^-8
 (both exact); the 2^22 goes into the group scale. (Reading fp32-widened activations instead
-was 2.3x slower at M = 1: their loads, not the decoding, became the bottleneck.) Each lane reads 16 bytes = 4 words = 32 channels = one scale group per row and step; the rest is the FP8 GEMV of kernels/fp8_gemm.py (a warp owns `rows`
-rows, exact power-of-two scaling of every 32-term partial sum, warp shuffle sum).
+was 2.3x slower at M = 1: their loads, not the decoding, became the bottleneck.) Each lane
+reads 16 bytes = 4 words = 32 channels = one scale group per row and step; the rest is the FP8
+GEMV of kernels/fp8_gemm.py (a warp owns `rows` rows, exact power-of-two scaling of every
+32-term partial sum, warp shuffle sum).
 
 The kernel is grouped: G independent problems, each reading its weight from a slot of an
 arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed byte offsets,
