@@ -48,9 +48,7 @@ def stats_lines(stats: Any) -> list[str]:
              f"{c.misses} misses, {c.evictions} evictions, {_gib(c.bytes_read)} read "
              f"({_gib(stats.read_bytes_per_s)}/s)",
              "per layer: " + " ".join(f"{i}:{r:.0%}" for i, r in enumerate(c.per_layer_hit_rate)),
-             f"last step: {t.total_ms:.1f} ms (attention {t.attention_ms:.1f}, MoE {t.moe_ms:.1f}, "
-             f"expert wait {t.expert_wait_ms:.1f}, other {t.other_ms:.1f}); {stats.tok_per_s:.1f} tok/s; "
-             f"position {stats.position}",
+             f"last {' · '.join(t.lines())}; {stats.tok_per_s:.1f} tok/s; position {stats.position}",
              f"memory ({'unified' if m.unified else 'discrete GPU'}, {_gib(m.total)}): "
              + ", ".join(f"{name} {_gib(size)}" for name, size in m.parts)
              + (f"; page cache {_gib(m.page_cache)}" if m.unified else "")]

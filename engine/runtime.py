@@ -144,11 +144,14 @@ class Runtime:
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
             wait = self.experts.wait_s - wait0
-        attention = timer.seconds.get("attention", 0.0)
-        moe = max(0.0, timer.seconds.get("moe", 0.0) - wait)
-        other = max(0.0, seconds - attention - moe - wait)
-        timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
-                            other_ms=1e3 * other)
+        if graphed:  # no sections inside a replay: all but the expert wait is the graph's
+            timing = StepTiming(expert_wait_ms=1e3 * wait, graph_ms=1e3 * max(0.0, seconds - wait))
+        else:
+            attention = timer.seconds.get("attention", 0.0)
+            moe = max(0.0, timer.seconds.get("moe", 0.0) - wait)
+            other = max(0.0, seconds - attention - moe - wait)
+            timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
+                                other_ms=1e3 * other)
         return StepResult(logits=logits, tokens=n, seconds=seconds, timing=timing, graphed=graphed)
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,

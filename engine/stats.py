@@ -48,16 +48,26 @@ class MemoryBudget:
 
 @dataclass(frozen=True)
 class StepTiming:
-    """Milliseconds of one step split by where the time went."""
+    """Milliseconds of one step split by where the time went. A step replayed from CUDA graphs
+    cannot be split into attention and MoE: its GPU work is `graph_ms` (the rest stays 0)."""
 
     attention_ms: float = 0.0
     moe_ms: float = 0.0
     expert_wait_ms: float = 0.0
     other_ms: float = 0.0
+    graph_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
-        return self.attention_ms + self.moe_ms + self.expert_wait_ms + self.other_ms
+        return self.attention_ms + self.moe_ms + self.expert_wait_ms + self.other_ms + self.graph_ms
+
+    def lines(self) -> tuple[str, str]:
+        """Two display lines: the split, or (for a replayed step) the graph and the expert wait."""
+        if self.graph_ms:
+            return (f"step {self.total_ms:.1f} ms: CUDA graph {self.graph_ms:.1f}",
+                    f"expert wait {self.expert_wait_ms:.1f}")
+        return (f"step {self.total_ms:.1f} ms: attn {self.attention_ms:.1f} · moe {self.moe_ms:.1f}",
+                f"expert wait {self.expert_wait_ms:.1f} · other {self.other_ms:.1f}")
 
 
 @dataclass(frozen=True)

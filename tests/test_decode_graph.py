@@ -287,6 +287,9 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(packed, tmp_pat
             for tok in (5, 6, 7):
                 a, b = plain.step(s1, [tok]), graphed.step(s2, [tok])
                 assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
+                # a replayed step is not split into attention and MoE: its time is the graph's
+                assert b.timing.graph_ms > 0 and b.timing.attention_ms == b.timing.moe_ms == 0
+                assert a.timing.graph_ms == 0 and a.timing.moe_ms > 0
             assert s1.pos == s2.pos == len(PROMPT) + 3
         assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
         recs = list(read_records(tmp_path / "t.jsonl"))

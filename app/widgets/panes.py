@@ -121,11 +121,7 @@ class ThroughputPane(Pane):
         ttft = "—" if stats.ttft_s is None else f"{stats.ttft_s:.2f} s"
         self.put("#tp-text", Text(f"{stats.tok_per_s:.1f} tok/s · TTFT {ttft}"))
         self.query_one("#tp-spark", Sparkline).data = [s.tok_per_s for s in recent]
-        t = stats.timing
-        self.put("#tp-split", Text(
-            f"step {t.total_ms:.1f} ms: attn {t.attention_ms:.1f} · moe {t.moe_ms:.1f}\n"
-            f"  expert wait {t.expert_wait_ms:.1f} · other {t.other_ms:.1f}"
-        ))
+        self.put("#tp-split", Text("\n  ".join(stats.timing.lines())))
 
 
 class PhaseLabel(Static):
