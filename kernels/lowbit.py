@@ -17,8 +17,9 @@ block scales:
   nibbles j and j + 4 form one fp16x2 word, through a byte permute.
 
 `SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
-`T.import_source`, called through the helpers below); `fp8_bits_as_fp16` and
-`fp4_bits_as_fp16` perform the same bit moves in torch, so the CPU tests pin the layout.
+`T.import_source`, called through the helpers below); `decode_e4m3_words` and
+`decode_e2m1_words` perform the same bit moves in torch, so the CPU tests pin the layout
+(tests/test_lowbit.py: every code) and the GPU tests the kernels against the reference.
 """
 
 import torch
