@@ -21,6 +21,7 @@ from app.backend import Backend, RealBackend
 from app.commands import CommandError, is_command, parse
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
+from app.heap import HeapFreeze
 from app.messages import (
     CallDone,
     EngineError,
@@ -75,6 +76,7 @@ class ChatApp(App):
         self._text_timer: Timer | None = None
         self._text_shown = 0.0
         self._stats_shown = 0.0  # time.monotonic() of the last stats render
+        self.heap = HeapFreeze()
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -142,6 +144,7 @@ class ChatApp(App):
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
                              info.get("numerics"), graphs) if x)
         self.chat.phase.show_phase("ready")
+        self.heap.freeze()  # the engine and UI are built: keep full GC passes short (app/heap.py)
         self._show_latest_stats()
         if info.get("decode_note"):
             await self.note(info["decode_note"])
@@ -334,6 +337,7 @@ class ChatApp(App):
         super().exit(*args, **kwargs)
 
     def on_unmount(self) -> None:
+        self.heap.release()
         self.service.close()
         if self.service.unhandled_turn is not None:  # the turn ended as the app closed
             self._record_turn(self.service.unhandled_turn)

@@ -231,3 +231,16 @@ def test_decline_resume_and_clean_exit_offers_nothing(config):
     asyncio.run(go(expect_offer=True))
     assert read_transcript(path)[1]  # declined: marked closed, content kept
     asyncio.run(go(expect_offer=False))  # the previous run exited cleanly: no offer
+
+
+def test_heap_is_frozen_while_ready_and_released_on_exit(config):
+    import gc
+
+    async def go():
+        app = ChatApp(config, FakeBackend())
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_idle(pilot, app)
+            assert app.heap.frozen and gc.get_freeze_count() > 1000  # engine + UI objects
+        assert not app.heap.frozen and gc.get_freeze_count() == 0  # unmount handed them back
+
+    asyncio.run(go())
