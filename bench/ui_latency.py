@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import sys
@@ -88,6 +89,27 @@ async def measure(app: ChatApp, writes: list[tuple[float, str]], presses: int, s
     return latencies
 
 
+class GcPauses:
+    """Durations (ms) of the cyclic collector's full (generation 2) passes while registered."""
+
+    def __init__(self) -> None:
+        self.full_ms: list[float] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif info["generation"] == 2:
+            self.full_ms.append((time.perf_counter() - self._start) * 1e3)
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def report(name: str, ms: list[float]) -> None:
     if not ms:
         print(f"{name:<10} no samples")
@@ -126,7 +148,8 @@ async def run_in(data: Path, args: argparse.Namespace) -> None:
     app.chat.prompt.submit()
     await wait_until(lambda: app._answer is not None and app._answer.answer_text, 60, "tokens")
     t0, text0 = time.perf_counter(), app._answer.answer_text
-    busy = await measure(app, writes, args.presses, streaming=True, rng=rng)
+    with GcPauses() as pauses:
+        busy = await measure(app, writes, args.presses, streaming=True, rng=rng)
     seconds = time.perf_counter() - t0
     text = app._answer.answer_text if app._answer else text0
     chars_per_s = (len(text) - len(text0)) / seconds
@@ -142,6 +165,8 @@ async def run_in(data: Path, args: argparse.Namespace) -> None:
           f"{chars_per_s:.0f} chars/s reached the transcript while streaming")
     report("idle", idle)
     report("streaming", busy)
+    longest = f", longest {max(pauses.full_ms):.1f} ms" if pauses.full_ms else ""
+    print(f"full GC passes while streaming: {len(pauses.full_ms)}{longest}")
 
 
 def main() -> None:
