@@ -221,12 +221,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     r = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.reshape(shape), sin.reshape(shape)
+    tail = x[..., -r:].float().unflatten(-1, (r // 2, 2))  # [..., R/2, (re, im)]
+    tc, ts = tail * c.unsqueeze(-1), tail * s.unsqueeze(-1)  # (re·cos, im·cos), (re·sin, im·sin)
+    out = torch.empty_like(x)
+    out[..., :-r] = x[..., :-r]
+    rot = out[..., -r:].unflatten(-1, (r // 2, 2))  # written in place: no stack, cast or cat
+    # fp32 products and sums, rounded once into x's dtype; the inverse rotation (angle -a) has
+    # the signs folded in, which gives exactly what negating sin would
     if inverse:
-        s = -s
-    tail = x[..., -r:].float().reshape(*x.shape[:-1], r // 2, 2)  # [..., R/2, (re, im)]
-    re, im = tail[..., 0], tail[..., 1]
-    rot = torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)
+        torch.add(tc[..., 0], ts[..., 1], out=rot[..., 0])
+        torch.sub(tc[..., 1], ts[..., 0], out=rot[..., 1])
+    else:
+        torch.sub(tc[..., 0], ts[..., 1], out=rot[..., 0])
+        torch.add(ts[..., 0], tc[..., 1], out=rot[..., 1])
+    return out
 
 
 # --------------------------------------------------------------------------------- mHC, norms

@@ -169,3 +169,27 @@ def test_fp4_gemm_matches_dequantised_product(shape):
     q, s = ref.act_quant(x, 128)
     want = (ref.act_dequant(q, s, 128) @ ref.dequant_fp4(packed, scale).T).to(torch.bfloat16)
     assert torch.equal(ref.fp4_gemm(x, packed, scale), want)
+
+
+def _rope_by_the_book(x, cos, sin, inverse=False):
+    """RoPE written plainly (negated sin for the inverse, stack + cast + cat)."""
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    s = -s if inverse else s
+    tail = x[..., -r:].float().reshape(*x.shape[:-1], r // 2, 2)
+    re, im = tail[..., 0], tail[..., 1]
+    rot = torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)
+
+
+@pytest.mark.parametrize("shape,dtype", [((5, 64), torch.float32), ((3, 8, 64), torch.bfloat16),
+                                         ((1, 16, 512), torch.bfloat16), ((7, 4, 128), torch.float32)])
+def test_apply_rope_is_bitwise_the_plain_formula(shape, dtype):
+    # apply_rope writes into one output with fewer ops (fewer GPU launches); the numbers must not move
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    ang = torch.randn(shape[0], 32, generator=g) * 10
+    for inverse in (False, True):
+        got = ref.apply_rope(x, ang.cos(), ang.sin(), inverse)
+        assert got.dtype == dtype and torch.equal(got, _rope_by_the_book(x, ang.cos(), ang.sin(), inverse))
