@@ -192,7 +192,7 @@ class Indexer:
         k = min(self.topk, n)
         top = ref.topk_desc(scores, k)
         visible = ((positions + 1) // self.ratio).unsqueeze(1)
-        top = torch.where(top >= visible, torch.full_like(top, -1), top)
+        top = torch.where(top >= visible, -1, top)
         if k < self.topk:
             top = torch.cat((top, top.new_full((s, self.topk - k), -1)), dim=1)
         return top
@@ -259,7 +259,7 @@ class Attention:
         w = self.window
         st.window.index_copy_(0, pos % w, kv.to(st.kv.dtype))
         want = pos - torch.arange(w - 1, -1, -1, device=x.device)  # positions p-W+1..p
-        idx = torch.where(want >= 0, want % w, torch.full_like(want, -1)).unsqueeze(0)  # [1, W]
+        idx = torch.where(want >= 0, want % w, -1).unsqueeze(0)  # [1, W]
         if self.ratio:
             self.compressor.decode(x, pos, st.compressor, emit)
             if self.indexer is not None:
@@ -286,7 +286,7 @@ class Attention:
         """HCA picks: every entry slot 0..n_entries-1, -1 for those not yet visible at p [S, n]."""
         chosen = torch.arange(n_entries, device=positions.device).expand(positions.shape[0], -1)
         visible = ((positions + 1) // self.ratio).unsqueeze(1)
-        return torch.where(chosen < visible, chosen, torch.full_like(chosen, -1))
+        return torch.where(chosen < visible, chosen, -1)
 
     def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
         """Attention output o [S, H, D] fp32 -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
@@ -311,7 +311,7 @@ class Attention:
         first = start - n_prev  # position of kv_win[0]
         want = (torch.arange(start, start + s, device=dev).unsqueeze(1)
                 - torch.arange(w - 1, -1, -1, device=dev).unsqueeze(0))  # [S, W]
-        idx = torch.where(want >= 0, want - first, torch.full_like(want, -1))
+        idx = torch.where(want >= 0, want - first, -1)
         keep = min(s, w)  # the ring keeps the newest W positions
         new_pos = torch.arange(start + s - keep, start + s, device=dev)
         st.window[new_pos % w] = kv[s - keep:].to(st.window.dtype)

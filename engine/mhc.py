@@ -44,7 +44,9 @@ def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New stream k = post_k · out + Σ_j comb[j, k] · stream_j (j = old streams), fp32 math."""
     mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
-    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+    # bf16 `out` widens exactly inside the product; the sum is rounded once into the stream dtype
+    new = torch.empty(mixed.shape, dtype=streams.dtype, device=streams.device)
+    return torch.add(post.unsqueeze(-1) * out.unsqueeze(1), mixed, out=new)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,

@@ -132,8 +132,8 @@ class MoE:
         y = slots[:, 0]
         for j in range(1, slots.shape[1]):  # fixed summation order: independent of expert arrival order
             y = y + slots[:, j]
-        y = y + self._shared(x)
-        return y.to(self.numerics.dtype)
+        out = torch.empty(y.shape, dtype=self.numerics.dtype, device=y.device)
+        return torch.add(y, self._shared(x), out=out)  # fp32 sum rounded once into the stream dtype
 
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""

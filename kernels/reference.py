@@ -117,13 +117,15 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh–Hadamard transform (Sylvester order) over the last dim (a power of two)."""
     n = x.shape[-1]
     y = x.float()
-    h = 1
-    while h < n:
-        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)  # pairs of half-blocks
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2)
-        h *= 2
-    return (y.reshape(x.shape) / math.sqrt(n)).to(x.dtype)
+    bufs = [torch.empty(x.shape, dtype=torch.float32, device=x.device) for _ in range(2 if n > 2 else 1)]
+    h, i = 1, 0
+    while h < n:  # each butterfly stage writes the other buffer: 2 ops, no stack
+        src = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)  # pairs of half-blocks
+        dst = bufs[i].view(*x.shape[:-1], n // (2 * h), 2, h)
+        torch.add(src[..., 0, :], src[..., 1, :], out=dst[..., 0, :])
+        torch.sub(src[..., 0, :], src[..., 1, :], out=dst[..., 1, :])
+        y, h, i = bufs[i], 2 * h, (i + 1) % len(bufs)
+    return torch.div(y, math.sqrt(n), out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 # ------------------------------------------------------------------------------------- GEMMs

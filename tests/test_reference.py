@@ -193,3 +193,23 @@ def test_apply_rope_is_bitwise_the_plain_formula(shape, dtype):
     for inverse in (False, True):
         got = ref.apply_rope(x, ang.cos(), ang.sin(), inverse)
         assert got.dtype == dtype and torch.equal(got, _rope_by_the_book(x, ang.cos(), ang.sin(), inverse))
+
+
+def _hadamard_by_the_book(x):
+    n, y, h = x.shape[-1], x.float(), 1
+    while h < n:
+        y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return (y.reshape(x.shape) / math.sqrt(n)).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 128), torch.float32), ((2, 4, 64), torch.bfloat16),
+                                         ((5, 2), torch.float32), ((4, 1), torch.bfloat16)])
+def test_hadamard_is_bitwise_the_plain_butterfly(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    before = x.clone()
+    got = ref.hadamard(x)
+    assert got.dtype == dtype and torch.equal(got, _hadamard_by_the_book(x))
+    assert torch.equal(x, before)  # the ping-pong buffers never alias the input
