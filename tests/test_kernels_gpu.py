@@ -286,9 +286,12 @@ def test_qdq8_matches_reference_exactly(shape, block, gen):
 
 
 # ------------------------------------------------------------------------------- rms_norm
-@pytest.mark.parametrize("shape,dtype,weighted", [((1, 4096), torch.bfloat16, True), ((1, 64, 512), torch.bfloat16, False),
-                                                  ((1, 16384), torch.float32, False), ((3, 1024), torch.bfloat16, True),
-                                                  ((37, 512), torch.float32, True), ((5, 384), torch.bfloat16, True)])
+RMS_CASES = [((1, 4096), torch.bfloat16, True), ((1, 64, 512), torch.bfloat16, False),
+             ((1, 16384), torch.float32, False), ((3, 1024), torch.bfloat16, True),
+             ((37, 512), torch.float32, True), ((5, 384), torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("shape,dtype,weighted", RMS_CASES)
 def test_rms_norm_matches_reference(shape, dtype, weighted, gen):
     from kernels.rms_norm import rms_norm
     x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(dtype)
