@@ -70,6 +70,7 @@ class Compressor:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
         r, s = self.ratio, x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
+        x = x.float()  # widened once for both fp32 projections
         kv = self.wkv(x)  # [S, c·d] fp32
         gate = self.wgate(x) + self.ape[positions % r]
         n_buf = start % r  # tokens of the open window seen before this call
@@ -98,8 +99,9 @@ class Compressor:
         into entry pos // r, and an overlap compressor keeps the window's first half."""
         r = self.ratio
         row = pos % r
-        st.buf_kv.index_copy_(0, row, self.wkv(x))
-        st.buf_gate.index_copy_(0, row, self.wgate(x) + self.ape[row])
+        xf = x.float()  # widened once for both fp32 projections
+        st.buf_kv.index_copy_(0, row, self.wkv(xf))
+        st.buf_gate.index_copy_(0, row, self.wgate(xf) + self.ape[row])
         if not emit:
             return
         win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]

@@ -29,8 +29,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     if scale.numel() == 3:
         scale = spread_scale(scale, n)
     z = m * scale + base  # the same per-column products and sums as three separate slices
-    pre = torch.sigmoid(z[:, :n]) + hc_eps
-    post = 2 * torch.sigmoid(z[:, n:2 * n])
+    gates = torch.sigmoid(z[:, :2 * n])  # pre and post columns in one launch
+    pre = gates[:, :n] + hc_eps
+    post = 2 * gates[:, n:]
     comb = sinkhorn(z[:, 2 * n:].view(-1, n, n), iters, hc_eps)  # row-major n×n
     x = (pre.unsqueeze(-1) * sf).sum(dim=1)
     return x.to(streams.dtype), post, comb
