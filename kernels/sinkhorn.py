@@ -37,6 +37,29 @@ def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
     threads = per_cta * nn
     tokens = T.dynamic("tokens")
 
+    @T.macro
+    def publish(sm, v, j, e):
+        """Every thread's element into shared memory, between barriers (all threads reach them)."""
+        T.sync_threads()
+        sm[j, e] = v[0]
+        T.sync_threads()
+
+    @T.macro
+    def normalise_row(sm, v, acc, j, e, r0):
+        publish(sm, v, j, e)
+        acc[0] = 0.0
+        for c in T.unroll(n):
+            acc[0] += sm[j, r0 + c]
+        v[0] = v[0] / (acc[0] + eps)
+
+    @T.macro
+    def normalise_column(sm, v, acc, j, e, c0):
+        publish(sm, v, j, e)
+        acc[0] = 0.0
+        for r in T.unroll(n):
+            acc[0] += sm[j, r * n + c0]
+        v[0] = v[0] / (acc[0] + eps)
+
     @T.prim_func
     def sinkhorn_main(L: T.Tensor((tokens, nn), "float32"), M: T.Tensor((tokens, nn), "float32")):
         with T.Kernel(T.ceildiv(tokens, per_cta), threads=threads) as bx:
@@ -56,35 +79,15 @@ def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
             for c in T.unroll(n):  # row softmax, then + eps
                 acc[0] = T.max(acc[0], sm[j, r0 + c])
             v[0] = T.exp(v[0] - acc[0])
-            T.sync_threads()
-            sm[j, e] = v[0]
-            T.sync_threads()
+            publish(sm, v, j, e)
             acc[0] = 0.0
             for c in T.unroll(n):
                 acc[0] += sm[j, r0 + c]
             v[0] = v[0] / acc[0] + eps
-            T.sync_threads()
-            sm[j, e] = v[0]
-            T.sync_threads()
-            acc[0] = 0.0
-            for r in T.unroll(n):  # column normalisation first
-                acc[0] += sm[j, r * n + c0]
-            v[0] = v[0] / (acc[0] + eps)
+            normalise_column(sm, v, acc, j, e, c0)  # column normalisation first
             for _ in T.serial(iters - 1):
-                T.sync_threads()
-                sm[j, e] = v[0]
-                T.sync_threads()
-                acc[0] = 0.0
-                for c in T.unroll(n):
-                    acc[0] += sm[j, r0 + c]
-                v[0] = v[0] / (acc[0] + eps)
-                T.sync_threads()
-                sm[j, e] = v[0]
-                T.sync_threads()
-                acc[0] = 0.0
-                for r in T.unroll(n):
-                    acc[0] += sm[j, r * n + c0]
-                v[0] = v[0] / (acc[0] + eps)
+                normalise_row(sm, v, acc, j, e, r0)
+                normalise_column(sm, v, acc, j, e, c0)
             if bx * per_cta + j < tokens:
                 M[t, e] = v[0]
 
