@@ -27,6 +27,17 @@ def packed(separated_ckpt, tmp_path_factory) -> Path:
     return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
 
 
+@pytest.fixture
+def files(packed):
+    """The converted model opened with every expert loaded into the arena (closed afterwards)."""
+    files = open_model(packed)
+    try:
+        assert files.experts.load_all()
+        yield files
+    finally:
+        files.close()
+
+
 def _pair(files, numerics: str, steps: int, whole: bool = True):
     """Greedy decode `steps` tokens twice from one prefill: forward(S=1) vs the runner."""
     model = Transformer(files.get, files.args, Numerics.named(numerics))
@@ -48,38 +59,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / a.abs().max()).item()
 
 
-def test_decode_step_equals_forward_exact(packed):
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        model, ref_state, state, pairs = _pair(files, "exact", 140)  # positions 13..152: 128 crossed
-        assert max(_rel(a, b) for a, b in pairs) <= 1e-5
-        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
-        assert state.pos == ref_state.pos == len(PROMPT) + 140
-        for i, (r, s) in enumerate(zip(ref_state.layers, state.layers)):
-            torch.testing.assert_close(s.window, r.window, rtol=1e-5, atol=1e-6)
-            ratio = files.args.ratio(i)
-            if ratio:
-                n = state.pos // ratio  # complete entries; later slots may hold a partial one
-                assert s.capacity >= n + 1
-                if ratio == 4:
-                    assert s.capacity > 16  # grew past the initial 16 entries while decoding
-                torch.testing.assert_close(s.compressor.entries[:n], r.compressor.entries[:n], rtol=1e-5, atol=1e-6)
-    finally:
-        files.close()
+def test_decode_step_equals_forward_exact(files):
+    model, ref_state, state, pairs = _pair(files, "exact", 140)  # positions 13..152: 128 crossed
+    assert max(_rel(a, b) for a, b in pairs) <= 1e-5
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
+    assert state.pos == ref_state.pos == len(PROMPT) + 140
+    for i, (r, s) in enumerate(zip(ref_state.layers, state.layers)):
+        torch.testing.assert_close(s.window, r.window, rtol=1e-5, atol=1e-6)
+        ratio = files.args.ratio(i)
+        if ratio:
+            n = state.pos // ratio  # complete entries; later slots may hold a partial one
+            assert s.capacity >= n + 1
+            if ratio == 4:
+                assert s.capacity > 16  # grew past the initial 16 entries while decoding
+            torch.testing.assert_close(s.compressor.entries[:n], r.compressor.entries[:n], rtol=1e-5, atol=1e-6)
 
 
-def test_decode_step_equals_forward_native(packed):
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        _, _, _, pairs = _pair(files, "native", 70)
-        # same kernels and order: native quantisation sees the same inputs, so results agree bitwise
-        # unless a reduction over a different number of masked slots rounds differently
-        assert max(_rel(a, b) for a, b in pairs) <= 1e-4
-        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
-    finally:
-        files.close()
+def test_decode_step_equals_forward_native(files):
+    _, _, _, pairs = _pair(files, "native", 70)
+    # same kernels and order: native quantisation sees the same inputs, so results agree bitwise
+    # unless a reduction over a different number of masked slots rounds differently
+    assert max(_rel(a, b) for a, b in pairs) <= 1e-4
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
 
 
 def test_layered_mode_streams_through_a_small_cache(packed):
@@ -133,23 +134,18 @@ def test_layered_mode_needs_room_for_one_layers_experts(packed):
         files.close()
 
 
-def test_whole_mode_counts_every_use_as_a_hit(packed):
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        model = Transformer(files.get, files.args, Numerics.named("native"))
-        state = model.new_state()
-        model.forward(torch.tensor(PROMPT), state, files.experts)
-        before = files.experts.stats()
-        runner = DecodeRunner(model, files.experts, whole=True)
-        for tok in (3, 4, 5):
-            runner.step(state, tok)
-        after = files.experts.stats()
-        assert after.misses == before.misses
-        main_layers = files.args.n_layers
-        assert 3 * main_layers <= after.hits - before.hits <= 3 * main_layers * files.args.n_activated_experts
-    finally:
-        files.close()
+def test_whole_mode_counts_every_use_as_a_hit(files):
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    state = model.new_state()
+    model.forward(torch.tensor(PROMPT), state, files.experts)
+    before = files.experts.stats()
+    runner = DecodeRunner(model, files.experts, whole=True)
+    for tok in (3, 4, 5):
+        runner.step(state, tok)
+    after = files.experts.stats()
+    assert after.misses == before.misses
+    main_layers = files.args.n_layers
+    assert 3 * main_layers <= after.hits - before.hits <= 3 * main_layers * files.args.n_activated_experts
 
 
 def test_whole_mode_survives_a_flush(packed):
@@ -254,7 +250,7 @@ def test_layered_mode_reads_hash_layer_experts_ahead(packed):
         files.close()
 
 
-def test_runtime_replays_through_the_runner_with_stats_and_trace(packed, tmp_path):
+def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path):
     """The engine's Runtime with a runner (the GPU path, here run eagerly on the CPU): same
     logits as the eager Runtime, steps flagged as graphed, usage counts and the routing trace fed
     from the runner's routes."""
@@ -264,37 +260,32 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(packed, tmp_pat
     from engine.experts.trace import TraceWriter, read_records
     from engine.runtime import InstrumentedProvider, Runtime
 
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        args = files.args
-        model = Transformer(files.get, args, Numerics.named("native"))
-        with TraceWriter(tmp_path / "t.jsonl") as writer:
-            trace = RoutingTrace(writer)
-            experts = InstrumentedProvider(files.experts, args.n_layers)
+    args = files.args
+    model = Transformer(files.get, args, Numerics.named("native"))
+    with TraceWriter(tmp_path / "t.jsonl") as writer:
+        trace = RoutingTrace(writer)
+        experts = InstrumentedProvider(files.experts, args.n_layers)
 
-            def routes(layer, position, ids):
-                experts.note_uses(layer, ids)
-                trace("experts", layer, position, torch.tensor([ids]))
+        def routes(layer, position, ids):
+            experts.note_uses(layer, ids)
+            trace("experts", layer, position, torch.tensor([ids]))
 
-            runner = DecodeRunner(model, files.experts, whole=True, on_routes=routes)
-            lock = threading.RLock()
-            graphed = Runtime(model, experts, torch.device("cpu"), lock, trace, runner)
-            plain = Runtime(model, InstrumentedProvider(files.experts, args.n_layers), torch.device("cpu"), lock)
-            s1, s2 = model.new_state(), model.new_state()
-            a, b = plain.step(s1, PROMPT), graphed.step(s2, PROMPT)  # prefill: eager in both
-            assert not b.graphed and torch.equal(a.logits, b.logits)
-            for tok in (5, 6, 7):
-                a, b = plain.step(s1, [tok]), graphed.step(s2, [tok])
-                assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
-                # a replayed step is not split into attention and MoE: its time is the graph's
-                assert b.timing.graph_ms > 0 and b.timing.attention_ms == b.timing.moe_ms == 0
-                assert a.timing.graph_ms == 0 and a.timing.moe_ms > 0
-            assert s1.pos == s2.pos == len(PROMPT) + 3
-        assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
-        recs = list(read_records(tmp_path / "t.jsonl"))
-        decode = [r for r in recs if r.tokens == 1]
-        assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
-        assert [r.layer for r in decode[:args.n_layers]] == list(range(args.n_layers))
-    finally:
-        files.close()
+        runner = DecodeRunner(model, files.experts, whole=True, on_routes=routes)
+        lock = threading.RLock()
+        graphed = Runtime(model, experts, torch.device("cpu"), lock, trace, runner)
+        plain = Runtime(model, InstrumentedProvider(files.experts, args.n_layers), torch.device("cpu"), lock)
+        s1, s2 = model.new_state(), model.new_state()
+        a, b = plain.step(s1, PROMPT), graphed.step(s2, PROMPT)  # prefill: eager in both
+        assert not b.graphed and torch.equal(a.logits, b.logits)
+        for tok in (5, 6, 7):
+            a, b = plain.step(s1, [tok]), graphed.step(s2, [tok])
+            assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
+            # a replayed step is not split into attention and MoE: its time is the graph's
+            assert b.timing.graph_ms > 0 and b.timing.attention_ms == b.timing.moe_ms == 0
+            assert a.timing.graph_ms == 0 and a.timing.moe_ms > 0
+        assert s1.pos == s2.pos == len(PROMPT) + 3
+    assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
+    recs = list(read_records(tmp_path / "t.jsonl"))
+    decode = [r for r in recs if r.tokens == 1]
+    assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
+    assert [r.layer for r in decode[:args.n_layers]] == list(range(args.n_layers))
