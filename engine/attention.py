@@ -160,10 +160,11 @@ class Indexer:
         positions = torch.arange(start, start + s, device=x.device)
         self.compressor(x, start, st)
         n_entries = (start + s) // self.ratio
-        scores = self._scores(x, c, positions, st.entries[:n_entries], rot)
+        visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
+        scores = self._scores(x, c, positions, visible, st.entries[:n_entries], rot)
         if log is not None:
             log(scores)
-        return self._select(scores, positions)
+        return self._select(scores, visible)
 
     def decode(self, x: torch.Tensor, c: torch.Tensor, pos: torch.Tensor, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
@@ -171,11 +172,13 @@ class Indexer:
         slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
         for `Compressor.decode`."""
         self.compressor.decode(x, pos, st, emit)
-        return self._select(self._scores(x, c, pos, st.entries[:n_keys], rot), pos)
+        visible = (pos + 1) // self.ratio
+        return self._select(self._scores(x, c, pos, visible, st.entries[:n_keys], rot), visible)
 
-    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                rot=None) -> torch.Tensor:
-        """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf where not visible."""
+    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                keys: torch.Tensor, rot=None) -> torch.Tensor:
+        """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
+        after `visible` [S] (the count complete at each query)."""
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
@@ -184,17 +187,15 @@ class Indexer:
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
         scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [S, T]
-        visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
         invisible = torch.arange(keys.shape[0], device=x.device).unsqueeze(0) >= visible.unsqueeze(1)
         return scores.masked_fill(invisible, float("-inf"))
 
-    def _select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""
         s, n = scores.shape
         k = min(self.topk, n)
         top = ref.topk_desc(scores, k)
-        visible = ((positions + 1) // self.ratio).unsqueeze(1)
-        top = torch.where(top >= visible, -1, top)
+        top = torch.where(top >= visible.unsqueeze(1), -1, top)
         if k < self.topk:
             top = torch.cat((top, top.new_full((s, self.topk - k), -1)), dim=1)
         return top
