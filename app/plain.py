@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, TextIO
 
 from app.commands import Command, help_lines, is_command, parse
-from app.settings import AppConfig, SettingsError, engine_config_kwargs, with_gen
+from app.settings import AppConfig, SettingsError, with_gen
 
 TUI_ONLY = ("save", "load", "export")
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -242,12 +242,8 @@ class PlainChat:
 
 def load_engine(config: AppConfig, log: TextIO):
     """The engine for `config`'s model (--model, the newest converted one, or --demo)."""
-    import torch
-
+    from app.backend import RealBackend
     from app.wizard import WizardError, find_model
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from kernels.backend import tilelang_available
 
     def progress(p) -> None:
         log.write(f"{p.phase}: {getattr(p, 'done', '')}/{getattr(p, 'total', '')} {getattr(p, 'unit', '')}\n")
@@ -265,9 +261,7 @@ def load_engine(config: AppConfig, log: TextIO):
         model_dir = find_model(config)
         if model_dir is None:
             raise SystemExit("dsv4-chat: no model: pass --model DIR (a converted model) or --demo")
-    kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available(),
-                                  tilelang_available=tilelang_available())
-    return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
+    return RealBackend().load_engine(model_dir, config, progress)
 
 
 def main(config: AppConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
