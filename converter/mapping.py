@@ -19,12 +19,12 @@ import re
 from dataclasses import dataclass
 
 from engine.config import ModelArgs
+from kernels.reference import EXPERT_FIELDS
 
 GLOBAL_FILE = "global.safetensors"
 MTP_FILE = "mtp.safetensors"
 GLOBAL_NAMES = ("embed.weight", "head.weight", "norm.weight",
                 "hc_head_fn", "hc_head_base", "hc_head_scale")
-EXPERT_FIELDS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
 
 _UNIT = re.compile(r"^(layers\.(\d+)|mtp\.0)\.(.+)$")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123]\.(?:weight|scale))$")

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.reference import EXPERT_FIELDS
+
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library enforces
 
@@ -66,7 +68,6 @@ DTYPES = types.MappingProxyType(
     }
 )
 
-EXPERT_TENSORS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
 _HF_SHARD = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 
@@ -356,12 +357,12 @@ class TensorIndex:
     def get_expert(self, layer: int, e: int, prefix: str = "layers") -> dict[str, torch.Tensor]:
         """The six tensors of routed expert `e` of `{prefix}.{layer}` (MTP: prefix "mtp", 0)."""
         base = f"{prefix}.{layer}.ffn.experts.{e}."
-        missing = [k for k in EXPERT_TENSORS if base + k not in self._infos]
+        missing = [k for k in EXPERT_FIELDS if base + k not in self._infos]
         if missing:
             raise CheckpointError(
                 f"expert {base[:-1]!r} lacks {', '.join(missing)} in this checkpoint"
             )
-        return {k: self.get(base + k) for k in EXPERT_TENSORS}
+        return {k: self.get(base + k) for k in EXPERT_FIELDS}
 
     def files(self) -> list[Path]:
         """The safetensors files of this checkpoint, in sorted order."""

@@ -18,9 +18,7 @@ from engine.config import ModelArgs
 from engine.linear import FP8Linear
 from engine.numerics import Numerics
 from kernels import reference as ref
-from kernels.reference import swiglu
-
-EXPERT_FIELDS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
+from kernels.reference import EXPERT_FIELDS, swiglu
 
 
 @dataclass(frozen=True)

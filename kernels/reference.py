@@ -23,6 +23,8 @@ FP4_MAX = 6.0
 # e2m1 code -> value (bit 3 is the sign), spec §B.2.
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+# A routed expert's tensors (§B), in checkpoint, expert-record and `routed_expert` argument order.
+EXPERT_FIELDS = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
 
 
 # ----------------------------------------------------------------------------------- weights
@@ -166,8 +168,7 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
         f = fields[name]
         return recs[g, f.offset:f.offset + math.prod(f.shape)].view(f.shape)  # 1-byte elements
 
-    names = ("w1.weight", "w1.scale", "w3.weight", "w3.scale", "w2.weight", "w2.scale")
-    out = [routed_expert(x[g:g + 1], *(field(g, n) for n in names), weights[g:g + 1], limit)
+    out = [routed_expert(x[g:g + 1], *(field(g, n) for n in EXPERT_FIELDS), weights[g:g + 1], limit)
            for g in range(x.shape[0])]
     return torch.cat(out) if out else x.new_zeros(0, x.shape[-1], dtype=torch.float32)
 

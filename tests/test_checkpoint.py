@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import EXPERT_TENSORS, INDEX_NAME, CheckpointError, TensorIndex
+from engine.checkpoint import EXPERT_FIELDS, INDEX_NAME, CheckpointError, TensorIndex
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +147,7 @@ def test_hf_index_directory_and_get_expert(tmp_path):
             assert idx.get("embed.weight").float().sum().item() == 66.0
 
             expert = idx.get_expert(3, 2)
-            assert list(expert) == list(EXPERT_TENSORS)
+            assert list(expert) == list(EXPERT_FIELDS)
             for k, t in expert.items():
                 want = idx.get(f"layers.3.ffn.experts.2.{k}")
                 assert t.data_ptr() == want.data_ptr() and t.dtype == want.dtype
