@@ -14,7 +14,7 @@ import multiprocessing
 
 import torch
 
-from bench.kernels import CALLS_PER_GRAPH, _fp4, _fp8, copies, copy_bandwidth, time_calls
+from bench.kernels import _fp8, copies, copy_bandwidth, fp4_arena, slot_sets, time_rotating
 
 FP8_SHAPES = [("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192),
               ("shared w1/w3", 2048, 4096), ("indexer wq_b", 8192, 1024)]
@@ -80,8 +80,7 @@ def sweep_fp8(dev, arch) -> list[tuple[str, int, float, bool]]:
         chosen = gemv_tile(n, k, arch)
         for t in fp8_candidates(n, k):
             kern = fp8_gemv_kernel(1, n, k, *t, arch)
-            calls = [(lambda w=w: kern(as_words(q), s, as_words(w[0]), scale_bytes(w[1]), y)) for w in ws]
-            sec, graphed = time_calls(calls * (CALLS_PER_GRAPH // len(ws) or 1))
+            sec, graphed = time_rotating(ws, lambda w: kern(as_words(q), s, as_words(w[0]), scale_bytes(w[1]), y))
             mark = "*" if t == chosen else " "
             rows.append((f"{mark}fp8 {name} {n}x{k} rows={t[0]} warps={t[1]} ksplit={t[2]}",
                          nbytes + 3 * k + 2 * n, sec, graphed))
@@ -96,17 +95,14 @@ def sweep_fp4(dev, arch) -> list[tuple[str, int, float, bool]]:
     rows = []
     for name, n, k in FP4_SHAPES:
         rec = _fp4_record(n, k)
-        arena = torch.randint(0, 256, (ARENA_SLOTS, rec), device=dev, dtype=torch.uint8)
-        arena[:, n * k // 2:] = torch.randint(118, 128, (ARENA_SLOTS, n * k // 32), device=dev, dtype=torch.uint8)
-        slot_sets = [torch.randperm(ARENA_SLOTS, device=dev)[:EXPERTS].to(torch.int32)
-                     for _ in range(CALLS_PER_GRAPH)]
+        arena = fp4_arena(ARENA_SLOTS, n, k, dev)
+        tables = slot_sets(ARENA_SLOTS, EXPERTS, dev)
         q, s = act_quant(torch.randn(EXPERTS, 1, k, device=dev).to(torch.bfloat16), 128)
         y = torch.empty(EXPERTS, 1, n, dtype=torch.bfloat16, device=dev)
         chosen = gemv_tile(n, arch)
         for t in fp4_candidates(n):
             kern = fp4_gemv_kernel(1, n, k, rec, 0, rec, n * k // 2, *t, arch)
-            calls = [(lambda sl=sl: kern(as_words(q), s, as_words(arena), arena, sl, y)) for sl in slot_sets]
-            sec, graphed = time_calls(calls)
+            sec, graphed = time_rotating(tables, lambda sl: kern(as_words(q), s, as_words(arena), arena, sl, y))
             mark = "*" if t == chosen else " "
             rows.append((f"{mark}fp4 x{EXPERTS} {name} {n}x{k} rows={t[0]} warps={t[1]}",
                          EXPERTS * (rec + 3 * k + 2 * n), sec, graphed))

@@ -83,6 +83,24 @@ def _fp4(n, k, dev):
     return w, s.view(torch.float8_e8m0fnu)
 
 
+def fp4_arena(slots: int, n: int, k: int, dev) -> torch.Tensor:
+    """uint8 [slots, n·k/2 + n·k/32]: one random FP4 [n, k] weight per slot (codes, then e8m0 scales)."""
+    arena = torch.randint(0, 256, (slots, n * k // 2 + n * k // 32), device=dev, dtype=torch.uint8)
+    arena[:, n * k // 2:] = torch.randint(118, 128, (slots, n * k // 32), device=dev, dtype=torch.uint8)
+    return arena
+
+
+def slot_sets(slots: int, g: int, dev) -> list[torch.Tensor]:
+    """CALLS_PER_GRAPH random choices of g distinct arena slots (int32 slot tables)."""
+    return [torch.randperm(slots, device=dev)[:g].to(torch.int32) for _ in range(CALLS_PER_GRAPH)]
+
+
+def time_rotating(operands: list, call) -> tuple[float, bool]:
+    """`time_calls` of `call(operand)` cycling through `operands` (weight copies that together
+    exceed L2) for CALLS_PER_GRAPH calls."""
+    return time_calls([(lambda o=o: call(o)) for o in operands] * (CALLS_PER_GRAPH // len(operands) or 1))
+
+
 def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes."""
     from kernels.act_quant import act_quant
@@ -99,25 +117,21 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
         nbytes = n * k + n * k // 16384
         ws = [_fp8(n, k, dev) for _ in range(copies(nbytes))]
         xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
-        calls = [(lambda w=w: fp8_gemm(xk, w[0], w[1])) for w in ws] * (CALLS_PER_GRAPH // len(ws) or 1)
-        t, graphed = time_calls(calls)
+        t, graphed = time_rotating(ws, lambda w: fp8_gemm(xk, w[0], w[1]))
         rows.append((f"fp8_gemm {name} M=1 {n}x{k}", nbytes + 3 * k + 2 * n, t, graphed))
     for name, n, k in [("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)]:
         nbytes = n * k // 2 + n * k // 32
         ws = [_fp4(n, k, dev) for _ in range(copies(nbytes))]
         xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
-        calls = [(lambda w=w: fp4_gemm(xk, w[0], w[1])) for w in ws] * (CALLS_PER_GRAPH // len(ws) or 1)
-        t, graphed = time_calls(calls)
+        t, graphed = time_rotating(ws, lambda w: fp4_gemm(xk, w[0], w[1]))
         rows.append((f"fp4_gemm {name} M=1 {n}x{k}", nbytes + 3 * k + 2 * n, t, graphed))
     # six experts' w1 in one launch, from an arena of 64 slots
     n, k, g = 2048, 4096, 6
     per = n * k // 2 + n * k // 32
-    arena = torch.randint(0, 256, (64, per), device=dev, dtype=torch.uint8)
-    arena[:, n * k // 2:] = torch.randint(118, 128, (64, n * k // 32), device=dev, dtype=torch.uint8)
-    slot_sets = [torch.randperm(64, device=dev)[:g].to(torch.int32) for _ in range(CALLS_PER_GRAPH)]
+    arena = fp4_arena(64, n, k, dev)
     xg = torch.randn(g, k, device=dev).to(torch.bfloat16)
-    calls = [(lambda s=s: fp4_gemm_grouped(xg, arena, 0, arena, n * k // 2, n, k, s)) for s in slot_sets]
-    t, graphed = time_calls(calls)
+    t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: fp4_gemm_grouped(xg, arena, 0, arena, n * k // 2,
+                                                                                   n, k, s))
     rows.append((f"fp4_gemm_grouped 6 experts {n}x{k}", g * per + g * (3 * k + 2 * n), t, graphed))
     # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
     tlen, kk = 128 + 2048, 640
