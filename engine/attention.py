@@ -209,6 +209,8 @@ class Attention:
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
         self.sink = get(f"{prefix}.attn_sink").float()
+        # W-1 .. 0: a query at p sees positions p - back (the window), built once, not per step
+        self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
         self.rope = Rope(args, self.ratio > 0, self.sink.device)  # tables live with the weights
         self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
@@ -261,7 +263,7 @@ class Attention:
         c, q, kv = self._project(x, rot)
         w = self.window
         st.window.index_copy_(0, pos % w, kv.to(st.kv.dtype))
-        want = pos - torch.arange(w - 1, -1, -1, device=x.device)  # positions p-W+1..p
+        want = pos - self.back  # positions p-W+1..p
         idx = torch.where(want >= 0, want % w, -1).unsqueeze(0)  # [1, W]
         if self.ratio:
             self.compressor.decode(x, pos, st.compressor, emit)
@@ -313,7 +315,7 @@ class Attention:
         kv_win = torch.cat((st.window[prev_pos % w], kv.to(st.window.dtype)))
         first = start - n_prev  # position of kv_win[0]
         want = (torch.arange(start, start + s, device=dev).unsqueeze(1)
-                - torch.arange(w - 1, -1, -1, device=dev).unsqueeze(0))  # [S, W]
+                - self.back.unsqueeze(0))  # [S, W]
         idx = torch.where(want >= 0, want - first, -1)
         keep = min(s, w)  # the ring keeps the newest W positions
         new_pos = torch.arange(start + s - keep, start + s, device=dev)
