@@ -4,12 +4,15 @@ q [S, H, D] bf16, kv [T, D] bf16 (key = value), idx [S, K] int (-1 = absent), si
 out [S, H, D] fp32: one softmax per (query, head) over the selected rows whose denominator also
 holds exp(sink_h) (spec §C.4 steps 10–12).
 
-One CTA per (query, block of 16 heads) walks the K selected rows in blocks of `block_i`: it
-gathers the rows into shared memory (absent rows load row 0 and get a -inf score), computes
-the scores on the tensor cores (bf16 inputs, fp32 accumulation, exact products), and keeps an
-online softmax. The probabilities are split into a bf16 high part and a bf16 remainder and both
-multiply the rows, so P·V carries about 16 mantissa bits (the official kernel rounds P to bf16
-once; the reference keeps fp32). The sink enters the denominator at the end.
+One CTA per (query, block of 16 heads, split of the K selected rows) walks its rows in blocks
+of `block_i`: it gathers the rows into shared memory (absent rows load row 0 and get a -inf
+score), computes the scores on the tensor cores (bf16 inputs, fp32 accumulation, exact
+products), and keeps an online softmax. The probabilities are split into a bf16 high part and a
+bf16 remainder and both multiply the rows, so P·V carries about 16 mantissa bits (the official
+kernel rounds P to bf16 once; the reference keeps fp32). A second launch combines the splits'
+partial softmaxes (flash-decoding) and adds the sink to the denominator last. Decode (one
+query: 4 CTAs per call without splits) uses `splits` splits; prefill fills the GPU with
+queries and uses one.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10, ~99 KB
 shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is untested.
@@ -23,16 +26,21 @@ import torch
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 
 TILE_PARAMS = {
-    (9, 0): {"block_h": 16, "block_i": 64, "threads": 128, "stages": 2},
-    (12, 1): {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1},
+    (9, 0): {"block_h": 16, "block_i": 64, "threads": 128, "stages": 2, "min_ctas": 132, "splits": 16},
+    (12, 1): {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1, "min_ctas": 48, "splits": 8},
 }
-DEFAULT_TILE = {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1}
+DEFAULT_TILE = {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64, "splits": 8}
 _LOG2E = 1.4426950408889634
+_NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m) free of inf - inf
 
 
 @functools.cache
-def sparse_attention_kernel(heads: int, dim: int, scale: float, arch: tuple[int, int]):
-    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int32, SINK [H] fp32, O [S,H,D] fp32); H % 16 == 0."""
+def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
+    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int32, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
+
+    Split `sp` of query s covers blocks sp·per .. (sp+1)·per - 1 of its K selected rows (per =
+    ceil(blocks / nsplit)) and writes its unnormalised output PO, running max PM and sum of
+    exponentials PL (relative to PM); H % block_h == 0."""
     import tilelang
     import tilelang.language as T
 
@@ -42,10 +50,12 @@ def sparse_attention_kernel(heads: int, dim: int, scale: float, arch: tuple[int,
     c = scale * _LOG2E  # exp(x * scale) = exp2(x * c)
 
     @T.prim_func
-    def sparse_attn(Q: T.Tensor((s_len, heads, dim), "bfloat16"), KV: T.Tensor((t_len, dim), "bfloat16"),
-                    IDX: T.Tensor((s_len, k_len), "int32"), SINK: T.Tensor((heads,), "float32"),
-                    O: T.Tensor((s_len, heads, dim), "float32")):
-        with T.Kernel(s_len, heads // bh, threads=p["threads"]) as (s, hb):
+    def sparse_attn_partial(Q: T.Tensor((s_len, heads, dim), "bfloat16"), KV: T.Tensor((t_len, dim), "bfloat16"),
+                            IDX: T.Tensor((s_len, k_len), "int32"),
+                            PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
+                            PM: T.Tensor((s_len, nsplit, heads), "float32"),
+                            PL: T.Tensor((s_len, nsplit, heads), "float32")):
+        with T.Kernel(s_len, heads // bh, nsplit, threads=p["threads"]) as (s, hb, sp):
             q_sh = T.alloc_shared((bh, dim), "bfloat16")
             kv_sh = T.alloc_shared((bi, dim), "bfloat16")
             p_hi = T.alloc_shared((bh, bi), "bfloat16")
@@ -59,16 +69,18 @@ def sparse_attention_kernel(heads: int, dim: int, scale: float, arch: tuple[int,
             alpha = T.alloc_fragment((bh,), "float32")
             valid = T.alloc_fragment((bi,), "bool")
 
+            per = T.ceildiv(T.ceildiv(k_len, bi), nsplit)  # blocks of rows per split
             T.copy(Q[s, hb * bh:(hb + 1) * bh, :], q_sh)
             T.fill(acc_o, 0)
             T.fill(l_i, 0)
-            T.fill(m_i, -(2.0 ** 30))  # finite: keeps (m_prev - m_i) free of inf - inf
-            for it in T.Pipelined(T.ceildiv(k_len, bi), num_stages=p["stages"]):
+            T.fill(m_i, _NO_MAX)
+            for it in T.Pipelined(per, num_stages=p["stages"]):
+                base = (sp * per + it) * bi  # first selected row of this block
                 for j in T.Parallel(bi):
-                    valid[j] = T.if_then_else(it * bi + j < k_len, IDX[s, T.min(it * bi + j, k_len - 1)], -1) >= 0
-                for j, d in T.Parallel(bi, dim):
-                    kv_sh[j, d] = KV[T.max(T.if_then_else(it * bi + j < k_len,
-                                                          IDX[s, T.min(it * bi + j, k_len - 1)], 0), 0), d]
+                    valid[j] = T.if_then_else(base + j < k_len, IDX[s, T.min(base + j, k_len - 1)], -1) >= 0
+                for j, d in T.Parallel(bi, dim):  # absent rows load row 0 and score -inf
+                    kv_sh[j, d] = KV[T.max(T.if_then_else(base + j < k_len,
+                                                          IDX[s, T.min(base + j, k_len - 1)], 0), 0), d]
                 for h, j in T.Parallel(bh, bi):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity("float32"))
                 T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -89,16 +101,60 @@ def sparse_attention_kernel(heads: int, dim: int, scale: float, arch: tuple[int,
                     p_lo[h, j] = acc_s[h, j] - T.Cast("float32", T.Cast("bfloat16", acc_s[h, j]))
                 T.gemm(p_hi, kv_sh, acc_o, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_lo, kv_sh, acc_o, policy=T.GemmWarpPolicy.FullCol)
+            T.copy(acc_o, PO[s, sp, hb * bh:(hb + 1) * bh, :])
             for h in T.Parallel(bh):
-                l_i[h] = l_i[h] + T.exp2(SINK[hb * bh + h] * _LOG2E - m_i[h] * c)
-            for h, d in T.Parallel(bh, dim):
-                acc_o[h, d] = acc_o[h, d] / l_i[h]
-            T.copy(acc_o, O[s, hb * bh:(hb + 1) * bh, :])
+                PM[s, sp, hb * bh + h] = m_i[h]
+                PL[s, sp, hb * bh + h] = l_i[h]
 
-    return compile_kernel(sparse_attn, arch, pass_configs={
+    return compile_kernel(sparse_attn_partial, arch, pass_configs={
         tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
         tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
     })
+
+
+@functools.cache
+def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
+    """(PO [S,nsplit,H,D], PM, PL [S,nsplit,H], SINK [H] fp32, O [S,H,D] fp32): the splits'
+    partial softmaxes rescaled to their common maximum, the sink added to the denominator last."""
+    import tilelang.language as T
+
+    s_len = T.dynamic("s_len")
+    c = scale * _LOG2E
+    threads = 128
+
+    @T.prim_func
+    def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
+                            PM: T.Tensor((s_len, nsplit, heads), "float32"),
+                            PL: T.Tensor((s_len, nsplit, heads), "float32"),
+                            SINK: T.Tensor((heads,), "float32"), O: T.Tensor((s_len, heads, dim), "float32")):
+        with T.Kernel(s_len, heads, threads=threads) as (s, h):
+            m = T.alloc_local((1,), "float32")
+            total = T.alloc_local((1,), "float32")
+            w = T.alloc_local((nsplit,), "float32")
+            acc = T.alloc_fragment((dim,), "float32")
+            m[0] = _NO_MAX
+            for sp in T.serial(nsplit):
+                m[0] = T.max(m[0], PM[s, sp, h])
+            total[0] = 0.0
+            for sp in T.serial(nsplit):
+                w[sp] = T.exp2((PM[s, sp, h] - m[0]) * c)
+                total[0] = total[0] + w[sp] * PL[s, sp, h]
+            total[0] = total[0] + T.exp2(SINK[h] * _LOG2E - m[0] * c)
+            T.fill(acc, 0)
+            for sp in T.serial(nsplit):
+                for d in T.Parallel(dim):
+                    acc[d] = acc[d] + w[sp] * PO[s, sp, h, d]
+            for d in T.Parallel(dim):
+                O[s, h, d] = acc[d] / total[0]
+
+    return compile_kernel(sparse_attn_combine, arch)
+
+
+def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
+    """K splits per (query, head block): 1 when the queries fill the GPU (prefill), else the
+    architecture's fixed count (fixed, so a growing key count never compiles a new kernel)."""
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    return 1 if s_len * (heads // p["block_h"]) >= p["min_ctas"] else p["splits"]
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -124,6 +180,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     if hp != heads:  # pad heads to the CTA's head block (padding heads are discarded)
         qp = torch.cat((q, q.new_zeros(s_len, hp - heads, dim)), dim=1)
         sinkp = torch.cat((sinkp, sinkp.new_zeros(hp - heads)))
-    kernel = sparse_attention_kernel(hp, dim, float(scale), arch)
-    kernel(qp.contiguous(), kv.contiguous(), idx.to(torch.int32).contiguous(), sinkp.contiguous(), out)
+    nsplit = splits(s_len, hp, arch)
+    po = torch.empty(s_len, nsplit, hp, dim, dtype=torch.float32, device=q.device)
+    pm = torch.empty(s_len, nsplit, hp, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    partial_kernel(hp, dim, float(scale), nsplit, arch)(qp.contiguous(), kv.contiguous(),
+                                                        idx.to(torch.int32).contiguous(), po, pm, pl)
+    combine_kernel(hp, dim, float(scale), nsplit, arch)(po, pm, pl, sinkp.contiguous(), out)
     return out[:, :heads]
