@@ -17,22 +17,29 @@ from kernels import reference as ref
 
 
 class Rope:
-    """A layer's RoPE table: θ=rope_theta for ratio-0 layers, compress_rope_theta + YaRN else."""
+    """A layer's RoPE: θ=rope_theta for ratio-0 layers, compress_rope_theta + YaRN else.
 
-    def __init__(self, args: ModelArgs, compressed: bool, device: torch.device):
+    native rotates through the backend (one launch on CUDA, angles computed in the kernel);
+    exact rotates by a (cos, sin) table computed once per call of the layer."""
+
+    def __init__(self, args: ModelArgs, compressed: bool, numerics: Numerics, device: torch.device):
         yarn = None
         if compressed:
             yarn = {"factor": args.rope_factor, "original_seq_len": args.original_seq_len,
                     "beta_fast": args.beta_fast, "beta_slow": args.beta_slow}
         theta = args.compress_rope_theta if compressed else args.rope_theta
+        self.numerics = numerics
         self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn).to(device)
 
-    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [S, rope_dim/2] for `positions`: compute once, rotate several tensors."""
-        return ref.rope_cos_sin(positions, self.inv_freq)
+    def table(self, positions: torch.Tensor):
+        """What rotating several tensors at `positions` [S] needs once: native the positions
+        themselves, exact the (cos, sin) tables [S, rope_dim/2]."""
+        return positions if self.numerics.native else ref.rope_cos_sin(positions, self.inv_freq)
 
     def __call__(self, x: torch.Tensor, at, inverse: bool = False) -> torch.Tensor:
         """Rotate x at `at`: positions [S], or a `table` of them."""
+        if self.numerics.native:
+            return self.numerics.backend.rope(x, at, self.inv_freq, inverse)
         cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
@@ -211,7 +218,7 @@ class Attention:
         self.sink = get(f"{prefix}.attn_sink").float()
         # W-1 .. 0: a query at p sees positions p - back (the window), built once, not per step
         self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
-        self.rope = Rope(args, self.ratio > 0, self.sink.device)  # tables live with the weights
+        self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
         self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)

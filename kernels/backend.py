@@ -54,6 +54,10 @@ class Backend(Protocol):
         """RMSNorm of x's last dim in fp32 (weight [D] or None), cast back to x's dtype."""
         ...
 
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """Interleaved RoPE of x [S, ..., D]'s trailing 2·len(inv_freq) channels at positions [S]."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -84,6 +88,9 @@ class TorchBackend:
     def rms_norm(self, x, weight, eps):
         return ref.rms_norm(x, weight, eps)
 
+    def rope(self, x, positions, inv_freq, inverse):
+        return ref.rope(x, positions, inv_freq, inverse)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -92,7 +99,8 @@ class TileLangBackend:
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
             "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
-            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm"}
+            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm",
+            "rope": "kernels.rope"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -130,6 +138,9 @@ class TileLangBackend:
 
     def rms_norm(self, x, weight, eps):
         return self._impl["rms_norm"](x, weight, eps)
+
+    def rope(self, x, positions, inv_freq, inverse):
+        return self._impl["rope"](x, positions, inv_freq, inverse)
 
 
 def tilelang_available() -> bool:

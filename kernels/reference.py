@@ -240,6 +240,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return out
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` of x [S, ..., D] at positions [S] (angles positions · inv_freq): the op the
+    backends implement (TileLang: one launch, cos/sin computed in the kernel)."""
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return apply_rope(x, cos, sin, inverse)
+
+
 # --------------------------------------------------------------------------------- mHC, norms
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (weight in fp32), cast back to x's dtype (§C.0)."""

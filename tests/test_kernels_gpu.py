@@ -303,3 +303,26 @@ def test_rms_norm_matches_reference(shape, dtype, weighted, gen):
     print(f"rms_norm {shape} {dtype}: max abs diff {diff:.2e}")
     assert diff <= ulp * want.double().abs().max().item()
 
+
+
+# ----------------------------------------------------------------------------------- rope
+ROPE_CASES = [((1, 64, 512), None, False), ((1, 64, 512), None, True), ((1, 512), 160000.0, False),
+              ((7, 512), 160000.0, False), ((3, 8, 128), 160000.0, False), ((5, 3, 70), None, True),
+              ((2, 64), None, False)]
+
+
+@pytest.mark.parametrize("shape,yarn_theta,inverse", ROPE_CASES)
+def test_rope_matches_reference_bitwise(shape, yarn_theta, inverse, gen):
+    """Same bits as the reference on the same GPU (angles, cosf/sinf, unfused products and sums),
+    at positions up to a million, with the plain and the YaRN frequency tables."""
+    from kernels.rope import rope
+    yarn = {"factor": 16.0, "original_seq_len": 65536, "beta_fast": 32, "beta_slow": 1}
+    inv_freq = ref.rope_inv_freq(64, yarn_theta or 10000.0, yarn if yarn_theta else None).to(DEV)
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 4).to(torch.bfloat16)
+    positions = torch.randint(0, 1 << 20, (shape[0],), generator=gen, device=DEV)
+    positions[0] = 0
+    got, want = rope(x, positions, inv_freq, inverse), ref.rope(x, positions, inv_freq, inverse)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want), f"max abs diff {(got.float() - want.float()).abs().max().item()}"
+    xf = x.float()
+    assert torch.equal(rope(xf, positions, inv_freq, inverse), ref.rope(xf, positions, inv_freq, inverse))
