@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelArgs
+from engine.decode_position import DecodePosition
 from engine.linear import FloatLinear, FP8Linear, GroupedOutProj
 from engine.numerics import Numerics
 from engine.state import CompressorState, LayerState
@@ -48,11 +49,6 @@ def kv_rounding(kv: torch.Tensor, nope: int, qdq8=ref.qdq8) -> torch.Tensor:
     """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays.
     `qdq8` is the backend's (the same bits as the reference's)."""
     return torch.cat((qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
-
-
-def fp4_rounding(x: torch.Tensor) -> torch.Tensor:
-    """Native indexer q/k: Hadamard rotation, then QDQ4 (block 32)."""
-    return ref.qdq4(ref.hadamard(x), 32)
 
 
 class Compressor:
@@ -98,14 +94,14 @@ class Compressor:
             st.prev_gate.copy_(gate[(n_win - 1) * r:n_win * r, :self.dim])
         st.store_entries(first, self._pool(win_kv, win_gate, first + torch.arange(n_win, device=x.device)))
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, emit: bool) -> None:
-        """One token x [1, D] at device position pos [1], with static shapes (no host sync).
+    def decode(self, x: torch.Tensor, at: DecodePosition, st: CompressorState, emit: bool) -> None:
+        """One token x [1, D] at decode position `at`, with static shapes (no host sync).
 
-        The token goes to buffer row pos mod r. `emit` (the caller knows the position on the
-        host: (pos + 1) % r == 0) says that it completes its window: then the window is pooled
-        into entry pos // r, and an overlap compressor keeps the window's first half."""
+        The token goes to buffer row p mod r. `emit` (the caller knows the position on the
+        host: (p + 1) % r == 0) says that it completes its window: then the window is pooled
+        into entry p // r, and an overlap compressor keeps the window's first half."""
         r = self.ratio
-        row = pos % r
+        row, entry = at.row[r], at.entry[r]
         xf = x.float()  # widened once for both fp32 projections
         st.buf_kv.index_copy_(0, row, self.wkv(xf))
         st.buf_gate.index_copy_(0, row, self.wgate(xf) + self.ape[row])
@@ -116,7 +112,7 @@ class Compressor:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)
             st.prev_kv.copy_(st.buf_kv[:, :self.dim])
             st.prev_gate.copy_(st.buf_gate[:, :self.dim])
-        st.entries.index_copy_(0, pos // r, self._pool(win_kv, win_gate, pos // r))
+        st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry))
 
     def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
         """8 slots per entry: the previous window's first half, then this window's second half.
@@ -142,7 +138,7 @@ class Compressor:
         if not self.numerics.native:
             return entries
         if self.kind == "indexer":
-            return fp4_rounding(entries)
+            return self.numerics.backend.hadamard_qdq4(entries, 32)  # native indexer keys: Hadamard, QDQ4
         return kv_rounding(entries, self.dim - self.rope_dim, self.numerics.backend.qdq8)
 
 
@@ -173,14 +169,14 @@ class Indexer:
             log(scores)
         return self._select(scores, visible)
 
-    def decode(self, x: torch.Tensor, c: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+    def decode(self, x: torch.Tensor, c: torch.Tensor, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
-        """One token at device position pos [1], scoring the first `n_keys` (static) entry slots;
+        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots;
         slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
         for `Compressor.decode`."""
-        self.compressor.decode(x, pos, st, emit)
-        visible = (pos + 1) // self.ratio
-        return self._select(self._scores(x, c, pos, visible, st.entries[:n_keys], rot), visible)
+        self.compressor.decode(x, at, st, emit)
+        visible = at.visible[self.ratio]
+        return self._select(self._scores(x, c, at.pos, visible, st.entries[:n_keys], rot), visible)
 
     def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
@@ -190,7 +186,7 @@ class Indexer:
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
         if self.numerics.native:
-            q = fp4_rounding(q)
+            q = self.numerics.backend.hadamard_qdq4(q, 32)
         dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
         scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [S, T]
@@ -253,32 +249,30 @@ class Attention:
                 if log is not None:
                     log("indexer", chosen)
             else:
-                chosen = self._all_visible(n_entries, positions)
+                chosen = self._all_visible(n_entries, (positions + 1) // self.ratio)
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
         return self._output(self._attend(q, window_kv, idx), rot)
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, emit: bool) -> torch.Tensor:
-        """One token x [1, D] at device position pos [1] -> [1, D], with static shapes.
+    def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool) -> torch.Tensor:
+        """One token x [1, D] at decode position `at` -> [1, D], with static shapes.
 
         Keys are read in place from `st.kv` (ring rows in position order, then entry slots
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
-        caller reserves room for entry pos // ratio first and says whether the token completes a
+        caller reserves room for entry p // ratio first and says whether the token completes a
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
-        rot = self.rope.table(pos)
+        rot = self.rope.table(at.pos)
         c, q, kv = self._project(x, rot)
-        w = self.window
-        st.window.index_copy_(0, pos % w, kv.to(st.kv.dtype))
-        want = pos - self.back  # positions p-W+1..p
-        idx = torch.where(want >= 0, want % w, -1).unsqueeze(0)  # [1, W]
+        st.window.index_copy_(0, at.window_row, kv.to(st.kv.dtype))
+        idx = at.window_rows  # [1, W]
         if self.ratio:
-            self.compressor.decode(x, pos, st.compressor, emit)
+            self.compressor.decode(x, at, st.compressor, emit)
             if self.indexer is not None:
-                chosen = self.indexer.decode(x, c, pos, st.indexer, st.capacity, emit, rot)
+                chosen = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
             else:
-                chosen = self._all_visible(st.capacity, pos)
-            idx = torch.cat((idx, torch.where(chosen >= 0, chosen + w, chosen)), dim=1)
+                chosen = self._all_visible(st.capacity, at.visible[self.ratio])
+            idx = torch.cat((idx, torch.where(chosen >= 0, chosen + self.window, chosen)), dim=1)
         return self._output(self._attend(q, st.kv, idx), rot)
 
     def _project(self, x: torch.Tensor, rot):
@@ -294,11 +288,11 @@ class Attention:
             kv = kv_rounding(kv, self.args.nope_head_dim, self.numerics.backend.qdq8)
         return c, q, kv
 
-    def _all_visible(self, n_entries: int, positions: torch.Tensor) -> torch.Tensor:
-        """HCA picks: every entry slot 0..n_entries-1, -1 for those not yet visible at p [S, n]."""
-        chosen = torch.arange(n_entries, device=positions.device).expand(positions.shape[0], -1)
-        visible = ((positions + 1) // self.ratio).unsqueeze(1)
-        return torch.where(chosen < visible, chosen, -1)
+    def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:
+        """HCA picks [S, n]: every entry slot 0..n_entries-1, -1 for those at or after `visible`
+        [S] (the count complete at each query)."""
+        chosen = torch.arange(n_entries, device=visible.device).expand(visible.shape[0], -1)
+        return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
 
     def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
         """Attention output o [S, H, D] fp32 -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""

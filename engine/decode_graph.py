@@ -85,7 +85,7 @@ class DecodeRunner:
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; run the decode step eagerly on the CPU")
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
-        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.at = model.decode_position(self.device)  # static position inputs, set per step
         # One graph set per emission pattern (which compression ratios complete a window at this
         # token: none, 4, or 4 and 128): the step's control flow differs only in that.
         self._sets: dict[tuple[bool, frozenset[int]], _GraphSet] = {}  # by (whole, emitting)
@@ -94,7 +94,6 @@ class DecodeRunner:
         self.capture_error: str | None = None  # why graphs were given up, if they were
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
-        self._position = 0
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -106,14 +105,14 @@ class DecodeRunner:
         else:
             streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena)
         if i < len(blocks):
-            out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.pos, state.layers[i], emitting)
+            out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.at, state.layers[i], emitting)
         else:
             out.logits = self.model.logits(streams)
 
     def _routes(self, out: _Outputs, layer: int) -> list[int]:
         ids = out.carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
         if self.on_routes is not None:
-            self.on_routes(layer, self._position, ids)
+            self.on_routes(layer, self.at.host, ids)
         return ids
 
     def _run(self, out: _Outputs, segment, n_segments: int) -> None:
@@ -174,8 +173,7 @@ class DecodeRunner:
             self.ids.copy_(token.reshape(1))
         else:
             self.ids.fill_(int(token))
-        self.pos.fill_(state.pos)
-        self._position = state.pos  # host copy for on_routes
+        self.at.set(state.pos)
         emitting = self.model.emitting(state.pos)
         key = self._buffers(state)
         if key != self._key:  # other buffers: every captured set is stale

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import Attention
 from engine.config import ModelArgs
+from engine.decode_position import DecodePosition
 from engine.mhc import HyperConnection, HyperHead
 from engine.moe import MoE, ExpertProvider
 from engine.numerics import Numerics
@@ -67,13 +68,13 @@ class Block:
 
     # One-token decode with static shapes and a device position (CUDA-graph capturable), split at
     # the routing decision so a streaming runner can load the chosen experts in between.
-    def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st,
+    def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, at: DecodePosition, st,
                          emitting: frozenset[int]) -> DecodeCarry:
         """First half of the block for one token: mHC + attention + mHC pre of the FFN + route.
         `emitting`: the compression ratios whose window this token completes."""
         x, post, comb = self.hc_attn.pre(streams)
         emit = self.attn.ratio in emitting
-        a = self.attn.decode(self.norm(x, self.attn_norm, self.eps), pos, st, emit)
+        a = self.attn.decode(self.norm(x, self.attn_norm, self.eps), at, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = self.norm(x, self.ffn_norm, self.eps)
@@ -183,16 +184,20 @@ class Transformer:
         the one host-known fact a decode step's control flow depends on."""
         return frozenset(r for r in self.args.compress_ratios if r and (pos + 1) % r == 0)
 
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, state: SequenceState, arena,
+    def decode_position(self, device: torch.device | str) -> DecodePosition:
+        """The static position inputs of `decode` for this model's window and compression ratios."""
+        return DecodePosition(self.args.window_size, self.args.compress_ratios, device)
+
+    def decode(self, ids: torch.Tensor, at: DecodePosition, state: SequenceState, arena,
                emitting: frozenset[int]) -> torch.Tensor:
-        """One token ids [1] at device position pos [1] -> logits [1, V] fp32, static shapes.
+        """One token ids [1] at decode position `at` (set to p) -> logits [1, V] fp32, static shapes.
 
         Every routed expert must be resident in `arena` (engine.experts.arena.ExpertArena),
-        `reserve(state, pos)` done and `emitting` = `emitting(pos)`; `state.pos` is the
-        caller's to advance (engine.decode_graph). Equals `forward(ids, state, ...)` at pos."""
+        `reserve(state, p)` done and `emitting` = `emitting(p)`; `state.pos` is the
+        caller's to advance (engine.decode_graph). Equals `forward(ids, state, ...)` at p."""
         streams = self.decode_begin(ids)
         for block, st in zip(self.blocks, state.layers):
-            streams = block.decode_ffn(block.decode_attention(streams, ids, pos, st, emitting), arena)
+            streams = block.decode_ffn(block.decode_attention(streams, ids, at, st, emitting), arena)
         return self.logits(streams)
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,

@@ -58,6 +58,19 @@ class Backend(Protocol):
         """Interleaved RoPE of x [S, ..., D]'s trailing 2·len(inv_freq) channels at positions [S]."""
         ...
 
+    def hadamard_qdq4(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """Hadamard rotation of x's last dim (a power of two), then QDQ4 per `block`; keeps the dtype."""
+        ...
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
+               iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC HCPre: streams [S, n, D] -> (x [S, D], post [S, n], comb [S, n, n])."""
+        ...
+
+    def hc_post(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """mHC HCPost: out [S, D] and streams [S, n, D] -> new streams [S, n, D]."""
+        ...
+
 
 class TorchBackend:
     """The pure-torch reference path."""
@@ -91,6 +104,15 @@ class TorchBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
 
+    def hadamard_qdq4(self, x, block):
+        return ref.hadamard_qdq4(x, block)
+
+    def hc_pre(self, streams, fn, scale, base, n, iters, hc_eps, eps):
+        return ref.hc_pre(streams, fn, scale, base, n, iters, hc_eps, eps)
+
+    def hc_post(self, out, streams, post, comb):
+        return ref.hc_post(out, streams, post, comb)
+
 
 class TileLangBackend:
     """TileLang kernels (CUDA only). Each op falls back to the reference where no kernel exists
@@ -100,7 +122,8 @@ class TileLangBackend:
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
             "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
             "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm",
-            "rope": "kernels.rope"}
+            "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
+            "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -141,6 +164,15 @@ class TileLangBackend:
 
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)
+
+    def hadamard_qdq4(self, x, block):
+        return self._impl["hadamard_qdq4"](x, block)
+
+    def hc_pre(self, streams, fn, scale, base, n, iters, hc_eps, eps):
+        return self._impl["hc_pre"](streams, fn, scale, base, n, iters, hc_eps, eps)
+
+    def hc_post(self, out, streams, post, comb):
+        return self._impl["hc_post"](out, streams, post, comb)
 
 
 def tilelang_available() -> bool:

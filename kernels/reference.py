@@ -130,6 +130,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return torch.div(y, math.sqrt(n), out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
+def hadamard_qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The indexer's native storage rounding (§C.0): Hadamard rotation of the last dim, then QDQ4
+    in blocks of `block`; keeps x's dtype. One backend op (TileLang: one launch)."""
+    return qdq4(hadamard(x), block)
+
+
 # ------------------------------------------------------------------------------------- GEMMs
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP8 linear: FP8-quantised activations × FP8 block-scaled weights, fp32 accumulate.
@@ -266,6 +272,31 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         m = m / (m.sum(dim=-1, keepdim=True) + eps)
         m = m / (m.sum(dim=-2, keepdim=True) + eps)
     return m
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
+           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC HCPre (§C.3): streams [S, n, D] -> (block input x [S, D] in the streams' dtype,
+    post [S, n] fp32, comb [S, n, n] fp32). fn [2n + n², n·D], scale and base [2n + n²] (scale
+    spread over the mix columns: pre, post, comb)."""
+    sf = streams.float()
+    m = rms_norm(sf.flatten(1), None, eps) @ fn.T  # [S, 2n + n²], stream 0 first
+    z = m * scale + base
+    gates = torch.sigmoid(z[:, :2 * n])  # pre and post columns in one launch
+    pre = gates[:, :n] + hc_eps
+    post = 2 * gates[:, n:]
+    comb = sinkhorn(z[:, 2 * n:].view(-1, n, n), iters, hc_eps)  # row-major n×n
+    x = (pre.unsqueeze(-1) * sf).sum(dim=1)
+    return x.to(streams.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC HCPost: new stream k = post_k · out + Σ_j comb[j, k] · stream_j, fp32 math, rounded
+    once into the streams' dtype. out [S, D], streams [S, n, D], post [S, n], comb [S, n, n]."""
+    mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
+    # bf16 `out` widens exactly inside the product
+    new = torch.empty(mixed.shape, dtype=streams.dtype, device=streams.device)
+    return torch.add(post.unsqueeze(-1) * out.unsqueeze(1), mixed, out=new)
 
 
 # -------------------------------------------------------------------------- top-k, attention

@@ -1,0 +1,201 @@
+"""mHC HCPre / HCPost on CUDA (TileLang); same contracts as `reference.hc_pre` / `reference.hc_post`.
+
+HCPre of one sub-block in torch is ~13 launches (widen, RMSNorm, the 24-column mix GEMV,
+scale, bias, sigmoid, pre/post, the weighted collapse, narrowing) plus Sinkhorn; a decode step
+runs two per layer. Here it is three launches:
+
+1. `hc_mix_kernel`, grid (n·D / CHUNK, S): each CTA widens CHUNK channels of the flattened
+   streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
+   with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
+2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
+   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z),
+   x = Σ_j pre_j · stream_j (streams' dtype), and the comb logits z[2n:] [S, n·n];
+3. `kernels.sinkhorn` on the comb logits.
+
+The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
+product, the same value up to fp32 rounding, so results match within fp32 summation-order
+tolerance (tests/test_kernels_gpu.py prints the errors).
+
+HCPost (`hc_post_kernel`): one thread per (stream k, channel d): new = post_k · out_d + Σ_j
+comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into the streams'
+dtype: one launch instead of ~5.
+
+Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
+scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major. sm_90 tested,
+sm_121 (GB10) untested. (No `from __future__ import annotations`: TileLang evaluates the kernel
+signatures' annotations.)
+"""
+
+import functools
+
+import torch
+
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.sinkhorn import sinkhorn
+
+TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
+DEFAULT_TILE = {"chunk": 256, "threads": 128}
+
+
+def _f32(T, name, *args):
+    return T.call_extern("float32", name, *args)
+
+
+@functools.cache
+def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
+    """(X [S, nd] dtype, Fn [cols, nd] fp32, P [S, nd / chunk, cols + 1] fp32): per chunk of
+    channels, the cols dot products with fn's rows, then the sum of squares (last column)."""
+    import tilelang.language as T
+
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    chunk, threads = p["chunk"], p["threads"]
+    chunks = nd // chunk
+    tokens = T.dynamic("tokens")
+
+    @T.prim_func
+    def hc_mix(X: T.Tensor((tokens, nd), dtype), Fn: T.Tensor((cols, nd), "float32"),
+               P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+        with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
+            x = T.alloc_fragment((chunk,), "float32")
+            sq = T.alloc_fragment((chunk,), "float32")
+            prod = T.alloc_fragment((cols, chunk), "float32")
+            dots = T.alloc_fragment((cols,), "float32")
+            ss = T.alloc_fragment((1,), "float32")
+            for i in T.Parallel(chunk):
+                x[i] = T.Cast("float32", X[bs, bc * chunk + i])
+            for i in T.Parallel(chunk):
+                sq[i] = x[i] * x[i]
+            for c, i in T.Parallel(cols, chunk):
+                prod[c, i] = x[i] * Fn[c, bc * chunk + i]
+            T.reduce_sum(prod, dots, dim=1)
+            T.reduce_sum(sq, ss, dim=0)
+            for c in T.Parallel(cols):
+                P[bs, bc, c] = dots[c]
+            P[bs, bc, cols] = ss[0]
+
+    return compile_kernel(hc_mix, arch)
+
+
+@functools.cache
+def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype: str, arch: tuple[int, int]):
+    """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
+    Post [S, n] fp32, Logits [S, n·n] fp32) with cols = 2n + n²; one CTA per token."""
+    import tilelang.language as T
+
+    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    cols = 2 * n + n * n
+    if cols + 1 > threads:
+        raise KernelInputError(f"hc_pre: {cols} mix columns need more than {threads} threads")
+    inv_nd = T.float32(1.0 / (n * d))
+    tokens = T.dynamic("tokens")
+
+    @T.prim_func
+    def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
+                Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
+                Y: T.Tensor((tokens, d), dtype), Post: T.Tensor((tokens, n), "float32"),
+                Logits: T.Tensor((tokens, n * n), "float32")):
+        with T.Kernel(tokens, threads=threads) as bs:
+            tx = T.get_thread_binding(0)
+            sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
+            v = T.alloc_local((3,), "float32")  # running sum, z, sigmoid(z)
+            if tx < cols + 1:
+                v[0] = 0.0
+                for k in T.serial(chunks):  # chunk order: deterministic
+                    v[0] = _f32(T, "__fadd_rn", v[0], P[bs, k, tx])
+                sm[tx] = v[0]
+            T.sync_threads()
+            if tx < cols:
+                v[1] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]
+                v[2] = 1.0 / (1.0 + T.exp(-v[1]))
+                if tx < n:
+                    sm[cols + 1 + tx] = v[2] + hc_eps
+                elif tx < 2 * n:
+                    Post[bs, tx - n] = 2.0 * v[2]
+                else:
+                    Logits[bs, tx - 2 * n] = v[1]
+            T.sync_threads()
+            for i in T.serial(T.ceildiv(d, threads)):
+                if i * threads + tx < d:
+                    v[0] = 0.0
+                    for j in T.unroll(n):
+                        v[0] = _f32(T, "__fadd_rn", v[0],
+                                    _f32(T, "__fmul_rn", sm[cols + 1 + j], T.Cast("float32", X[bs, j, i * threads + tx])))
+                    Y[bs, i * threads + tx] = T.Cast(dtype, v[0])
+
+    return compile_kernel(hc_gate, arch)
+
+
+@functools.cache
+def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
+    """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Comb [S, n, n]) -> Y [S, n, d] dtype."""
+    import tilelang.language as T
+
+    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    tokens = T.dynamic("tokens")
+
+    @T.prim_func
+    def hc_post(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
+                Post: T.Tensor((tokens, n), "float32"), Comb: T.Tensor((tokens, n, n), "float32"),
+                Y: T.Tensor((tokens, n, d), dtype)):
+        with T.Kernel(T.ceildiv(n * d, threads), tokens, threads=threads) as (bx, bs):
+            tx = T.get_thread_binding(0)
+            m = T.alloc_local((1,), "float32")
+            e = bx * threads + tx  # (stream k, channel c) of the new streams
+            k = e // d
+            c = e % d
+            if e < n * d:
+                m[0] = 0.0
+                for j in T.unroll(n):
+                    m[0] = _f32(T, "__fadd_rn", m[0],
+                                _f32(T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", X[bs, j, c])))
+                Y[bs, k, c] = T.Cast(dtype, _f32(T, "__fadd_rn", _f32(T, "__fmul_rn", Post[bs, k],
+                                                                    T.Cast("float32", O[bs, c])), m[0]))
+
+    return compile_kernel(hc_post, arch)
+
+
+def _check_streams(streams: torch.Tensor) -> None:
+    if streams.dim() != 3 or streams.dtype not in _TORCH_TO_TL:
+        raise KernelInputError(f"mHC kernels take streams [S, n, D] in bf16, fp16 or fp32, got "
+                               f"{streams.dtype} {tuple(streams.shape)}")
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
+           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [S, n, D] -> (x [S, D], post [S, n], comb [S, n, n]), as `reference.hc_pre`."""
+    _check_streams(streams)
+    s, _, d = streams.shape
+    cols, nd = 2 * n + n * n, n * d
+    arch = cuda_arch(streams.device)
+    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
+    if streams.shape[1] != n or tuple(fn.shape) != (cols, nd) or scale.numel() != cols or base.numel() != cols:
+        raise KernelInputError(f"hc_pre: streams {tuple(streams.shape)}, fn {tuple(fn.shape)}, scale "
+                               f"{scale.numel()}, base {base.numel()} do not fit n={n} ({cols} mix columns)")
+    if nd % chunk:
+        raise KernelInputError(f"hc_pre: n·D = {nd} is not a multiple of the {chunk}-channel chunk")
+    x3 = streams.contiguous()
+    dt = _TORCH_TO_TL[streams.dtype]
+    partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
+    x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
+    logits = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
+    if s:
+        hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
+        hc_gate_kernel(n, d, nd // chunk, float(hc_eps), float(eps), dt, arch)(
+            partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, logits)
+    return x, post, sinkhorn(logits.view(s, n, n), iters, hc_eps)
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out [S, D], streams [S, n, D], post [S, n], comb [S, n, n] -> new streams, as `reference.hc_post`."""
+    _check_streams(streams)
+    s, n, d = streams.shape
+    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb.shape) != (s, n, n):
+        raise KernelInputError(f"hc_post: out {tuple(out.shape)}, post {tuple(post.shape)}, comb "
+                               f"{tuple(comb.shape)} do not fit streams {tuple(streams.shape)}")
+    y = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    if s:
+        hc_post_kernel(n, d, _TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
+            out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
+            comb.float().contiguous(), y)
+    return y
