@@ -98,10 +98,10 @@ def sweep_fp4(dev, arch) -> list[tuple[str, int, float, bool]]:
         arena = fp4_arena(ARENA_SLOTS, n, k, dev)
         tables = slot_sets(ARENA_SLOTS, EXPERTS, dev)
         q, s = act_quant(torch.randn(EXPERTS, 1, k, device=dev).to(torch.bfloat16), 128)
-        y = torch.empty(EXPERTS, 1, n, dtype=torch.bfloat16, device=dev)
+        y = torch.empty(1, EXPERTS, 1, n, dtype=torch.bfloat16, device=dev)
         chosen = gemv_tile(n, arch)
         for t in fp4_candidates(n):
-            kern = fp4_gemv_kernel(1, n, k, rec, 0, rec, n * k // 2, *t, arch)
+            kern = fp4_gemv_kernel(1, n, k, rec, (0,), rec, (n * k // 2,), *t, "bfloat16", arch)
             sec, graphed = time_rotating(tables, lambda sl: kern(as_words(q), s, as_words(arena), arena, sl, y))
             mark = "*" if t == chosen else " "
             rows.append((f"{mark}fp4 x{EXPERTS} {name} {n}x{k} rows={t[0]} warps={t[1]}",

@@ -78,8 +78,15 @@ class MoE:
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
         self.gate = Gate(get, f"{prefix}.gate", args, layer)
-        self.shared = [FP8Linear(get(f"{prefix}.shared_experts.{n}.weight"),
-                                 get(f"{prefix}.shared_experts.{n}.scale"), numerics) for n in ("w1", "w3", "w2")]
+        w = {n: (get(f"{prefix}.shared_experts.{n}.weight"), get(f"{prefix}.shared_experts.{n}.scale"))
+             for n in ("w1", "w3", "w2")}
+        self.shared_w2 = FP8Linear(*w["w2"], numerics)
+        if numerics.native:  # w1 and w3 read the same activations: one GEMM over both (inter % 128 == 0)
+            self.shared_w13 = FP8Linear(torch.cat((w["w1"][0], w["w3"][0])), torch.cat((w["w1"][1], w["w3"][1])),
+                                        numerics)
+        else:
+            self.shared_w1, self.shared_w3 = FP8Linear(*w["w1"], numerics), FP8Linear(*w["w3"], numerics)
+        self.ops = numerics.backend if numerics.native else ref  # moe_combine
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate(x, ids)
@@ -126,12 +133,9 @@ class MoE:
         return self._combine(y.unsqueeze(0), x)  # [1, k, D]
 
     def _combine(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Sum the (token, choice) cells [N, k, D] in routing order, then the shared expert."""
-        y = slots[:, 0]
-        for j in range(1, slots.shape[1]):  # fixed summation order: independent of expert arrival order
-            y = y + slots[:, j]
-        out = torch.empty(y.shape, dtype=self.numerics.dtype, device=y.device)
-        return torch.add(y, self._shared(x), out=out)  # fp32 sum rounded once into the stream dtype
+        """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
+        order), then the shared expert; rounded once into the stream dtype."""
+        return self.ops.moe_combine(slots, self._shared(x), self.numerics.dtype)
 
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
@@ -146,9 +150,16 @@ class MoE:
         return h @ w2.T
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self.shared
-        h = swiglu(w1(x).float(), w3(x).float(), self.limit)
-        return w2(h.to(self.numerics.dtype)).float()
+        """The shared expert on x [N, D]: native -> bf16 (w1|w3 in one FP8 GEMM, SwiGLU fused with
+        w2's activation quantisation), exact -> fp32."""
+        if not self.numerics.native:
+            h = swiglu(self.shared_w1(x), self.shared_w3(x), self.limit)
+            return self.shared_w2(h)
+        backend, w2 = self.numerics.backend, self.shared_w2
+        gu = self.shared_w13(x)  # [N, 2·inter] bf16
+        inter = gu.shape[-1] // 2
+        q, s = backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, self.limit)
+        return backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
 
 
 class ResidentExperts:

@@ -24,8 +24,22 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP8 block-scaled weight [N, K] -> bf16 [M, N]."""
         ...
 
+    def fp8_gemm_quantized(self, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor,
+                           w_scale: torch.Tensor) -> torch.Tensor:
+        """`fp8_gemm` on activations already quantised by act_quant (q [M, K] e4m3, s [M, K/128])."""
+        ...
+
     def fp4_gemm(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
         """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
+        ...
+
+    def swiglu_quant(self, g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
+                     limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """act_quant((swiglu(g, u, limit) · weights) in bf16): an expert's w2 input, quantised."""
+        ...
+
+    def moe_combine(self, routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into dtype."""
         ...
 
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -80,8 +94,17 @@ class TorchBackend:
     def fp8_gemm(self, x, w, w_scale):
         return ref.fp8_gemm(x, w, w_scale)
 
+    def fp8_gemm_quantized(self, q, s, w, w_scale):
+        return ref.fp8_gemm_quantized(q, s, w, w_scale)
+
     def fp4_gemm(self, x, w, w_scale):
         return ref.fp4_gemm(x, w, w_scale)
+
+    def swiglu_quant(self, g, u, weights, limit):
+        return ref.swiglu_quant(g, u, weights, limit)
+
+    def moe_combine(self, routed, shared, dtype):
+        return ref.moe_combine(routed, shared, dtype)
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
@@ -123,7 +146,8 @@ class TileLangBackend:
             "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
             "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm",
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
-            "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc"}
+            "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
+            "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -141,8 +165,17 @@ class TileLangBackend:
     def fp8_gemm(self, x, w, w_scale):
         return self._impl["fp8_gemm"](x, w, w_scale)
 
+    def fp8_gemm_quantized(self, q, s, w, w_scale):
+        return self._impl["fp8_gemm_quantized"](q, s, w, w_scale)
+
     def fp4_gemm(self, x, w, w_scale):
         return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def swiglu_quant(self, g, u, weights, limit):
+        return self._impl["swiglu_quant"](g, u, weights, limit)
+
+    def moe_combine(self, routed, shared, dtype):
+        return self._impl["moe_combine"](routed, shared, dtype)
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)

@@ -31,6 +31,7 @@ from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.fp8_gemm import as_words, e8m0_bits_to_float
+from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
 TILE_PARAMS = {
@@ -39,30 +40,44 @@ TILE_PARAMS = {
 }
 DEFAULT_TILE = {"rows": 2, "warps": 4}
 _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @functools.cache
-def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride: int, s_off: int,
-                    rows: int, warps: int, arch: tuple[int, int]):
-    """Grouped FP4 GEMV, `rows` rows per warp and `warps` warps per CTA.
+def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
+                    s_off: tuple[int, ...], rows: int, warps: int, out_dtype: str, arch: tuple[int, int]):
+    """Grouped FP4 GEMV, `rows` rows per warp and `warps` warps per CTA, over P = len(w_off) parts.
 
-    (Q [G,m,k/4] int32 = e4m3 codes, SA [G,m,k/128] fp32, WA [Sw, w_stride/4] int32, SWA [Ss, s_stride]
-    u8, SLOT [G] int32, Y [G,m,n] bf16): group g uses the n*k/2 bytes at byte w_off of row SLOT[g] of
-    WA as W [n, k/2] (packed e2m1) and the n*k/32 bytes at s_off of row SLOT[g] of SWA as its scales.
+    (Q [A,m,k/4] int32 = e4m3 codes, SA [A,m,k/128] fp32 with A = G, or A = 1 for activations
+    shared by every group, WA [Sw, w_stride/4] int32, SWA [Ss, s_stride]
+    u8, SLOT [G] int32, Y [P,G,m,n] out_dtype): part p of group g uses the n*k/2 bytes at byte w_off[p]
+    of row SLOT[g] of WA as W [n, k/2] (packed e2m1) and the n*k/32 bytes at s_off[p] of row SLOT[g]
+    of SWA as its scales (e.g. an expert's w1 and w3 on the same activations: one launch; the offsets
+    must be evenly spaced, w_off's by a multiple of 16 bytes). Outputs
+    are rounded to bf16; an fp32 `out_dtype` stores them widened (what the MoE sums).
     """
     import tilelang.language as T
 
     kstep = 32 * 2 * _VEC
     steps = (k + kstep - 1) // kstep
-    kw, kg, w_off_w = k // 8, k // 32, w_off // 4  # int32 words per weight row, scale groups per row
+    kw, kg = k // 8, k // 32  # int32 words per weight row, scale groups per row
+    parts = len(w_off)
     loop = T.unroll if steps <= 16 else T.serial
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
+    agroups = T.dynamic("agroups")  # activation groups: G, or 1 when every group reads the same
+
+    def per_part(p, values):
+        """values[p] as first + p·step (a linear index keeps the 16-byte loads provably aligned)."""
+        step = values[1] - values[0] if len(values) > 1 else 0
+        if any(v != values[0] + i * step for i, v in enumerate(values)):
+            raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
+        return values[0] + p * step
 
     @T.prim_func
-    def fp4_gemv(Q: T.Tensor((groups, m, k // 4), "int32"), SA: T.Tensor((groups, m, k // 128), "float32"),
+    def fp4_gemv(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
                  WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
-                 SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, m, n), "bfloat16")):
-        with T.Kernel(T.ceildiv(n, rows * warps), groups, threads=(32, warps)) as (bn, g):
+                 SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, m, n), out_dtype)):
+        with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
             lowbit.import_source(T)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
@@ -72,6 +87,9 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
             af = T.alloc_local((2 * _VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             slot = SLOT[g]
+            ga = T.min(g, agroups - 1)
+            w_off_w = per_part(part, [o // 4 for o in w_off])  # in int32 words
+            s_off_p = per_part(part, list(s_off))
             T.clear(acc)
             for ko in loop(steps):
                 k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
@@ -80,22 +98,23 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: int, s_stride:
                         row = T.min(bn * rows * warps + warp * rows + r, n - 1)
                         for v in T.vectorized(_VEC // 4):
                             wq[r, v] = WA[slot, w_off_w + row * kw + k0 // 8 + v]
-                        wsc[r] = SWA[slot, s_off + row * kg + k0 // 32]
+                        wsc[r] = SWA[slot, s_off_p + row * kg + k0 // 32]
                     for i in T.unroll(m):
                         for v in T.vectorized(2 * _VEC // 4):
-                            aq[v] = Q[g, i, k0 // 4 + v]
+                            aq[v] = Q[ga, i, k0 // 4 + v]
                         lowbit.e4m3x16_to_f32(T, aq[0], af[0])
                         lowbit.e4m3x16_to_f32(T, aq[_VEC // 4], af[_VEC])
                         for r in T.unroll(rows):
                             # activations decode to value * 2^-8, weights to value * 2^-14
-                            scale = SA[g, i, k0 // 128] * e8m0_bits_to_float(
+                            scale = SA[ga, i, k0 // 128] * e8m0_bits_to_float(
                                 T, wsc[r], lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
                             acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
             for r in T.unroll(rows):
                 for i in T.unroll(m):
                     total = T.warp_reduce_sum(acc[r, i])
                     if lane == 0 and bn * rows * warps + warp * rows + r < n:
-                        Y[g, i, bn * rows * warps + warp * rows + r] = T.Cast("bfloat16", total)
+                        Y[part, g, i, bn * rows * warps + warp * rows + r] = T.Cast(
+                            out_dtype, T.Cast("bfloat16", total))
 
     return compile_kernel(fp4_gemv, arch)
 
@@ -130,6 +149,32 @@ def _check(x: torch.Tensor, n: int, k: int, what: str) -> None:
         raise KernelInputError(f"{what}: weight has no rows")
 
 
+def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: int, slots: torch.Tensor,
+                 g: int) -> None:
+    for w_off, s_off in zip(w_offs, s_offs):
+        if w_off % 16 or wb.shape[1] % 16 or w_off + n * k // 2 > wb.shape[1] or s_off + n * k // 32 > sb.shape[1]:
+            raise KernelInputError("fp4_gemm_grouped: the weight must lie inside the arena row at a "
+                                   "16-byte aligned offset (and the arena row length be a multiple of 16)")
+    if slots.dtype != torch.int32 or slots.shape != (g,):
+        raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
+
+
+def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, w_offs: tuple, s_offs: tuple, n: int,
+                  k: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
+    all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena row -> [P, G, M, N]."""
+    g, m = slots.shape[0], q.shape[1]
+    ab = _as_bytes(arena)
+    _check_arena(ab, w_offs, ab, s_offs, n, k, slots, g)
+    y = torch.empty(len(w_offs), g, m, n, dtype=out_dtype, device=q.device)
+    if g:
+        arch = cuda_arch(q.device)
+        kernel = fp4_gemv_kernel(m, n, k, ab.shape[1], tuple(w_offs), ab.shape[1], tuple(s_offs),
+                                 *gemv_tile(n, arch), _DTYPES[out_dtype], arch)
+        kernel(as_words(q), s, as_words(ab), ab, slots, y)
+    return y
+
+
 def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena: torch.Tensor, s_off: int,
                      n: int, k: int, slots: torch.Tensor) -> torch.Tensor:
     """G FP4 linears in one launch: x [G, M, K] (or [G, K]) × the weight in slot slots[g] -> bf16 [G, M, N].
@@ -145,18 +190,15 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     if m > GEMV_MAX_M:
         raise KernelInputError(f"fp4_gemm_grouped takes at most {GEMV_MAX_M} rows per group, got {m}")
     wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
-    if w_off % 16 or wb.shape[1] % 16 or w_off + n * k // 2 > wb.shape[1] or s_off + n * k // 32 > sb.shape[1]:
-        raise KernelInputError("fp4_gemm_grouped: the weight must lie inside the arena row at a "
-                               "16-byte aligned offset (and the arena row length be a multiple of 16)")
-    if slots.dtype != torch.int32 or slots.shape != (g,):
-        raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
+    _check_arena(wb, (w_off,), sb, (s_off,), n, k, slots, g)
     arch = cuda_arch(x.device)
     q, s = act_quant(x3, 128)
-    y = torch.empty(g, m, n, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(1, g, m, n, dtype=torch.bfloat16, device=x.device)
     if g:
-        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], w_off, sb.shape[1], s_off, *gemv_tile(n, arch), arch)
+        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], (w_off,), sb.shape[1], (s_off,), *gemv_tile(n, arch),
+                                 "bfloat16", arch)
         kernel(as_words(q), s, as_words(wb), sb, slots, y)
-    return y.squeeze(1) if squeeze else y
+    return y[0, :, 0] if squeeze else y[0]
 
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -184,13 +226,19 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
             limit: float) -> torch.Tensor:
-    """Routed experts of decode, read from arena slots, three launches for all G: the contract of
-    `reference.fp4_moe` (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G],
-    routing weights [G] -> fp32 [G, D])."""
+    """Routed experts of decode, read from arena slots: the contract of `reference.fp4_moe`
+    (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G], routing weights [G] ->
+    fp32 [G, D]). Four launches for all G: quantise x (once when its rows are one broadcast row),
+    w1 and w3 of every expert in one GEMV, SwiGLU + weighting + w2's activation quantisation in
+    one kernel (kernels/swiglu_quant.py), w2 (its bf16-rounded outputs stored as fp32)."""
+    _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
     slots = slots.to(torch.int32)
     inter, dim = fields["w1.weight"].shape[0], x.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
-    g = fp4_gemm_grouped(x, arena, off["w1.weight"], arena, off["w1.scale"], inter, dim, slots).float()
-    u = fp4_gemm_grouped(x, arena, off["w3.weight"], arena, off["w3.scale"], inter, dim, slots).float()
-    h = (ref.swiglu(g, u, limit) * weights.float().unsqueeze(-1)).to(torch.bfloat16)
-    return fp4_gemm_grouped(h, arena, off["w2.weight"], arena, off["w2.scale"], dim, inter, slots).float()
+    xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
+    q, s = act_quant(xa.unsqueeze(1), 128)  # [A, 1, D]
+    gu = _grouped_gemv(q, s, arena, (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"]),
+                       inter, dim, slots, torch.bfloat16)  # [2, G, 1, inter]
+    q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
+    return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), (off["w2.scale"],),
+                         dim, inter, slots, torch.float32)[0, :, 0]

@@ -168,20 +168,35 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     """x [..., K] (bf16) × FP8 weight [N, K] with e8m0 scales [N/128, K/128] -> bf16 [..., N]."""
     check_fp8_weight(x, w, w_scale)
     n, k = w.shape
-    arch = cuda_arch(x.device)
+    cuda_arch(x.device)
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if m == 0:
         return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    xp = x2 if m > GEMV_MAX_M else pad_rows_to_bucket(x2)
+    return fp8_gemm_quantized(*act_quant(xp, 128), w, w_scale)[:m].reshape(*x.shape[:-1], n)
+
+
+def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_gemm` on activations quantised by act_quant: q [M, K] e4m3, s [M, K/128] fp32 ->
+    bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows)."""
+    check_fp8_weight(q, w, w_scale)
+    n, k = w.shape
+    m = q.shape[0]
+    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn or tuple(s.shape) != (m, k // 128):
+        raise KernelInputError(f"fp8_gemm_quantized needs q [M, {k}] e4m3 and s [M, {k // 128}], got "
+                               f"{q.dtype} {tuple(q.shape)} and {tuple(s.shape)}")
+    arch = cuda_arch(q.device)
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.bfloat16, device=q.device)
     if m > GEMV_MAX_M:
-        q, s = act_quant(x2, 128)
         a = q.to(torch.bfloat16).view(m, k // 128, 128) * s.to(torch.bfloat16).unsqueeze(-1)  # exact
-        y = torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
-    else:
-        xp = pad_rows_to_bucket(x2)
-        q, s = act_quant(xp, 128)
-        y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
-        fp8_gemv_kernel(xp.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s, as_words(w),
-                                                                      scale_bytes(w_scale), y)
-        y = y[:m]
-    return y.reshape(*x.shape[:-1], n)
+        return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
+    bucket = 1 << (m - 1).bit_length()  # compiled row counts: 1, 2, 4, 8, 16
+    if bucket != m:  # zero codes: zero rows, whatever their scale
+        q = torch.cat((q, q.new_zeros(bucket - m, k)))
+        s = torch.cat((s, s.new_ones(bucket - m, k // 128)))
+    y = torch.empty(bucket, n, dtype=torch.bfloat16, device=q.device)
+    fp8_gemv_kernel(bucket, n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
+                                                              scale_bytes(w_scale), y)
+    return y[:m]

@@ -162,6 +162,32 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
+def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_gemm` on activations already quantised by `act_quant` (q [M, K] e4m3, s [M, K/128])
+    -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale)."""
+    return (act_dequant(q, s, 128) @ dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
+
+
+def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None, limit: float,
+                 block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8-quantised input of an expert's w2 (§C.7 step 4): act_quant of
+    (swiglu(g, u, limit) · weights) rounded to bf16. g, u [M, I] (bf16 or fp32, widened), routing
+    weights [M] or None (the shared expert) -> (q [M, I] e4m3, s [M, I/block] fp32)."""
+    h = swiglu(g.float(), u.float(), limit)
+    if weights is not None:
+        h = h * weights.float().unsqueeze(-1)
+    return act_quant(h.to(torch.bfloat16), block)
+
+
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A MoE layer's output: routed [N, k, D] summed over k in routing order (fp32, a fixed
+    order whatever order the experts arrived in), plus shared [N, D], rounded once into dtype."""
+    y = routed[:, 0].float()
+    for j in range(1, routed.shape[1]):
+        y = y + routed[:, j].float()
+    return torch.add(y, shared.float(), out=torch.empty(y.shape, dtype=dtype, device=y.device))
+
+
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
             limit: float) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8

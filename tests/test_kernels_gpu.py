@@ -184,6 +184,8 @@ def test_fp4_grouped_reads_arena_slots(inter, dim, gen):
 
 @pytest.mark.parametrize("rows,warps", [(1, 4), (4, 4), (2, 8), (4, 8)])
 def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
+    """Every tile, two parts (w1 and w3 of each expert in one launch), per-group and shared
+    activations, bf16 and fp32 (bf16-rounded) outputs."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel
     from kernels.fp8_gemm import as_words
@@ -192,21 +194,31 @@ def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
     slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
     x = activations(3, dim, gen).unsqueeze(1)  # [G, 1, K]
     q, sa = act_quant(x, 128)
-    y = torch.empty(3, 1, inter, dtype=torch.bfloat16, device=DEV)
-    f, fs = fields["w1.weight"], fields["w1.scale"]
-    fp4_gemv_kernel(1, inter, dim, data.shape[1], f.offset, data.shape[1], fs.offset, rows, warps,
-                    torch.cuda.get_device_capability())(as_words(q), sa, as_words(data), data, slots, y)
-    for g, slot in enumerate(slots.tolist()):
-        e = expert(slot)
-        assert rel_err(y[g], ref.fp4_gemm(x[g], e["w1.weight"], e["w1.scale"])) < 4e-3, (g, slot)
+    names = ("w1", "w3")
+    offs = tuple(fields[f"{n}.weight"].offset for n in names), tuple(fields[f"{n}.scale"].offset for n in names)
+    arch = torch.cuda.get_device_capability()
+    for out_dtype, shared in ((torch.bfloat16, False), (torch.float32, True)):
+        a = slice(0, 1) if shared else slice(None)  # shared: every group reads x[0]
+        y = torch.empty(2, 3, 1, inter, dtype=out_dtype, device=DEV)
+        fp4_gemv_kernel(1, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], rows, warps,
+                        str(out_dtype).removeprefix("torch."), arch)(as_words(q[a]), sa[a], as_words(data), data,
+                                                                     slots, y)
+        for p, n in enumerate(names):
+            for g, slot in enumerate(slots.tolist()):
+                e = expert(slot)
+                want = ref.fp4_gemm(x[0 if shared else g], e[f"{n}.weight"], e[f"{n}.scale"])
+                assert rel_err(y[p, g], want) < 4e-3, (n, g, slot, out_dtype)
+                assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
 
 
-def test_fp4_moe_matches_per_expert_reference(gen):
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
+    """Decode's broadcast row (quantised once) and distinct rows per expert."""
     from kernels.fp4_moe import fp4_moe
     inter, dim, limit = 2048, 4096, 10.0
     data, fields, expert = _arena(8, inter, dim, gen)
     slots = torch.tensor([5, 1, 7, 0, 2, 6], dtype=torch.int32, device=DEV)
-    x = activations(1, dim, gen).expand(6, dim)
+    x = activations(1, dim, gen).expand(6, dim) if broadcast else activations(6, dim, gen)
     wts = torch.rand(6, generator=gen, device=DEV)
     out = fp4_moe(x, data, fields, slots, wts, limit)
     want = ref.fp4_moe(x, data, fields, slots, wts, limit)  # the same signature, pure torch

@@ -1,0 +1,73 @@
+"""A MoE layer's output on CUDA (TileLang) in one launch; same contract as `reference.moe_combine`.
+
+routed [N, k, D] (bf16/fp16/fp32), shared [N, D] (bf16/fp16/fp32) -> out [N, D] in `dtype`:
+y = routed[:, 0] + routed[:, 1] + ... + routed[:, k-1] in this order in fp32, then + shared
+(widened), rounded once into dtype. The reference is 2k launches (widen, add per expert, the
+final add with its narrowing); decode runs one combine per MoE layer.
+
+Bits: each sum is a single fp32 rounding (`__fadd_rn`: nvcc may not reassociate or contract
+it), the sum starts from routed[:, 0] itself (not from 0, which would turn -0 into +0), and
+the final narrowing is round-to-nearest-even (cvt.rn) as torch's — the reference's operations
+in the same order, so the results are bit-identical (tests/test_moe_kernels_gpu.py checks equality).
+
+Layout: one thread per output element (token n, channel d); grid (D / threads, N); routed and
+shared contiguous. sm_90 tested, sm_121 (GB10) untested. (No `from __future__ import
+annotations`: TileLang evaluates the kernel signature's annotations.)
+"""
+
+import functools
+
+import torch
+
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+
+TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
+DEFAULT_TILE = {"threads": 128}
+
+
+@functools.cache
+def moe_combine_kernel(k: int, d: int, routed_dtype: str, shared_dtype: str, out_dtype: str, arch: tuple[int, int]):
+    """(R [N, k, d] routed_dtype, Sh [N, d] shared_dtype, Y [N, d] out_dtype)."""
+    import tilelang.language as T
+
+    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    tokens = T.dynamic("tokens")
+
+    def add(a, b):
+        return T.call_extern("float32", "__fadd_rn", a, b)
+
+    @T.prim_func
+    def moe_combine_main(R: T.Tensor((tokens, k, d), routed_dtype), Sh: T.Tensor((tokens, d), shared_dtype),
+                         Y: T.Tensor((tokens, d), out_dtype)):
+        with T.Kernel(T.ceildiv(d, threads), tokens, threads=threads) as (bx, bn):
+            tx = T.get_thread_binding(0)
+            acc = T.alloc_local((1,), "float32")
+            c = bx * threads + tx
+            if c < d:
+                acc[0] = T.Cast("float32", R[bn, 0, c])
+                for j in T.unroll(1, k):  # routing order, whatever order the experts ran in
+                    acc[0] = add(acc[0], T.Cast("float32", R[bn, j, c]))
+                Y[bn, c] = T.Cast(out_dtype, add(acc[0], T.Cast("float32", Sh[bn, c])))
+
+    return compile_kernel(moe_combine_main, arch)
+
+
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """routed [N, k, D], shared [N, D] -> [N, D] in dtype, as `reference.moe_combine`."""
+    if routed.dim() != 3 or routed.shape[1] < 1:
+        raise KernelInputError(f"moe_combine needs routed [N, k, D] with k >= 1, got {tuple(routed.shape)}")
+    n, k, d = routed.shape
+    if tuple(shared.shape) != (n, d):
+        raise KernelInputError(f"moe_combine: shared {tuple(shared.shape)} does not fit routed "
+                               f"{tuple(routed.shape)} (want {(n, d)})")
+    for name, dt in (("routed", routed.dtype), ("shared", shared.dtype), ("out", dtype)):
+        if dt not in _TORCH_TO_TL:
+            raise KernelInputError(f"moe_combine: {name} dtype must be bf16, fp16 or fp32, got {dt}")
+    arch = cuda_arch(routed.device)
+    if shared.device != routed.device:
+        raise KernelInputError(f"moe_combine: routed on {routed.device}, shared on {shared.device}")
+    y = torch.empty(n, d, dtype=dtype, device=routed.device)
+    if n and d:
+        moe_combine_kernel(k, d, _TORCH_TO_TL[routed.dtype], _TORCH_TO_TL[shared.dtype], _TORCH_TO_TL[dtype], arch)(
+            routed.contiguous(), shared.contiguous(), y)
+    return y
