@@ -391,3 +391,16 @@ def test_mhc_rejects_bad_shapes(gen):
         hc_pre(streams, fn[:, :100], scale, base, 4, 20, 1e-6, 1e-6)
     with pytest.raises(KernelInputError, match="do not fit"):
         hc_post(streams[:, 0], streams, torch.rand(1, 3, device=DEV), torch.rand(1, 4, 4, device=DEV))
+
+
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_fp8_gemm_quantized_equals_fp8_gemm(m, gen):
+    """Pre-quantised activations (the shared expert's w2 after swiglu_quant) give fp8_gemm's bits,
+    through the GEMV (row buckets padded with zero codes) and the prefill path."""
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import fp8_gemm, fp8_gemm_quantized
+    w, s = fp8_weight(4096, 2048, gen)
+    x = activations(m, 2048, gen)
+    got = fp8_gemm_quantized(*act_quant(x, 128), w, s)
+    assert got.shape == (m, 4096) and torch.equal(got, fp8_gemm(x, w, s))
+    assert rel_err(got, ref.fp8_gemm_quantized(*ref.act_quant(x, 128), w, s)) < 4e-3
