@@ -104,7 +104,7 @@ def time_rotating(operands: list, call) -> tuple[float, bool]:
 def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes."""
     from kernels.act_quant import act_quant
-    from kernels.fp4_moe import fp4_gemm, fp4_gemm_grouped
+    from kernels.fp4_moe import _grouped_gemv, fp4_gemm, fp4_gemm_grouped
     from kernels.fp8_gemm import fp8_gemm
     from kernels.sparse_attention import sparse_attention
 
@@ -113,7 +113,8 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     t, _ = time_calls([lambda: act_quant(x, 128)] * CALLS_PER_GRAPH)
     rows.append(("act_quant 1x4096", 4096 * 2 + 4096 + 128, t, True))
     for name, n, k in [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
-                       ("shared w1/w3", 2048, 4096), ("shared w2", 4096, 2048), ("indexer wq_b", 8192, 1024)]:
+                       ("shared w1/w3", 2048, 4096), ("shared w1|w3 fused", 4096, 4096), ("shared w2", 4096, 2048),
+                       ("indexer wq_b", 8192, 1024)]:
         nbytes = n * k + n * k // 16384
         ws = [_fp8(n, k, dev) for _ in range(copies(nbytes))]
         xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
@@ -133,6 +134,12 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: fp4_gemm_grouped(xg, arena, 0, arena, n * k // 2,
                                                                                    n, k, s))
     rows.append((f"fp4_gemm_grouped 6 experts {n}x{k}", g * per + g * (3 * k + 2 * n), t, graphed))
+    # decode's routed w1 and w3 of six experts in one launch (two parts), x quantised once
+    arena2 = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
+    q, sq = act_quant(xg[:1].unsqueeze(1), 128)
+    t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
+        q, sq, arena2, (0, n * k // 2), (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
+    rows.append((f"fp4 w1+w3 6 experts, one launch {n}x{k}", 2 * g * per + 2 * k + 4 * g * n, t, graphed))
     # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
     tlen, kk = 128 + 2048, 640
     q = torch.randn(1, 64, 512, device=dev).to(torch.bfloat16)
