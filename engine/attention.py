@@ -185,13 +185,12 @@ class Indexer:
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
+        ops = ref
         if self.numerics.native:
             q = self.numerics.backend.hadamard_qdq4(q, 32)
-        dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.head_dim ** -0.5
+            ops = self.numerics.backend  # one launch on CUDA
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
-        scores = (dots * w.unsqueeze(-1)).sum(dim=1)  # [S, T]
-        invisible = torch.arange(keys.shape[0], device=x.device).unsqueeze(0) >= visible.unsqueeze(1)
-        return scores.masked_fill(invisible, float("-inf"))
+        return ops.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""

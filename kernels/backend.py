@@ -51,6 +51,11 @@ class Backend(Protocol):
         """mHC doubly-stochastic projection of [..., n, n] fp32 logits."""
         ...
 
+    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """Lightning-indexer scores [S, T] fp32 of q [S, H, D] over keys [T, D], -inf where not visible."""
+        ...
+
     def fp4_moe(self, x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
                 weights: torch.Tensor, limit: float) -> torch.Tensor:
         """Routed experts read from arena slots (one per row of x) -> fp32 [G, D]."""
@@ -112,6 +117,9 @@ class TorchBackend:
     def sinkhorn(self, logits, iters, eps):
         return ref.sinkhorn(logits, iters, eps)
 
+    def indexer_scores(self, q, keys, weights, visible, scale):
+        return ref.indexer_scores(q, keys, weights, visible, scale)
+
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return ref.fp4_moe(x, arena, fields, slots, weights, limit)
 
@@ -147,7 +155,8 @@ class TileLangBackend:
             "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm",
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
-            "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine"}
+            "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
+            "indexer_scores": "kernels.indexer_scores"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -182,6 +191,9 @@ class TileLangBackend:
 
     def sinkhorn(self, logits, iters, eps):
         return self._impl["sinkhorn"](logits, iters, eps)
+
+    def indexer_scores(self, q, keys, weights, visible, scale):
+        return self._impl["indexer_scores"](q, keys, weights, visible, scale)
 
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)

@@ -326,6 +326,17 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 
 
 # -------------------------------------------------------------------------- top-k, attention
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Lightning-indexer scores (§C.6): q [S, H, D], keys [T, D], per-head weights [S, H] fp32,
+    visible [S] (entries complete at each query) -> [S, T] fp32: Σ_h weights · relu(q · k) ·
+    scale, -inf for entries at or after visible."""
+    dots = torch.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * scale
+    scores = (dots * weights.unsqueeze(-1)).sum(dim=1)  # [S, T]
+    invisible = torch.arange(keys.shape[0], device=q.device).unsqueeze(0) >= visible.unsqueeze(1)
+    return scores.masked_fill(invisible, float("-inf"))
+
+
 def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Deterministic top-k indices along the last dim: highest score first, ties -> lowest index.
 
