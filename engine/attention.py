@@ -211,7 +211,7 @@ class Attention:
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
         self.sink = get(f"{prefix}.attn_sink").float()
-        # W-1 .. 0: a query at p sees positions p - back (the window), built once, not per step
+        # W-1 .. 0: a prefill query at p sees positions p - back (the window), built once at load
         self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
         self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
         self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
