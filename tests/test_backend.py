@@ -49,3 +49,38 @@ def test_native_norms_go_through_the_backend_exact_ones_do_not():
     exact = Numerics(native=False, backend=counting)
     assert torch.equal(exact.rms_norm(x, None, 1e-6), ref.rms_norm(x, None, 1e-6))
     assert counting.norms == 1
+
+
+def test_every_kernel_module_imports_on_the_cpu_and_has_its_op():
+    """Kernel modules import torch only (TileLang inside functions): each imports here, without
+    TileLang, and defines the function its op maps to, with the reference's parameters."""
+    import importlib
+    import sys
+
+    for op, module in kb.TileLangBackend._OPS.items():
+        fn = getattr(importlib.import_module(module), op)
+        want = list(inspect.signature(getattr(ref, op)).parameters)
+        assert list(inspect.signature(fn).parameters)[:len(want)] == want, (op, module)
+    assert "tilelang" not in sys.modules
+
+
+def test_native_engine_ops_route_through_the_backend(tiny_ckpt):
+    """The fused ops of a native forward are backend ops (one launch each on CUDA): a backend
+    that records which ops are used sees RoPE, mHC pre/post, the indexer's and the MoE's."""
+    from engine.model import Transformer
+    from engine.weights import open_official
+
+    seen = set()
+
+    class Seen(kb.TorchBackend):
+        def __getattribute__(self, name):
+            if not name.startswith("_"):
+                seen.add(name)
+            return object.__getattribute__(self, name)
+
+    files = open_official(tiny_ckpt)
+    model = Transformer(files.get, files.args, Numerics(native=True, backend=Seen()))
+    with torch.inference_mode():
+        model.forward(torch.arange(9) % files.args.vocab_size, model.new_state(), files.experts)
+    assert {"rope", "hc_pre", "hc_post", "hadamard_qdq4", "indexer_scores", "moe_combine", "swiglu_quant",
+            "fp8_gemm_quantized", "rms_norm", "sparse_attention", "fp8_gemm"} <= seen
