@@ -41,12 +41,17 @@ def _fp4_record(n: int, k: int) -> int:
     return n * k // 2 + n * k // 32
 
 
+def _fp4_args(n: int, k: int, tile: tuple[int, int], arch: tuple[int, int]) -> tuple:
+    """fp4_gemv_kernel's arguments for one [n, k] weight per arena record (scales after it)."""
+    rec = _fp4_record(n, k)
+    return (1, n, k, rec, (0,), rec, (n * k // 2,), *tile, "bfloat16", arch)
+
+
 def kernel_specs(arch: tuple[int, int], kinds: set[str]) -> list[tuple[str, tuple]]:
     """Every (factory name, arguments) the sweep of `kinds` ("fp8", "fp4") calls."""
     specs = [("fp8", (1, n, k, *t, arch)) for _, n, k in FP8_SHAPES if "fp8" in kinds for t in fp8_candidates(n, k)]
     for _, n, k in FP4_SHAPES if "fp4" in kinds else []:
-        rec = _fp4_record(n, k)
-        specs += [("fp4", (1, n, k, rec, 0, rec, n * k // 2, *t, arch)) for t in fp4_candidates(n)]
+        specs += [("fp4", _fp4_args(n, k, t, arch)) for t in fp4_candidates(n)]
     return specs
 
 
@@ -101,7 +106,7 @@ def sweep_fp4(dev, arch) -> list[tuple[str, int, float, bool]]:
         y = torch.empty(1, EXPERTS, 1, n, dtype=torch.bfloat16, device=dev)
         chosen = gemv_tile(n, arch)
         for t in fp4_candidates(n):
-            kern = fp4_gemv_kernel(1, n, k, rec, (0,), rec, (n * k // 2,), *t, "bfloat16", arch)
+            kern = fp4_gemv_kernel(*_fp4_args(n, k, t, arch))
             sec, graphed = time_rotating(tables, lambda sl: kern(as_words(q), s, as_words(arena), arena, sl, y))
             mark = "*" if t == chosen else " "
             rows.append((f"{mark}fp4 x{EXPERTS} {name} {n}x{k} rows={t[0]} warps={t[1]}",
