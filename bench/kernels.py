@@ -138,7 +138,7 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     arena2 = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     q, sq = act_quant(xg[:1].unsqueeze(1), 128)
     t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
-        q, sq, arena2, (0, n * k // 2), (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
+        q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
     rows.append((f"fp4 w1+w3 6 experts, one launch {n}x{k}", 2 * g * per + 2 * k + 4 * g * n, t, graphed))
     # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
     tlen, kk = 128 + 2048, 640

@@ -159,19 +159,19 @@ def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: 
         raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
 
 
-def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, w_offs: tuple, s_offs: tuple, n: int,
-                  k: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
+                  s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
-    all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena row -> [P, G, M, N]."""
+    all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N]."""
     g, m = slots.shape[0], q.shape[1]
-    ab = _as_bytes(arena)
-    _check_arena(ab, w_offs, ab, s_offs, n, k, slots, g)
+    wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
+    _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g)
     y = torch.empty(len(w_offs), g, m, n, dtype=out_dtype, device=q.device)
     if g:
         arch = cuda_arch(q.device)
-        kernel = fp4_gemv_kernel(m, n, k, ab.shape[1], tuple(w_offs), ab.shape[1], tuple(s_offs),
+        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
                                  *gemv_tile(n, arch), _DTYPES[out_dtype], arch)
-        kernel(as_words(q), s, as_words(ab), ab, slots, y)
+        kernel(as_words(q), s, as_words(wb), sb, slots, y)
     return y
 
 
@@ -186,19 +186,11 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     _check(x, n, k, "fp4_gemm_grouped")
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(1) if squeeze else x  # [G, M, K]
-    g, m = x3.shape[0], x3.shape[1]
-    if m > GEMV_MAX_M:
-        raise KernelInputError(f"fp4_gemm_grouped takes at most {GEMV_MAX_M} rows per group, got {m}")
-    wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
-    _check_arena(wb, (w_off,), sb, (s_off,), n, k, slots, g)
-    arch = cuda_arch(x.device)
+    if x3.shape[1] > GEMV_MAX_M:
+        raise KernelInputError(f"fp4_gemm_grouped takes at most {GEMV_MAX_M} rows per group, got {x3.shape[1]}")
     q, s = act_quant(x3, 128)
-    y = torch.empty(1, g, m, n, dtype=torch.bfloat16, device=x.device)
-    if g:
-        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], (w_off,), sb.shape[1], (s_off,), *gemv_tile(n, arch),
-                                 "bfloat16", arch)
-        kernel(as_words(q), s, as_words(wb), sb, slots, y)
-    return y[0, :, 0] if squeeze else y[0]
+    y = _grouped_gemv(q, s, w_arena, (w_off,), s_arena, (s_off,), n, k, slots, torch.bfloat16)[0]
+    return y[:, 0] if squeeze else y
 
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -237,8 +229,8 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     off = {name: f.offset for name, f in fields.items()}
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
     q, s = act_quant(xa.unsqueeze(1), 128)  # [A, 1, D]
-    gu = _grouped_gemv(q, s, arena, (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"]),
+    gu = _grouped_gemv(q, s, arena, (off["w1.weight"], off["w3.weight"]), arena, (off["w1.scale"], off["w3.scale"]),
                        inter, dim, slots, torch.bfloat16)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
-    return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), (off["w2.scale"],),
+    return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
                          dim, inter, slots, torch.float32)[0, :, 0]
