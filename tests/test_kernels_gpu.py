@@ -316,7 +316,6 @@ def test_rms_norm_matches_reference(shape, dtype, weighted, gen):
     assert diff <= ulp * want.double().abs().max().item()
 
 
-
 # ----------------------------------------------------------------------------------- rope
 ROPE_CASES = [((1, 64, 512), None, False), ((1, 64, 512), None, True), ((1, 512), 160000.0, False),
               ((7, 512), 160000.0, False), ((3, 8, 128), 160000.0, False), ((5, 3, 70), None, True),
