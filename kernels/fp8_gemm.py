@@ -170,11 +170,7 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     n, k = w.shape
     cuda_arch(x.device)
     x2 = x.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    if m == 0:
-        return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
-    xp = x2 if m > GEMV_MAX_M else pad_rows_to_bucket(x2)
-    return fp8_gemm_quantized(*act_quant(xp, 128), w, w_scale)[:m].reshape(*x.shape[:-1], n)
+    return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale).reshape(*x.shape[:-1], n)
 
 
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -192,11 +188,8 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     if m > GEMV_MAX_M:
         a = q.to(torch.bfloat16).view(m, k // 128, 128) * s.to(torch.bfloat16).unsqueeze(-1)  # exact
         return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
-    bucket = 1 << (m - 1).bit_length()  # compiled row counts: 1, 2, 4, 8, 16
-    if bucket != m:  # zero codes: zero rows, whatever their scale
-        q = torch.cat((q, q.new_zeros(bucket - m, k)))
-        s = torch.cat((s, s.new_ones(bucket - m, k // 128)))
-    y = torch.empty(bucket, n, dtype=torch.bfloat16, device=q.device)
-    fp8_gemv_kernel(bucket, n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
-                                                              scale_bytes(w_scale), y)
+    q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
+    y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
+    fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
+                                                                  scale_bytes(w_scale), y)
     return y[:m]
