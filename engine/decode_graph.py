@@ -1,8 +1,9 @@
 """The one-token decode step replayed from CUDA graphs (issue 6: the eager step is host-bound).
 
-`DecodeRunner.step(state, token)` runs `Transformer.decode` — static shapes, the position in a
-device tensor, routed experts read from the expert arena through its slot table — so on CUDA
-the step can be captured once and replayed. Two modes:
+`DecodeRunner.step(state, token)` runs the model's static one-token step (`decode_begin`, each
+block's `decode_attention` and `decode_ffn`, `logits`) — static shapes, the position in device
+tensors, routed experts read from the expert arena through its slot table — so on CUDA the
+step can be captured once and replayed. Two modes:
 
 - **whole** (every expert of every layer resident in the arena, e.g. after
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; afterwards the

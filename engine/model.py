@@ -167,8 +167,8 @@ class Transformer:
         return self.logits(streams[-1:] if last_only else streams)
 
     def reserve(self, state: SequenceState, pos: int) -> bool:
-        """Room in every compressed layer for the entry of position `pos` (what `decode` at pos
-        writes); True when some buffer was reallocated."""
+        """Room in every compressed layer for the entry of position `pos` (what a decode step at
+        pos writes); True when some buffer was reallocated."""
         grown = False
         for i, st in enumerate(state.layers):
             if self.args.ratio(i):
@@ -185,20 +185,9 @@ class Transformer:
         return frozenset(r for r in self.args.compress_ratios if r and (pos + 1) % r == 0)
 
     def decode_position(self, device: torch.device | str) -> DecodePosition:
-        """The static position inputs of `decode` for this model's window and compression ratios."""
+        """The static position inputs of a decode step (`Block.decode_attention`) for this
+        model's window and compression ratios."""
         return DecodePosition(self.args.window_size, self.args.compress_ratios, device)
-
-    def decode(self, ids: torch.Tensor, at: DecodePosition, state: SequenceState, arena,
-               emitting: frozenset[int]) -> torch.Tensor:
-        """One token ids [1] at decode position `at` (set to p) -> logits [1, V] fp32, static shapes.
-
-        Every routed expert must be resident in `arena` (engine.experts.arena.ExpertArena),
-        `reserve(state, p)` done and `emitting` = `emitting(p)`; `state.pos` is the
-        caller's to advance (engine.decode_graph). Equals `forward(ids, state, ...)` at p."""
-        streams = self.decode_begin(ids)
-        for block, st in zip(self.blocks, state.layers):
-            streams = block.decode_ffn(block.decode_attention(streams, ids, at, st, emitting), arena)
-        return self.logits(streams)
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, start: int, state: SequenceState,
                     experts: ExpertProvider) -> torch.Tensor:

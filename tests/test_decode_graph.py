@@ -1,5 +1,5 @@
-"""The static one-token decode step (`Transformer.decode`, run by `engine.decode_graph.DecodeRunner`)
-against `Transformer.forward` on the CPU: same logits and state across window wrap-around,
+"""The static one-token decode step (`Block.decode_attention` / `decode_ffn`, run by
+`engine.decode_graph.DecodeRunner`) against `Transformer.forward` on the CPU: same logits and state across window wrap-around,
 compressed-entry emission (ratios 4 and 128) and capacity growth, in both numerics; layered
 mode streams through a bounded cache; whole mode counts statistics. (CUDA graphs themselves are
 exercised by tests/test_decode_graph_gpu.py.)"""
