@@ -44,11 +44,13 @@ class Rope:
         cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
-
-def kv_rounding(kv: torch.Tensor, nope: int, qdq8=ref.qdq8) -> torch.Tensor:
-    """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays.
-    `qdq8` is the backend's (the same bits as the reference's)."""
-    return torch.cat((qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0
+               ) -> torch.Tensor:
+        """RMSNorm of x (weight or None), then rotated at `at`; native also QDQ8-rounds the leading
+        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op."""
+        if self.numerics.native:
+            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead)
+        return self(ref.rms_norm(x, weight, eps), at)
 
 
 class Compressor:
@@ -130,16 +132,13 @@ class Compressor:
         # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
         weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = self.numerics.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        entries = self.rope(entries, windows * self.ratio)
-        return self._storage_rounding(entries)
-
-    def _storage_rounding(self, entries: torch.Tensor) -> torch.Tensor:
-        if not self.numerics.native:
-            return entries
-        if self.kind == "indexer":
-            return self.numerics.backend.hadamard_qdq4(entries, 32)  # native indexer keys: Hadamard, QDQ4
-        return kv_rounding(entries, self.dim - self.rope_dim, self.numerics.backend.qdq8)
+        # normed and rotated; native storage rounding: QDQ8 of the nope dims (attention keys) or
+        # Hadamard + QDQ4 (indexer keys)
+        lead = self.dim - self.rope_dim if self.kind == "attention" else 0
+        entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, windows * self.ratio, lead)
+        if self.numerics.native and self.kind == "indexer":
+            entries = self.numerics.backend.hadamard_qdq4(entries, 32)
+        return entries
 
 
 class Indexer:
@@ -281,10 +280,8 @@ class Attention:
         norm = self.numerics.rms_norm
         c = norm(self.wq_a(x), self.q_norm, eps)
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = self.rope(norm(q, None, eps), rot)
-        kv = self.rope(norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
-        if self.numerics.native:
-            kv = kv_rounding(kv, self.args.nope_head_dim, self.numerics.backend.qdq8)
+        q = self.rope.normed(q, None, eps, rot)
+        kv = self.rope.normed(self.wkv(x), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelArgs
 from engine.linear import FP8Linear
@@ -50,26 +49,22 @@ class ExpertProvider(Protocol):
 
 
 class Gate:
-    """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid."""
+    """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid.
+    The math is `reference.moe_gate`; native runs the backend's (two launches on CUDA)."""
 
-    def __init__(self, get, prefix: str, args: ModelArgs, layer: int):
+    def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.weight = get(f"{prefix}.weight").float()
         self.hash = args.is_hash_layer(layer) and layer < args.n_layers
         self.tid2eid = get(f"{prefix}.tid2eid").long() if self.hash else None
         self.tid2eid_host = self.tid2eid.cpu() if self.hash else None  # for prefetch hints
         self.bias = None if self.hash else get(f"{prefix}.bias").float()
         self.k, self.route_scale = args.n_activated_experts, args.route_scale
+        self.ops = numerics.backend if numerics.native else ref
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], token ids [N] -> (expert indices [N, k] int64, routing weights [N, k] fp32)."""
-        scores = F.softplus(x.float() @ self.weight.T).sqrt()  # [N, E]
-        if self.hash:
-            idx = self.tid2eid[ids]
-        else:
-            idx = ref.topk_desc(scores + self.bias, self.k)
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # epsilon guards a sqrt-softplus underflow
-        return idx, w * self.route_scale
+        hash_ids = self.tid2eid[ids] if self.hash else None
+        return self.ops.moe_gate(x, self.weight, self.bias, self.k, self.route_scale, hash_ids)
 
 
 class MoE:
@@ -77,7 +72,7 @@ class MoE:
 
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
-        self.gate = Gate(get, f"{prefix}.gate", args, layer)
+        self.gate = Gate(get, f"{prefix}.gate", args, layer, numerics)
         w = {n: (get(f"{prefix}.shared_experts.{n}.weight"), get(f"{prefix}.shared_experts.{n}.scale"))
              for n in ("w1", "w3", "w2")}
         self.shared_w2 = FP8Linear(*w["w2"], numerics)

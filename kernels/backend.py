@@ -33,6 +33,11 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
         ...
 
+    def moe_gate(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
+                 hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: (expert ids [N, k], routing weights [N, k] fp32) of x [N, D]."""
+        ...
+
     def swiglu_quant(self, g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
                      limit: float) -> tuple[torch.Tensor, torch.Tensor]:
         """act_quant((swiglu(g, u, limit) · weights) in bf16): an expert's w2 input, quantised."""
@@ -77,6 +82,11 @@ class Backend(Protocol):
         """Interleaved RoPE of x [S, ..., D]'s trailing 2·len(inv_freq) channels at positions [S]."""
         ...
 
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, round_lead: int) -> torch.Tensor:
+        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none)."""
+        ...
+
     def hadamard_qdq4(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """Hadamard rotation of x's last dim (a power of two), then QDQ4 per `block`; keeps the dtype."""
         ...
@@ -104,6 +114,9 @@ class TorchBackend:
 
     def fp4_gemm(self, x, w, w_scale):
         return ref.fp4_gemm(x, w, w_scale)
+
+    def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
+        return ref.moe_gate(x, weight, bias, k, route_scale, hash_ids)
 
     def swiglu_quant(self, g, u, weights, limit):
         return ref.swiglu_quant(g, u, weights, limit)
@@ -135,6 +148,9 @@ class TorchBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
 
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
+        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead)
+
     def hadamard_qdq4(self, x, block):
         return ref.hadamard_qdq4(x, block)
 
@@ -156,7 +172,8 @@ class TileLangBackend:
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
-            "indexer_scores": "kernels.indexer_scores"}
+            "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
+            "norm_rope": "kernels.norm_rope"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -179,6 +196,9 @@ class TileLangBackend:
 
     def fp4_gemm(self, x, w, w_scale):
         return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
+        return self._impl["moe_gate"](x, weight, bias, k, route_scale, hash_ids)
 
     def swiglu_quant(self, g, u, weights, limit):
         return self._impl["swiglu_quant"](g, u, weights, limit)
@@ -209,6 +229,9 @@ class TileLangBackend:
 
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)
+
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
+        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead)
 
     def hadamard_qdq4(self, x, block):
         return self._impl["hadamard_qdq4"](x, block)

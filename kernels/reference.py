@@ -162,6 +162,20 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
+             hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router (§C.7 steps 1–3): scores = sqrt(softplus(x · weightᵀ)) in fp32 (x [N, D],
+    weight [E, D] fp32); the experts are the top k of scores + bias (the bias selects, it does not
+    weigh; ties -> lowest index), or `hash_ids` [N, k] on hash layers (bias None); weights = the
+    chosen scores normalised to sum 1 (+1e-20 against a sqrt-softplus underflow), times
+    route_scale -> (ids [N, k] int64, weights [N, k] fp32)."""
+    scores = torch.nn.functional.softplus(x.float() @ weight.T).sqrt()  # [N, E]
+    idx = hash_ids if bias is None else topk_desc(scores + bias, k)
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, w * route_scale
+
+
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """`fp8_gemm` on activations already quantised by `act_quant` (q [M, K] e4m3, s [M, K/128])
     -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale)."""
@@ -277,6 +291,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     backends implement (TileLang: one launch, cos/sin computed in the kernel)."""
     cos, sin = rope_cos_sin(positions, inv_freq)
     return apply_rope(x, cos, sin, inverse)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+              inv_freq: torch.Tensor, round_lead: int = 0) -> torch.Tensor:
+    """RMSNorm of x [S, ..., D] (weight [D] or None), then RoPE at positions [S] (the attention's
+    q and kv, §C.4); `round_lead` > 0: QDQ8 (block 64) of the leading round_lead channels, the
+    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op."""
+    y = rope(rms_norm(x, weight, eps), positions, inv_freq)
+    if round_lead:
+        y = torch.cat((qdq8(y[..., :round_lead], 64), y[..., round_lead:]), dim=-1)
+    return y
 
 
 # --------------------------------------------------------------------------------- mHC, norms
