@@ -152,10 +152,11 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None,
+    def __call__(self, x: torch.Tensor, c, start: int, st: CompressorState, log=None,
                  rot=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
 
+        `c` is the attention's q_lora activation (a `Quantized` one in native numerics);
         `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips);
         `rot` is the queries' RoPE table if the caller has it."""
         s = x.shape[0]
@@ -168,7 +169,7 @@ class Indexer:
             log(scores)
         return self._select(scores, visible)
 
-    def decode(self, x: torch.Tensor, c: torch.Tensor, at: DecodePosition, st: CompressorState,
+    def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
         """One token at decode position `at`, scoring the first `n_keys` (static) entry slots;
         slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
@@ -177,7 +178,7 @@ class Indexer:
         visible = at.visible[self.ratio]
         return self._select(self._scores(x, c, at.pos, visible, st.entries[:n_keys], rot), visible)
 
-    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+    def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
         """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
         after `visible` [S] (the count complete at each query)."""
@@ -274,14 +275,14 @@ class Attention:
         return self._output(self._attend(q, st.kv, idx), rot)
 
     def _project(self, x: torch.Tensor, rot):
-        """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded);
-        `rot` = the tokens' RoPE table."""
+        """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
         eps, s = self.args.norm_eps, x.shape[0]
-        norm = self.numerics.rms_norm
-        c = norm(self.wq_a(x), self.q_norm, eps)
+        xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
+        c = self.numerics.quantize(self.numerics.rms_norm(self.wq_a(xq), self.q_norm, eps))  # wq_b, indexer wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
-        kv = self.rope.normed(self.wkv(x), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
+        kv = self.rope.normed(self.wkv(xq), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,16 @@ from kernels.backend import Backend, TorchBackend
 
 
 @dataclass(frozen=True)
+class Quantized:
+    """An activation x [M, K] with its FP8 quantisation (act_quant, blocks of 128: q e4m3, s fp32),
+    computed once for the several FP8 linears that read it (native numerics)."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Numerics:
     """`native` selects the mode; `backend` executes native's quantised ops (exact needs none)."""
 
@@ -37,6 +47,11 @@ class Numerics:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm (§C.0): native runs the backend's (one fused launch on CUDA), exact the reference."""
         return self.backend.rms_norm(x, weight, eps) if self.native else ref.rms_norm(x, weight, eps)
+
+    def quantize(self, x: torch.Tensor) -> "Quantized | torch.Tensor":
+        """x [M, K] for several FP8 linears: native quantises it once (the backend's act_quant),
+        exact passes it on (no activation quantisation)."""
+        return Quantized(x, *self.backend.act_quant(x, 128)) if self.native else x
 
     @property
     def dtype(self) -> torch.dtype:

@@ -24,6 +24,10 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP8 block-scaled weight [N, K] -> bf16 [M, N]."""
         ...
 
+    def act_quant(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 activation quantisation: x [..., K] -> (q e4m3, s [..., K/block] fp32)."""
+        ...
+
     def fp8_gemm_quantized(self, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor,
                            w_scale: torch.Tensor) -> torch.Tensor:
         """`fp8_gemm` on activations already quantised by act_quant (q [M, K] e4m3, s [M, K/128])."""
@@ -109,6 +113,9 @@ class TorchBackend:
     def fp8_gemm(self, x, w, w_scale):
         return ref.fp8_gemm(x, w, w_scale)
 
+    def act_quant(self, x, block):
+        return ref.act_quant(x, block)
+
     def fp8_gemm_quantized(self, q, s, w, w_scale):
         return ref.fp8_gemm_quantized(q, s, w, w_scale)
 
@@ -173,7 +180,7 @@ class TileLangBackend:
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
-            "norm_rope": "kernels.norm_rope"}
+            "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -190,6 +197,9 @@ class TileLangBackend:
 
     def fp8_gemm(self, x, w, w_scale):
         return self._impl["fp8_gemm"](x, w, w_scale)
+
+    def act_quant(self, x, block):
+        return self._impl["act_quant"](x, block)
 
     def fp8_gemm_quantized(self, q, s, w, w_scale):
         return self._impl["fp8_gemm_quantized"](q, s, w, w_scale)
