@@ -91,6 +91,8 @@ class MoE:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
         n, k = idx.shape
+        if self._cells_in_arena(provider):
+            return self._arena_cells(x, idx, w, provider)
         slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
         # The one host round trip of the layer: the residency check needs the expert ids anyway.
         cells: dict[int, list[tuple[int, int]]] = {}
@@ -108,6 +110,28 @@ class MoE:
             rows, cols = where[:, spans[e][0]:spans[e][1]]
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         return self._combine(slots, x)
+
+    def _cells_in_arena(self, provider) -> bool:
+        """Native numerics with every expert resident in a CUDA arena: then all (token, choice)
+        cells of a prefill chunk go through the backend's fp4_moe at once instead of a per-expert
+        loop (about 20 launches per expert, hundreds of experts per layer)."""
+        arena = getattr(provider, "arena", None)
+        return (self.numerics.native and arena is not None and arena.device.type == "cuda"
+                and provider.all_resident())
+
+    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, provider) -> torch.Tensor:
+        """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
+        consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`."""
+        n, k = idx.shape
+        arena = provider.arena
+        provider.record(self.layer, idx.unique().tolist())  # cache statistics; the layer's one host sync
+        slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
+        order = torch.argsort(slots)
+        tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token
+        y = self.numerics.backend.fp4_moe(x.index_select(0, tokens), arena.data, arena.record.fields,
+                                          slots[order], w.reshape(-1)[order], self.limit)  # [N·k, D] fp32
+        cells = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
+        return self._combine(cells.view(n, k, -1), x)
 
     def decode(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """One token x [1, D] with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
