@@ -12,7 +12,7 @@ import torch
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.linear import FloatLinear, FP8Linear, GroupedOutProj
-from engine.numerics import Numerics
+from engine.numerics import Numerics, unquantized
 from engine.state import CompressorState, LayerState
 from kernels import reference as ref
 
@@ -232,11 +232,13 @@ class Attention:
     def __call__(self, x: torch.Tensor, start: int, st: LayerState, log=None) -> torch.Tensor:
         """x [S, D] (attn-normed) at positions start.. -> [S, D].
 
-        `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
+        `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer").
+        x may carry its FP8 quantisation (`Numerics.norm_quantized`)."""
+        xq, x = x, unquantized(x)
         s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
         rot = self.rope.table(positions)
-        c, q, kv = self._project(x, rot)
+        c, q, kv = self._project(xq, rot)
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:
             n_entries = (start + s) // self.ratio
@@ -261,8 +263,9 @@ class Attention:
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry p // ratio first and says whether the token completes a
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
+        xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        c, q, kv = self._project(x, rot)
+        c, q, kv = self._project(xq, rot)
         st.window.index_copy_(0, at.window_row, kv.to(st.kv.dtype))
         idx = at.window_rows  # [1, W]
         if self.ratio:
@@ -277,9 +280,9 @@ class Attention:
     def _project(self, x: torch.Tensor, rot):
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
         normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
-        eps, s = self.args.norm_eps, x.shape[0]
+        eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
-        c = self.numerics.quantize(self.numerics.rms_norm(self.wq_a(xq), self.q_norm, eps))  # wq_b, indexer wq_b
+        c = self.numerics.norm_quantized(self.wq_a(xq), self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
         kv = self.rope.normed(self.wkv(xq), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]

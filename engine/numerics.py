@@ -27,6 +27,11 @@ class Quantized:
     s: torch.Tensor
 
 
+def unquantized(x: "torch.Tensor | Quantized") -> torch.Tensor:
+    """The activation itself, whether or not it carries its quantisation."""
+    return x.x if isinstance(x, Quantized) else x
+
+
 @dataclass(frozen=True)
 class Numerics:
     """`native` selects the mode; `backend` executes native's quantised ops (exact needs none)."""
@@ -48,10 +53,17 @@ class Numerics:
         """RMSNorm (§C.0): native runs the backend's (one fused launch on CUDA), exact the reference."""
         return self.backend.rms_norm(x, weight, eps) if self.native else ref.rms_norm(x, weight, eps)
 
-    def quantize(self, x: torch.Tensor) -> "Quantized | torch.Tensor":
-        """x [M, K] for several FP8 linears: native quantises it once (the backend's act_quant),
-        exact passes it on (no activation quantisation)."""
-        return Quantized(x, *self.backend.act_quant(x, 128)) if self.native else x
+    def quantize(self, x: "torch.Tensor | Quantized") -> "Quantized | torch.Tensor":
+        """x [M, K] for several FP8 linears: native quantises it once (the backend's act_quant;
+        an already `Quantized` x passes), exact passes it on (no activation quantisation)."""
+        if not self.native or isinstance(x, Quantized):
+            return x
+        return Quantized(x, *self.backend.act_quant(x, 128))
+
+    def norm_quantized(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> "Quantized | torch.Tensor":
+        """RMSNorm of x [M, K] for FP8 linears (and other readers of `.x`): native normalises and
+        quantises in one backend op, exact normalises."""
+        return Quantized(*self.backend.rms_norm_quant(x, weight, eps)) if self.native else ref.rms_norm(x, weight, eps)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -82,6 +82,11 @@ class Backend(Protocol):
         """RMSNorm of x's last dim in fp32 (weight [D] or None), cast back to x's dtype."""
         ...
 
+    def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RMSNorm of x [M, K] and its act_quant: (y, q e4m3, s [M, K/128])."""
+        ...
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
         """Interleaved RoPE of x [S, ..., D]'s trailing 2·len(inv_freq) channels at positions [S]."""
         ...
@@ -152,6 +157,9 @@ class TorchBackend:
     def rms_norm(self, x, weight, eps):
         return ref.rms_norm(x, weight, eps)
 
+    def rms_norm_quant(self, x, weight, eps):
+        return ref.rms_norm_quant(x, weight, eps)
+
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
 
@@ -180,7 +188,8 @@ class TileLangBackend:
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
-            "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant"}
+            "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
+            "rms_norm_quant": "kernels.rms_norm_quant"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -236,6 +245,9 @@ class TileLangBackend:
 
     def rms_norm(self, x, weight, eps):
         return self._impl["rms_norm"](x, weight, eps)
+
+    def rms_norm_quant(self, x, weight, eps):
+        return self._impl["rms_norm_quant"](x, weight, eps)
 
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)

@@ -314,6 +314,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [M, K], and its FP8 quantisation for the FP8 linears that read it:
+    (y in x's dtype, q e4m3, s [M, K/128] fp32) = (y, *act_quant(y, 128))."""
+    y = rms_norm(x, weight, eps)
+    return (y, *act_quant(y, 128))
+
+
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Doubly-stochastic projection of [..., n, n] logits (§C.3 step 6): row softmax + eps, then
     column normalisation, then `iters - 1` rounds of row then column normalisation."""

@@ -454,3 +454,21 @@ def test_norm_rope_matches_reference(shape, weighted, lead, gen):
     assert rel_err(got, want) < 1e-2
     assert not far[..., lead:].any()  # unrounded channels: one rounding step at most
     assert far.float().mean() < 0.01  # QDQ8 codes moved by the normed values' last bit: rare
+
+
+@pytest.mark.parametrize("shape,weighted", [((1, 4096), True), ((1, 1024), True), ((7, 4096), False),
+                                            ((3, 256), True), ((2, 200), True)])
+def test_rms_norm_quant_matches_reference(shape, weighted, gen):
+    """y within one rounding step of the reference norm; q and s exactly act_quant of the kernel's
+    own y (rows of 200 channels take the reference path)."""
+    from kernels.rms_norm_quant import rms_norm_quant
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.rand(shape[-1], generator=gen, device=DEV) + 0.5 if weighted else None
+    y, q, s = rms_norm_quant(x, w, 1e-6)
+    want = ref.rms_norm(x, w, 1e-6)
+    diff = (y.double() - want.double()).abs()
+    print(f"rms_norm_quant {shape}: max abs diff {diff.max().item():.2e}")
+    assert y.dtype == want.dtype and (diff <= 2.0 ** -7 * want.double().abs()).all()
+    if shape[-1] % 128 == 0:
+        rq, rs = ref.act_quant(y, 128)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
