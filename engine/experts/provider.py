@@ -257,7 +257,10 @@ class StreamingExperts:
         return len(self.cache) == len(self.store.layers()) * self.store.count
 
     def record(self, layer: int, ids: Iterable[int]) -> None:
-        """Count uses of experts that are known resident (all hits): statistics only."""
+        """Count uses of experts that are known resident (all hits): statistics only. This is the
+        layer's call, so its prefetch holds end here (as in `experts`)."""
+        for key in self._prefetched.pop(layer, ()):
+            self._settle(key)
         for e in dict.fromkeys(int(i) for i in ids):
             if self.cache.lookup((layer, e)) is None:
                 raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
