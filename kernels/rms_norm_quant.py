@@ -81,9 +81,12 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     m, d = x.shape
     if weight is not None and tuple(weight.shape) != (d,):
         raise KernelInputError(f"rms_norm_quant: weight shape {tuple(weight.shape)} != ({d},)")
-    arch = cuda_arch(x.device)
-    if d % 128 or d > MAX_DIM:
+    if d % 128:
+        raise KernelInputError(f"rms_norm_quant quantises in blocks of 128 channels, got K={d}: "
+                               "use rms_norm for other widths")
+    if d > MAX_DIM:
         return ref.rms_norm_quant(x, weight, eps)
+    arch = cuda_arch(x.device)
     x2 = x.contiguous()
     y = torch.empty_like(x2)
     q = torch.empty(m, d, dtype=torch.float8_e4m3fn, device=x.device)
