@@ -12,7 +12,7 @@ import torch
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.linear import FloatLinear, FP8Linear, GroupedOutProj
-from engine.numerics import Numerics
+from engine.numerics import Numerics, unquantized
 from engine.state import CompressorState, LayerState
 from kernels import reference as ref
 
@@ -44,11 +44,13 @@ class Rope:
         cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
-
-def kv_rounding(kv: torch.Tensor, nope: int, qdq8=ref.qdq8) -> torch.Tensor:
-    """Native KV storage: QDQ8 (block 64) of the leading `nope` dims; the RoPE tail stays.
-    `qdq8` is the backend's (the same bits as the reference's)."""
-    return torch.cat((qdq8(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0
+               ) -> torch.Tensor:
+        """RMSNorm of x (weight or None), then rotated at `at`; native also QDQ8-rounds the leading
+        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op."""
+        if self.numerics.native:
+            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead)
+        return self(ref.rms_norm(x, weight, eps), at)
 
 
 class Compressor:
@@ -130,16 +132,13 @@ class Compressor:
         # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
         weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        entries = self.numerics.rms_norm(pooled.to(self.numerics.dtype), self.norm, self.eps)
-        entries = self.rope(entries, windows * self.ratio)
-        return self._storage_rounding(entries)
-
-    def _storage_rounding(self, entries: torch.Tensor) -> torch.Tensor:
-        if not self.numerics.native:
-            return entries
-        if self.kind == "indexer":
-            return self.numerics.backend.hadamard_qdq4(entries, 32)  # native indexer keys: Hadamard, QDQ4
-        return kv_rounding(entries, self.dim - self.rope_dim, self.numerics.backend.qdq8)
+        # normed and rotated; native storage rounding: QDQ8 of the nope dims (attention keys) or
+        # Hadamard + QDQ4 (indexer keys)
+        lead = self.dim - self.rope_dim if self.kind == "attention" else 0
+        entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, windows * self.ratio, lead)
+        if self.numerics.native and self.kind == "indexer":
+            entries = self.numerics.backend.hadamard_qdq4(entries, 32)
+        return entries
 
 
 class Indexer:
@@ -153,10 +152,11 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, c: torch.Tensor, start: int, st: CompressorState, log=None,
+    def __call__(self, x: torch.Tensor, c, start: int, st: CompressorState, log=None,
                  rot=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
 
+        `c` is the attention's q_lora activation (a `Quantized` one in native numerics);
         `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips);
         `rot` is the queries' RoPE table if the caller has it."""
         s = x.shape[0]
@@ -169,7 +169,7 @@ class Indexer:
             log(scores)
         return self._select(scores, visible)
 
-    def decode(self, x: torch.Tensor, c: torch.Tensor, at: DecodePosition, st: CompressorState,
+    def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
         """One token at decode position `at`, scoring the first `n_keys` (static) entry slots;
         slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
@@ -178,7 +178,7 @@ class Indexer:
         visible = at.visible[self.ratio]
         return self._select(self._scores(x, c, at.pos, visible, st.entries[:n_keys], rot), visible)
 
-    def _scores(self, x: torch.Tensor, c: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+    def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
         """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
         after `visible` [S] (the count complete at each query)."""
@@ -232,11 +232,13 @@ class Attention:
     def __call__(self, x: torch.Tensor, start: int, st: LayerState, log=None) -> torch.Tensor:
         """x [S, D] (attn-normed) at positions start.. -> [S, D].
 
-        `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer")."""
+        `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer").
+        x may carry its FP8 quantisation (`Numerics.norm_quantized`)."""
+        xq, x = x, unquantized(x)
         s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
         rot = self.rope.table(positions)
-        c, q, kv = self._project(x, rot)
+        c, q, kv = self._project(xq, rot)
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:
             n_entries = (start + s) // self.ratio
@@ -261,8 +263,9 @@ class Attention:
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry p // ratio first and says whether the token completes a
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
+        xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        c, q, kv = self._project(x, rot)
+        c, q, kv = self._project(xq, rot)
         st.window.index_copy_(0, at.window_row, kv.to(st.kv.dtype))
         idx = at.window_rows  # [1, W]
         if self.ratio:
@@ -275,16 +278,14 @@ class Attention:
         return self._output(self._attend(q, st.kv, idx), rot)
 
     def _project(self, x: torch.Tensor, rot):
-        """(c [S, q_lora_rank], q [S, H, D] normed + roped, kv [S, D] roped, storage-rounded);
-        `rot` = the tokens' RoPE table."""
-        eps, s = self.args.norm_eps, x.shape[0]
-        norm = self.numerics.rms_norm
-        c = norm(self.wq_a(x), self.q_norm, eps)
+        """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
+        eps, s = self.args.norm_eps, unquantized(x).shape[0]
+        xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
+        c = self.numerics.norm_quantized(self.wq_a(xq), self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        q = self.rope(norm(q, None, eps), rot)
-        kv = self.rope(norm(self.wkv(x), self.kv_norm, eps), rot)  # [S, D]
-        if self.numerics.native:
-            kv = kv_rounding(kv, self.args.nope_head_dim, self.numerics.backend.qdq8)
+        q = self.rope.normed(q, None, eps, rot)
+        kv = self.rope.normed(self.wkv(xq), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:

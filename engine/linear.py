@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.numerics import Numerics
+from engine.numerics import Numerics, Quantized
 from kernels import reference as ref
 
 
@@ -28,7 +28,10 @@ class FP8Linear:
         else:
             self.w = ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        """x [..., K], or a `Numerics.quantize`d [M, K] (its quantisation reused) -> [..., N]."""
+        if isinstance(x, Quantized):
+            return self.numerics.backend.fp8_gemm_quantized(x.q, x.s, self.weight, self.scale)
         if not self.numerics.native:
             return x.float() @ self.w.T
         return self.numerics.backend.fp8_gemm(x, self.weight, self.scale)

@@ -41,6 +41,7 @@ class Block:
 
     def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.eps, self.norm = layer, args.norm_eps, numerics.rms_norm
+        self.norm_q = numerics.norm_quantized  # the attention's input feeds two FP8 linears
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
                                        get(f"{prefix}.hc_attn_base"), args, numerics)
         self.hc_ffn = HyperConnection(get(f"{prefix}.hc_ffn_fn"), get(f"{prefix}.hc_ffn_scale"),
@@ -54,7 +55,7 @@ class Block:
                  log: SelectionLog | None = None, timer=None) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams)
         with _section(timer, "attention"):
-            a = self.attn(self.norm(x, self.attn_norm, self.eps), start, st,
+            a = self.attn(self.norm_q(x, self.attn_norm, self.eps), start, st,
                           None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
@@ -74,7 +75,7 @@ class Block:
         `emitting`: the compression ratios whose window this token completes."""
         x, post, comb = self.hc_attn.pre(streams)
         emit = self.attn.ratio in emitting
-        a = self.attn.decode(self.norm(x, self.attn_norm, self.eps), at, st, emit)
+        a = self.attn.decode(self.norm_q(x, self.attn_norm, self.eps), at, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = self.norm(x, self.ffn_norm, self.eps)

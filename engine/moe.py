@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelArgs
 from engine.linear import FP8Linear
@@ -50,26 +49,22 @@ class ExpertProvider(Protocol):
 
 
 class Gate:
-    """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid."""
+    """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid.
+    The math is `reference.moe_gate`; native runs the backend's (two launches on CUDA)."""
 
-    def __init__(self, get, prefix: str, args: ModelArgs, layer: int):
+    def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.weight = get(f"{prefix}.weight").float()
         self.hash = args.is_hash_layer(layer) and layer < args.n_layers
         self.tid2eid = get(f"{prefix}.tid2eid").long() if self.hash else None
         self.tid2eid_host = self.tid2eid.cpu() if self.hash else None  # for prefetch hints
         self.bias = None if self.hash else get(f"{prefix}.bias").float()
         self.k, self.route_scale = args.n_activated_experts, args.route_scale
+        self.ops = numerics.backend if numerics.native else ref
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D], token ids [N] -> (expert indices [N, k] int64, routing weights [N, k] fp32)."""
-        scores = F.softplus(x.float() @ self.weight.T).sqrt()  # [N, E]
-        if self.hash:
-            idx = self.tid2eid[ids]
-        else:
-            idx = ref.topk_desc(scores + self.bias, self.k)
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # epsilon guards a sqrt-softplus underflow
-        return idx, w * self.route_scale
+        hash_ids = self.tid2eid[ids] if self.hash else None
+        return self.ops.moe_gate(x, self.weight, self.bias, self.k, self.route_scale, hash_ids)
 
 
 class MoE:
@@ -77,7 +72,7 @@ class MoE:
 
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.layer, self.numerics, self.limit = layer, numerics, args.swiglu_limit
-        self.gate = Gate(get, f"{prefix}.gate", args, layer)
+        self.gate = Gate(get, f"{prefix}.gate", args, layer, numerics)
         w = {n: (get(f"{prefix}.shared_experts.{n}.weight"), get(f"{prefix}.shared_experts.{n}.scale"))
              for n in ("w1", "w3", "w2")}
         self.shared_w2 = FP8Linear(*w["w2"], numerics)
@@ -96,6 +91,8 @@ class MoE:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
         n, k = idx.shape
+        if self._cells_in_arena(provider):
+            return self._arena_cells(x, idx, w, provider)
         slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
         # The one host round trip of the layer: the residency check needs the expert ids anyway.
         cells: dict[int, list[tuple[int, int]]] = {}
@@ -113,6 +110,28 @@ class MoE:
             rows, cols = where[:, spans[e][0]:spans[e][1]]
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         return self._combine(slots, x)
+
+    def _cells_in_arena(self, provider) -> bool:
+        """Native numerics with every expert resident in a CUDA arena: then all (token, choice)
+        cells of a prefill chunk go through the backend's fp4_moe at once instead of a per-expert
+        loop (about 20 launches per expert, hundreds of experts per layer)."""
+        arena = getattr(provider, "arena", None)
+        return (self.numerics.native and arena is not None and arena.device.type == "cuda"
+                and provider.all_resident())
+
+    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, provider) -> torch.Tensor:
+        """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
+        consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`."""
+        n, k = idx.shape
+        arena = provider.arena
+        provider.record(self.layer, idx.unique().tolist())  # cache statistics; the layer's one host sync
+        slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
+        order = torch.argsort(slots)
+        tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token
+        y = self.numerics.backend.fp4_moe(x.index_select(0, tokens), arena.data, arena.record.fields,
+                                          slots[order], w.reshape(-1)[order], self.limit)  # [N·k, D] fp32
+        cells = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
+        return self._combine(cells.view(n, k, -1), x)
 
     def decode(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """One token x [1, D] with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.

@@ -24,6 +24,10 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP8 block-scaled weight [N, K] -> bf16 [M, N]."""
         ...
 
+    def act_quant(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 activation quantisation: x [..., K] -> (q e4m3, s [..., K/block] fp32)."""
+        ...
+
     def fp8_gemm_quantized(self, q: torch.Tensor, s: torch.Tensor, w: torch.Tensor,
                            w_scale: torch.Tensor) -> torch.Tensor:
         """`fp8_gemm` on activations already quantised by act_quant (q [M, K] e4m3, s [M, K/128])."""
@@ -31,6 +35,11 @@ class Backend(Protocol):
 
     def fp4_gemm(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
         """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
+        ...
+
+    def moe_gate(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
+                 hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: (expert ids [N, k], routing weights [N, k] fp32) of x [N, D]."""
         ...
 
     def swiglu_quant(self, g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
@@ -73,8 +82,18 @@ class Backend(Protocol):
         """RMSNorm of x's last dim in fp32 (weight [D] or None), cast back to x's dtype."""
         ...
 
+    def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RMSNorm of x [M, K] and its act_quant: (y, q e4m3, s [M, K/128])."""
+        ...
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool) -> torch.Tensor:
         """Interleaved RoPE of x [S, ..., D]'s trailing 2·len(inv_freq) channels at positions [S]."""
+        ...
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, round_lead: int) -> torch.Tensor:
+        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none)."""
         ...
 
     def hadamard_qdq4(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -99,11 +118,17 @@ class TorchBackend:
     def fp8_gemm(self, x, w, w_scale):
         return ref.fp8_gemm(x, w, w_scale)
 
+    def act_quant(self, x, block):
+        return ref.act_quant(x, block)
+
     def fp8_gemm_quantized(self, q, s, w, w_scale):
         return ref.fp8_gemm_quantized(q, s, w, w_scale)
 
     def fp4_gemm(self, x, w, w_scale):
         return ref.fp4_gemm(x, w, w_scale)
+
+    def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
+        return ref.moe_gate(x, weight, bias, k, route_scale, hash_ids)
 
     def swiglu_quant(self, g, u, weights, limit):
         return ref.swiglu_quant(g, u, weights, limit)
@@ -132,8 +157,14 @@ class TorchBackend:
     def rms_norm(self, x, weight, eps):
         return ref.rms_norm(x, weight, eps)
 
+    def rms_norm_quant(self, x, weight, eps):
+        return ref.rms_norm_quant(x, weight, eps)
+
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
+
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
+        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead)
 
     def hadamard_qdq4(self, x, block):
         return ref.hadamard_qdq4(x, block)
@@ -156,7 +187,9 @@ class TileLangBackend:
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
-            "indexer_scores": "kernels.indexer_scores"}
+            "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
+            "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
+            "rms_norm_quant": "kernels.rms_norm_quant"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -174,11 +207,17 @@ class TileLangBackend:
     def fp8_gemm(self, x, w, w_scale):
         return self._impl["fp8_gemm"](x, w, w_scale)
 
+    def act_quant(self, x, block):
+        return self._impl["act_quant"](x, block)
+
     def fp8_gemm_quantized(self, q, s, w, w_scale):
         return self._impl["fp8_gemm_quantized"](q, s, w, w_scale)
 
     def fp4_gemm(self, x, w, w_scale):
         return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
+        return self._impl["moe_gate"](x, weight, bias, k, route_scale, hash_ids)
 
     def swiglu_quant(self, g, u, weights, limit):
         return self._impl["swiglu_quant"](g, u, weights, limit)
@@ -207,8 +246,14 @@ class TileLangBackend:
     def rms_norm(self, x, weight, eps):
         return self._impl["rms_norm"](x, weight, eps)
 
+    def rms_norm_quant(self, x, weight, eps):
+        return self._impl["rms_norm_quant"](x, weight, eps)
+
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)
+
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
+        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead)
 
     def hadamard_qdq4(self, x, block):
         return self._impl["hadamard_qdq4"](x, block)

@@ -2,15 +2,15 @@
 
 HCPre of one sub-block in torch is ~13 launches (widen, RMSNorm, the 24-column mix GEMV,
 scale, bias, sigmoid, pre/post, the weighted collapse, narrowing) plus Sinkhorn; a decode step
-runs two per layer. Here it is three launches:
+runs two per layer. Here it is two launches:
 
 1. `hc_mix_kernel`, grid (n·D / CHUNK, S): each CTA widens CHUNK channels of the flattened
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z),
-   x = Σ_j pre_j · stream_j (streams' dtype), and the comb logits z[2n:] [S, n·n];
-3. `kernels.sinkhorn` on the comb logits.
+   x = Σ_j pre_j · stream_j (streams' dtype); the n² threads of the comb logits z[2n:] then run
+   the Sinkhorn projection (`kernels.sinkhorn.sinkhorn_macro`, the standalone kernel's code).
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
@@ -21,8 +21,8 @@ comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once i
 dtype: one launch instead of ~5.
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
-scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major. sm_90 tested,
-sm_121 (GB10) untested. (No `from __future__ import annotations`: TileLang evaluates the kernel
+scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major. sm_90 tested with
+Sinkhorn as a third launch; the folded Sinkhorn is untested on a GPU; sm_121 (GB10) untested. (No `from __future__ import annotations`: TileLang evaluates the kernel
 signatures' annotations.)
 """
 
@@ -31,7 +31,7 @@ import functools
 import torch
 
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
-from kernels.sinkhorn import sinkhorn
+from kernels.sinkhorn import sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
 DEFAULT_TILE = {"chunk": 256, "threads": 128}
@@ -77,15 +77,19 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
 
 
 @functools.cache
-def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype: str, arch: tuple[int, int]):
+def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: float, dtype: str,
+                   arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
-    Post [S, n] fp32, Logits [S, n·n] fp32) with cols = 2n + n²; one CTA per token."""
+    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; one CTA per token. The comb
+    logits' threads run the Sinkhorn projection (kernels.sinkhorn's macro); the CTA's other
+    threads run it on a scratch matrix, so that every thread reaches its barriers."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
-    cols = 2 * n + n * n
+    cols, nn = 2 * n + n * n, n * n
     if cols + 1 > threads:
         raise KernelInputError(f"hc_pre: {cols} mix columns need more than {threads} threads")
+    steps = sinkhorn_macro(T, n, iters, hc_eps)
     inv_nd = T.float32(1.0 / (n * d))
     tokens = T.dynamic("tokens")
 
@@ -93,11 +97,15 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
     def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
                 Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
                 Y: T.Tensor((tokens, d), dtype), Post: T.Tensor((tokens, n), "float32"),
-                Logits: T.Tensor((tokens, n * n), "float32")):
+                Comb: T.Tensor((tokens, nn), "float32")):
         with T.Kernel(tokens, threads=threads) as bs:
             tx = T.get_thread_binding(0)
             sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
             v = T.alloc_local((3,), "float32")  # running sum, z, sigmoid(z)
+            sk = T.alloc_shared((2, nn), "float32")  # the comb matrix; a scratch one
+            w = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            mine = T.alloc_local((1,), "int32")  # 0: one of the comb matrix's threads, 1: scratch
             if tx < cols + 1:
                 v[0] = 0.0
                 for k in T.serial(chunks):  # chunk order: deterministic
@@ -111,9 +119,13 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
                     sm[cols + 1 + tx] = v[2] + hc_eps
                 elif tx < 2 * n:
                     Post[bs, tx - n] = 2.0 * v[2]
-                else:
-                    Logits[bs, tx - 2 * n] = v[1]
+            mine[0] = T.if_then_else(tx >= 2 * n, T.if_then_else(tx < cols, 0, 1), 1)
+            w[0] = T.if_then_else(mine[0] == 0, v[1], T.float32(0))
             T.sync_threads()
+            e = T.if_then_else(mine[0] == 0, tx - 2 * n, tx % nn)  # element: row e // n, column e % n
+            steps(sk, w, acc, mine[0], e)
+            if mine[0] == 0:
+                Comb[bs, e] = w[0]
             for i in T.serial(T.ceildiv(d, threads)):
                 if i * threads + tx < d:
                     v[0] = 0.0
@@ -178,12 +190,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
-    logits = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
     if s:
         hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
-        hc_gate_kernel(n, d, nd // chunk, float(hc_eps), float(eps), dt, arch)(
-            partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, logits)
-    return x, post, sinkhorn(logits.view(s, n, n), iters, hc_eps)
+        hc_gate_kernel(n, d, nd // chunk, int(iters), float(hc_eps), float(eps), dt, arch)(
+            partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
+    return x, post, comb.view(s, n, n)
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,20 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
+             hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router (§C.7 steps 1–3): scores = sqrt(softplus(x · weightᵀ)) in fp32 (x [N, D],
+    weight [E, D] fp32); the experts are the top k of scores + bias (the bias selects, it does not
+    weigh; ties -> lowest index), or `hash_ids` [N, k] on hash layers (bias None); weights = the
+    chosen scores normalised to sum 1 (+1e-20 against a sqrt-softplus underflow), times
+    route_scale -> (ids [N, k] int64, weights [N, k] fp32)."""
+    scores = torch.nn.functional.softplus(x.float() @ weight.T).sqrt()  # [N, E]
+    idx = hash_ids if bias is None else topk_desc(scores + bias, k)
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, w * route_scale
+
+
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """`fp8_gemm` on activations already quantised by `act_quant` (q [M, K] e4m3, s [M, K/128])
     -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale)."""
@@ -279,6 +293,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     return apply_rope(x, cos, sin, inverse)
 
 
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+              inv_freq: torch.Tensor, round_lead: int = 0) -> torch.Tensor:
+    """RMSNorm of x [S, ..., D] (weight [D] or None), then RoPE at positions [S] (the attention's
+    q and kv, §C.4); `round_lead` > 0: QDQ8 (block 64) of the leading round_lead channels, the
+    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op."""
+    y = rope(rms_norm(x, weight, eps), positions, inv_freq)
+    if round_lead:
+        y = torch.cat((qdq8(y[..., :round_lead], 64), y[..., round_lead:]), dim=-1)
+    return y
+
+
 # --------------------------------------------------------------------------------- mHC, norms
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 (weight in fp32), cast back to x's dtype (§C.0)."""
@@ -287,6 +312,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = weight.float() * y
     return y.to(x.dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [M, K], and its FP8 quantisation for the FP8 linears that read it:
+    (y in x's dtype, q e4m3, s [M, K/128] fp32) = (y, *act_quant(y, 128))."""
+    y = rms_norm(x, weight, eps)
+    return (y, *act_quant(y, 128))
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

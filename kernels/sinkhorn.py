@@ -21,21 +21,16 @@ TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}
 DEFAULT_TILE = {"threads": 128}
 
 
-@functools.cache
-def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
-    """(L [S, n·n] fp32) -> M [S, n·n] fp32; one thread per matrix element, n·n threads per token.
+def sinkhorn_macro(T, n: int, iters: int, eps: float):
+    """A TileLang macro `steps(sm, v, acc, j, e)`: the projection of one n×n matrix by n·n threads.
 
-    A thread keeps its element in a register; row and column sums read the token's matrix from
-    shared memory, summed from index 0 upwards like the reference loop, so every thread of a
-    row (column) computes the same sum and the result equals a one-thread-per-token loop.
+    Thread (j, e) holds element e (row e // n, column e % n) of matrix j in v[0] and leaves the
+    result there; `sm` is shared [matrices, n·n] fp32, `acc` a one-element local. A thread keeps
+    its element in a register; row and column sums read the matrix from shared memory, summed
+    from index 0 upwards like the reference loop, so every thread of a row (column) computes the
+    same sum and the result equals a one-thread-per-token loop. Every thread of the CTA must run
+    it (it holds barriers); threads with no element of their own can work on a scratch matrix.
     """
-    import tilelang.language as T
-
-    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
-    nn = n * n
-    per_cta = max(1, threads // nn)  # tokens per CTA
-    threads = per_cta * nn
-    tokens = T.dynamic("tokens")
 
     @T.macro
     def publish(sm, v, j, e):
@@ -60,6 +55,42 @@ def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
             acc[0] += sm[j, r * n + c0]
         v[0] = v[0] / (acc[0] + eps)
 
+    @T.macro
+    def steps(sm, v, acc, j, e):
+        r0 = (e // n) * n
+        c0 = e % n
+        sm[j, e] = v[0]
+        T.sync_threads()
+        acc[0] = sm[j, r0]
+        for c in T.unroll(n):  # row softmax, then + eps
+            acc[0] = T.max(acc[0], sm[j, r0 + c])
+        v[0] = T.exp(v[0] - acc[0])
+        publish(sm, v, j, e)
+        acc[0] = 0.0
+        for c in T.unroll(n):
+            acc[0] += sm[j, r0 + c]
+        v[0] = v[0] / acc[0] + eps
+        normalise_column(sm, v, acc, j, e, c0)  # column normalisation first
+        for _ in T.serial(iters - 1):
+            normalise_row(sm, v, acc, j, e, r0)
+            normalise_column(sm, v, acc, j, e, c0)
+
+    return steps
+
+
+@functools.cache
+def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
+    """(L [S, n·n] fp32) -> M [S, n·n] fp32; one thread per matrix element, n·n threads per token
+    (`sinkhorn_macro`)."""
+    import tilelang.language as T
+
+    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    nn = n * n
+    per_cta = max(1, threads // nn)  # tokens per CTA
+    threads = per_cta * nn
+    tokens = T.dynamic("tokens")
+    steps = sinkhorn_macro(T, n, iters, eps)
+
     @T.prim_func
     def sinkhorn_main(L: T.Tensor((tokens, nn), "float32"), M: T.Tensor((tokens, nn), "float32")):
         with T.Kernel(T.ceildiv(tokens, per_cta), threads=threads) as bx:
@@ -69,25 +100,9 @@ def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
             acc = T.alloc_local((1,), "float32")
             j = tx // nn  # token within the CTA
             e = tx % nn  # element: row e // n, column e % n
-            r0 = (e // n) * n
-            c0 = e % n
             t = T.min(bx * per_cta + j, tokens - 1)  # every thread reaches every barrier
             v[0] = L[t, e]
-            sm[j, e] = v[0]
-            T.sync_threads()
-            acc[0] = sm[j, r0]
-            for c in T.unroll(n):  # row softmax, then + eps
-                acc[0] = T.max(acc[0], sm[j, r0 + c])
-            v[0] = T.exp(v[0] - acc[0])
-            publish(sm, v, j, e)
-            acc[0] = 0.0
-            for c in T.unroll(n):
-                acc[0] += sm[j, r0 + c]
-            v[0] = v[0] / acc[0] + eps
-            normalise_column(sm, v, acc, j, e, c0)  # column normalisation first
-            for _ in T.serial(iters - 1):
-                normalise_row(sm, v, acc, j, e, r0)
-                normalise_column(sm, v, acc, j, e, c0)
+            steps(sm, v, acc, j, e)
             if bx * per_cta + j < tokens:
                 M[t, e] = v[0]
 

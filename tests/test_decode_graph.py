@@ -289,3 +289,19 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
     decode = [r for r in recs if r.tokens == 1]
     assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
     assert [r.layer for r in decode[:args.n_layers]] == list(range(args.n_layers))
+
+
+def test_arena_cells_equal_the_per_expert_loop(files):
+    """A prefill chunk's MoE through one fp4_moe call over every (token, choice) cell (the CUDA
+    arena path; here forced on the CPU arena) equals the per-expert loop: cells sorted by slot
+    and put back in (token, choice) order, each token's row its own."""
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    moe = next(b.ffn for b in model.blocks if not b.ffn.gate.hash)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(11, files.args.dim, generator=gen).to(torch.bfloat16)
+    ids = torch.arange(11)
+    idx, w = moe.route(x, ids)
+    looped = moe(x, ids, files.experts, (idx, w))  # CPU arena: the per-expert loop
+    celled = moe._arena_cells(x, idx, w, files.experts)
+    assert celled.shape == looped.shape and celled.dtype == looped.dtype
+    assert torch.equal(celled, looped)  # the reference computes each row on its own either way

@@ -293,7 +293,7 @@ def test_qdq8_matches_reference_exactly(shape, block, gen):
     """The KV-storage rounding through the TileLang quantiser: the reference's bits exactly."""
     from kernels.act_quant import qdq8
     full = (torch.randn(*shape[:-1], shape[-1] + 64, generator=gen, device=DEV) * 3).to(torch.bfloat16)
-    x = full[..., :shape[-1]]  # a non-contiguous slice, as kv_rounding passes it
+    x = full[..., :shape[-1]]  # a non-contiguous column slice
     assert torch.equal(qdq8(x, block), ref.qdq8(x, block))
 
 
@@ -424,3 +424,58 @@ def test_indexer_scores_matches_reference(s, h, d, t, gen):
     err = rel_err(got[fin], want[fin]) if fin.any() else 0.0
     print(f"indexer_scores S={s} H={h} D={d} T={t}: rel err {err:.2e}")
     assert err < 1e-5
+
+
+# ------------------------------------------------------------------------------ norm_rope
+NORM_ROPE_CASES = [((1, 64, 512), False, 0), ((1, 512), True, 448), ((5, 512), True, 448),
+                   ((2, 3, 96), True, 64), ((3, 1, 128), False, 0), ((1, 1100), True, 0)]
+
+
+@pytest.mark.parametrize("shape,weighted,lead", NORM_ROPE_CASES)
+def test_norm_rope_matches_reference(shape, weighted, lead, gen):
+    """q (64 heads, no weight), kv (weighted, QDQ8 of the 448 nope dims), prefill rows, odd
+    widths, and a row too wide for one CTA (the reference path). The normed values equal the
+    reference's up to one bf16 rounding step (fp32 summation order), which can move a QDQ8 code
+    by one step in rare elements; everything else matches to that rounding step."""
+    from kernels.norm_rope import norm_rope
+    d = shape[-1]
+    half = 32 if d >= 128 else 16
+    inv_freq = ref.rope_inv_freq(2 * half, 10000.0).to(DEV)
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.rand(d, generator=gen, device=DEV) + 0.5 if weighted else None
+    positions = torch.randint(0, 1 << 16, (shape[0],), generator=gen, device=DEV)
+    got = norm_rope(x, w, 1e-6, positions, inv_freq, lead)
+    want = ref.norm_rope(x, w, 1e-6, positions, inv_freq, lead)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    diff = (got.double() - want.double()).abs()
+    far = diff > 2.0 ** -7 * want.double().abs() + 1e-6  # beyond one bf16 rounding step
+    print(f"norm_rope {shape} lead={lead}: rel err {rel_err(got, want):.2e}, {int(far.sum())} elements "
+          "beyond one bf16 step")
+    assert rel_err(got, want) < 1e-2
+    assert not far[..., lead:].any()  # unrounded channels: one rounding step at most
+    assert far.float().mean() < 0.01  # QDQ8 codes moved by the normed values' last bit: rare
+
+
+@pytest.mark.parametrize("shape,weighted", [((1, 4096), True), ((1, 1024), True), ((7, 4096), False),
+                                            ((3, 256), True)])
+def test_rms_norm_quant_matches_reference(shape, weighted, gen):
+    """y within one rounding step of the reference norm; q and s exactly act_quant of the kernel's
+    own y."""
+    from kernels.rms_norm_quant import rms_norm_quant
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.rand(shape[-1], generator=gen, device=DEV) + 0.5 if weighted else None
+    y, q, s = rms_norm_quant(x, w, 1e-6)
+    want = ref.rms_norm(x, w, 1e-6)
+    diff = (y.double() - want.double()).abs()
+    print(f"rms_norm_quant {shape}: max abs diff {diff.max().item():.2e}")
+    assert y.dtype == want.dtype and (diff <= 2.0 ** -7 * want.double().abs()).all()
+    rq, rs = ref.act_quant(y, 128)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_rms_norm_quant_rejects_partial_blocks():
+    """A width that is not a whole number of 128-channel FP8 blocks is refused by name."""
+    from kernels.act_quant import KernelInputError
+    from kernels.rms_norm_quant import rms_norm_quant
+    with pytest.raises(KernelInputError, match="blocks of 128"):
+        rms_norm_quant(torch.zeros(2, 200, dtype=torch.bfloat16, device=DEV), None, 1e-6)

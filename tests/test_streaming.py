@@ -183,6 +183,19 @@ def test_prefetch_then_hits(source, packed, record_bytes):
     files.close()
 
 
+def test_record_ends_the_layers_prefetch_holds(packed):
+    """A layer served from the arena without `experts` (whole-mode decode, the prefill cell path)
+    reports its use through `record`: that ends the layer's prefetch holds, as `experts` does."""
+    files = open_model(packed)
+    p = files.experts
+    assert p.load_all()
+    p.prefetch(0, [1, 2, 3])
+    assert p.cache.pinned() == {(0, 1), (0, 2), (0, 3)}
+    p.record(0, [2, 5])
+    assert p.cache.pinned() == frozenset()
+    files.close()
+
+
 def test_forward_uses_hash_layer_prefetch(packed, record_bytes):
     files = open_model(packed)
     run(files, "exact", PROMPT[:3], [])

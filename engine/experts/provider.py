@@ -54,10 +54,11 @@ class StreamingExperts:
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
-        if not arena.on_host:  # device arena: read into pinned host buffers, then copy
-            self._staging = queue.SimpleQueue()
+        if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
+            self._staging = queue.SimpleQueue()  # (pinned buffer, copy stream) pairs, one per I/O thread
             for _ in range(pool.size):
-                self._staging.put(aligned_empty(store.record_bytes, pin_memory=True))
+                self._staging.put((aligned_empty(store.record_bytes, pin_memory=True),
+                                   torch.cuda.Stream(arena.device)))
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -77,17 +78,26 @@ class StreamingExperts:
             self._held.remove(key)
             self.cache.unpin(key)
 
-    def _load(self, key: ExpertKey, slot: int) -> None:
-        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`."""
+    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None) -> None:
+        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
+
+        Device arenas: the read lands in a pinned buffer, which is copied on the buffer's own
+        stream, so uploads overlap the compute stream's kernels. The copy first waits for `freed`
+        (recorded on the compute stream when the slot was reassigned: kernels enqueued before
+        may still read the record it held), and is complete before the read's future resolves
+        (the consumer joins it before enqueuing kernels that read the slot)."""
         if self._staging is None:
             self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
             return
-        buf = self._staging.get()
+        buf, stream = self._staging.get()
         try:
             self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
-            self.arena.data[slot].copy_(buf)
+            stream.wait_event(freed)
+            with torch.cuda.stream(stream):
+                self.arena.data[slot].copy_(buf, non_blocking=True)
+            stream.synchronize()  # before the buffer is reused and the future resolves
         finally:
-            self._staging.put(buf)
+            self._staging.put((buf, stream))
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -101,7 +111,11 @@ class StreamingExperts:
         if evicted is not None:
             self.arena.clear(*evicted)
         self.arena.assign(key[0], key[1], slot)
-        self._loads[key] = self.pool.submit(self._load, key, slot)
+        freed = None
+        if self._staging is not None:  # the compute stream's work so far may still read the slot
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.arena.device))
+        self._loads[key] = self.pool.submit(self._load, key, slot, freed)
         return True
 
     def _join(self, key: ExpertKey, reraise: bool = True) -> None:
@@ -243,7 +257,10 @@ class StreamingExperts:
         return len(self.cache) == len(self.store.layers()) * self.store.count
 
     def record(self, layer: int, ids: Iterable[int]) -> None:
-        """Count uses of experts that are known resident (all hits): statistics only."""
+        """Count uses of experts that are known resident (all hits): statistics only. This is the
+        layer's call, so its prefetch holds end here (as in `experts`)."""
+        for key in self._prefetched.pop(layer, ()):
+            self._settle(key)
         for e in dict.fromkeys(int(i) for i in ids):
             if self.cache.lookup((layer, e)) is None:
                 raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")

@@ -1,0 +1,114 @@
+"""RMSNorm + RoPE (+ the KV's QDQ8 storage rounding) on CUDA (TileLang) in one launch; same
+contract as `reference.norm_rope`.
+
+x [S, H, D] (or [S, D]) -> y in x's dtype: y = RMSNorm(x) (weight [D] or none) rounded to x's
+dtype, then the trailing 2·len(inv_freq) channels rotated at positions [S] (interleaved pairs),
+then, when `round_lead` > 0, the leading `round_lead` channels QDQ8-rounded in blocks of 64
+(native KV storage, §C.0). The attention's q takes the norm and the rotation (two launches
+before), its kv all three (about seven: norm, rotation, quantise, dequantise, narrow, concat).
+
+Bits: the norm as kernels/rms_norm.py (sum of squares by warp shuffles, then the warps' partial
+sums in order: equal to the reference up to fp32 summation order); the rotation as
+kernels/rope.py (angle pos·inv_freq, precise cosf/sinf, unfused products and sums); the QDQ8 as
+kernels/act_quant.py (power-of-two scale from amax's bits, e4m3 round to nearest even, exact
+dequantisation) — bit-identical to the reference given the same normed values.
+
+Layout: one CTA per (token, head) row, one thread per channel (D <= 1024, a multiple of 32);
+rows that do not fit go to the reference. sm_90 and sm_121 (GB10): untested on a GPU.
+(No `from __future__ import annotations`: TileLang evaluates the kernel signature's annotations.)
+"""
+
+import functools
+
+import torch
+
+from kernels import reference as ref
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
+
+MAX_DIM = 1024
+QDQ8_BLOCK = 64
+
+
+@functools.cache
+def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, round_lead: int, dtype: str,
+                     arch: tuple[int, int]):
+    """(X [S, heads, d] dtype, W [d] fp32, P [S] int64, F [half] fp32, Y [S, heads, d] dtype);
+    W is read only when `weighted`."""
+    import tilelang.language as T
+
+    warps = d // 32
+    lead = d - 2 * half  # channels before the rotary tail
+    inv_d = T.float32(1.0 / d)  # torch's mean multiplies the sum by the fp32 1/N
+    seq = T.dynamic("seq")
+
+    def f32(name, *args):
+        return T.call_extern("float32", name, *args)
+
+    @T.prim_func
+    def norm_rope(X: T.Tensor((seq, heads, d), dtype), W: T.Tensor((d,), "float32"), P: T.Tensor((seq,), "int64"),
+                  F: T.Tensor((half,), "float32"), Y: T.Tensor((seq, heads, d), dtype)):
+        with T.Kernel(heads, seq, threads=d) as (h, s):
+            e = T.get_thread_binding(0)  # this thread's channel
+            part = T.alloc_shared((warps,), "float32")
+            sm = T.alloc_shared((d,), "float32")  # the normed row, rounded to dtype
+            v = T.alloc_local((6,), "float32")  # x, sum / r, angle, cos, sin, amax
+            q8 = T.alloc_local((1,), "float8_e4m3")
+            v[0] = T.Cast("float32", X[s, h, e])
+            v[1] = T.warp_reduce_sum(v[0] * v[0])
+            if e % 32 == 0:
+                part[e // 32] = v[1]
+            T.sync_threads()
+            v[1] = part[0]
+            for i in T.serial(1, warps):  # the warps' partial sums in order
+                v[1] = v[1] + part[i]
+            v[1] = T.rsqrt(v[1] * inv_d + eps)
+            if weighted:
+                v[0] = T.Cast("float32", T.Cast(dtype, W[e] * (v[0] * v[1])))
+            else:
+                v[0] = T.Cast("float32", T.Cast(dtype, v[0] * v[1]))
+            sm[e] = v[0]
+            T.sync_threads()
+            if e >= lead:  # rotary tail: pair (re, im) = channels lead + 2j, lead + 2j + 1
+                v[2] = f32("__fmul_rn", T.Cast("float32", P[s]), F[(e - lead) // 2])
+                v[3] = T.cos(v[2])
+                v[4] = T.sin(v[2])
+                if (e - lead) % 2 == 0:
+                    Y[s, h, e] = T.Cast(dtype, f32("__fsub_rn", f32("__fmul_rn", v[0], v[3]),
+                                                   f32("__fmul_rn", sm[e + 1], v[4])))
+                else:
+                    Y[s, h, e] = T.Cast(dtype, f32("__fadd_rn", f32("__fmul_rn", sm[e - 1], v[4]),
+                                                   f32("__fmul_rn", v[0], v[3])))
+            elif e < round_lead:  # QDQ8 of the leading channels, blocks of 64
+                v[5] = T.float32(0)
+                for c in T.unroll(QDQ8_BLOCK):
+                    v[5] = T.max(v[5], T.abs(sm[(e // QDQ8_BLOCK) * QDQ8_BLOCK + c]))
+                sc, inv = pow2_scale_bits(T, v[5])
+                q8[0] = T.clamp(f32("__fmul_rn", v[0], inv), -448.0, 448.0)
+                Y[s, h, e] = T.Cast(dtype, f32("__fmul_rn", T.Cast("float32", q8[0]), sc))
+            else:
+                Y[s, h, e] = T.Cast(dtype, v[0])
+
+    return compile_kernel(norm_rope, arch)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+              inv_freq: torch.Tensor, round_lead: int = 0) -> torch.Tensor:
+    """x [S, ..., D] (bf16/fp16/fp32) -> normed, rotated (and lead-rounded) x, as `reference.norm_rope`."""
+    s, d, half = x.shape[0], x.shape[-1], inv_freq.shape[-1]
+    if x.dtype not in _TORCH_TO_TL:
+        raise KernelInputError(f"norm_rope takes bf16, fp16 or fp32 input, got {x.dtype}")
+    if weight is not None and tuple(weight.shape) != (d,):
+        raise KernelInputError(f"norm_rope: weight shape {tuple(weight.shape)} != ({d},)")
+    if tuple(positions.shape) != (s,) or 2 * half > d or round_lead % QDQ8_BLOCK or round_lead > d - 2 * half:
+        raise KernelInputError(f"norm_rope: positions {tuple(positions.shape)}, {2 * half} rotary channels and "
+                               f"{round_lead} rounded channels do not fit x {tuple(x.shape)}")
+    arch = cuda_arch(x.device)
+    if d % 32 or d > MAX_DIM:
+        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead)
+    x3 = x.contiguous().reshape(s, -1, d)  # [S, H, D]
+    y = torch.empty_like(x3)
+    if x3.numel():
+        w = x3.new_empty(d, dtype=torch.float32) if weight is None else weight.float().contiguous()
+        norm_rope_kernel(x3.shape[1], d, half, weight is not None, float(eps), int(round_lead),
+                         _TORCH_TO_TL[x.dtype], arch)(x3, w, positions.to(torch.int64), inv_freq.float().contiguous(), y)
+    return y.reshape(x.shape)
