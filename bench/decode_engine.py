@@ -25,6 +25,7 @@ import torch
 
 from bench.kernels import copy_bandwidth
 from converter.synth import SynthOptions, flash_config, write_checkpoint
+from engine.config import EngineConfig
 from engine.model import Transformer
 from engine.moe import ExpertWeights
 from engine.numerics import Numerics
@@ -154,13 +155,15 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         convert(ckpt, out)
         print(f"converted in {time.perf_counter() - t:.1f} s")
     rows = []
-    runs = [(1.0, "all resident, CUDA graph per step"), (0.25, "25 % expert cache, graph per layer")]
-    for share, label in runs[:1] if a.skip_stream else runs:
+    runs = [(1.0, "all resident, CUDA graph per step", 1)]
+    if not a.skip_stream:
+        runs += [(0.25, f"25 % expert cache, graph per layer, {n} I/O threads", n) for n in a.io_threads]
+    for share, label, threads in runs:
         files = open_model(out, device=str(dev))
         budget = int(files.experts.cache.capacity_bytes * share)
         if share < 1.0:
             files.close()
-            files = open_model(out, cache_bytes=budget, device=str(dev))
+            files = open_model(out, cache_bytes=budget, io_threads=threads, device=str(dev))
         t = time.perf_counter()
         whole = files.experts.load_all()
         print(f"{label}: load_all -> {whole} in {time.perf_counter() - t:.1f} s")
@@ -200,6 +203,8 @@ def main(argv=None) -> int:
                    help="comma-separated kernel backends to time eagerly (empty: none)")
     p.add_argument("--skip-graph", action="store_true", help="skip the converted CUDA-graph runs")
     p.add_argument("--skip-stream", action="store_true", help="skip the 25 %% expert-cache (streamed) run")
+    p.add_argument("--io-threads", type=lambda v: [int(n) for n in v.split(",")], default=[EngineConfig.io_threads],
+                   help="comma-separated I/O thread counts, one streamed run each (default: EngineConfig's)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.decode_engine needs a CUDA GPU")

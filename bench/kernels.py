@@ -105,7 +105,8 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import _grouped_gemv, fp4_gemm, fp4_gemm_grouped
-    from kernels.fp8_gemm import fp8_gemm
+    from kernels.fp8_gemm import dequant_fp8_bf16, fp8_gemm, fp8_gemm_quantized
+    from kernels.grouped_linear import grouped_linear
     from kernels.sparse_attention import sparse_attention
 
     rows = []
@@ -120,6 +121,23 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
         xk = torch.randn(1, k, device=dev).to(torch.bfloat16)
         t, graphed = time_rotating(ws, lambda w: fp8_gemm(xk, w[0], w[1]))
         rows.append((f"fp8_gemm {name} M=1 {n}x{k}", nbytes + 3 * k + 2 * n, t, graphed))
+    for name, n, k in [("wq_b", 32768, 1024), ("wo_b", 4096, 8192)]:  # activations quantised once, elsewhere
+        nbytes = n * k + n * k // 16384
+        ws = [_fp8(n, k, dev) for _ in range(copies(nbytes))]
+        q, sq = act_quant(torch.randn(1, k, device=dev).to(torch.bfloat16), 128)
+        t, graphed = time_rotating(ws, lambda w: fp8_gemm_quantized(q, sq, w[0], w[1]))
+        rows.append((f"fp8_gemm_quantized {name} M=1 {n}x{k}", nbytes + k + k // 32 + 2 * n, t, graphed))
+    # wo_a: 8 groups of 1024 rows over 4096 channels, bf16 activations, FP8 weight (the bf16
+    # einsum on the dequantised weight is what native ran before)
+    g, r, k = 8, 1024, 4096
+    nbytes = g * r * k + g * r * k // 16384
+    ws = [_fp8(g * r, k, dev) for _ in range(copies(nbytes))]
+    xo = torch.randn(1, g * k, device=dev).to(torch.bfloat16)
+    t, graphed = time_rotating(ws, lambda w: grouped_linear(xo, w[0], w[1], g))
+    rows.append((f"grouped_linear wo_a M=1 {g}x{r}x{k}", nbytes + 2 * g * k + 2 * g * r, t, graphed))
+    wb = [dequant_fp8_bf16(*w).view(g, r, k) for w in ws[:copies(2 * g * r * k)]]
+    t, graphed = time_rotating(wb, lambda w: torch.einsum("sgi,gri->sgr", xo.view(1, g, k), w))
+    rows.append((f"bf16 einsum wo_a (before) M=1 {g}x{r}x{k}", 2 * g * r * k + 2 * g * k + 2 * g * r, t, graphed))
     for name, n, k in [("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)]:
         nbytes = n * k // 2 + n * k // 32
         ws = [_fp4(n, k, dev) for _ in range(copies(nbytes))]

@@ -56,18 +56,24 @@ class FloatLinear:
 class GroupedOutProj:
     """The grouped output projection wo_a (§C.4 steps 14–15): group g of heads -> its own rows.
 
-    native: the weight is dequantised to bf16 (as the official convert.py does) and applied to
-    bf16 activations without activation quantisation.
+    exact: fp32 on the dequantised weight. native: bf16 activations, not quantised, times the
+    weight as bf16 (the official convert.py dequantises it; exact), fp32 accumulation — the
+    backend's `grouped_linear`, which keeps the FP8 bytes (half the bf16 copy's).
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int, numerics: Numerics):
         self.numerics = numerics
         self.groups = groups
-        w = ref.dequant_fp8_block(weight, scale).to(numerics.dtype)  # [G*R, H*D/G]
-        self.w = w.view(groups, -1, w.shape[-1])  # [G, R, H*D/G]
+        if numerics.native:  # kept in the on-disk format for the backend
+            self.weight, self.scale = weight, scale
+        else:
+            w = ref.dequant_fp8_block(weight, scale)  # fp32 [G*R, H*D/G]
+            self.w = w.view(groups, -1, w.shape[-1])  # [G, R, H*D/G]
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
-        """o [S, H*D] -> [S, G*R] (native: bf16 operands, fp32 accumulation, bf16 result)."""
+        """o [S, H*D] -> [S, G*R] (native: bf16 result)."""
+        if self.numerics.native:
+            return self.numerics.backend.grouped_linear(o.to(torch.bfloat16), self.weight, self.scale, self.groups)
         s = o.shape[0]
         u = o.to(self.w.dtype).view(s, self.groups, -1)  # [S, G, H*D/G]
         return torch.einsum("sgi,gri->sgr", u, self.w).reshape(s, -1)

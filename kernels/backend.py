@@ -37,6 +37,10 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
         ...
 
+    def grouped_linear(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
+        """bf16 x [S, G·K], group g × rows g·R.. of an FP8 block-scaled weight [G·R, K] -> bf16 [S, G·R]."""
+        ...
+
     def moe_gate(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
                  hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: (expert ids [N, k], routing weights [N, k] fp32) of x [N, D]."""
@@ -127,6 +131,9 @@ class TorchBackend:
     def fp4_gemm(self, x, w, w_scale):
         return ref.fp4_gemm(x, w, w_scale)
 
+    def grouped_linear(self, x, w, w_scale, groups):
+        return ref.grouped_linear(x, w, w_scale, groups)
+
     def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
         return ref.moe_gate(x, weight, bias, k, route_scale, hash_ids)
 
@@ -189,7 +196,7 @@ class TileLangBackend:
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
             "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
-            "rms_norm_quant": "kernels.rms_norm_quant"}
+            "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -215,6 +222,9 @@ class TileLangBackend:
 
     def fp4_gemm(self, x, w, w_scale):
         return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def grouped_linear(self, x, w, w_scale, groups):
+        return self._impl["grouped_linear"](x, w, w_scale, groups)
 
     def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
         return self._impl["moe_gate"](x, weight, bias, k, route_scale, hash_ids)

@@ -68,6 +68,7 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     groups = warps // ksplit
     cta_rows = rows * groups
     loop = T.unroll if split_steps <= 16 else T.serial
+    store = store_rows_macro(T, m, n, rows, ksplit)
 
     @T.prim_func
     def fp8_gemv(Q: T.Tensor((m, kw), "int32"), SA: T.Tensor((m, kb), "float32"),
@@ -99,21 +100,37 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
                             scale = SA[i, k0 // 128] * e8m0_bits_to_float(
                                 T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
                             acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
-            for r in T.unroll(rows):
-                for i in T.unroll(m):
-                    total = T.warp_reduce_sum(acc[r, i])
-                    if lane == 0:
-                        red[warp % ksplit, (warp // ksplit) * rows + r, i] = total
-            T.sync_threads()
-            for r in T.unroll(rows):
-                for i in T.unroll(m):
-                    if lane == 0 and warp % ksplit == 0 and first + r < n:
-                        acc[r, i] = red[0, (warp // ksplit) * rows + r, i]
-                        for j in T.unroll(1, ksplit):
-                            acc[r, i] += red[j, (warp // ksplit) * rows + r, i]
-                        Y[i, first + r] = T.Cast("bfloat16", acc[r, i])
+            store(acc, red, Y, lane, warp, first)
 
     return compile_kernel(fp8_gemv, arch)
+
+
+def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int):
+    """A TileLang macro `store(acc, red, Y, lane, warp, first)` ending a row-per-warp GEMV.
+
+    Each warp holds fp32 partial sums acc [rows, m] (one per lane) of rows first..first+rows-1
+    over its K range: it sums them over its lanes, the `ksplit` warps of a row group meet in
+    shared `red` [ksplit, rows * warps / ksplit, m] and are added in warp order (deterministic),
+    and Y [m, n] bf16 receives the rows below n. Every thread of the CTA must run it (a barrier).
+    """
+
+    @T.macro
+    def store(acc, red, Y, lane, warp, first):
+        for r in T.unroll(rows):
+            for i in T.unroll(m):
+                total = T.warp_reduce_sum(acc[r, i])
+                if lane == 0:
+                    red[warp % ksplit, (warp // ksplit) * rows + r, i] = total
+        T.sync_threads()
+        for r in T.unroll(rows):
+            for i in T.unroll(m):
+                if lane == 0 and warp % ksplit == 0 and first + r < n:
+                    acc[r, i] = red[0, (warp // ksplit) * rows + r, i]
+                    for j in T.unroll(1, ksplit):
+                        acc[r, i] += red[j, (warp // ksplit) * rows + r, i]
+                    Y[i, first + r] = T.Cast("bfloat16", acc[r, i])
+
+    return store
 
 
 def gemv_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:

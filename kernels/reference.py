@@ -146,6 +146,16 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     return (act_dequant(q, s, 128) @ dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """The grouped output projection wo_a (§C.4 steps 14–15) as the official code runs it: the
+    FP8 weight [G·R, K] dequantised to bf16 (exact), bf16 activations x [S, G·K] (group g: channels
+    g·K..), fp32 accumulation -> bf16 [S, G·R] (group g: rows g·R.. of the weight)."""
+    s, n = x.shape[0], w.shape[0]
+    wd = dequant_fp8_block(w, w_scale).to(x.dtype).view(groups, n // groups, -1)  # [G, R, K]
+    u = x.view(s, groups, -1)  # [S, G, K]
+    return torch.einsum("sgi,gri->sgr", u, wd).reshape(s, n)
+
+
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
     q, s = act_quant(x, 128)

@@ -123,6 +123,45 @@ def test_fp8_gemm_rejects_mismatched_scale(gen):
         fp8_gemm(activations(1, 256, gen), w, s[:1])
 
 
+# ------------------------------------------------------------------------ grouped linear (wo_a)
+# Flash's wo_a (8 groups of 1024 rows over 4096 channels) at decode and prefill row counts, the
+# tiny model's, a weight whose rows end inside a 128-row scale block (kernel path), groups that do
+# not split into whole CTAs (cuBLAS path)
+@pytest.mark.parametrize("m,groups,r,k", [(1, 8, 1024, 4096), (2, 8, 1024, 4096), (16, 8, 1024, 4096),
+                                          (40, 8, 1024, 4096), (1, 2, 64, 256), (3, 3, 40, 256), (5, 3, 42, 384)])
+def test_grouped_linear_matches_reference(m, groups, r, k, gen):
+    from kernels.grouped_linear import grouped_linear
+    x = activations(m, groups * k, gen)
+    w, s = fp8_weight(groups * r, k, gen)
+    out = grouped_linear(x, w, s, groups)
+    want = ref.grouped_linear(x, w, s, groups)
+    assert out.shape == (m, groups * r) and out.dtype == torch.bfloat16
+    err = rel_err(out, want)
+    print(f"grouped_linear M={m} G={groups} R={r} K={k}: rel err {err:.2e}")
+    assert err < 4e-3
+
+
+@pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (4, 4, 1), (1, 8, 8), (2, 4, 2)])
+def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
+    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.grouped_linear import grouped_gemv_kernel
+    m, groups, r, k = 2, 4, 256, 1536
+    x = activations(m, groups * k, gen)
+    w, s = fp8_weight(groups * r, k, gen)
+    y = torch.empty(m, groups * r, dtype=torch.bfloat16, device=DEV)
+    grouped_gemv_kernel(m, groups, k, groups * r, rows, warps, ksplit, torch.cuda.get_device_capability())(
+        x, as_words(w), scale_bytes(s), y)
+    assert rel_err(y, ref.grouped_linear(x, w, s, groups)) < 4e-3
+
+
+def test_grouped_linear_rejects_mismatched_groups(gen):
+    from kernels.act_quant import KernelInputError
+    from kernels.grouped_linear import grouped_linear
+    w, s = fp8_weight(256, 256, gen)
+    with pytest.raises(KernelInputError, match="row groups"):
+        grouped_linear(activations(1, 3 * 256, gen), w, s, 2)
+
+
 # ------------------------------------------------------------------------------- fp4 GEMMs
 FP4_SHAPES = [(1, 2048, 4096), (1, 4096, 2048), (2, 2048, 4096), (16, 4096, 2048), (3, 384, 640),
               (1, 100, 128), (24, 512, 1024)]

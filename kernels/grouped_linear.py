@@ -1,0 +1,105 @@
+"""Grouped projection with bf16 activations and an FP8 weight on CUDA (TileLang); same contract
+as `reference.grouped_linear` (wo_a, spec §C.4 steps 14–15).
+
+y[:, g·R:(g+1)·R] = x[:, g·K:(g+1)·K] · W[g·R:(g+1)·R]ᵀ for W [G·R, K] e4m3 with 128×128 e8m0
+block scales, fp32 accumulation, bf16 output. The official convert.py dequantises this weight to
+bf16 and multiplies bf16 activations without quantising them; dequantisation is exact (an e4m3
+value times a power of two fits bf16), so reading the FP8 bytes and decoding them in the kernel
+computes the same products from half the bytes (32 MiB instead of 64 MiB per Flash layer).
+
+* Decode (M <= GEMV_MAX_M rows): the FP8 GEMV's layout (kernels/fp8_gemm.py) over the G·R weight
+  rows: each warp owns `rows` output rows of one group, each lane reads 16 weight bytes per row
+  per step and 16 bf16 activations of that group (two 16-byte loads, widened exactly to fp32),
+  and the 16-term fp32 dot product is added times the block scale · 2^8 (exact). Rows finish as
+  in the FP8 GEMV (warp sum, K-split warps added in shared memory in a fixed order).
+* Otherwise (prefill, or groups of rows that do not split into whole CTAs): the weight is
+  dequantised to bf16 and multiplied by cuBLAS, as the reference does.
+
+Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tile sizes
+are the FP8 GEMV's (sm_90 tested, sm_121 untested). TileLang is imported lazily.
+"""
+
+import functools
+
+import torch
+
+from kernels import lowbit
+from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, pad_rows_to_bucket
+from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
+                              e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro)
+
+
+@functools.cache
+def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: int, ksplit: int,
+                        arch: tuple[int, int]):
+    """(X [m, groups·k] bf16, W [n, k/4] int32 = e4m3 codes, SW [ceil(n/128), k/128] u8)
+    -> Y [m, n] bf16, n = groups·R; a CTA's rows lie in one group (R a multiple of the CTA's rows)."""
+    import tilelang.language as T
+
+    kstep = 32 * _VEC
+    steps = (k + kstep - 1) // kstep
+    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
+    kb, nb, kw = k // 128, (n + 127) // 128, k // 4
+    cta_rows = rows * (warps // ksplit)
+    ctas_per_group = n // groups // cta_rows
+    loop = T.unroll if split_steps <= 16 else T.serial
+    store = store_rows_macro(T, m, n, rows, ksplit)
+
+    @T.prim_func
+    def grouped_gemv(X: T.Tensor((m, groups * k), "bfloat16"), W: T.Tensor((n, kw), "int32"),
+                     SW: T.Tensor((nb, kb), "uint8"), Y: T.Tensor((m, n), "bfloat16")):
+        with T.Kernel(n // cta_rows, threads=(32, warps)) as bn:
+            lowbit.import_source(T)
+            lane = T.get_thread_binding(0)
+            warp = T.get_thread_binding(1)
+            wq = T.alloc_local((rows, _VEC // 4), "int32")
+            xb = T.alloc_local((_VEC,), "bfloat16")
+            af = T.alloc_local((_VEC,), "float32")
+            acc = T.alloc_local((rows, m), "float32")
+            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
+            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
+            x0 = (bn // ctas_per_group) * k  # the group's first activation channel
+            T.clear(acc)
+            for ko in loop(split_steps):
+                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
+                if k0 < k:
+                    for r in T.unroll(rows):
+                        for v in T.vectorized(_VEC // 4):
+                            wq[r, v] = W[first + r, k0 // 4 + v]
+                    for i in T.unroll(m):
+                        for h in T.unroll(2):  # 16 bf16 = two 16-byte loads
+                            for v in T.vectorized(_VEC // 2):
+                                xb[h * (_VEC // 2) + v] = X[i, x0 + k0 + h * (_VEC // 2) + v]
+                        for v in T.unroll(_VEC):
+                            af[v] = T.Cast("float32", xb[v])
+                        for r in T.unroll(rows):
+                            # the weight codes decode to value * 2^-8: the block scale takes 2^8
+                            scale = e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
+                            acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+            store(acc, red, Y, lane, warp, first)
+
+    return compile_kernel(grouped_gemv, arch)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [S, G·K] bf16, FP8 weight [G·R, K] with e8m0 scales [ceil(G·R/128), K/128] -> bf16 [S, G·R]."""
+    n, k = w.shape
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or groups < 1 or n % groups or x.shape[1] != groups * k:
+        raise KernelInputError(f"grouped_linear takes x [S, {groups}·{k}] bf16 and a weight of {groups} equal "
+                               f"row groups, got x {x.dtype} {tuple(x.shape)} and weight {tuple(w.shape)}")
+    m = x.shape[0]
+    check_fp8_weight(x.reshape(m * groups, k), w, w_scale)
+    arch = cuda_arch(x.device)
+    if m == 0:
+        return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
+    rows, warps, ksplit = gemv_tile(n, k, arch)
+    if m > GEMV_MAX_M or (n // groups) % (rows * warps // ksplit):
+        u = x.view(m, groups, k)  # [S, G, K]
+        wd = dequant_fp8_bf16(w, w_scale).view(groups, n // groups, k)  # [G, R, K], exact
+        return torch.einsum("sgi,gri->sgr", u, wd).reshape(m, n)
+    xp = pad_rows_to_bucket(x.contiguous())  # zero rows: zero outputs, sliced off
+    if xp.data_ptr() % 16:  # the kernel's 16-byte activation loads
+        xp = xp.clone()
+    y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    grouped_gemv_kernel(xp.shape[0], groups, k, n, rows, warps, ksplit, arch)(xp, as_words(w), scale_bytes(w_scale), y)
+    return y[:m]
