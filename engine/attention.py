@@ -64,8 +64,11 @@ class Compressor:
                  rope: Rope, numerics: Numerics):
         self.ratio, self.dim, self.kind, self.rope, self.numerics = ratio, dim, kind, rope, numerics
         self.overlap = ratio == 4
-        self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"), numerics)
-        self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"), numerics)
+        if numerics.native:  # bf16 as on disk, wkv's rows then wgate's: the backend projects both at once
+            self.w = torch.cat((get(f"{prefix}.wkv.weight"), get(f"{prefix}.wgate.weight")))  # [2·c·d, D]
+        else:
+            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"), numerics)
+            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"), numerics)
         self.ape = get(f"{prefix}.ape").float()  # [r, c·d]
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
@@ -75,9 +78,8 @@ class Compressor:
         """Project x [S, D] at positions start.., emit every completed window into st.entries."""
         r, s = self.ratio, x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
-        x = x.float()  # widened once for both fp32 projections
-        kv = self.wkv(x)  # [S, c·d] fp32
-        gate = self.wgate(x) + self.ape[positions % r]
+        kv, gate = self._project(x)  # [S, c·d] fp32 each
+        gate = gate + self.ape[positions % r]
         n_buf = start % r  # tokens of the open window seen before this call
         kv = torch.cat((st.buf_kv[:n_buf], kv))
         gate = torch.cat((st.buf_gate[:n_buf], gate))
@@ -104,9 +106,12 @@ class Compressor:
         into entry p // r, and an overlap compressor keeps the window's first half."""
         r = self.ratio
         row, entry = at.row[r], at.entry[r]
-        xf = x.float()  # widened once for both fp32 projections
-        st.buf_kv.index_copy_(0, row, self.wkv(xf))
-        st.buf_gate.index_copy_(0, row, self.wgate(xf) + self.ape[row])
+        if self.numerics.native:  # one launch on CUDA
+            self.numerics.backend.compressor_project(x, self.w, self.ape, row, st.buf_kv, st.buf_gate)
+        else:
+            kv, gate = self._project(x)
+            st.buf_kv.index_copy_(0, row, kv)
+            st.buf_gate.index_copy_(0, row, gate + self.ape[row])
         if not emit:
             return
         win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]
@@ -115,6 +120,14 @@ class Compressor:
             st.prev_kv.copy_(st.buf_kv[:, :self.dim])
             st.prev_gate.copy_(st.buf_gate[:, :self.dim])
         st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, D] -> (kv, gate logits without ape) [S, c·d], fp32 products of the bf16 weights."""
+        xf = x.float()  # widened once for both projections
+        if self.numerics.native:
+            c = self.w.shape[0] // 2
+            return xf @ self.w[:c].float().T, xf @ self.w[c:].float().T
+        return self.wkv(xf), self.wgate(xf)
 
     def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
         """8 slots per entry: the previous window's first half, then this window's second half.

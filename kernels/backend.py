@@ -37,6 +37,11 @@ class Backend(Protocol):
         """FP8-quantised activations [M, K] × FP4 weight [N, K/2] (1×32 scales) -> bf16 [M, N]."""
         ...
 
+    def compressor_project(self, x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row: torch.Tensor,
+                           buf_kv: torch.Tensor, buf_gate: torch.Tensor) -> None:
+        """x [M, D] × bf16 [wkv; wgate] in fp32 -> rows `row` of buf_kv and (+ ape[row]) buf_gate, in place."""
+        ...
+
     def grouped_linear(self, x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
         """bf16 x [S, G·K], group g × rows g·R.. of an FP8 block-scaled weight [G·R, K] -> bf16 [S, G·R]."""
         ...
@@ -131,6 +136,9 @@ class TorchBackend:
     def fp4_gemm(self, x, w, w_scale):
         return ref.fp4_gemm(x, w, w_scale)
 
+    def compressor_project(self, x, w, ape, row, buf_kv, buf_gate):
+        ref.compressor_project(x, w, ape, row, buf_kv, buf_gate)
+
     def grouped_linear(self, x, w, w_scale, groups):
         return ref.grouped_linear(x, w, w_scale, groups)
 
@@ -196,7 +204,8 @@ class TileLangBackend:
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
             "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
-            "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear"}
+            "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear",
+            "compressor_project": "kernels.compressor_project"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -222,6 +231,9 @@ class TileLangBackend:
 
     def fp4_gemm(self, x, w, w_scale):
         return self._impl["fp4_gemm"](x, w, w_scale)
+
+    def compressor_project(self, x, w, ape, row, buf_kv, buf_gate):
+        self._impl["compressor_project"](x, w, ape, row, buf_kv, buf_gate)
 
     def grouped_linear(self, x, w, w_scale, groups):
         return self._impl["grouped_linear"](x, w, w_scale, groups)

@@ -100,22 +100,27 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
                             scale = SA[i, k0 // 128] * e8m0_bits_to_float(
                                 T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
                             acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
-            store(acc, red, Y, lane, warp, first)
+            store(acc, red, lane, warp, first, Y)
 
     return compile_kernel(fp8_gemv, arch)
 
 
-def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int):
-    """A TileLang macro `store(acc, red, Y, lane, warp, first)` ending a row-per-warp GEMV.
+def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int, put=None):
+    """A TileLang macro `store(acc, red, lane, warp, first, *outs)` ending a row-per-warp GEMV.
 
     Each warp holds fp32 partial sums acc [rows, m] (one per lane) of rows first..first+rows-1
     over its K range: it sums them over its lanes, the `ksplit` warps of a row group meet in
     shared `red` [ksplit, rows * warps / ksplit, m] and are added in warp order (deterministic),
-    and Y [m, n] bf16 receives the rows below n. Every thread of the CTA must run it (a barrier).
+    and `put(*outs, i, row, total)` (a macro) stores each total of a row below n; by default
+    outs = (Y,) and Y [m, n] bf16 receives it. Every thread of the CTA must run it (a barrier).
     """
+    if put is None:
+        @T.macro
+        def put(Y, i, row, total):
+            Y[i, row] = T.Cast("bfloat16", total)
 
     @T.macro
-    def store(acc, red, Y, lane, warp, first):
+    def store(acc, red, lane, warp, first, *outs):
         for r in T.unroll(rows):
             for i in T.unroll(m):
                 total = T.warp_reduce_sum(acc[r, i])
@@ -128,7 +133,7 @@ def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int):
                     acc[r, i] = red[0, (warp // ksplit) * rows + r, i]
                     for j in T.unroll(1, ksplit):
                         acc[r, i] += red[j, (warp // ksplit) * rows + r, i]
-                    Y[i, first + r] = T.Cast("bfloat16", acc[r, i])
+                    put(*outs, i, first + r, acc[r, i])
 
     return store
 

@@ -76,7 +76,7 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
                             # the weight codes decode to value * 2^-8: the block scale takes 2^8
                             scale = e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
                             acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
-            store(acc, red, Y, lane, warp, first)
+            store(acc, red, lane, warp, first, Y)
 
     return compile_kernel(grouped_gemv, arch)
 

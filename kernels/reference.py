@@ -156,6 +156,17 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
     return torch.einsum("sgi,gri->sgr", u, wd).reshape(s, n)
 
 
+def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row: torch.Tensor,
+                       buf_kv: torch.Tensor, buf_gate: torch.Tensor) -> None:
+    """A compressor's decode projection (§C.5): x [M, D] times the bf16 weight w [2C, D] (wkv's
+    rows, then wgate's) in fp32; kv into rows `row` [M] of buf_kv [r, C], gate logits plus
+    ape[row] into the same rows of buf_gate (both fp32, written in place)."""
+    c = buf_kv.shape[1]
+    xf = x.float()
+    buf_kv.index_copy_(0, row, xf @ w[:c].float().T)
+    buf_gate.index_copy_(0, row, xf @ w[c:].float().T + ape[row])
+
+
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
     q, s = act_quant(x, 128)

@@ -162,6 +162,54 @@ def test_grouped_linear_rejects_mismatched_groups(gen):
         grouped_linear(activations(1, 3 * 256, gen), w, s, 2)
 
 
+# -------------------------------------------------------------------- compressor projection
+# Flash's CSA attention, indexer and HCA compressors, the tiny model's, and an odd one (K not a
+# whole step, M > 1)
+@pytest.mark.parametrize("m,c,k,r", [(1, 1024, 4096, 4), (1, 256, 4096, 4), (1, 512, 4096, 128), (1, 256, 128, 4),
+                                     (3, 96, 200, 8)])
+def test_compressor_project_matches_reference(m, c, k, r, gen):
+    from kernels.compressor_project import compressor_project
+    x = activations(m, k, gen)
+    w = (torch.randn(2 * c, k, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    ape = torch.randn(r, c, generator=gen, device=DEV)
+    row = torch.randperm(r, generator=gen, device=DEV)[:m]
+    bufs = [torch.randn(r, c, generator=gen, device=DEV) for _ in range(2)]
+    want = [b.clone() for b in bufs]
+    compressor_project(x, w, ape, row, *bufs)
+    ref.compressor_project(x, w, ape, row, *want)
+    others = ~torch.isin(torch.arange(r, device=DEV), row)
+    for name, got, exp in zip(("kv", "gate"), bufs, want):
+        assert torch.equal(got[others], exp[others])  # rows not written keep their values
+        err = rel_err(got[row], exp[row])
+        print(f"compressor_project {name} M={m} C={c} K={k}: rel err {err:.2e}")
+        assert err < 1e-5  # fp32 summation order
+
+
+@pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (2, 4, 1), (1, 8, 8)])
+def test_compressor_project_every_tile(rows, warps, ksplit, gen):
+    from kernels.compressor_project import compressor_project_kernel
+    c, k, r = 160, 1536, 4
+    x = activations(1, k, gen)
+    w = (torch.randn(2 * c, k, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    ape = torch.randn(r, c, generator=gen, device=DEV)
+    row = torch.tensor([2], device=DEV)
+    bufs = [torch.zeros(r, c, device=DEV) for _ in range(2)]
+    want = [b.clone() for b in bufs]
+    compressor_project_kernel(1, c, k, r, rows, warps, ksplit, torch.cuda.get_device_capability())(
+        x, w, ape, row, *bufs)
+    ref.compressor_project(x, w, ape, row, *want)
+    assert rel_err(bufs[0], want[0]) < 1e-5 and rel_err(bufs[1], want[1]) < 1e-5
+
+
+def test_compressor_project_rejects_mismatched_weight(gen):
+    from kernels.act_quant import KernelInputError
+    from kernels.compressor_project import compressor_project
+    bufs = [torch.zeros(4, 64, device=DEV) for _ in range(2)]
+    with pytest.raises(KernelInputError, match="w \\[2C, K\\]"):
+        compressor_project(activations(1, 256, gen), torch.zeros(64, 256, dtype=torch.bfloat16, device=DEV),
+                           torch.zeros(4, 64, device=DEV), torch.tensor([0], device=DEV), *bufs)
+
+
 # ------------------------------------------------------------------------------- fp4 GEMMs
 FP4_SHAPES = [(1, 2048, 4096), (1, 4096, 2048), (2, 2048, 4096), (16, 4096, 2048), (3, 384, 640),
               (1, 100, 128), (24, 512, 1024)]

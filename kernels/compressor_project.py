@@ -1,0 +1,130 @@
+"""A compressor's decode projection on CUDA (TileLang); same contract as
+`reference.compressor_project` (spec §C.5: the token's kv and gate logits into the open window).
+
+One launch replaces the widening of x, the two fp32 GEMVs over wkv and wgate, the ape lookup and
+add, and the two row writes. W [2C, K] bf16 holds wkv's rows then wgate's, as on disk (the
+reference path's fp32 copies read twice the bytes).
+
+Data layout: the FP8 GEMV's (kernels/fp8_gemm.py) with 8 bf16 weights per lane per step (one
+16-byte load) and 8 bf16 activations (one 16-byte load), both widened exactly to fp32; each
+product and sum in fp32. Each warp owns `rows` weight rows; K-split warps meet in shared memory
+in a fixed order. Row n < C of the result goes to BKV[ROW[i], n]; row C + j goes to
+BG[ROW[i], j] plus APE[ROW[i], j]. ROW is read on the device, so CUDA graphs replay it.
+
+Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tiles per
+compute capability in TILE_PARAMS: sm_90 tested, sm_121 (GB10) untested. TileLang is imported lazily.
+"""
+
+import functools
+
+import torch
+
+from kernels import reference as ref
+from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.fp8_gemm import store_rows_macro
+
+MAX_M = 16
+_VEC = 8  # bf16 weights per lane per step (one 16-byte load)
+TILE_PARAMS = {
+    (9, 0): {"rows": 2, "warps": 4, "min_ctas": 264},
+    (12, 1): {"rows": 2, "warps": 4, "min_ctas": 96},
+}
+DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 128}
+
+
+def project_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:
+    """(rows per warp, warps per CTA, K split) for a [n, k] bf16 weight: fewer rows, then K split
+    between the warps of a CTA, while the grid is below `min_ctas` (each warp keeps a full step)."""
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    rows, warps, ksplit = p["rows"], p["warps"], 1
+    while rows > 1 and -(-n // (rows * warps)) < p["min_ctas"]:
+        rows //= 2
+    while (ksplit < warps and -(-n // (rows * warps // ksplit)) < p["min_ctas"]
+           and k // (2 * ksplit) >= 32 * _VEC):
+        ksplit *= 2
+    return rows, warps, ksplit
+
+
+@functools.cache
+def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: int, ksplit: int,
+                              arch: tuple[int, int]):
+    """(X [m, k] bf16, W [2c, k] bf16, APE [r, c] fp32, ROW [m] int64, BKV [r, c] fp32,
+    BG [r, c] fp32): BKV[ROW[i], :] = X[i]·W[:c]ᵀ, BG[ROW[i], :] = X[i]·W[c:]ᵀ + APE[ROW[i], :]."""
+    import tilelang.language as T
+
+    n = 2 * c
+    kstep = 32 * _VEC
+    steps = (k + kstep - 1) // kstep
+    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
+    cta_rows = rows * (warps // ksplit)
+    loop = T.unroll if split_steps <= 16 else T.serial
+
+    @T.macro
+    def put(BKV, BG, APE, ROW, i, row, total):
+        if row < c:
+            BKV[ROW[i], row] = total
+        else:
+            BG[ROW[i], row - c] = total + APE[ROW[i], row - c]
+
+    store = store_rows_macro(T, m, n, rows, ksplit, put)
+
+    @T.prim_func
+    def compressor_project(X: T.Tensor((m, k), "bfloat16"), W: T.Tensor((n, k), "bfloat16"),
+                           APE: T.Tensor((r, c), "float32"), ROW: T.Tensor((m,), "int64"),
+                           BKV: T.Tensor((r, c), "float32"), BG: T.Tensor((r, c), "float32")):
+        with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
+            lane = T.get_thread_binding(0)
+            warp = T.get_thread_binding(1)
+            wb = T.alloc_local((rows, _VEC), "bfloat16")
+            xb = T.alloc_local((_VEC,), "bfloat16")
+            acc = T.alloc_local((rows, m), "float32")
+            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
+            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
+            T.clear(acc)
+            for ko in loop(split_steps):
+                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
+                if k0 < k:
+                    for j in T.unroll(rows):
+                        for v in T.vectorized(_VEC):
+                            wb[j, v] = W[T.min(first + j, n - 1), k0 + v]
+                    for i in T.unroll(m):
+                        for v in T.vectorized(_VEC):
+                            xb[v] = X[i, k0 + v]
+                        for j in T.unroll(rows):
+                            for v in T.unroll(_VEC):
+                                acc[j, i] += T.Cast("float32", xb[v]) * T.Cast("float32", wb[j, v])
+            store(acc, red, lane, warp, first, BKV, BG, APE, ROW)
+
+    return compile_kernel(compressor_project, arch)
+
+
+def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row: torch.Tensor,
+                       buf_kv: torch.Tensor, buf_gate: torch.Tensor) -> None:
+    """x [M, K] bf16 (M <= 16), w [2C, K] bf16 (wkv rows, then wgate rows), ape, buf_kv and
+    buf_gate [r, C] fp32, row [M] int64 (distinct buffer rows): writes rows `row` of the buffers
+    in place, as `reference.compressor_project`."""
+    m, k = x.shape if x.dim() == 2 else (-1, -1)
+    r, c = buf_kv.shape if buf_kv.dim() == 2 else (-1, -1)
+    if (m < 0 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or tuple(w.shape) != (2 * c, k)
+            or c < 0 or tuple(buf_gate.shape) != (r, c) or tuple(ape.shape) != (r, c)
+            or buf_kv.dtype != torch.float32 or buf_gate.dtype != torch.float32 or tuple(row.shape) != (m,)):
+        raise KernelInputError(
+            f"compressor_project takes x [M, K] bf16, w [2C, K] bf16, ape/buf_kv/buf_gate [r, C] fp32 and "
+            f"row [M]; got x {x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}, ape {tuple(ape.shape)}, "
+            f"buf_kv {buf_kv.dtype} {tuple(buf_kv.shape)}, buf_gate {buf_gate.dtype} {tuple(buf_gate.shape)}, "
+            f"row {tuple(row.shape)}")
+    if not buf_kv.is_contiguous() or not buf_gate.is_contiguous():
+        raise KernelInputError("compressor_project writes buf_kv and buf_gate in place: they must be contiguous")
+    arch = cuda_arch(x.device)
+    if m == 0:
+        return
+    if m > MAX_M or k % _VEC:
+        ref.compressor_project(x, w, ape, row, buf_kv, buf_gate)
+        return
+    x2, w2 = x.contiguous(), w.contiguous()
+    if x2.data_ptr() % 16:  # the kernel's 16-byte loads
+        x2 = x2.clone()
+    if w2.data_ptr() % 16:
+        w2 = w2.clone()
+    kernel = compressor_project_kernel(m, c, k, r, *project_tile(2 * c, k, arch), arch)
+    kernel(x2, w2, ape.float().contiguous(), row.to(torch.int64).contiguous(), buf_kv, buf_gate)
