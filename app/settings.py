@@ -10,7 +10,7 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     backend = "tilelang"             # GPU kernels, or "torch"; absent = tilelang on CUDA when installed
     cuda_graphs = true               # replay decode steps from CUDA graphs (CUDA, converted model)
     cache_policy = "lfu"
-    io_threads = 2
+    io_threads = 8
     max_seq_len = 4096
 
     [generation]
@@ -71,7 +71,7 @@ class AppConfig:
     backend: str | None = None
     cuda_graphs: bool = True
     cache_policy: str = "lfu"
-    io_threads: int = 2
+    io_threads: int = 8  # see EngineConfig.io_threads
     max_seq_len: int = 4096
     system: str = ""
     gen: GenParams = field(default_factory=GenParams)

@@ -228,7 +228,7 @@ class EngineConfig:
     backend: str = "torch"  # kernel backend: "torch" reference or "tilelang" (CUDA only)
     cache_bytes: int | None = None  # expert cache budget; None = every expert resident
     cache_policy: str = "lfu"
-    io_threads: int = 2
+    io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
     max_seq_len: int = 4096
     prefill_chunk: int = 256
