@@ -4,7 +4,8 @@
   transformers' DeepseekV4ForCausalLM loaded in fp32.
 * `native`: the official serving numerics: bf16 residual streams and activations, FP8
   activation quantisation before every FP8/FP4 linear, QDQ8 of the KV "nope" dims, Hadamard +
-  QDQ4 in the indexer, bf16 wo_a (dequantised at load, as the official convert.py does).
+  QDQ4 in the indexer, wo_a in bf16 without activation quantisation (the official convert.py
+  dequantises its FP8 weight to bf16, which is exact; the backend reads the FP8 bytes).
 """
 
 from __future__ import annotations
