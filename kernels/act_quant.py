@@ -63,6 +63,12 @@ def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict
     return tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
 
 
+def fp32_call(T, name: str, *args):
+    """A call of the CUDA fp32 function `name` as a TileLang expression (e.g. `__fmul_rn`: a
+    product rounded on its own, which nvcc may not contract into an FMA)."""
+    return T.call_extern("float32", name, *args)
+
+
 def pow2_scale_bits(T, amax):
     """(s, 1/s) as fp32 powers of two with s = 2^ceil(log2(max(amax, 1e-4) / 448)) (TileLang expr)."""
     bits = T.reinterpret(T.max(amax, T.float32(1e-4)), "uint32")

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -60,8 +60,7 @@ def hadamard_qdq4_kernel(d: int, block: int, dtype: str, arch: tuple[int, int]):
     def f32(bits):  # an exact fp32 constant, whatever the code generator prints for floats
         return T.reinterpret(T.uint32(bits), "float32")
 
-    def fn(name, *args):
-        return T.call_extern("float32", name, *args)
+    fn = functools.partial(fp32_call, T)
 
     @T.prim_func
     def hadamard_qdq4_main(X: T.Tensor((rows, d), dtype), Y: T.Tensor((rows, d), dtype)):

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"block_t": 64, "threads": 128}, (12, 1): {"block_t": 64, "threads": 128}}
 DEFAULT_TILE = {"block_t": 64, "threads": 128}
@@ -37,8 +37,7 @@ def indexer_scores_kernel(heads: int, dim: int, scale: float, arch: tuple[int, i
     hp = -(-heads // 16) * 16  # the tensor-core tile needs multiples of 16 rows: zero heads pad it
     seq, keys = T.dynamic("seq"), T.dynamic("keys")
 
-    def mul(a, b):
-        return T.call_extern("float32", "__fmul_rn", a, b)
+    mul = functools.partial(fp32_call, T, "__fmul_rn")
 
     @T.prim_func
     def indexer_scores(Q: T.Tensor((seq, heads, dim), "bfloat16"), K: T.Tensor((keys, dim), "bfloat16"),

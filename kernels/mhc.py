@@ -30,15 +30,11 @@ import functools
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 from kernels.sinkhorn import sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
 DEFAULT_TILE = {"chunk": 256, "threads": 128}
-
-
-def _f32(T, name, *args):
-    return T.call_extern("float32", name, *args)
 
 
 @functools.cache
@@ -109,7 +105,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
             if tx < cols + 1:
                 v[0] = 0.0
                 for k in T.serial(chunks):  # chunk order: deterministic
-                    v[0] = _f32(T, "__fadd_rn", v[0], P[bs, k, tx])
+                    v[0] = fp32_call(T, "__fadd_rn", v[0], P[bs, k, tx])
                 sm[tx] = v[0]
             T.sync_threads()
             if tx < cols:
@@ -130,8 +126,8 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
                 if i * threads + tx < d:
                     v[0] = 0.0
                     for j in T.unroll(n):
-                        v[0] = _f32(T, "__fadd_rn", v[0],
-                                    _f32(T, "__fmul_rn", sm[cols + 1 + j], T.Cast("float32", X[bs, j, i * threads + tx])))
+                        v[0] = fp32_call(T, "__fadd_rn", v[0], fp32_call(
+                            T, "__fmul_rn", sm[cols + 1 + j], T.Cast("float32", X[bs, j, i * threads + tx])))
                     Y[bs, i * threads + tx] = T.Cast(dtype, v[0])
 
     return compile_kernel(hc_gate, arch)
@@ -158,10 +154,10 @@ def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
             if e < n * d:
                 m[0] = 0.0
                 for j in T.unroll(n):
-                    m[0] = _f32(T, "__fadd_rn", m[0],
-                                _f32(T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", X[bs, j, c])))
-                Y[bs, k, c] = T.Cast(dtype, _f32(T, "__fadd_rn", _f32(T, "__fmul_rn", Post[bs, k],
-                                                                    T.Cast("float32", O[bs, c])), m[0]))
+                    m[0] = fp32_call(T, "__fadd_rn", m[0],
+                                     fp32_call(T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", X[bs, j, c])))
+                Y[bs, k, c] = T.Cast(dtype, fp32_call(T, "__fadd_rn", fp32_call(T, "__fmul_rn", Post[bs, k],
+                                                                                T.Cast("float32", O[bs, c])), m[0]))
 
     return compile_kernel(hc_post, arch)
 

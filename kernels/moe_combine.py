@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -33,8 +33,7 @@ def moe_combine_kernel(k: int, d: int, routed_dtype: str, shared_dtype: str, out
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
     tokens = T.dynamic("tokens")
 
-    def add(a, b):
-        return T.call_extern("float32", "__fadd_rn", a, b)
+    add = functools.partial(fp32_call, T, "__fadd_rn")
 
     @T.prim_func
     def moe_combine_main(R: T.Tensor((tokens, k, d), routed_dtype), Sh: T.Tensor((tokens, d), shared_dtype),

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 # GEMV: warps per CTA (K split), most 128-channel steps per warp, token tile; select: most threads.
 TILE_PARAMS = {(9, 0): {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256},
@@ -34,10 +34,6 @@ TILE_PARAMS = {(9, 0): {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256
 DEFAULT_TILE = {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256}
 GEMV_MAX_N = 16
 MAX_EXPERTS = 1024
-
-
-def _f32(T, name, *args):
-    return T.call_extern("float32", name, *args)
 
 
 @functools.cache
@@ -79,7 +75,7 @@ def gate_gemv_kernel(e: int, d: int, mt: int, warps: int, dtype: str, arch: tupl
             if warp == 0 and lane < mt and bt * mt + lane < tokens:
                 acc[0] = red[0, lane]
                 for j in T.unroll(1, warps):  # warp order: deterministic
-                    acc[0] = _f32(T, "__fadd_rn", acc[0], red[j, lane])
+                    acc[0] = fp32_call(T, "__fadd_rn", acc[0], red[j, lane])
                 L[bt * mt + lane, row] = acc[0]
 
     return compile_kernel(gate_gemv, arch)
@@ -106,13 +102,13 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
             rank = T.alloc_local((per,), "int32")
             for p in T.unroll(per):
                 v[p] = L[t, T.min(p * threads + tx, e - 1)]  # the experts past e: never stored
-                v[p] = _f32(T, "sqrtf", T.if_then_else(v[p] > T.float32(20.0), v[p],
-                                                       _f32(T, "log1pf", _f32(T, "expf", v[p]))))
+                v[p] = fp32_call(T, "sqrtf", T.if_then_else(v[p] > T.float32(20.0), v[p],
+                                                            fp32_call(T, "log1pf", fp32_call(T, "expf", v[p]))))
                 rank[p] = 0
                 if p * threads + tx < e:
                     sc[p * threads + tx] = v[p]
                 if not hashed:
-                    v[p] = _f32(T, "__fadd_rn", v[p], B[T.min(p * threads + tx, e - 1)])
+                    v[p] = fp32_call(T, "__fadd_rn", v[p], B[T.min(p * threads + tx, e - 1)])
                     v[p] = T.if_then_else(T.isnan(v[p]), T.infinity("float32"), v[p])  # own key
                     if p * threads + tx < e:
                         key[p * threads + tx] = v[p]
@@ -133,11 +129,12 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
                 if jo * threads + tx < k:
                     v[per] = sc[sel[0]]
                     for j in T.serial(1, k):  # slot order
-                        v[per] = _f32(T, "__fadd_rn", v[per], sc[sel[j]])
-                    v[per] = _f32(T, "__fadd_rn", v[per], T.float32(1e-20))
+                        v[per] = fp32_call(T, "__fadd_rn", v[per], sc[sel[j]])
+                    v[per] = fp32_call(T, "__fadd_rn", v[per], T.float32(1e-20))
                     IDX[t, jo * threads + tx] = T.Cast("int64", sel[jo * threads + tx])
-                    WOUT[t, jo * threads + tx] = _f32(T, "__fmul_rn", _f32(T, "__fdiv_rn", sc[sel[jo * threads + tx]],
-                                                                          v[per]), T.float32(route_scale))
+                    WOUT[t, jo * threads + tx] = fp32_call(
+                        T, "__fmul_rn", fp32_call(T, "__fdiv_rn", sc[sel[jo * threads + tx]], v[per]),
+                        T.float32(route_scale))
 
     return compile_kernel(gate_select, arch)
 

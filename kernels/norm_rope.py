@@ -23,7 +23,8 @@ import functools
 import torch
 
 from kernels import reference as ref
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, pow2_scale_bits
+from kernels.rope import rope_angle, rotate_pair
 
 MAX_DIM = 1024
 QDQ8_BLOCK = 64
@@ -41,8 +42,7 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
     inv_d = T.float32(1.0 / d)  # torch's mean multiplies the sum by the fp32 1/N
     seq = T.dynamic("seq")
 
-    def f32(name, *args):
-        return T.call_extern("float32", name, *args)
+    mul = functools.partial(fp32_call, T, "__fmul_rn")
 
     @T.prim_func
     def norm_rope(X: T.Tensor((seq, heads, d), dtype), W: T.Tensor((d,), "float32"), P: T.Tensor((seq,), "int64"),
@@ -69,22 +69,20 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
             sm[e] = v[0]
             T.sync_threads()
             if e >= lead:  # rotary tail: pair (re, im) = channels lead + 2j, lead + 2j + 1
-                v[2] = f32("__fmul_rn", T.Cast("float32", P[s]), F[(e - lead) // 2])
+                v[2] = rope_angle(T, P[s], F[(e - lead) // 2])
                 v[3] = T.cos(v[2])
                 v[4] = T.sin(v[2])
-                if (e - lead) % 2 == 0:
-                    Y[s, h, e] = T.Cast(dtype, f32("__fsub_rn", f32("__fmul_rn", v[0], v[3]),
-                                                   f32("__fmul_rn", sm[e + 1], v[4])))
+                if (e - lead) % 2 == 0:  # this thread holds re, its neighbour im
+                    Y[s, h, e] = T.Cast(dtype, rotate_pair(T, v[0], sm[e + 1], v[3], v[4])[0])
                 else:
-                    Y[s, h, e] = T.Cast(dtype, f32("__fadd_rn", f32("__fmul_rn", sm[e - 1], v[4]),
-                                                   f32("__fmul_rn", v[0], v[3])))
+                    Y[s, h, e] = T.Cast(dtype, rotate_pair(T, sm[e - 1], v[0], v[3], v[4])[1])
             elif e < round_lead:  # QDQ8 of the leading channels, blocks of 64
                 v[5] = T.float32(0)
                 for c in T.unroll(QDQ8_BLOCK):
                     v[5] = T.max(v[5], T.abs(sm[(e // QDQ8_BLOCK) * QDQ8_BLOCK + c]))
                 sc, inv = pow2_scale_bits(T, v[5])
-                q8[0] = T.clamp(f32("__fmul_rn", v[0], inv), -448.0, 448.0)
-                Y[s, h, e] = T.Cast(dtype, f32("__fmul_rn", T.Cast("float32", q8[0]), sc))
+                q8[0] = T.clamp(mul(v[0], inv), -448.0, 448.0)
+                Y[s, h, e] = T.Cast(dtype, mul(T.Cast("float32", q8[0]), sc))
             else:
                 Y[s, h, e] = T.Cast(dtype, v[0])
 

@@ -20,10 +20,26 @@ import functools
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
+
+
+def rope_angle(T, position, inv_freq):
+    """The angle position·inv_freq as one fp32 rounding (TileLang expression)."""
+    return fp32_call(T, "__fmul_rn", T.Cast("float32", position), inv_freq)
+
+
+def rotate_pair(T, re, im, cos, sin, inverse: bool = False):
+    """(re, im) rotated by the angle with this (cos, sin), or by its negative, as TileLang fp32
+    expressions: every product and sum rounded on its own, in the reference's order."""
+    mul = functools.partial(fp32_call, T, "__fmul_rn")
+    add = functools.partial(fp32_call, T, "__fadd_rn")
+    sub = functools.partial(fp32_call, T, "__fsub_rn")
+    if inverse:  # angle -a: the reference's signs folded in
+        return add(mul(re, cos), mul(im, sin)), sub(mul(im, cos), mul(re, sin))
+    return sub(mul(re, cos), mul(im, sin)), add(mul(re, sin), mul(im, cos))
 
 
 @functools.cache
@@ -35,15 +51,6 @@ def rope_kernel(heads: int, d: int, half: int, inverse: bool, dtype: str, arch: 
     pairs = d // 2  # per row
     lead = d // 2 - half  # leading pairs, copied
     seq = T.dynamic("seq")
-
-    def mul(a, b):
-        return T.call_extern("float32", "__fmul_rn", a, b)
-
-    def add(a, b):
-        return T.call_extern("float32", "__fadd_rn", a, b)
-
-    def sub(a, b):
-        return T.call_extern("float32", "__fsub_rn", a, b)
 
     @T.prim_func
     def rope_main(X: T.Tensor((seq, heads, d), dtype), P: T.Tensor((seq,), "int64"),
@@ -60,17 +67,13 @@ def rope_kernel(heads: int, d: int, half: int, inverse: bool, dtype: str, arch: 
                     Y[t, h, 2 * j] = X[t, h, 2 * j]
                     Y[t, h, 2 * j + 1] = X[t, h, 2 * j + 1]
                 else:
-                    v[4] = mul(T.Cast("float32", P[t]), F[j - lead])
+                    v[4] = rope_angle(T, P[t], F[j - lead])
                     v[2] = T.cos(v[4])
                     v[3] = T.sin(v[4])
                     v[0] = T.Cast("float32", X[t, h, 2 * j])
                     v[1] = T.Cast("float32", X[t, h, 2 * j + 1])
-                    if inverse:  # angle -a: the reference's signs folded in
-                        Y[t, h, 2 * j] = T.Cast(dtype, add(mul(v[0], v[2]), mul(v[1], v[3])))
-                        Y[t, h, 2 * j + 1] = T.Cast(dtype, sub(mul(v[1], v[2]), mul(v[0], v[3])))
-                    else:
-                        Y[t, h, 2 * j] = T.Cast(dtype, sub(mul(v[0], v[2]), mul(v[1], v[3])))
-                        Y[t, h, 2 * j + 1] = T.Cast(dtype, add(mul(v[0], v[3]), mul(v[1], v[2])))
+                    Y[t, h, 2 * j] = T.Cast(dtype, rotate_pair(T, v[0], v[1], v[2], v[3], inverse)[0])
+                    Y[t, h, 2 * j + 1] = T.Cast(dtype, rotate_pair(T, v[0], v[1], v[2], v[3], inverse)[1])
 
     return compile_kernel(rope_main, arch)
 

@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits,
-                               tile_params)
+from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
+                               pow2_scale_bits, tile_params)
 
 TILE_PARAMS = {(9, 0): {"warps": 2}, (12, 1): {"warps": 2}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"warps": 2}
@@ -41,8 +41,7 @@ def swiglu_quant_kernel(inter: int, block: int, limit: float, weighted: bool, dt
     rows, gs, us = T.dynamic("rows"), T.dynamic("gs"), T.dynamic("us")
     lim = T.float32(limit)
 
-    def f32(name, *args):
-        return T.call_extern("float32", name, *args)
+    f32 = functools.partial(fp32_call, T)
 
     @T.prim_func
     def swiglu_quant_main(G: T.StridedTensor((rows, inter), (gs, 1), dtype),
