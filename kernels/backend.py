@@ -65,10 +65,6 @@ class Backend(Protocol):
         """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
         ...
 
-    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        """mHC doubly-stochastic projection of [..., n, n] fp32 logits."""
-        ...
-
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
                        scale: float) -> torch.Tensor:
         """Lightning-indexer scores [S, T] fp32 of q [S, H, D] over keys [T, D], -inf where not visible."""
@@ -81,10 +77,6 @@ class Backend(Protocol):
 
     def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, D] × bf16 head weight [V, D] in fp32 -> logits [M, V] fp32."""
-        ...
-
-    def qdq8(self, x: torch.Tensor, block: int) -> torch.Tensor:
-        """FP8 storage simulation (QDQ8) of x's last dim in blocks of `block`; keeps the dtype."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -154,9 +146,6 @@ class TorchBackend:
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
 
-    def sinkhorn(self, logits, iters, eps):
-        return ref.sinkhorn(logits, iters, eps)
-
     def indexer_scores(self, q, keys, weights, visible, scale):
         return ref.indexer_scores(q, keys, weights, visible, scale)
 
@@ -165,9 +154,6 @@ class TorchBackend:
 
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
-
-    def qdq8(self, x, block):
-        return ref.qdq8(x, block)
 
     def rms_norm(self, x, weight, eps):
         return ref.rms_norm(x, weight, eps)
@@ -197,8 +183,8 @@ class TileLangBackend:
 
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention", "sinkhorn": "kernels.sinkhorn",
-            "head_logits": "kernels.head_gemv", "qdq8": "kernels.act_quant", "rms_norm": "kernels.rms_norm",
+            "sparse_attention": "kernels.sparse_attention",
+            "head_logits": "kernels.head_gemv", "rms_norm": "kernels.rms_norm",
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
             "swiglu_quant": "kernels.swiglu_quant", "moe_combine": "kernels.moe_combine",
@@ -250,9 +236,6 @@ class TileLangBackend:
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)
 
-    def sinkhorn(self, logits, iters, eps):
-        return self._impl["sinkhorn"](logits, iters, eps)
-
     def indexer_scores(self, q, keys, weights, visible, scale):
         return self._impl["indexer_scores"](q, keys, weights, visible, scale)
 
@@ -261,9 +244,6 @@ class TileLangBackend:
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)
-
-    def qdq8(self, x, block):
-        return self._impl["qdq8"](x, block)
 
     def rms_norm(self, x, weight, eps):
         return self._impl["rms_norm"](x, weight, eps)
