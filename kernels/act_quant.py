@@ -63,6 +63,13 @@ def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict
     return tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
 
 
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous on a 16-byte aligned base, which the kernels' 16-byte loads need (a
+    misaligned view is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def fp32_call(T, name: str, *args):
     """A call of the CUDA fp32 function `name` as a TileLang expression (e.g. `__fmul_rn`: a
     product rounded on its own, which nvcc may not contract into an FMA)."""

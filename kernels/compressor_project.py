@@ -20,7 +20,7 @@ import functools
 import torch
 
 from kernels import reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, tile_params
 from kernels.fp8_gemm import store_rows_macro
 
 MAX_M = 16
@@ -121,10 +121,5 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
     if m > MAX_M or k % _VEC:
         ref.compressor_project(x, w, ape, row, buf_kv, buf_gate)
         return
-    x2, w2 = x.contiguous(), w.contiguous()
-    if x2.data_ptr() % 16:  # the kernel's 16-byte loads
-        x2 = x2.clone()
-    if w2.data_ptr() % 16:
-        w2 = w2.clone()
     kernel = compressor_project_kernel(m, c, k, r, *project_tile(2 * c, k, arch), arch)
-    kernel(x2, w2, ape.float().contiguous(), row.to(torch.int64).contiguous(), buf_kv, buf_gate)
+    kernel(aligned16(x), aligned16(w), ape.float().contiguous(), row.to(torch.int64).contiguous(), buf_kv, buf_gate)

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kernels import lowbit
-from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
+from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 
 GEMV_MAX_M = 16
@@ -152,10 +152,7 @@ def gemv_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:
 def as_words(t: torch.Tensor) -> torch.Tensor:
     """A tensor of byte codes (last dim a multiple of 4 bytes) as int32 words on a 16-byte aligned
     base, which the kernels' 16-byte loads need (a misaligned view is copied)."""
-    b = t.contiguous().view(torch.uint8)
-    if b.data_ptr() % 16:
-        b = b.clone()
-    return b.view(torch.int32)
+    return aligned16(t).view(torch.uint8).view(torch.int32)
 
 
 def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> None:

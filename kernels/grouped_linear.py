@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kernels import lowbit
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, pad_rows_to_bucket
+from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
 from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
                               e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro)
 
@@ -97,9 +97,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
         u = x.view(m, groups, k)  # [S, G, K]
         wd = dequant_fp8_bf16(w, w_scale).view(groups, n // groups, k)  # [G, R, K], exact
         return torch.einsum("sgi,gri->sgr", u, wd).reshape(m, n)
-    xp = pad_rows_to_bucket(x.contiguous())  # zero rows: zero outputs, sliced off
-    if xp.data_ptr() % 16:  # the kernel's 16-byte activation loads
-        xp = xp.clone()
+    xp = aligned16(pad_rows_to_bucket(x.contiguous()))  # zero rows: zero outputs, sliced off
     y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
     grouped_gemv_kernel(xp.shape[0], groups, k, n, rows, warps, ksplit, arch)(xp, as_words(w), scale_bytes(w_scale), y)
     return y[:m]

@@ -26,7 +26,8 @@ import functools
 
 import torch
 
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, fp32_call,
+                               tile_params)
 
 # GEMV: warps per CTA (K split), most 128-channel steps per warp, token tile; select: most threads.
 TILE_PARAMS = {(9, 0): {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256},
@@ -139,11 +140,6 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
     return compile_kernel(gate_select, arch)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()  # the GEMV's 16-byte loads need a 16-byte aligned base
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, route_scale: float,
              hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D], weight [E, D] fp32, bias [E] or None (then hash_ids [N, k] integer) ->
@@ -176,7 +172,7 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         warps = min(steps, max(p["warps"], -(-steps // p["max_steps"])))
         mt = min(p["tokens"], 1 << (n - 1).bit_length())
         logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
-        gate_gemv_kernel(e, d, mt, warps, _TORCH_TO_TL[x.dtype], arch)(_aligned(x), _aligned(weight), logits)
+        gate_gemv_kernel(e, d, mt, warps, _TORCH_TO_TL[x.dtype], arch)(aligned16(x), aligned16(weight), logits)
     threads = min(p["threads"], max(32, 1 << (e - 1).bit_length()))
     b = bias.float().contiguous() if bias is not None else logits.new_empty(e)  # dummy: not read
     h = hash_ids.to(torch.int64).contiguous() if bias is None else idx.new_empty(n, k)  # dummy: not read
