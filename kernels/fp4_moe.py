@@ -27,7 +27,7 @@ import functools
 import torch
 
 from kernels import lowbit
-from kernels.act_quant import (KernelInputError, act_quant, compile_kernel, cuda_arch,
+from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.fp8_gemm import as_words, e8m0_bits_to_float
@@ -40,7 +40,6 @@ TILE_PARAMS = {
 }
 DEFAULT_TILE = {"rows": 2, "warps": 4}
 _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @functools.cache
@@ -170,7 +169,7 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
     if g:
         arch = cuda_arch(q.device)
         kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                 *gemv_tile(n, arch), _DTYPES[out_dtype], arch)
+                                 *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch)
         kernel(as_words(q), s, as_words(wb), sb, slots, y)
     return y
 
