@@ -75,6 +75,11 @@ class Backend(Protocol):
         """Routed experts read from arena slots (one per row of x) -> fp32 [G, D]."""
         ...
 
+    def fp4_moe_quantized(self, q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
+                          slots: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+        """`fp4_moe` on act_quant's (q, s) [A, D] (A = G, or 1 for every slot) -> fp32 [G, D]."""
+        ...
+
     def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, D] × bf16 head weight [V, D] in fp32 -> logits [M, V] fp32."""
         ...
@@ -152,6 +157,9 @@ class TorchBackend:
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return ref.fp4_moe(x, arena, fields, slots, weights, limit)
 
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit):
+        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
+
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
 
@@ -183,7 +191,7 @@ class TileLangBackend:
 
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention",
+            "fp4_moe_quantized": "kernels.fp4_moe", "sparse_attention": "kernels.sparse_attention",
             "head_logits": "kernels.head_gemv", "rms_norm": "kernels.rms_norm",
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
@@ -241,6 +249,9 @@ class TileLangBackend:
 
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)
+
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit):
+        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit)
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)

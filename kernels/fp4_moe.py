@@ -219,17 +219,28 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
             limit: float) -> torch.Tensor:
     """Routed experts of decode, read from arena slots: the contract of `reference.fp4_moe`
     (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G], routing weights [G] ->
-    fp32 [G, D]). Four launches for all G: quantise x (once when its rows are one broadcast row),
-    w1 and w3 of every expert in one GEMV, SwiGLU + weighting + w2's activation quantisation in
-    one kernel (kernels/swiglu_quant.py), w2 (its bf16-rounded outputs stored as fp32)."""
+    fp32 [G, D]). Quantises x (once when its rows are one broadcast row), then `fp4_moe_quantized`."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
-    slots = slots.to(torch.int32)
-    inter, dim = fields["w1.weight"].shape[0], x.shape[-1]
-    off = {name: f.offset for name, f in fields.items()}
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
-    q, s = act_quant(xa.unsqueeze(1), 128)  # [A, 1, D]
-    gu = _grouped_gemv(q, s, arena, (off["w1.weight"], off["w3.weight"]), arena, (off["w1.scale"], off["w3.scale"]),
-                       inter, dim, slots, torch.bfloat16)  # [2, G, 1, inter]
+    return fp4_moe_quantized(*act_quant(xa, 128), arena, fields, slots, weights, limit)
+
+
+def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
+                      weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """`fp4_moe` on activations quantised by act_quant, as `reference.fp4_moe_quantized` (q [A, D]
+    e4m3, s [A, D/128], A = G or 1 for every slot). Three launches for all G: w1 and w3 of every
+    expert in one GEMV, SwiGLU + weighting + w2's activation quantisation in one kernel
+    (kernels/swiglu_quant.py), w2 (its bf16-rounded outputs stored as fp32)."""
+    _check(q, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe_quantized")
+    g = slots.shape[0]
+    if q.dim() != 2 or q.shape[0] not in (1, g) or tuple(s.shape) != (q.shape[0], q.shape[1] // 128):
+        raise KernelInputError(f"fp4_moe_quantized takes q [1 or {g}, D] and s [.., D/128], got "
+                               f"{tuple(q.shape)} and {tuple(s.shape)}")
+    slots = slots.to(torch.int32)
+    inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
+    off = {name: f.offset for name, f in fields.items()}
+    gu = _grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
+                       (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
     return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
                          dim, inter, slots, torch.float32)[0, :, 0]

@@ -315,6 +315,23 @@ def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
         assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fp4_moe_quantized_equals_fp4_moe(rows, gen):
+    """On act_quant's (q, s) (one row for every slot, or one per slot) the result is fp4_moe's,
+    bit for bit: the FFN quantises its input once for the shared and the routed experts."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_moe, fp4_moe_quantized
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    slots = torch.tensor([5, 1, 7, 0, 2, 6], dtype=torch.int32, device=DEV)
+    x = activations(rows, dim, gen)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    out = fp4_moe_quantized(*act_quant(x, 128), data, fields, slots, wts, limit)
+    assert torch.equal(out, fp4_moe(x.expand(6, dim) if rows == 1 else x, data, fields, slots, wts, limit))
+    want = ref.fp4_moe_quantized(*ref.act_quant(x, 128), data, fields, slots, wts, limit)
+    assert rel_err(out, want) < 2e-2
+
+
 # ------------------------------------------------------------------------ sparse attention
 @pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
                                        (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
