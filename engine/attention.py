@@ -308,8 +308,8 @@ class Attention:
         return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
 
     def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
-        """Attention output o [S, H, D] fp32 -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
-        o = self.rope(o.to(self.numerics.dtype), rot, inverse=True)
+        """Attention output o [S, H, D] (numerics dtype) -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
+        o = self.rope(o, rot, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -428,8 +428,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).
 
     q [S, H, D], kv [T, D] (key and value are the same row), idx [S, K] int64 rows of kv, -1 =
-    absent, sink [H] fp32 -> out [S, H, D] fp32. One softmax over the selected rows whose
-    denominator also holds exp(sink_h); the sink carries no value.
+    absent, sink [H] fp32 -> out [S, H, D] in q's dtype (computed in fp32, rounded once). One
+    softmax over the selected rows whose denominator also holds exp(sink_h); the sink carries
+    no value.
     """
     valid = idx >= 0
     rows = kv[idx.clamp_min(0)].float()  # [S, K, D]
@@ -439,4 +440,4 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     full = torch.cat((logits, sink_col), dim=-1)  # [S, H, K+1]
     full = full - full.amax(-1, keepdim=True)
     p = torch.softmax(full, dim=-1)[..., :-1]
-    return torch.einsum("shk,skd->shd", p, rows)
+    return torch.einsum("shk,skd->shd", p, rows).to(q.dtype)

@@ -343,12 +343,14 @@ def test_sparse_attention_matches_reference(s, h, d, t, k, gen):
     idx[torch.rand(s, k, generator=gen, device=DEV) < 0.2] = -1
     idx[0, : k // 2] = -1
     sink = torch.randn(h, generator=gen, device=DEV)
-    out = sparse_attention(q, kv, idx, sink, d ** -0.5)
-    want = ref.sparse_attention(q, kv, idx, sink, d ** -0.5)
+    out = sparse_attention(q, kv, idx, sink, d ** -0.5, out_dtype=torch.float32)
+    want = ref.sparse_attention(q.float(), kv.float(), idx, sink, d ** -0.5)  # fp32 result
     assert out.shape == (s, h, d) and out.dtype == torch.float32
     err = rel_err(out, want)
     print(f"sparse_attention S={s} H={h} D={d} T={t} K={k}: rel err {err:.2e}")
     assert err < 1e-4
+    rounded = sparse_attention(q, kv, idx, sink, d ** -0.5)  # q's dtype: the same result rounded once
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.to(torch.bfloat16))
 
 
 def test_sparse_attention_all_absent_gives_zero(gen):
@@ -357,8 +359,8 @@ def test_sparse_attention_all_absent_gives_zero(gen):
     kv = torch.randn(9, 64, generator=gen, device=DEV).to(torch.bfloat16)
     idx = torch.full((2, 70), -1, device=DEV)
     idx[1, 3] = 4
-    out = sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
-    want = ref.sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
+    out = sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125, out_dtype=torch.float32)
+    want = ref.sparse_attention(q.float(), kv.float(), idx, torch.zeros(16, device=DEV), 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert rel_err(out[1], want[1]) < 1e-4
 
