@@ -109,7 +109,8 @@ class MTP:
         self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
         self.norm = get(f"{p}.norm.weight").float()
         self.block = Block(get, p, args, args.n_layers, numerics)
-        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
+        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args,
+                                 numerics)
 
 
 class Transformer:
@@ -119,7 +120,7 @@ class Transformer:
         self.args, self.numerics = args, numerics
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
-        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
+        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight")  # [V, D] bf16: the official head runs in fp32 (widened per call)
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
