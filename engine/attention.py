@@ -184,12 +184,13 @@ class Indexer:
 
     def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
-        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots;
-        slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
-        for `Compressor.decode`."""
+        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots:
+        all of them, best first [1, n_keys] (the caller keeps the first `index_topk` and drops
+        those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
+        as for `Compressor.decode`."""
         self.compressor.decode(x, at, st, emit)
-        visible = at.visible[self.ratio]
-        return self._select(self._scores(x, c, at.pos, visible, st.entries[:n_keys], rot), visible)
+        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+        return ref.topk_desc(scores, scores.shape[1])
 
     def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
@@ -236,6 +237,7 @@ class Attention:
                                    numerics)
         self.wo_b = FP8Linear(get(f"{prefix}.wo_b.weight"), get(f"{prefix}.wo_b.scale"), numerics)
         self.compressor = self.indexer = None
+        self._slot_ids: torch.Tensor | None = None  # see _slots
         if self.ratio:
             self.compressor = Compressor(get, f"{prefix}.compressor", args, self.ratio, args.head_dim,
                                          "attention", self.rope, numerics)
@@ -283,12 +285,20 @@ class Attention:
         idx = at.window_rows  # [1, W]
         if self.ratio:
             self.compressor.decode(x, at, st.compressor, emit)
-            if self.indexer is not None:
-                chosen = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
-            else:
-                chosen = self._all_visible(st.capacity, at.visible[self.ratio])
-            idx = torch.cat((idx, torch.where(chosen >= 0, chosen + self.window, chosen)), dim=1)
+            if self.indexer is not None:  # entry slots best first; the top index_topk kept
+                order = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
+                width = self.indexer.topk
+            else:  # every entry slot
+                order, width = self._slots(st.capacity, idx.device), st.capacity
+            ops = self.numerics.backend if self.numerics.native else ref  # one launch on CUDA
+            idx = ops.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]), self.window, width)
         return self._output(self._attend(q, st.kv, idx), rot)
+
+    def _slots(self, n: int, device: torch.device) -> torch.Tensor:
+        """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""
+        if self._slot_ids is None or self._slot_ids.shape[1] != n:
+            self._slot_ids = torch.arange(n, device=device).unsqueeze(0)
+        return self._slot_ids
 
     def _project(self, x: torch.Tensor, rot):
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]

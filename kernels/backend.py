@@ -60,6 +60,12 @@ class Backend(Protocol):
         """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into dtype."""
         ...
 
+    def sparse_index(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int,
+                     offset: int, width: int) -> torch.Tensor:
+        """A decode query's key rows [S, W + width]: window rows, then order[:, :k] + offset where
+        below visible (-1 elsewhere), -1 up to width."""
+        ...
+
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
         """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
@@ -148,6 +154,9 @@ class TorchBackend:
     def moe_combine(self, routed, shared, dtype):
         return ref.moe_combine(routed, shared, dtype)
 
+    def sparse_index(self, window_rows, order, visible, k, offset, width):
+        return ref.sparse_index(window_rows, order, visible, k, offset, width)
+
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
 
@@ -199,7 +208,7 @@ class TileLangBackend:
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
             "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
             "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear",
-            "compressor_project": "kernels.compressor_project"}
+            "compressor_project": "kernels.compressor_project", "sparse_index": "kernels.sparse_index"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -240,6 +249,9 @@ class TileLangBackend:
 
     def moe_combine(self, routed, shared, dtype):
         return self._impl["moe_combine"](routed, shared, dtype)
+
+    def sparse_index(self, window_rows, order, visible, k, offset, width):
+        return self._impl["sparse_index"](window_rows, order, visible, k, offset, width)
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)

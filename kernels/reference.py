@@ -423,6 +423,18 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
+                 width: int) -> torch.Tensor:
+    """A decode query's key rows for sparse attention, int64 [S, W + width]: the window's rows
+    window_rows [S, W], then the first k (<= width) entry slots of `order` [S, N] (best first)
+    moved by `offset` (entry rows follow the window's in the key buffer) where below `visible`
+    [S] (the entries complete at the query) and -1 elsewhere, then -1 up to `width`."""
+    picks = order[:, :k]
+    chosen = torch.where(picks < visible.unsqueeze(1), picks + offset, -1)
+    pad = picks.new_full((picks.shape[0], width - k), -1)
+    return torch.cat((window_rows, chosen, pad), dim=1)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).

@@ -353,6 +353,19 @@ def test_sparse_attention_matches_reference(s, h, d, t, k, gen):
     assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.to(torch.bfloat16))
 
 
+# Flash CSA (top 512 of 1024 slots), HCA (every slot), the tiny model's, several queries with
+# fewer slots than the width, and a layer without entries yet
+@pytest.mark.parametrize("s,w,n,k,width", [(1, 128, 1024, 512, 512), (1, 128, 8, 8, 8), (1, 16, 64, 4, 4),
+                                           (3, 128, 300, 200, 512), (1, 128, 0, 0, 512)])
+def test_sparse_index_matches_reference(s, w, n, k, width, gen):
+    from kernels.sparse_index import sparse_index
+    window_rows = torch.randint(-1, w, (s, w), generator=gen, device=DEV)
+    order = torch.stack([torch.randperm(n, generator=gen, device=DEV) for _ in range(s)]).view(s, n)
+    visible = torch.randint(0, n + 1, (s,), generator=gen, device=DEV)
+    got = sparse_index(window_rows, order, visible, k, w, width)
+    assert got.dtype == torch.int64 and torch.equal(got, ref.sparse_index(window_rows, order, visible, k, w, width))
+
+
 def test_sparse_attention_all_absent_gives_zero(gen):
     from kernels.sparse_attention import sparse_attention
     q = torch.randn(2, 16, 64, generator=gen, device=DEV).to(torch.bfloat16)
