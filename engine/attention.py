@@ -67,8 +67,8 @@ class Compressor:
         if numerics.native:  # bf16 as on disk, wkv's rows then wgate's: the backend projects both at once
             self.w = torch.cat((get(f"{prefix}.wkv.weight"), get(f"{prefix}.wgate.weight")))  # [2·c·d, D]
         else:
-            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"), numerics)
-            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"), numerics)
+            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"))
+            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"))
         self.ape = get(f"{prefix}.ape").float()  # [r, c·d]
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
@@ -161,7 +161,10 @@ class Indexer:
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.ratio, self.rope, self.numerics = 4, rope, numerics
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
-        self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"), numerics, bf16_out=True)
+        if numerics.native:  # bf16 as on disk: the backend's indexer_weights (one launch on CUDA)
+            self.weights_proj_w = get(f"{prefix}.weights_proj.weight")
+        else:
+            self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"))
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
@@ -199,12 +202,13 @@ class Indexer:
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
-        ops = ref
-        if self.numerics.native:
-            q = self.numerics.backend.hadamard_qdq4(q, 32)
-            ops = self.numerics.backend  # one launch on CUDA
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
-        return ops.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
+        if self.numerics.native:  # one launch each on CUDA
+            backend = self.numerics.backend
+            q = backend.hadamard_qdq4(q, 32)
+            w = backend.indexer_weights(x, self.weights_proj_w, self.n_heads ** -0.5)  # [S, IH]
+            return backend.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return ref.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""

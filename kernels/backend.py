@@ -60,6 +60,10 @@ class Backend(Protocol):
         """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into dtype."""
         ...
 
+    def indexer_weights(self, x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+        """The indexer's head weights: float(bf16(x · w^T)) · scale, fp32 [S, IH]."""
+        ...
+
     def sparse_index(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int,
                      offset: int, width: int) -> torch.Tensor:
         """A decode query's key rows [S, W + width]: window rows, then order[:, :k] + offset where
@@ -154,6 +158,9 @@ class TorchBackend:
     def moe_combine(self, routed, shared, dtype):
         return ref.moe_combine(routed, shared, dtype)
 
+    def indexer_weights(self, x, w, scale):
+        return ref.indexer_weights(x, w, scale)
+
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return ref.sparse_index(window_rows, order, visible, k, offset, width)
 
@@ -208,7 +215,8 @@ class TileLangBackend:
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
             "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
             "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear",
-            "compressor_project": "kernels.compressor_project", "sparse_index": "kernels.sparse_index"}
+            "compressor_project": "kernels.compressor_project", "sparse_index": "kernels.sparse_index",
+            "indexer_weights": "kernels.indexer_weights"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -249,6 +257,9 @@ class TileLangBackend:
 
     def moe_combine(self, routed, shared, dtype):
         return self._impl["moe_combine"](routed, shared, dtype)
+
+    def indexer_weights(self, x, w, scale):
+        return self._impl["indexer_weights"](x, w, scale)
 
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return self._impl["sparse_index"](window_rows, order, visible, k, offset, width)

@@ -423,6 +423,13 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def indexer_weights(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """The lightning indexer's per-head weights in native numerics (§C.6): x [S, D] times the bf16
+    weights_proj w [IH, D] in fp32, rounded to bf16 (the official bf16 matmul), widened and
+    times `scale` (n_heads^-1/2) -> fp32 [S, IH]."""
+    return (x.float() @ w.float().T).to(torch.bfloat16).float() * scale
+
+
 def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
                  width: int) -> torch.Tensor:
     """A decode query's key rows for sparse attention, int64 [S, W + width]: the window's rows

@@ -210,6 +210,22 @@ def test_compressor_project_rejects_mismatched_weight(gen):
                            torch.zeros(4, 64, device=DEV), torch.tensor([0], device=DEV), *bufs)
 
 
+# Flash's weights_proj (64 heads over 4096 channels) at decode and prefill-chunk rows, the tiny
+# model's, an odd one, and more rows than the kernel takes (reference path)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (3, 64, 4096), (16, 64, 4096), (1, 4, 128), (2, 40, 264),
+                                   (40, 64, 4096)])
+def test_indexer_weights_matches_reference(m, n, k, gen):
+    from kernels.indexer_weights import indexer_weights
+    x = activations(m, k, gen)
+    w = (torch.randn(n, k, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    got = indexer_weights(x, w, n ** -0.5)
+    want = ref.indexer_weights(x, w, n ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    step = (want.abs() * 2.0 ** -7).clamp_min(1e-30)  # one bf16 rounding step (fp32 sums may move it)
+    assert ((got - want).abs() <= step).all()
+    print(f"indexer_weights M={m} N={n} K={k}: {int((got != want).sum())} of {got.numel()} differ by one step")
+
+
 # ------------------------------------------------------------------------------- fp4 GEMMs
 FP4_SHAPES = [(1, 2048, 4096), (1, 4096, 2048), (2, 2048, 4096), (16, 4096, 2048), (3, 384, 640),
               (1, 100, 128), (24, 512, 1024)]
