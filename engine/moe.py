@@ -142,13 +142,13 @@ class MoE:
         of this layer must be resident. Equals `__call__`: same per-expert math, same order."""
         idx, w = routed
         k = idx.shape[1]
-        slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
-        if self.numerics.native:
+        if self.numerics.native:  # the kernels look the experts' slots up in the layer's table
             xq = self.numerics.quantize(x)  # one row for all k choices
-            y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, slots, w[0],
-                                                        self.limit)  # [k, D] fp32, row j = choice j
-            return self._combine(y.unsqueeze(0), xq)
+            y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0],
+                                                        self.limit, arena.table[self.layer])  # [k, D] fp32
+            return self._combine(y.unsqueeze(0), xq)  # row j of y = choice j
         x = unquantized(x)
+        slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
         recs = arena.data.index_select(0, slots.long())  # [k, R]
         y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
                        for j in range(k)])

@@ -86,8 +86,10 @@ class Backend(Protocol):
         ...
 
     def fp4_moe_quantized(self, q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
-                          slots: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-        """`fp4_moe` on act_quant's (q, s) [A, D] (A = G, or 1 for every slot) -> fp32 [G, D]."""
+                          slots: torch.Tensor, weights: torch.Tensor, limit: float,
+                          table: torch.Tensor | None = None) -> torch.Tensor:
+        """`fp4_moe` on act_quant's (q, s) [A, D] (A = G, or 1 for every slot) -> fp32 [G, D];
+        with `table`, slots are expert ids looked up in it."""
         ...
 
     def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -173,8 +175,8 @@ class TorchBackend:
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return ref.fp4_moe(x, arena, fields, slots, weights, limit)
 
-    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit):
-        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
+        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, table)
 
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
@@ -273,8 +275,8 @@ class TileLangBackend:
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)
 
-    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit):
-        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit)
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
+        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit, table)
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)

@@ -348,6 +348,24 @@ def test_fp4_moe_quantized_equals_fp4_moe(rows, gen):
     assert rel_err(out, want) < 2e-2
 
 
+def test_fp4_moe_quantized_looks_slots_up_in_a_table(gen):
+    """Expert ids with a layer's slot table (a -1 entry reads slot 0, as the reference's clamp)
+    give the result of the looked-up slots, bit for bit."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_moe_quantized
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    table = torch.full((32,), -1, dtype=torch.int32, device=DEV)
+    table[[3, 9, 17, 30, 4]] = torch.tensor([5, 1, 7, 0, 2], dtype=torch.int32, device=DEV)
+    ids = torch.tensor([9, 3, 30, 17, 4, 11], device=DEV)  # expert 11 has no slot
+    q, sq = act_quant(activations(1, dim, gen), 128)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    got = fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)
+    slots = table[ids].clamp_min(0)
+    assert torch.equal(got, fp4_moe_quantized(q, sq, data, fields, slots, wts, limit))
+    assert rel_err(got, ref.fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)) < 2e-2
+
+
 # ------------------------------------------------------------------------ sparse attention
 @pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
                                        (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
