@@ -72,7 +72,7 @@ class Backend(Protocol):
 
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
+        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype."""
         ...
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
