@@ -67,8 +67,8 @@ class Compressor:
         if numerics.native:  # bf16 as on disk, wkv's rows then wgate's: the backend projects both at once
             self.w = torch.cat((get(f"{prefix}.wkv.weight"), get(f"{prefix}.wgate.weight")))  # [2·c·d, D]
         else:
-            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"), numerics)
-            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"), numerics)
+            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"))
+            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"))
         self.ape = get(f"{prefix}.ape").float()  # [r, c·d]
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
@@ -161,7 +161,10 @@ class Indexer:
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.ratio, self.rope, self.numerics = 4, rope, numerics
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
-        self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"), numerics, bf16_out=True)
+        if numerics.native:  # bf16 as on disk: the backend's indexer_weights (one launch on CUDA)
+            self.weights_proj_w = get(f"{prefix}.weights_proj.weight")
+        else:
+            self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"))
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
@@ -184,12 +187,13 @@ class Indexer:
 
     def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
-        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots;
-        slots not yet visible score -inf, so the picks equal those of `__call__`. `emit` as
-        for `Compressor.decode`."""
+        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots:
+        all of them, best first [1, n_keys] (the caller keeps the first `index_topk` and drops
+        those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
+        as for `Compressor.decode`."""
         self.compressor.decode(x, at, st, emit)
-        visible = at.visible[self.ratio]
-        return self._select(self._scores(x, c, at.pos, visible, st.entries[:n_keys], rot), visible)
+        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+        return ref.topk_desc(scores, scores.shape[1])
 
     def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
@@ -198,12 +202,13 @@ class Indexer:
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
-        ops = ref
-        if self.numerics.native:
-            q = self.numerics.backend.hadamard_qdq4(q, 32)
-            ops = self.numerics.backend  # one launch on CUDA
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [S, IH]
-        return ops.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
+        if self.numerics.native:  # one launch each on CUDA
+            backend = self.numerics.backend
+            q = backend.hadamard_qdq4(q, 32)
+            w = backend.indexer_weights(x, self.weights_proj_w, self.n_heads ** -0.5)  # [S, IH]
+            return backend.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return ref.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""
@@ -236,6 +241,7 @@ class Attention:
                                    numerics)
         self.wo_b = FP8Linear(get(f"{prefix}.wo_b.weight"), get(f"{prefix}.wo_b.scale"), numerics)
         self.compressor = self.indexer = None
+        self._slot_ids: torch.Tensor | None = None  # see _slots
         if self.ratio:
             self.compressor = Compressor(get, f"{prefix}.compressor", args, self.ratio, args.head_dim,
                                          "attention", self.rope, numerics)
@@ -283,12 +289,20 @@ class Attention:
         idx = at.window_rows  # [1, W]
         if self.ratio:
             self.compressor.decode(x, at, st.compressor, emit)
-            if self.indexer is not None:
-                chosen = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
-            else:
-                chosen = self._all_visible(st.capacity, at.visible[self.ratio])
-            idx = torch.cat((idx, torch.where(chosen >= 0, chosen + self.window, chosen)), dim=1)
+            if self.indexer is not None:  # entry slots best first; the top index_topk kept
+                order = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
+                width = self.indexer.topk
+            else:  # every entry slot
+                order, width = self._slots(st.capacity, idx.device), st.capacity
+            ops = self.numerics.backend if self.numerics.native else ref  # one launch on CUDA
+            idx = ops.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]), self.window, width)
         return self._output(self._attend(q, st.kv, idx), rot)
+
+    def _slots(self, n: int, device: torch.device) -> torch.Tensor:
+        """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""
+        if self._slot_ids is None or self._slot_ids.shape[1] != n:
+            self._slot_ids = torch.arange(n, device=device).unsqueeze(0)
+        return self._slot_ids
 
     def _project(self, x: torch.Tensor, rot):
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
@@ -308,8 +322,8 @@ class Attention:
         return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
 
     def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
-        """Attention output o [S, H, D] fp32 -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
-        o = self.rope(o.to(self.numerics.dtype), rot, inverse=True)
+        """Attention output o [S, H, D] (numerics dtype) -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
+        o = self.rope(o, rot, inverse=True)
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

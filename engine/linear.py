@@ -38,19 +38,15 @@ class FP8Linear:
 
 
 class FloatLinear:
-    """y = x · Wᵀ for a BF16 weight computed in fp32 (gate, compressor projections; §B.4).
+    """y = x · Wᵀ in fp32 for a BF16 weight (§B.4), exact numerics: the compressor's projections
+    and the indexer's weights_proj. Native runs them through backend ops on the bf16 weights
+    (`compressor_project`, `indexer_weights`)."""
 
-    `out_dtype` None keeps fp32; the indexer's weights_proj is a bf16 matmul in native mode.
-    """
-
-    def __init__(self, weight: torch.Tensor, numerics: Numerics, bf16_out: bool = False):
-        self.numerics = numerics
+    def __init__(self, weight: torch.Tensor):
         self.w = weight.float()
-        self.bf16_out = bf16_out and numerics.native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float() @ self.w.T
-        return y.to(torch.bfloat16) if self.bf16_out else y
+        return x.float() @ self.w.T
 
 
 class GroupedOutProj:

@@ -20,10 +20,11 @@ def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
-            eps: float) -> torch.Tensor:
-    """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn)."""
+            eps: float, norm=ref.rms_norm) -> torch.Tensor:
+    """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn); `norm` is an
+    RMSNorm with the reference's signature (the backend's in native)."""
     sf = streams.float()
-    mixes = ref.rms_norm(sf.flatten(1), None, eps) @ fn.T  # [S, n]
+    mixes = norm(sf.flatten(1), None, eps) @ fn.T  # [S, n]
     pre = torch.sigmoid(mixes * scale + base) + hc_eps
     return (pre.unsqueeze(-1) * sf).sum(dim=1).to(streams.dtype)
 
@@ -51,11 +52,14 @@ class HyperConnection:
 
 
 class HyperHead:
-    """HCHead parameters: fn [n, n·D], scale [1], base [n]."""
+    """HCHead parameters: fn [n, n·D], scale [1], base [n]; native normalises through the backend
+    (one launch on CUDA instead of ~7)."""
 
-    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs):
+    def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
+                 numerics: Numerics):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
         self.consts = (args.hc_eps, args.norm_eps)
+        self.norm = numerics.backend.rms_norm if numerics.native else ref.rms_norm
 
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_head(streams, self.fn, self.scale, self.base, *self.consts)
+        return hc_head(streams, self.fn, self.scale, self.base, *self.consts, norm=self.norm)

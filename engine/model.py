@@ -20,7 +20,7 @@ from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.mhc import HyperConnection, HyperHead
 from engine.moe import MoE, ExpertProvider
-from engine.numerics import Numerics
+from engine.numerics import Numerics, Quantized, unquantized
 from engine.state import SequenceState, new_layer_state
 from kernels import reference as ref
 from engine.linear import FP8Linear
@@ -78,8 +78,8 @@ class Block:
         a = self.attn.decode(self.norm_q(x, self.attn_norm, self.eps), at, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        x = self.norm(x, self.ffn_norm, self.eps)
-        return DecodeCarry(streams, x, post, comb, self.ffn.route(x, ids))
+        x = self.norm_q(x, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids))
 
     def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
         """Second half: routed experts from the arena + shared expert, mHC post -> streams."""
@@ -92,7 +92,7 @@ class DecodeCarry:
     """What a block's decode passes from its attention half to its FFN half."""
 
     streams: torch.Tensor  # [1, n_hc, D] after the attention's mHC post
-    x: torch.Tensor  # [1, D] ffn-normed block input
+    x: torch.Tensor | Quantized  # [1, D] ffn-normed block input (native: with its FP8 quantisation)
     post: torch.Tensor
     comb: torch.Tensor
     routed: tuple[torch.Tensor, torch.Tensor]  # expert ids [1, k] int64, weights [1, k] fp32
@@ -109,7 +109,8 @@ class MTP:
         self.enorm, self.hnorm = get(f"{p}.enorm.weight").float(), get(f"{p}.hnorm.weight").float()
         self.norm = get(f"{p}.norm.weight").float()
         self.block = Block(get, p, args, args.n_layers, numerics)
-        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args)
+        self.hc_head = HyperHead(get(f"{p}.hc_head_fn"), get(f"{p}.hc_head_scale"), get(f"{p}.hc_head_base"), args,
+                                 numerics)
 
 
 class Transformer:
@@ -119,7 +120,7 @@ class Transformer:
         self.args, self.numerics = args, numerics
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
-        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args)
+        self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight")  # [V, D] bf16: the official head runs in fp32 (widened per call)
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelArgs
 from engine.linear import FP8Linear
-from engine.numerics import Numerics
+from engine.numerics import Numerics, Quantized, unquantized
 from kernels import reference as ref
 from kernels.reference import EXPERT_FIELDS, swiglu
 
@@ -133,27 +133,30 @@ class MoE:
         cells = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
         return self._combine(cells.view(n, k, -1), x)
 
-    def decode(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
-        """One token x [1, D] with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
+    def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
+        """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
+        routed experts then share) with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
 
         Experts are read from `arena` (engine.experts.arena.ExpertArena: `data` [slots, R] u8,
         `table` [units, E] int32 slot per (layer, expert), `record.fields`); every routed expert
         of this layer must be resident. Equals `__call__`: same per-expert math, same order."""
         idx, w = routed
         k = idx.shape[1]
+        if self.numerics.native:  # the kernels look the experts' slots up in the layer's table
+            xq = self.numerics.quantize(x)  # one row for all k choices
+            y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0],
+                                                        self.limit, arena.table[self.layer])  # [k, D] fp32
+            return self._combine(y.unsqueeze(0), xq)  # row j of y = choice j
+        x = unquantized(x)
         slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
-        if self.numerics.native:
-            y = self.numerics.backend.fp4_moe(x.expand(k, -1), arena.data, arena.record.fields, slots, w[0],
-                                              self.limit)  # [k, D] fp32, row j = choice j
-        else:
-            recs = arena.data.index_select(0, slots.long())  # [k, R]
-            y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
-                           for j in range(k)])
+        recs = arena.data.index_select(0, slots.long())  # [k, R]
+        y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
+                       for j in range(k)])
         return self._combine(y.unsqueeze(0), x)  # [1, k, D]
 
-    def _combine(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _combine(self, slots: torch.Tensor, x: torch.Tensor | Quantized) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
-        order), then the shared expert; rounded once into the stream dtype."""
+        order), then the shared expert on x; rounded once into the stream dtype."""
         return self.ops.moe_combine(slots, self._shared(x), self.numerics.dtype)
 
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
@@ -168,9 +171,10 @@ class MoE:
         h = swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
         return h @ w2.T
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert on x [N, D]: native -> bf16 (w1|w3 in one FP8 GEMM, SwiGLU fused with
-        w2's activation quantisation), exact -> fp32."""
+    def _shared(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        """The shared expert on x [N, D]: native -> bf16 (w1|w3 in one FP8 GEMM, on x's
+        quantisation when it carries one; SwiGLU fused with w2's activation quantisation),
+        exact -> fp32."""
         if not self.numerics.native:
             h = swiglu(self.shared_w1(x), self.shared_w3(x), self.limit)
             return self.shared_w2(h)

@@ -60,9 +60,19 @@ class Backend(Protocol):
         """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into dtype."""
         ...
 
+    def indexer_weights(self, x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+        """The indexer's head weights: float(bf16(x · w^T)) · scale, fp32 [S, IH]."""
+        ...
+
+    def sparse_index(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int,
+                     offset: int, width: int) -> torch.Tensor:
+        """A decode query's key rows [S, W + width]: window rows, then order[:, :k] + offset where
+        below visible (-1 elsewhere), -1 up to width."""
+        ...
+
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
+        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype."""
         ...
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
@@ -73,6 +83,13 @@ class Backend(Protocol):
     def fp4_moe(self, x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
                 weights: torch.Tensor, limit: float) -> torch.Tensor:
         """Routed experts read from arena slots (one per row of x) -> fp32 [G, D]."""
+        ...
+
+    def fp4_moe_quantized(self, q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
+                          slots: torch.Tensor, weights: torch.Tensor, limit: float,
+                          table: torch.Tensor | None = None) -> torch.Tensor:
+        """`fp4_moe` on act_quant's (q, s) [A, D] (A = G, or 1 for every slot) -> fp32 [G, D];
+        with `table`, slots are expert ids looked up in it."""
         ...
 
     def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -143,6 +160,12 @@ class TorchBackend:
     def moe_combine(self, routed, shared, dtype):
         return ref.moe_combine(routed, shared, dtype)
 
+    def indexer_weights(self, x, w, scale):
+        return ref.indexer_weights(x, w, scale)
+
+    def sparse_index(self, window_rows, order, visible, k, offset, width):
+        return ref.sparse_index(window_rows, order, visible, k, offset, width)
+
     def sparse_attention(self, q, kv, idx, sink, scale):
         return ref.sparse_attention(q, kv, idx, sink, scale)
 
@@ -151,6 +174,9 @@ class TorchBackend:
 
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return ref.fp4_moe(x, arena, fields, slots, weights, limit)
+
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
+        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, table)
 
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
@@ -183,7 +209,7 @@ class TileLangBackend:
 
     name = "tilelang"
     _OPS = {"fp8_gemm": "kernels.fp8_gemm", "fp4_gemm": "kernels.fp4_moe", "fp4_moe": "kernels.fp4_moe",
-            "sparse_attention": "kernels.sparse_attention",
+            "fp4_moe_quantized": "kernels.fp4_moe", "sparse_attention": "kernels.sparse_attention",
             "head_logits": "kernels.head_gemv", "rms_norm": "kernels.rms_norm",
             "rope": "kernels.rope", "hadamard_qdq4": "kernels.hadamard_qdq4",
             "hc_pre": "kernels.mhc", "hc_post": "kernels.mhc", "fp8_gemm_quantized": "kernels.fp8_gemm",
@@ -191,7 +217,8 @@ class TileLangBackend:
             "indexer_scores": "kernels.indexer_scores", "moe_gate": "kernels.moe_gate",
             "norm_rope": "kernels.norm_rope", "act_quant": "kernels.act_quant",
             "rms_norm_quant": "kernels.rms_norm_quant", "grouped_linear": "kernels.grouped_linear",
-            "compressor_project": "kernels.compressor_project"}
+            "compressor_project": "kernels.compressor_project", "sparse_index": "kernels.sparse_index",
+            "indexer_weights": "kernels.indexer_weights"}
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -233,6 +260,12 @@ class TileLangBackend:
     def moe_combine(self, routed, shared, dtype):
         return self._impl["moe_combine"](routed, shared, dtype)
 
+    def indexer_weights(self, x, w, scale):
+        return self._impl["indexer_weights"](x, w, scale)
+
+    def sparse_index(self, window_rows, order, visible, k, offset, width):
+        return self._impl["sparse_index"](window_rows, order, visible, k, offset, width)
+
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._impl["sparse_attention"](q, kv, idx, sink, scale)
 
@@ -241,6 +274,9 @@ class TileLangBackend:
 
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)
+
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
+        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit, table)
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)

@@ -5,14 +5,12 @@ One launch replaces the widening of x, the two fp32 GEMVs over wkv and wgate, th
 add, and the two row writes. W [2C, K] bf16 holds wkv's rows then wgate's, as on disk (the
 reference path's fp32 copies read twice the bytes).
 
-Data layout: the FP8 GEMV's (kernels/fp8_gemm.py) with 8 bf16 weights per lane per step (one
-16-byte load) and 8 bf16 activations (one 16-byte load), both widened exactly to fp32; each
-product and sum in fp32. Each warp owns `rows` weight rows; K-split warps meet in shared memory
-in a fixed order. Row n < C of the result goes to BKV[ROW[i], n]; row C + j goes to
-BG[ROW[i], j] plus APE[ROW[i], j]. ROW is read on the device, so CUDA graphs replay it.
+Data layout: kernels/bf16_gemv.py's row-per-warp GEMV (fp32 products and sums). Row n < C of
+the result goes to BKV[ROW[i], n]; row C + j goes to BG[ROW[i], j] plus APE[ROW[i], j]. ROW is
+read on the device, so CUDA graphs replay it.
 
-Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tiles per
-compute capability in TILE_PARAMS: sm_90 tested, sm_121 (GB10) untested. TileLang is imported lazily.
+Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). TileLang is
+imported lazily.
 """
 
 import functools
@@ -20,29 +18,11 @@ import functools
 import torch
 
 from kernels import reference as ref
-from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, tile_params
+from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch
+from kernels.bf16_gemv import VEC, accumulate_macro, bf16_gemv_tile
 from kernels.fp8_gemm import store_rows_macro
 
 MAX_M = 16
-_VEC = 8  # bf16 weights per lane per step (one 16-byte load)
-TILE_PARAMS = {
-    (9, 0): {"rows": 2, "warps": 4, "min_ctas": 264},
-    (12, 1): {"rows": 2, "warps": 4, "min_ctas": 96},
-}
-DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 128}
-
-
-def project_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:
-    """(rows per warp, warps per CTA, K split) for a [n, k] bf16 weight: fewer rows, then K split
-    between the warps of a CTA, while the grid is below `min_ctas` (each warp keeps a full step)."""
-    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps, ksplit = p["rows"], p["warps"], 1
-    while rows > 1 and -(-n // (rows * warps)) < p["min_ctas"]:
-        rows //= 2
-    while (ksplit < warps and -(-n // (rows * warps // ksplit)) < p["min_ctas"]
-           and k // (2 * ksplit) >= 32 * _VEC):
-        ksplit *= 2
-    return rows, warps, ksplit
 
 
 @functools.cache
@@ -53,11 +33,8 @@ def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: 
     import tilelang.language as T
 
     n = 2 * c
-    kstep = 32 * _VEC
-    steps = (k + kstep - 1) // kstep
-    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
     cta_rows = rows * (warps // ksplit)
-    loop = T.unroll if split_steps <= 16 else T.serial
+    accumulate = accumulate_macro(T, m, n, k, rows, ksplit)
 
     @T.macro
     def put(BKV, BG, APE, ROW, i, row, total):
@@ -75,24 +52,10 @@ def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: 
         with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wb = T.alloc_local((rows, _VEC), "bfloat16")
-            xb = T.alloc_local((_VEC,), "bfloat16")
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
-            T.clear(acc)
-            for ko in loop(split_steps):
-                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
-                if k0 < k:
-                    for j in T.unroll(rows):
-                        for v in T.vectorized(_VEC):
-                            wb[j, v] = W[T.min(first + j, n - 1), k0 + v]
-                    for i in T.unroll(m):
-                        for v in T.vectorized(_VEC):
-                            xb[v] = X[i, k0 + v]
-                        for j in T.unroll(rows):
-                            for v in T.unroll(_VEC):
-                                acc[j, i] += T.Cast("float32", xb[v]) * T.Cast("float32", wb[j, v])
+            accumulate(X, W, acc, lane, warp, first)
             store(acc, red, lane, warp, first, BKV, BG, APE, ROW)
 
     return compile_kernel(compressor_project, arch)
@@ -118,8 +81,8 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
     arch = cuda_arch(x.device)
     if m == 0:
         return
-    if m > MAX_M or k % _VEC:
+    if m > MAX_M or k % VEC:
         ref.compressor_project(x, w, ape, row, buf_kv, buf_gate)
         return
-    kernel = compressor_project_kernel(m, c, k, r, *project_tile(2 * c, k, arch), arch)
+    kernel = compressor_project_kernel(m, c, k, r, *bf16_gemv_tile(2 * c, k, arch), arch)
     kernel(aligned16(x), aligned16(w), ape.float().contiguous(), row.to(torch.int64).contiguous(), buf_kv, buf_gate)

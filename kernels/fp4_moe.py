@@ -44,7 +44,8 @@ _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
 
 @functools.cache
 def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
-                    s_off: tuple[int, ...], rows: int, warps: int, out_dtype: str, arch: tuple[int, int]):
+                    s_off: tuple[int, ...], rows: int, warps: int, out_dtype: str, arch: tuple[int, int],
+                    lookup: bool = False):
     """Grouped FP4 GEMV, `rows` rows per warp and `warps` warps per CTA, over P = len(w_off) parts.
 
     (Q [A,m,k/4] int32 = e4m3 codes, SA [A,m,k/128] fp32 with A = G, or A = 1 for activations
@@ -54,6 +55,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     of SWA as its scales (e.g. an expert's w1 and w3 on the same activations: one launch; the offsets
     must be evenly spaced, w_off's by a multiple of 16 bytes). Outputs
     are rounded to bf16; an fp32 `out_dtype` stores them widened (what the MoE sums).
+    `lookup`: SLOT is replaced by TABLE [E] int32 and IDS [G] int64, and group g reads slot
+    max(TABLE[IDS[g]], 0) (a layer's slot table and the routed expert ids: no lookup launches).
     """
     import tilelang.language as T
 
@@ -64,6 +67,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     loop = T.unroll if steps <= 16 else T.serial
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups = T.dynamic("agroups")  # activation groups: G, or 1 when every group reads the same
+    entries = T.dynamic("entries")  # slot-table entries (lookup)
 
     def per_part(p, values):
         """values[p] as first + p·step (a linear index keeps the 16-byte loads provably aligned)."""
@@ -72,48 +76,60 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
             raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
         return values[0] + p * step
 
-    @T.prim_func
-    def fp4_gemv(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
-                 WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
-                 SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, m, n), out_dtype)):
-        with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
-            lowbit.import_source(T)
-            lane = T.get_thread_binding(0)
-            warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC // 4), "int32")
-            wsc = T.alloc_local((rows,), "uint8")
-            aq = T.alloc_local((2 * _VEC // 4,), "int32")
-            af = T.alloc_local((2 * _VEC,), "float32")
-            acc = T.alloc_local((rows, m), "float32")
-            slot = SLOT[g]
-            ga = T.min(g, agroups - 1)
-            w_off_w = per_part(part, [o // 4 for o in w_off])  # in int32 words
-            s_off_p = per_part(part, list(s_off))
-            T.clear(acc)
-            for ko in loop(steps):
-                k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
-                if k0 < k:
-                    for r in T.unroll(rows):
-                        row = T.min(bn * rows * warps + warp * rows + r, n - 1)
-                        for v in T.vectorized(_VEC // 4):
-                            wq[r, v] = WA[slot, w_off_w + row * kw + k0 // 8 + v]
-                        wsc[r] = SWA[slot, s_off_p + row * kg + k0 // 32]
-                    for i in T.unroll(m):
-                        for v in T.vectorized(2 * _VEC // 4):
-                            aq[v] = Q[ga, i, k0 // 4 + v]
-                        lowbit.e4m3x16_to_f32(T, aq[0], af[0])
-                        lowbit.e4m3x16_to_f32(T, aq[_VEC // 4], af[_VEC])
-                        for r in T.unroll(rows):
-                            # activations decode to value * 2^-8, weights to value * 2^-14
-                            scale = SA[ga, i, k0 // 128] * e8m0_bits_to_float(
-                                T, wsc[r], lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
-                            acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
-            for r in T.unroll(rows):
+    @T.macro
+    def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
+        lowbit.import_source(T)
+        lane = T.get_thread_binding(0)
+        warp = T.get_thread_binding(1)
+        wq = T.alloc_local((rows, _VEC // 4), "int32")
+        wsc = T.alloc_local((rows,), "uint8")
+        aq = T.alloc_local((2 * _VEC // 4,), "int32")
+        af = T.alloc_local((2 * _VEC,), "float32")
+        acc = T.alloc_local((rows, m), "float32")
+        ga = T.min(g, agroups - 1)
+        w_off_w = per_part(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_p = per_part(part, list(s_off))
+        T.clear(acc)
+        for ko in loop(steps):
+            k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
+            if k0 < k:
+                for r in T.unroll(rows):
+                    row = T.min(bn * rows * warps + warp * rows + r, n - 1)
+                    for v in T.vectorized(_VEC // 4):
+                        wq[r, v] = WA[slot, w_off_w + row * kw + k0 // 8 + v]
+                    wsc[r] = SWA[slot, s_off_p + row * kg + k0 // 32]
                 for i in T.unroll(m):
-                    total = T.warp_reduce_sum(acc[r, i])
-                    if lane == 0 and bn * rows * warps + warp * rows + r < n:
-                        Y[part, g, i, bn * rows * warps + warp * rows + r] = T.Cast(
-                            out_dtype, T.Cast("bfloat16", total))
+                    for v in T.vectorized(2 * _VEC // 4):
+                        aq[v] = Q[ga, i, k0 // 4 + v]
+                    lowbit.e4m3x16_to_f32(T, aq[0], af[0])
+                    lowbit.e4m3x16_to_f32(T, aq[_VEC // 4], af[_VEC])
+                    for r in T.unroll(rows):
+                        # activations decode to value * 2^-8, weights to value * 2^-14
+                        scale = SA[ga, i, k0 // 128] * e8m0_bits_to_float(
+                            T, wsc[r], lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                        acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
+        for r in T.unroll(rows):
+            for i in T.unroll(m):
+                total = T.warp_reduce_sum(acc[r, i])
+                if lane == 0 and bn * rows * warps + warp * rows + r < n:
+                    Y[part, g, i, bn * rows * warps + warp * rows + r] = T.Cast(
+                        out_dtype, T.Cast("bfloat16", total))
+
+    if lookup:
+        @T.prim_func
+        def fp4_gemv(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
+                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
+                     TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
+                     Y: T.Tensor((parts, groups, m, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
+                body(Q, SA, WA, SWA, Y, T.max(TABLE[IDS[g]], 0), bn, g, part)
+    else:
+        @T.prim_func
+        def fp4_gemv(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
+                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
+                     SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, m, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
+                body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
 
     return compile_kernel(fp4_gemv, arch)
 
@@ -149,28 +165,36 @@ def _check(x: torch.Tensor, n: int, k: int, what: str) -> None:
 
 
 def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: int, slots: torch.Tensor,
-                 g: int) -> None:
+                 g: int, table: torch.Tensor | None = None) -> None:
     for w_off, s_off in zip(w_offs, s_offs):
         if w_off % 16 or wb.shape[1] % 16 or w_off + n * k // 2 > wb.shape[1] or s_off + n * k // 32 > sb.shape[1]:
             raise KernelInputError("fp4_gemm_grouped: the weight must lie inside the arena row at a "
                                    "16-byte aligned offset (and the arena row length be a multiple of 16)")
-    if slots.dtype != torch.int32 or slots.shape != (g,):
-        raise KernelInputError(f"fp4_gemm_grouped: slots must be int32 [{g}], got {slots.dtype} {tuple(slots.shape)}")
+    want = torch.int32 if table is None else torch.int64  # slots, or expert ids looked up in table
+    if slots.dtype != want or slots.shape != (g,):
+        raise KernelInputError(f"fp4_gemm_grouped: {'slots' if table is None else 'expert ids'} must be {want} "
+                               f"[{g}], got {slots.dtype} {tuple(slots.shape)}")
+    if table is not None and (table.dtype != torch.int32 or table.dim() != 1):
+        raise KernelInputError(f"fp4_gemm_grouped: the slot table must be int32 [E], got {table.dtype} "
+                               f"{tuple(table.shape)}")
 
 
 def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
-                  s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                  s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
-    all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N]."""
+    all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N].
+    With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0)."""
     g, m = slots.shape[0], q.shape[1]
     wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
-    _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g)
+    _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g, table)
     y = torch.empty(len(w_offs), g, m, n, dtype=out_dtype, device=q.device)
     if g:
         arch = cuda_arch(q.device)
         kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                 *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch)
-        kernel(as_words(q), s, as_words(wb), sb, slots, y)
+                                 *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch, table is not None)
+        where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
+        kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 
 
@@ -219,17 +243,29 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
             limit: float) -> torch.Tensor:
     """Routed experts of decode, read from arena slots: the contract of `reference.fp4_moe`
     (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G], routing weights [G] ->
-    fp32 [G, D]). Four launches for all G: quantise x (once when its rows are one broadcast row),
-    w1 and w3 of every expert in one GEMV, SwiGLU + weighting + w2's activation quantisation in
-    one kernel (kernels/swiglu_quant.py), w2 (its bf16-rounded outputs stored as fp32)."""
+    fp32 [G, D]). Quantises x (once when its rows are one broadcast row), then `fp4_moe_quantized`."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
-    slots = slots.to(torch.int32)
-    inter, dim = fields["w1.weight"].shape[0], x.shape[-1]
-    off = {name: f.offset for name, f in fields.items()}
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
-    q, s = act_quant(xa.unsqueeze(1), 128)  # [A, 1, D]
-    gu = _grouped_gemv(q, s, arena, (off["w1.weight"], off["w3.weight"]), arena, (off["w1.scale"], off["w3.scale"]),
-                       inter, dim, slots, torch.bfloat16)  # [2, G, 1, inter]
+    return fp4_moe_quantized(*act_quant(xa, 128), arena, fields, slots, weights, limit)
+
+
+def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
+                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp4_moe` on activations quantised by act_quant, as `reference.fp4_moe_quantized` (q [A, D]
+    e4m3, s [A, D/128], A = G or 1 for every slot; with `table`, slots are expert ids looked up in
+    the kernels). Three launches for all G: w1 and w3 of every expert in one GEMV, SwiGLU +
+    weighting + w2's activation quantisation in one kernel (kernels/swiglu_quant.py), w2 (its
+    bf16-rounded outputs stored as fp32)."""
+    _check(q, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe_quantized")
+    g = slots.shape[0]
+    if q.dim() != 2 or q.shape[0] not in (1, g) or tuple(s.shape) != (q.shape[0], q.shape[1] // 128):
+        raise KernelInputError(f"fp4_moe_quantized takes q [1 or {g}, D] and s [.., D/128], got "
+                               f"{tuple(q.shape)} and {tuple(s.shape)}")
+    slots = slots.to(torch.int32 if table is None else torch.int64)
+    inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
+    off = {name: f.offset for name, f in fields.items()}
+    gu = _grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
+                       (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
     return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
-                         dim, inter, slots, torch.float32)[0, :, 0]
+                         dim, inter, slots, torch.float32, table)[0, :, 0]

@@ -169,8 +169,12 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
-    q, s = act_quant(x, 128)
-    return (act_dequant(q, s, 128) @ dequant_fp4(w, w_scale).T).to(torch.bfloat16)
+    return fp4_gemm_dequantized(act_dequant(*act_quant(x, 128), 128), w, w_scale)
+
+
+def fp4_gemm_dequantized(xd: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`fp4_gemm` from its activations' exact FP8 values xd = act_dequant(q, s) (fp32) -> bf16."""
+    return (xd @ dequant_fp4(w, w_scale).T).to(torch.bfloat16)
 
 
 def head_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -229,15 +233,30 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
     (converter.layout.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
     row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g]."""
+    return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit)
+
+
+def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
+                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp4_moe` on activations quantised by act_quant: q [A, D] e4m3, s [A, D/128] fp32, A = G
+    (row g for slot g) or 1 (one row for every slot) -> fp32 [G, D]. With `table` [E] (a layer's
+    arena slot table), `slots` are expert ids and expert e is read from slot max(table[e], 0)."""
+    if table is not None:
+        slots = table.index_select(0, slots.long()).clamp_min(0)
+    xd = act_dequant(q, s, 128)  # [A, D] fp32: the activations' exact FP8 values
     recs = arena.index_select(0, slots.long())  # [G, record_bytes]: no host sync
 
     def field(g: int, name: str) -> torch.Tensor:
         f = fields[name]
         return recs[g, f.offset:f.offset + math.prod(f.shape)].view(f.shape)  # 1-byte elements
 
-    out = [routed_expert(x[g:g + 1], *(field(g, n) for n in EXPERT_FIELDS), weights[g:g + 1], limit)
-           for g in range(x.shape[0])]
-    return torch.cat(out) if out else x.new_zeros(0, x.shape[-1], dtype=torch.float32)
+    out = []
+    for g in range(slots.shape[0]):
+        w1, s1, w3, s3, w2, s2 = (field(g, n) for n in EXPERT_FIELDS)
+        xg = xd[g:g + 1] if xd.shape[0] > 1 else xd
+        out.append(expert_down(fp4_gemm_dequantized(xg, w1, s1), fp4_gemm_dequantized(xg, w3, s3), w2, s2,
+                               weights[g:g + 1], limit))
+    return torch.cat(out) if out else xd.new_zeros(0, xd.shape[-1])
 
 
 def routed_expert(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
@@ -246,7 +265,14 @@ def routed_expert(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch
     """One routed expert in native numerics on its tokens x [N, D] with routing weights [N]:
     w2(swiglu(w1 x, w3 x) · weight) with the FP4 GEMM `gemm` (a backend's, or the reference);
     the routing weight scales h before the bf16 rounding and w2 (§C.7 step 4) -> fp32 [N, D]."""
-    h = swiglu(gemm(x, w1, s1).float(), gemm(x, w3, s3).float(), limit)
+    return expert_down(gemm(x, w1, s1), gemm(x, w3, s3), w2, s2, weight, limit, gemm)
+
+
+def expert_down(g: torch.Tensor, u: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, weight: torch.Tensor,
+                limit: float, gemm=fp4_gemm) -> torch.Tensor:
+    """The rest of a routed expert from its w1 and w3 outputs g, u [N, I] (bf16): SwiGLU, times
+    the routing weight [N], rounded to bf16, through w2 (FP4 GEMM `gemm`) -> fp32 [N, D]."""
+    h = swiglu(g.float(), u.float(), limit)
     h = (h * weight.float().unsqueeze(1)).to(torch.bfloat16)
     return gemm(h, w2, s2).float()
 
@@ -400,13 +426,33 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def indexer_weights(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """The lightning indexer's per-head weights in native numerics (§C.6): x [S, D] times the bf16
+    weights_proj w [IH, D] in fp32, rounded to bf16 (the official bf16 matmul), widened and
+    times `scale` (n_heads^-1/2) -> fp32 [S, IH]."""
+    return (x.float() @ w.float().T).to(torch.bfloat16).float() * scale
+
+
+def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
+                 width: int) -> torch.Tensor:
+    """A decode query's key rows for sparse attention, int64 [S, W + width]: the window's rows
+    window_rows [S, W], then the first k (<= width) entry slots of `order` [S, N] (best first)
+    moved by `offset` (entry rows follow the window's in the key buffer) where below `visible`
+    [S] (the entries complete at the query) and -1 elsewhere, then -1 up to `width`."""
+    picks = order[:, :k]
+    chosen = torch.where(picks < visible.unsqueeze(1), picks + offset, -1)
+    pad = picks.new_full((picks.shape[0], width - k), -1)
+    return torch.cat((window_rows, chosen, pad), dim=1)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).
 
     q [S, H, D], kv [T, D] (key and value are the same row), idx [S, K] int64 rows of kv, -1 =
-    absent, sink [H] fp32 -> out [S, H, D] fp32. One softmax over the selected rows whose
-    denominator also holds exp(sink_h); the sink carries no value.
+    absent, sink [H] fp32 -> out [S, H, D] in q's dtype (computed in fp32, rounded once). One
+    softmax over the selected rows whose denominator also holds exp(sink_h); the sink carries
+    no value.
     """
     valid = idx >= 0
     rows = kv[idx.clamp_min(0)].float()  # [S, K, D]
@@ -416,4 +462,4 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     full = torch.cat((logits, sink_col), dim=-1)  # [S, H, K+1]
     full = full - full.amax(-1, keepdim=True)
     p = torch.softmax(full, dim=-1)[..., :-1]
-    return torch.einsum("shk,skd->shd", p, rows)
+    return torch.einsum("shk,skd->shd", p, rows).to(q.dtype)

@@ -1,8 +1,9 @@
 """Sparse attention with a learned sink on CUDA (TileLang); contract of `reference.sparse_attention`.
 
 q [S, H, D] bf16, kv [T, D] bf16 (key = value), idx [S, K] int (-1 = absent), sink [H] fp32 ->
-out [S, H, D] fp32: one softmax per (query, head) over the selected rows whose denominator also
-holds exp(sink_h) (spec §C.4 steps 10–12).
+out [S, H, D] in q's dtype (the fp32 result rounded once; fp32 on request): one softmax per
+(query, head) over the selected rows whose denominator also holds exp(sink_h) (spec §C.4 steps
+10–12).
 
 One CTA per (query, block of 16 heads, split of the K selected rows) walks its rows in blocks
 of `block_i`: it gathers the rows into shared memory (absent rows load row 0 and get a -inf
@@ -10,7 +11,7 @@ score), computes the scores on the tensor cores (bf16 inputs, fp32 accumulation,
 products), and keeps an online softmax. The probabilities are split into a bf16 high part and a
 bf16 remainder and both multiply the rows, so P·V carries about 16 mantissa bits (the official
 kernel rounds P to bf16 once; the reference keeps fp32). A second launch combines the splits'
-partial softmaxes (flash-decoding) and adds the sink to the denominator last. Decode (one
+partial softmaxes (flash-decoding), adds the sink to the denominator last and rounds the result. Decode (one
 query: 4 CTAs per call without splits) uses `splits` splits; prefill fills the GPU with
 queries and uses one.
 
@@ -32,6 +33,7 @@ TILE_PARAMS = {
 DEFAULT_TILE = {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64, "splits": 8}
 _LOG2E = 1.4426950408889634
 _NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m) free of inf - inf
+_OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @functools.cache
@@ -113,9 +115,10 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
 
 
 @functools.cache
-def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
-    """(PO [S,nsplit,H,D], PM, PL [S,nsplit,H], SINK [H] fp32, O [S,H,D] fp32): the splits'
-    partial softmaxes rescaled to their common maximum, the sink added to the denominator last."""
+def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: str, arch: tuple[int, int]):
+    """(PO [S,nsplit,H,D], PM, PL [S,nsplit,H], SINK [H] fp32, O [S,H,D] out_dtype): the splits'
+    partial softmaxes rescaled to their common maximum, the sink added to the denominator last,
+    the result rounded once into out_dtype."""
     import tilelang.language as T
 
     s_len = T.dynamic("s_len")
@@ -126,7 +129,7 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
     def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
                             PM: T.Tensor((s_len, nsplit, heads), "float32"),
                             PL: T.Tensor((s_len, nsplit, heads), "float32"),
-                            SINK: T.Tensor((heads,), "float32"), O: T.Tensor((s_len, heads, dim), "float32")):
+                            SINK: T.Tensor((heads,), "float32"), O: T.Tensor((s_len, heads, dim), out_dtype)):
         with T.Kernel(s_len, heads, threads=threads) as (s, h):
             m = T.alloc_local((1,), "float32")
             total = T.alloc_local((1,), "float32")
@@ -145,7 +148,7 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
                 for d in T.Parallel(dim):
                     acc[d] = acc[d] + w[sp] * PO[s, sp, h, d]
             for d in T.Parallel(dim):
-                O[s, h, d] = acc[d] / total[0]
+                O[s, h, d] = T.Cast(out_dtype, acc[d] / total[0])
 
     return compile_kernel(sparse_attn_combine, arch)
 
@@ -158,8 +161,10 @@ def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [S, H, D] bf16, kv [T, D] bf16, idx [S, K] (-1 absent), sink [H] -> fp32 [S, H, D]."""
+                     scale: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """q [S, H, D] bf16, kv [T, D] bf16, idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's
+    dtype, as the reference (`out_dtype` torch.float32: the unrounded fp32 result)."""
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     s_len, heads, dim = q.shape
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         raise KernelInputError(f"sparse_attention takes bf16 q and kv, got {q.dtype} and {kv.dtype}")
@@ -171,7 +176,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     arch = cuda_arch(q.device)
     bh = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["block_h"]
     hp = -(-heads // bh) * bh
-    out = torch.empty(s_len, hp, dim, dtype=torch.float32, device=q.device)
+    if out_dtype not in _OUT_DTYPES:
+        raise KernelInputError(f"sparse_attention writes bf16 or fp32, not {out_dtype}")
+    out = torch.empty(s_len, hp, dim, dtype=out_dtype, device=q.device)
     if s_len == 0:
         return out[:, :heads]
     if idx.shape[1] == 0 or kv.shape[0] == 0:  # nothing selected: every probability is 0
@@ -186,5 +193,5 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     pl = torch.empty_like(pm)
     partial_kernel(hp, dim, float(scale), nsplit, arch)(qp.contiguous(), kv.contiguous(),
                                                         idx.to(torch.int32).contiguous(), po, pm, pl)
-    combine_kernel(hp, dim, float(scale), nsplit, arch)(po, pm, pl, sinkp.contiguous(), out)
+    combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch)(po, pm, pl, sinkp.contiguous(), out)
     return out[:, :heads]

@@ -210,6 +210,22 @@ def test_compressor_project_rejects_mismatched_weight(gen):
                            torch.zeros(4, 64, device=DEV), torch.tensor([0], device=DEV), *bufs)
 
 
+# Flash's weights_proj (64 heads over 4096 channels) at decode and prefill-chunk rows, the tiny
+# model's, an odd one, and more rows than the kernel takes (reference path)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (3, 64, 4096), (16, 64, 4096), (1, 4, 128), (2, 40, 264),
+                                   (40, 64, 4096)])
+def test_indexer_weights_matches_reference(m, n, k, gen):
+    from kernels.indexer_weights import indexer_weights
+    x = activations(m, k, gen)
+    w = (torch.randn(n, k, generator=gen, device=DEV) * 0.05).to(torch.bfloat16)
+    got = indexer_weights(x, w, n ** -0.5)
+    want = ref.indexer_weights(x, w, n ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    step = (want.abs() * 2.0 ** -7).clamp_min(1e-30)  # one bf16 rounding step (fp32 sums may move it)
+    assert ((got - want).abs() <= step).all()
+    print(f"indexer_weights M={m} N={n} K={k}: {int((got != want).sum())} of {got.numel()} differ by one step")
+
+
 # ------------------------------------------------------------------------------- fp4 GEMMs
 FP4_SHAPES = [(1, 2048, 4096), (1, 4096, 2048), (2, 2048, 4096), (16, 4096, 2048), (3, 384, 640),
               (1, 100, 128), (24, 512, 1024)]
@@ -315,6 +331,41 @@ def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
         assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fp4_moe_quantized_equals_fp4_moe(rows, gen):
+    """On act_quant's (q, s) (one row for every slot, or one per slot) the result is fp4_moe's,
+    bit for bit: the FFN quantises its input once for the shared and the routed experts."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_moe, fp4_moe_quantized
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    slots = torch.tensor([5, 1, 7, 0, 2, 6], dtype=torch.int32, device=DEV)
+    x = activations(rows, dim, gen)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    out = fp4_moe_quantized(*act_quant(x, 128), data, fields, slots, wts, limit)
+    assert torch.equal(out, fp4_moe(x.expand(6, dim) if rows == 1 else x, data, fields, slots, wts, limit))
+    want = ref.fp4_moe_quantized(*ref.act_quant(x, 128), data, fields, slots, wts, limit)
+    assert rel_err(out, want) < 2e-2
+
+
+def test_fp4_moe_quantized_looks_slots_up_in_a_table(gen):
+    """Expert ids with a layer's slot table (a -1 entry reads slot 0, as the reference's clamp)
+    give the result of the looked-up slots, bit for bit."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_moe_quantized
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    table = torch.full((32,), -1, dtype=torch.int32, device=DEV)
+    table[[3, 9, 17, 30, 4]] = torch.tensor([5, 1, 7, 0, 2], dtype=torch.int32, device=DEV)
+    ids = torch.tensor([9, 3, 30, 17, 4, 11], device=DEV)  # expert 11 has no slot
+    q, sq = act_quant(activations(1, dim, gen), 128)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    got = fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)
+    slots = table[ids].clamp_min(0)
+    assert torch.equal(got, fp4_moe_quantized(q, sq, data, fields, slots, wts, limit))
+    assert rel_err(got, ref.fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)) < 2e-2
+
+
 # ------------------------------------------------------------------------ sparse attention
 @pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
                                        (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
@@ -326,12 +377,27 @@ def test_sparse_attention_matches_reference(s, h, d, t, k, gen):
     idx[torch.rand(s, k, generator=gen, device=DEV) < 0.2] = -1
     idx[0, : k // 2] = -1
     sink = torch.randn(h, generator=gen, device=DEV)
-    out = sparse_attention(q, kv, idx, sink, d ** -0.5)
-    want = ref.sparse_attention(q, kv, idx, sink, d ** -0.5)
+    out = sparse_attention(q, kv, idx, sink, d ** -0.5, out_dtype=torch.float32)
+    want = ref.sparse_attention(q.float(), kv.float(), idx, sink, d ** -0.5)  # fp32 result
     assert out.shape == (s, h, d) and out.dtype == torch.float32
     err = rel_err(out, want)
     print(f"sparse_attention S={s} H={h} D={d} T={t} K={k}: rel err {err:.2e}")
     assert err < 1e-4
+    rounded = sparse_attention(q, kv, idx, sink, d ** -0.5)  # q's dtype: the same result rounded once
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.to(torch.bfloat16))
+
+
+# Flash CSA (top 512 of 1024 slots), HCA (every slot), the tiny model's, several queries with
+# fewer slots than the width, and a layer without entries yet
+@pytest.mark.parametrize("s,w,n,k,width", [(1, 128, 1024, 512, 512), (1, 128, 8, 8, 8), (1, 16, 64, 4, 4),
+                                           (3, 128, 300, 200, 512), (1, 128, 0, 0, 512)])
+def test_sparse_index_matches_reference(s, w, n, k, width, gen):
+    from kernels.sparse_index import sparse_index
+    window_rows = torch.randint(-1, w, (s, w), generator=gen, device=DEV)
+    order = torch.stack([torch.randperm(n, generator=gen, device=DEV) for _ in range(s)]).view(s, n)
+    visible = torch.randint(0, n + 1, (s,), generator=gen, device=DEV)
+    got = sparse_index(window_rows, order, visible, k, w, width)
+    assert got.dtype == torch.int64 and torch.equal(got, ref.sparse_index(window_rows, order, visible, k, w, width))
 
 
 def test_sparse_attention_all_absent_gives_zero(gen):
@@ -340,8 +406,8 @@ def test_sparse_attention_all_absent_gives_zero(gen):
     kv = torch.randn(9, 64, generator=gen, device=DEV).to(torch.bfloat16)
     idx = torch.full((2, 70), -1, device=DEV)
     idx[1, 3] = 4
-    out = sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
-    want = ref.sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125)
+    out = sparse_attention(q, kv, idx, torch.zeros(16, device=DEV), 0.125, out_dtype=torch.float32)
+    want = ref.sparse_attention(q.float(), kv.float(), idx, torch.zeros(16, device=DEV), 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert rel_err(out[1], want[1]) < 1e-4
 
