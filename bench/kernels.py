@@ -3,8 +3,10 @@
 Run on a CUDA machine:  python -m bench.kernels
 Each kernel is captured in a CUDA graph (20 calls over rotating weight copies that together
 exceed the L2 cache, so every call streams its weight from HBM) and replayed; the figure is the
-median per-call time over replays. Bytes = the fewest the call must move (weights + scales +
-activations + outputs). The ceiling is a 1 GiB device-to-device copy (read + write counted)
+median per-call time over replays. On sm_90+ the kernels use programmatic dependent launch
+(kernels/pdl.py), so a call starts while the one before finishes, as in the decode graph: the
+figures are per-call times within such a chain. Bytes = the fewest the call must move (weights +
+scales + activations + outputs). The ceiling is a 1 GiB device-to-device copy (read + write counted)
 measured in the same run.
 """
 

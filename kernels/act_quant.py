@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 
 # Groups (rows of `block` channels) per CTA of 128 threads, per compute capability.
 # sm_90 (H100/H200) is tested; sm_121 (GB10, ~99 KB shared memory per block) is untested.
@@ -104,6 +104,7 @@ def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int]):
             inv = T.alloc_fragment((rows,), "float32")
             sc = T.alloc_fragment((rows,), "float32")
             q = T.alloc_fragment((rows, block), "float8_e4m3")
+            pdl.begin(T, arch)
             for i, j in T.Parallel(rows, block):
                 x[i, j] = T.if_then_else(bx * rows + i < groups, T.Cast("float32", X[bx * rows + i, j]), 0.0)
             T.reduce_absmax(x, amax, dim=1)

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from kernels import lowbit
+from kernels import lowbit, pdl
 from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
@@ -122,6 +122,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
                      TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
                      Y: T.Tensor((parts, groups, m, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
+                pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
                 body(Q, SA, WA, SWA, Y, T.max(TABLE[IDS[g]], 0), bn, g, part)
     else:
         @T.prim_func
@@ -129,6 +130,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
                      WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
                      SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, m, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, rows * warps), groups, parts, threads=(32, warps)) as (bn, g, part):
+                pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
                 body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
 
     return compile_kernel(fp4_gemv, arch)

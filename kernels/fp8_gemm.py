@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from kernels import lowbit
+from kernels import lowbit, pdl
 from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 
@@ -75,7 +75,7 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
                  W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb), "uint8"),
                  Y: T.Tensor((m, n), "bfloat16")):
         with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
-            lowbit.import_source(T)
+            lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
             wq = T.alloc_local((rows, _VEC // 4), "int32")
@@ -84,6 +84,9 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
+            if lane == 0 and warp == 0:  # the CTA's rows: one range
+                pdl.prefetch_rows(T, arch, n * k, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k)
+            pdl.begin(T, arch)
             T.clear(acc)
             for ko in loop(split_steps):
                 k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from kernels import lowbit
+from kernels import lowbit, pdl
 from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
 from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
                               e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro)
@@ -49,7 +49,7 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
     def grouped_gemv(X: T.Tensor((m, groups * k), "bfloat16"), W: T.Tensor((n, kw), "int32"),
                      SW: T.Tensor((nb, kb), "uint8"), Y: T.Tensor((m, n), "bfloat16")):
         with T.Kernel(n // cta_rows, threads=(32, warps)) as bn:
-            lowbit.import_source(T)
+            lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
             wq = T.alloc_local((rows, _VEC // 4), "int32")
@@ -57,6 +57,9 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
             af = T.alloc_local((_VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
+            if lane == 0 and warp == 0:  # the CTA's rows: one range
+                pdl.prefetch_rows(T, arch, n * k, W[bn * cta_rows, 0], cta_rows * k)
+            pdl.begin(T, arch)
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
             x0 = (bn // ctas_per_group) * k  # the group's first activation channel
             T.clear(acc)

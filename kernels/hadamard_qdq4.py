@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
@@ -68,6 +69,7 @@ def hadamard_qdq4_kernel(d: int, block: int, dtype: str, arch: tuple[int, int]):
             tx = T.get_thread_binding(0)
             sm = T.alloc_shared((2, per_cta, d), "float32")
             v = T.alloc_local((3,), "float32")  # value, partner / amax / t, e2m1 input
+            pdl.begin(T, arch)
             j = tx // d  # row within the CTA
             e = tx % d  # channel
             b0 = (e // block) * block  # first channel of e's block

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 from kernels.fp8_gemm import DEFAULT_TILE, GEMV_MAX_M, TILE_PARAMS, _gemv_rows
 
@@ -34,11 +34,16 @@ def head_gemv_kernel(m: int, n: int, k: int, arch: tuple[int, int]):
     @T.prim_func
     def head_gemv(X: T.Tensor((m, k), "float32"), W: T.Tensor((n, k), "bfloat16"), Y: T.Tensor((m, n), "float32")):
         with T.Kernel(T.ceildiv(n, rows * warps), threads=(32, warps)) as bn:
+            T.import_source(pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
             wv = T.alloc_local((rows, _VEC), "bfloat16")
             xf = T.alloc_local((_VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
+            if lane == 0 and warp == 0:  # the CTA's rows: one range
+                pdl.prefetch_rows(T, arch, n * k * 2, W[bn * rows * warps, 0],
+                                  T.min(rows * warps, n - bn * rows * warps) * k * 2)
+            pdl.begin(T, arch)
             T.clear(acc)
             for ko in loop(steps):
                 k0 = ko * kstep + lane * _VEC

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"block_t": 64, "threads": 128}, (12, 1): {"block_t": 64, "threads": 128}}
@@ -48,6 +49,7 @@ def indexer_scores_kernel(heads: int, dim: int, scale: float, arch: tuple[int, i
             k_sh = T.alloc_shared((bt, dim), "bfloat16")
             acc = T.alloc_fragment((hp, bt), "float32")
             total = T.alloc_fragment((bt,), "float32")
+            pdl.begin(T, arch)
             for h, d in T.Parallel(hp, dim):
                 q_sh[h, d] = T.if_then_else(h < heads, Q[s, T.min(h, heads - 1), d], T.Cast("bfloat16", 0))
             for t, d in T.Parallel(bt, dim):

@@ -82,9 +82,10 @@ __device__ __forceinline__ float dsv4_dot_e2m1x32(const int* w, const float* a) 
 """
 
 
-def import_source(T) -> None:
-    """Make SOURCE's device functions callable in the TileLang kernel being defined."""
-    T.import_source(SOURCE)
+def import_source(T, *extra: str) -> None:
+    """Make SOURCE's device functions, and those of the `extra` sources, callable in the TileLang
+    kernel being defined (a kernel has one imported source)."""
+    T.import_source(SOURCE + "".join(extra))
 
 
 def e4m3x16_to_f32(T, words, out) -> None:

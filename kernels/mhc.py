@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 from kernels.sinkhorn import sinkhorn_macro
 
@@ -57,6 +58,7 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
             prod = T.alloc_fragment((cols, chunk), "float32")
             dots = T.alloc_fragment((cols,), "float32")
             ss = T.alloc_fragment((1,), "float32")
+            pdl.begin(T, arch)
             for i in T.Parallel(chunk):
                 x[i] = T.Cast("float32", X[bs, bc * chunk + i])
             for i in T.Parallel(chunk):
@@ -102,6 +104,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
             w = T.alloc_local((1,), "float32")
             acc = T.alloc_local((1,), "float32")
             mine = T.alloc_local((1,), "int32")  # 0: one of the comb matrix's threads, 1: scratch
+            pdl.begin(T, arch)
             if tx < cols + 1:
                 v[0] = 0.0
                 for k in T.serial(chunks):  # chunk order: deterministic
@@ -148,6 +151,7 @@ def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
         with T.Kernel(T.ceildiv(n * d, threads), tokens, threads=threads) as (bx, bs):
             tx = T.get_thread_binding(0)
             m = T.alloc_local((1,), "float32")
+            pdl.begin(T, arch)
             e = bx * threads + tx  # (stream k, channel c) of the new streams
             k = e // d
             c = e % d

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
@@ -41,6 +42,7 @@ def moe_combine_kernel(k: int, d: int, routed_dtype: str, shared_dtype: str, out
         with T.Kernel(T.ceildiv(d, threads), tokens, threads=threads) as (bx, bn):
             tx = T.get_thread_binding(0)
             acc = T.alloc_local((1,), "float32")
+            pdl.begin(T, arch)
             c = bx * threads + tx
             if c < d:
                 acc[0] = T.Cast("float32", R[bn, 0, c])

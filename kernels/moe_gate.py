@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, fp32_call,
                                tile_params)
 
@@ -50,12 +51,16 @@ def gate_gemv_kernel(e: int, d: int, mt: int, warps: int, dtype: str, arch: tupl
     @T.prim_func
     def gate_gemv(X: T.Tensor((tokens, d), dtype), W: T.Tensor((e, d), "float32"), L: T.Tensor((tokens, e), "float32")):
         with T.Kernel(e, T.ceildiv(tokens, mt), threads=(32, warps)) as (row, bt):
+            T.import_source(pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
             wr = T.alloc_local((spw, 4), "float32")
             xr = T.alloc_local((4,), dtype)
             acc = T.alloc_local((mt,), "float32")
             red = T.alloc_shared((warps, mt), "float32")
+            if lane == 0 and warp == 0 and bt == 0:  # the CTA's weight row
+                pdl.prefetch_rows(T, arch, e * d * 4, W[row, 0], d * 4)
+            pdl.begin(T, arch)
             T.clear(acc)
             for s in T.unroll(spw):  # every weight load of this warp first
                 if full or warp * spw + s < steps:
@@ -101,6 +106,7 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
             sel = T.alloc_shared((k,), "int32")  # the chosen experts in slot order
             v = T.alloc_local((per + 1,), "float32")  # own scores, then keys; the denominator
             rank = T.alloc_local((per,), "int32")
+            pdl.begin(T, arch)
             for p in T.unroll(per):
                 v[p] = L[t, T.min(p * threads + tx, e - 1)]  # the experts past e: never stored
                 v[p] = fp32_call(T, "sqrtf", T.if_then_else(v[p] > T.float32(20.0), v[p],

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, pow2_scale_bits
 from kernels.rope import rope_angle, rotate_pair
 
@@ -53,6 +53,7 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
             sm = T.alloc_shared((d,), "float32")  # the normed row, rounded to dtype
             v = T.alloc_local((6,), "float32")  # x, sum / r, angle, cos, sin, amax
             q8 = T.alloc_local((1,), "float8_e4m3")
+            pdl.begin(T, arch)
             v[0] = T.Cast("float32", X[s, h, e])
             v[1] = T.warp_reduce_sum(v[0] * v[0])
             if e % 32 == 0:

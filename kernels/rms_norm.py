@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
 
 # values per thread and the largest CTA, per compute capability (sm_121: untested)
@@ -48,6 +48,7 @@ def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[
             x = T.alloc_fragment((rb, d), "float32")
             sq = T.alloc_fragment((rb, d), "float32")
             ss = T.alloc_fragment((rb,), "float32")
+            pdl.begin(T, arch)
             for i, j in T.Parallel(rb, d):
                 x[i, j] = T.if_then_else(bx * rb + i < rows, T.Cast("float32", X[bx * rb + i, j]), 0.0)
             for i, j in T.Parallel(rb, d):

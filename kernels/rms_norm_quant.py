@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
 from kernels.rms_norm import MAX_DIM, _layout
 
@@ -44,6 +44,7 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
             inv = T.alloc_fragment((rb, nb), "float32")
             sc = T.alloc_fragment((rb, nb), "float32")
             q = T.alloc_fragment((rb, nb, 128), "float8_e4m3")
+            pdl.begin(T, arch)
             for i, b, j in T.Parallel(rb, nb, 128):
                 x[i, b, j] = T.if_then_else(bx * rb + i < rows, T.Cast("float32", X[bx * rb + i, b * 128 + j]), 0.0)
             for i, b, j in T.Parallel(rb, nb, 128):

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
@@ -58,6 +59,7 @@ def rope_kernel(heads: int, d: int, half: int, inverse: bool, dtype: str, arch: 
         with T.Kernel(T.ceildiv(seq * heads * pairs, threads), threads=threads) as bx:
             tx = T.get_thread_binding(0)
             v = T.alloc_local((6,), "float32")  # re, im, cos, sin, angle, unused
+            pdl.begin(T, arch)
             g = bx * threads + tx  # pair index over all rows
             t = g // (heads * pairs)
             h = (g // pairs) % heads

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}
@@ -98,6 +99,7 @@ def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
             sm = T.alloc_shared((per_cta, nn), "float32")
             v = T.alloc_local((1,), "float32")
             acc = T.alloc_local((1,), "float32")
+            pdl.begin(T, arch)
             j = tx // nn  # token within the CTA
             e = tx % nn  # element: row e // n, column e % n
             t = T.min(bx * per_cta + j, tokens - 1)  # every thread reaches every barrier

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 
 TILE_PARAMS = {
@@ -70,6 +71,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
             l_blk = T.alloc_fragment((bh,), "float32")
             alpha = T.alloc_fragment((bh,), "float32")
             valid = T.alloc_fragment((bi,), "bool")
+            pdl.begin(T, arch)
 
             per = T.ceildiv(T.ceildiv(k_len, bi), nsplit)  # blocks of rows per split
             T.copy(Q[s, hb * bh:(hb + 1) * bh, :], q_sh)
@@ -135,6 +137,7 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
             total = T.alloc_local((1,), "float32")
             w = T.alloc_local((nsplit,), "float32")
             acc = T.alloc_fragment((dim,), "float32")
+            pdl.begin(T, arch)
             m[0] = _NO_MAX
             for sp in T.serial(nsplit):
                 m[0] = T.max(m[0], PM[s, sp, h])

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from kernels import reference as ref
+from kernels import pdl, reference as ref
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch
 
 _THREADS = 256
@@ -30,6 +30,7 @@ def sparse_index_kernel(w: int, n: int, k: int, offset: int, width: int, arch: t
                      VIS: T.Tensor((s_len,), "int64"), OUT: T.Tensor((s_len, cols), "int64")):
         with T.Kernel(s_len, T.ceildiv(cols, _THREADS), threads=_THREADS) as (i, b):
             j = b * _THREADS + T.get_thread_binding(0)
+            pdl.begin(T, arch)
             if j < w:
                 OUT[i, j] = WIN[i, j]
             elif j < w + k:

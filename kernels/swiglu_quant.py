@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
                                pow2_scale_bits, tile_params)
 
@@ -53,6 +54,7 @@ def swiglu_quant_kernel(inter: int, block: int, limit: float, weighted: bool, dt
             h = T.alloc_local((per,), "float32")
             q = T.alloc_local((per,), "float8_e4m3")
             v = T.alloc_local((4,), "float32")  # min(g, limit), clamped u, amax, unused
+            pdl.begin(T, arch)
             b = bx * warps + warp  # this warp's (row, block); out-of-range warps redo the last one
             bc = T.min(b, rows * nb - 1)
             r = bc // nb

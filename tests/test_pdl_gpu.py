@@ -1,0 +1,73 @@
+"""Programmatic dependent launch (kernels/pdl.py) on the GPU (CUDA only; skipped elsewhere).
+
+A PDL kernel starts before its predecessor has finished; it must still read only finished
+results. A chain of kernels, each reading what the one before wrote at once, is replayed from a
+CUDA graph (where PDL overlaps the links) and must equal the same chain run with a device
+synchronisation after every kernel (where nothing overlaps), bit for bit.
+"""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+
+
+def _weights(n: int, k: int, count: int, gen: torch.Generator):
+    out = []
+    for _ in range(count):
+        w = (torch.randn(n, k, generator=gen, device=DEV) * 40).to(torch.float8_e4m3fn)
+        s = torch.randint(118, 128, ((n + 127) // 128, k // 128), generator=gen, device=DEV, dtype=torch.uint8)
+        out.append((w, s.view(torch.float8_e8m0fnu)))
+    return out
+
+
+def test_decode_kernels_wait_for_their_predecessor():
+    from kernels import pdl
+    from kernels.act_quant import cuda_arch
+    from kernels.fp8_gemm import fp8_gemv_kernel
+    arch = cuda_arch(torch.device(DEV))
+    src = fp8_gemv_kernel(1, 512, 4096, 1, 4, 4, arch).get_kernel_source()
+    if not pdl.enabled(arch):
+        assert "cudaGridDependencySynchronize" not in src
+        pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
+    # prefetch (weights only) -> wait -> release, in that order, before the first activation load
+    pf, wait, release = (src.index(s) for s in ("dsv4_prefetch_l2((", "cudaGridDependencySynchronize();",
+                                                  "cudaTriggerProgrammaticLaunchCompletion();"))
+    assert pf < wait < release < src.index("Q + ")
+
+
+@pytest.mark.parametrize("links", [24])
+def test_chain_in_a_graph_equals_the_chain_synchronised(links):
+    from kernels.fp8_gemm import fp8_gemm
+    from kernels.rms_norm import rms_norm
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    up, down = _weights(2048, 4096, links, gen), _weights(4096, 2048, links, gen)
+    norm_w = torch.rand(4096, generator=gen, device=DEV) + 0.5
+    x0 = torch.randn(1, 4096, generator=gen, device=DEV).to(torch.bfloat16)
+
+    def chain(x, sync: bool):
+        for (wu, su), (wd, sd) in zip(up, down):
+            h = fp8_gemm(x, wu, su)  # reads x, which the previous link's norm just wrote
+            if sync:
+                torch.cuda.synchronize()
+            x = rms_norm(fp8_gemm(h, wd, sd), norm_w, 1e-6)
+            if sync:
+                torch.cuda.synchronize()
+        return x
+
+    want = chain(x0, sync=True).clone()
+    static_in = x0.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_in, sync=False)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_in, sync=False)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, want)
