@@ -30,10 +30,11 @@ __device__ __forceinline__ void dsv4_prefetch_l2(const void* p, unsigned bytes) 
 """
 
 
-# A kernel prefetches its weight only when the whole weight is at most this large: on the H200
-# the prefetch made the GEMVs of 2-16 MB weights 0.3-1.1 us faster per call, and those of 32 MB
-# 0.5-4.3 us slower (bench.kernels), where the bulk requests of a whole multi-wave grid contend
-# with its own loads.
+# A kernel prefetches its weight only when the whole weight is at most this large. On the H200
+# (bench.kernels, per call in a chain): with PDL and the prefetch, the GEMVs of 2-16 MB weights
+# took 0.3-1.4 us less than before PDL (the prefetch's own share was not measured apart); for the
+# 32 MB weights the prefetch cost 0.9-4.0 us against PDL without it (presumably a whole
+# multi-wave grid's bulk requests contending with its own loads).
 PREFETCH_MAX_BYTES = 16 << 20
 
 
