@@ -1,5 +1,6 @@
 """The row-per-warp GEMV over a bf16 weight with fp32 accumulation, as TileLang macros shared by
-the kernels that end it differently (kernels/compressor_project.py, kernels/indexer_weights.py).
+the kernels that end it differently (kernels/compressor_project.py, kernels/indexer_weights.py):
+`gemv_macro` is a whole CTA's body, `accumulate_macro` its K loop.
 
 Data layout: the FP8 GEMV's (kernels/fp8_gemm.py) with 8 bf16 weights per lane per step (one
 16-byte load) and 8 bf16 activations (one 16-byte load), both widened exactly to fp32; every
@@ -9,7 +10,9 @@ kernel's `put` for each finished row). Tiles per compute capability in TILE_PARA
 tested, sm_121 (GB10) untested.
 """
 
+from kernels import pdl
 from kernels.act_quant import tile_params
+from kernels.fp8_gemm import store_rows_macro
 
 VEC = 8  # bf16 weights per lane per step (one 16-byte load)
 TILE_PARAMS = {
@@ -60,3 +63,29 @@ def accumulate_macro(T, m: int, n: int, k: int, rows: int, ksplit: int):
                             acc[j, i] += T.Cast("float32", xb[v]) * T.Cast("float32", wb[j, v])
 
     return accumulate
+
+
+def gemv_macro(T, arch: tuple[int, int], m: int, n: int, k: int, rows: int, warps: int, ksplit: int, put):
+    """A TileLang macro `gemv(X, W, bn, *outs)`: the whole body of CTA `bn` (threads (32, warps))
+    of the GEMV of X [m, k] bf16 by W [n, k] bf16: the L2 prefetch of its weight rows, the PDL wait
+    (kernels/pdl.py), `accumulate_macro`, then `fp8_gemm.store_rows_macro` calling
+    `put(*outs, i, row, total)` for each finished row."""
+    cta_rows = rows * (warps // ksplit)
+    accumulate = accumulate_macro(T, m, n, k, rows, ksplit)
+    store = store_rows_macro(T, m, n, rows, ksplit, put)
+
+    @T.macro
+    def gemv(X, W, bn, *outs):
+        T.import_source(pdl.SOURCE)
+        lane = T.get_thread_binding(0)
+        warp = T.get_thread_binding(1)
+        acc = T.alloc_local((rows, m), "float32")
+        red = T.alloc_shared((ksplit, cta_rows, m), "float32")
+        if lane == 0 and warp == 0:  # the CTA's rows: one range
+            pdl.prefetch_rows(T, arch, n * k * 2, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k * 2)
+        pdl.begin(T, arch)
+        first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
+        accumulate(X, W, acc, lane, warp, first)
+        store(acc, red, lane, warp, first, *outs)
+
+    return gemv

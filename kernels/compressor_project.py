@@ -17,10 +17,9 @@ import functools
 
 import torch
 
-from kernels import pdl, reference as ref
+from kernels import reference as ref
 from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch
-from kernels.bf16_gemv import VEC, accumulate_macro, bf16_gemv_tile
-from kernels.fp8_gemm import store_rows_macro
+from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16
 
@@ -34,7 +33,6 @@ def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: 
 
     n = 2 * c
     cta_rows = rows * (warps // ksplit)
-    accumulate = accumulate_macro(T, m, n, k, rows, ksplit)
 
     @T.macro
     def put(BKV, BG, APE, ROW, i, row, total):
@@ -43,24 +41,14 @@ def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: 
         else:
             BG[ROW[i], row - c] = total + APE[ROW[i], row - c]
 
-    store = store_rows_macro(T, m, n, rows, ksplit, put)
+    gemv = gemv_macro(T, arch, m, n, k, rows, warps, ksplit, put)
 
     @T.prim_func
     def compressor_project(X: T.Tensor((m, k), "bfloat16"), W: T.Tensor((n, k), "bfloat16"),
                            APE: T.Tensor((r, c), "float32"), ROW: T.Tensor((m,), "int64"),
                            BKV: T.Tensor((r, c), "float32"), BG: T.Tensor((r, c), "float32")):
         with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
-            T.import_source(pdl.SOURCE)
-            lane = T.get_thread_binding(0)
-            warp = T.get_thread_binding(1)
-            acc = T.alloc_local((rows, m), "float32")
-            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
-            if lane == 0 and warp == 0:  # the CTA's rows: one range
-                pdl.prefetch_rows(T, arch, n * k * 2, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k * 2)
-            pdl.begin(T, arch)
-            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
-            accumulate(X, W, acc, lane, warp, first)
-            store(acc, red, lane, warp, first, BKV, BG, APE, ROW)
+            gemv(X, W, bn, BKV, BG, APE, ROW)
 
     return compile_kernel(compressor_project, arch)
 

@@ -12,10 +12,9 @@ import functools
 
 import torch
 
-from kernels import pdl, reference as ref
+from kernels import reference as ref
 from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch
-from kernels.bf16_gemv import VEC, accumulate_macro, bf16_gemv_tile
-from kernels.fp8_gemm import store_rows_macro
+from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16
 
@@ -27,29 +26,18 @@ def indexer_weights_kernel(m: int, n: int, k: int, scale: float, rows: int, warp
     import tilelang.language as T
 
     cta_rows = rows * (warps // ksplit)
-    accumulate = accumulate_macro(T, m, n, k, rows, ksplit)
 
     @T.macro
     def put(Y, i, row, total):
         Y[i, row] = T.Cast("float32", T.Cast("bfloat16", total)) * T.float32(scale)
 
-    store = store_rows_macro(T, m, n, rows, ksplit, put)
+    gemv = gemv_macro(T, arch, m, n, k, rows, warps, ksplit, put)
 
     @T.prim_func
     def indexer_weights(X: T.Tensor((m, k), "bfloat16"), W: T.Tensor((n, k), "bfloat16"),
                         Y: T.Tensor((m, n), "float32")):
         with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
-            T.import_source(pdl.SOURCE)
-            lane = T.get_thread_binding(0)
-            warp = T.get_thread_binding(1)
-            acc = T.alloc_local((rows, m), "float32")
-            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
-            if lane == 0 and warp == 0:  # the CTA's rows: one range
-                pdl.prefetch_rows(T, arch, n * k * 2, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k * 2)
-            pdl.begin(T, arch)
-            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
-            accumulate(X, W, acc, lane, warp, first)
-            store(acc, red, lane, warp, first, Y)
+            gemv(X, W, bn, Y)
 
     return compile_kernel(indexer_weights, arch)
 
