@@ -61,14 +61,24 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     memory in a fixed order (deterministic)."""
     import tilelang.language as T
 
-    kstep = 32 * _VEC
-    steps = (k + kstep - 1) // kstep
-    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
     kb, nb, kw = k // 128, (n + 127) // 128, k // 4
     groups = warps // ksplit
     cta_rows = rows * groups
-    loop = T.unroll if split_steps <= 16 else T.serial
     store = store_rows_macro(T, m, n, rows, ksplit)
+
+    @T.macro
+    def step(k0, wq, first, Q, SA, SW, aq, af, acc):
+        for i in T.unroll(m):
+            for v in T.vectorized(_VEC // 4):
+                aq[v] = Q[i, k0 // 4 + v]
+            lowbit.e4m3x16_to_f32(T, aq[0], af[0])
+            for r in T.unroll(rows):
+                # both operands decode to value * 2^-8: the block scale takes 2^16
+                scale = SA[i, k0 // 128] * e8m0_bits_to_float(
+                    T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
+                acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+
+    weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
 
     @T.prim_func
     def fp8_gemv(Q: T.Tensor((m, kw), "int32"), SA: T.Tensor((m, kb), "float32"),
@@ -88,24 +98,34 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
                 pdl.prefetch_rows(T, arch, n * k, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k)
             pdl.begin(T, arch)
             T.clear(acc)
-            for ko in loop(split_steps):
-                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
-                if k0 < k:
-                    for r in T.unroll(rows):
-                        for v in T.vectorized(_VEC // 4):
-                            wq[r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
-                    for i in T.unroll(m):
-                        for v in T.vectorized(_VEC // 4):
-                            aq[v] = Q[i, k0 // 4 + v]
-                        lowbit.e4m3x16_to_f32(T, aq[0], af[0])
-                        for r in T.unroll(rows):
-                            # both operands decode to value * 2^-8: the block scale takes 2^16
-                            scale = SA[i, k0 // 128] * e8m0_bits_to_float(
-                                T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
-                            acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+            weight_steps(W, wq, lane, warp, first, Q, SA, SW, aq, af, acc)
             store(acc, red, lane, warp, first, Y)
 
     return compile_kernel(fp8_gemv, arch)
+
+
+def weight_steps_macro(T, n: int, k: int, rows: int, ksplit: int, step):
+    """A TileLang macro `steps(W, wq, lane, warp, first, *args)`: the K loop of a row-per-warp FP8
+    GEMV. For each step of this warp's K range (range warp % ksplit of `ksplit` contiguous ones)
+    that starts below k, it loads this lane's 16 weight bytes of rows first.. (clamped to n - 1)
+    of W [n, k/4] int32 into wq [rows, 4], then runs `step(k0, wq, first, *args)` (a macro; k0 =
+    the lane's first channel of the step), which reads the activations and accumulates."""
+    kstep = 32 * _VEC
+    steps = (k + kstep - 1) // kstep
+    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
+    loop = T.unroll if split_steps <= 16 else T.serial
+
+    @T.macro
+    def weight_steps(W, wq, lane, warp, first, *args):
+        for ko in loop(split_steps):
+            k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
+            if k0 < k:
+                for r in T.unroll(rows):
+                    for v in T.vectorized(_VEC // 4):
+                        wq[r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
+                step(k0, wq, first, *args)
+
+    return weight_steps
 
 
 def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int, put=None):

@@ -26,7 +26,7 @@ import torch
 from kernels import lowbit, pdl
 from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
 from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
-                              e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro)
+                              e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro, weight_steps_macro)
 
 
 @functools.cache
@@ -36,14 +36,25 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
     -> Y [m, n] bf16, n = groups·R; a CTA's rows lie in one group (R a multiple of the CTA's rows)."""
     import tilelang.language as T
 
-    kstep = 32 * _VEC
-    steps = (k + kstep - 1) // kstep
-    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
     kb, nb, kw = k // 128, (n + 127) // 128, k // 4
     cta_rows = rows * (warps // ksplit)
     ctas_per_group = n // groups // cta_rows
-    loop = T.unroll if split_steps <= 16 else T.serial
     store = store_rows_macro(T, m, n, rows, ksplit)
+
+    @T.macro
+    def step(k0, wq, first, X, SW, x0, xb, af, acc):
+        for i in T.unroll(m):
+            for h in T.unroll(2):  # 16 bf16 = two 16-byte loads
+                for v in T.vectorized(_VEC // 2):
+                    xb[h * (_VEC // 2) + v] = X[i, x0 + k0 + h * (_VEC // 2) + v]
+            for v in T.unroll(_VEC):
+                af[v] = T.Cast("float32", xb[v])
+            for r in T.unroll(rows):
+                # the weight codes decode to value * 2^-8: the block scale takes 2^8
+                scale = e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
+                acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+
+    weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
 
     @T.prim_func
     def grouped_gemv(X: T.Tensor((m, groups * k), "bfloat16"), W: T.Tensor((n, kw), "int32"),
@@ -63,22 +74,7 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
             x0 = (bn // ctas_per_group) * k  # the group's first activation channel
             T.clear(acc)
-            for ko in loop(split_steps):
-                k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
-                if k0 < k:
-                    for r in T.unroll(rows):
-                        for v in T.vectorized(_VEC // 4):
-                            wq[r, v] = W[first + r, k0 // 4 + v]
-                    for i in T.unroll(m):
-                        for h in T.unroll(2):  # 16 bf16 = two 16-byte loads
-                            for v in T.vectorized(_VEC // 2):
-                                xb[h * (_VEC // 2) + v] = X[i, x0 + k0 + h * (_VEC // 2) + v]
-                        for v in T.unroll(_VEC):
-                            af[v] = T.Cast("float32", xb[v])
-                        for r in T.unroll(rows):
-                            # the weight codes decode to value * 2^-8: the block scale takes 2^8
-                            scale = e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
-                            acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+            weight_steps(W, wq, lane, warp, first, X, SW, x0, xb, af, acc)
             store(acc, red, lane, warp, first, Y)
 
     return compile_kernel(grouped_gemv, arch)
