@@ -232,10 +232,16 @@ class Attention:
         # W-1 .. 0: a prefill query at p sees positions p - back (the window), built once at load
         self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
         self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
-        self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
+        wq_a = (get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"))
+        wkv = (get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"))
+        self.q_rank = wq_a[0].shape[0]
+        self.wq_a = self.wkv = self.wq_a_kv = None
+        if numerics.native and self.q_rank % 128 == 0:  # x's two readers in one GEMV: rows [wq_a; wkv]
+            self.wq_a_kv = FP8Linear(torch.cat((wq_a[0], wkv[0])), torch.cat((wq_a[1], wkv[1])), numerics)
+        else:  # (the block scales stack only when wq_a's rows fill whole 128-row blocks)
+            self.wq_a, self.wkv = FP8Linear(*wq_a, numerics), FP8Linear(*wkv, numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
-        self.wkv = FP8Linear(get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"), numerics)
         self.kv_norm = get(f"{prefix}.kv_norm.weight").float()
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,
                                    numerics)
@@ -309,10 +315,15 @@ class Attention:
         normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
         eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
-        c = self.numerics.norm_quantized(self.wq_a(xq), self.q_norm, eps)  # read by wq_b and the indexer's wq_b
+        if self.wq_a_kv is not None:
+            both = self.wq_a_kv(xq)  # [S, q_rank + D]; the halves are views (contiguous for one token)
+            qa, kv = both[:, :self.q_rank].contiguous(), both[:, self.q_rank:].contiguous()
+        else:
+            qa, kv = self.wq_a(xq), self.wkv(xq)
+        c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
-        kv = self.rope.normed(self.wkv(xq), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
+        kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:
