@@ -44,13 +44,18 @@ class Rope:
         cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
-    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0
-               ) -> torch.Tensor:
+    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """RMSNorm of x (weight or None), then rotated at `at`; native also QDQ8-rounds the leading
-        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op."""
+        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op.
+        `out` = (buffer, rows): token s is written to buffer[rows[s]] instead (None returned)."""
         if self.numerics.native:
-            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead)
-        return self(ref.rms_norm(x, weight, eps), at)
+            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead, *(out or ()))
+        y = self(ref.rms_norm(x, weight, eps), at)
+        if out is None:
+            return y
+        out[0].index_copy_(0, out[1], y.to(out[0].dtype))
+        return None
 
 
 class Compressor:
@@ -290,8 +295,7 @@ class Attention:
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
         xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        c, q, kv = self._project(xq, rot)
-        st.window.index_copy_(0, at.window_row, kv.to(st.kv.dtype))
+        c, q, _ = self._project(xq, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         idx = at.window_rows  # [1, W]
         if self.ratio:
             self.compressor.decode(x, at, st.compressor, emit)
@@ -310,9 +314,10 @@ class Attention:
             self._slot_ids = torch.arange(n, device=device).unsqueeze(0)
         return self._slot_ids
 
-    def _project(self, x: torch.Tensor, rot):
+    def _project(self, x: torch.Tensor, rot, kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
-        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table. With
+        `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes its place."""
         eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
         if self.wq_a_kv is not None:
@@ -323,7 +328,7 @@ class Attention:
         c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
-        kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
+        kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim, out=kv_out)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:

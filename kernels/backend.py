@@ -110,8 +110,10 @@ class Backend(Protocol):
         ...
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
-                  inv_freq: torch.Tensor, round_lead: int) -> torch.Tensor:
-        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none)."""
+                  inv_freq: torch.Tensor, round_lead: int, out: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none); with
+        `out` and `rows`, token s goes to out[rows[s]] in place (None returned)."""
         ...
 
     def hadamard_qdq4(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -190,8 +192,8 @@ class TorchBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
 
-    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
-        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead)
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead, out=None, rows=None):
+        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead, out, rows)
 
     def hadamard_qdq4(self, x, block):
         return ref.hadamard_qdq4(x, block)
@@ -290,8 +292,8 @@ class TileLangBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)
 
-    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
-        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead)
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead, out=None, rows=None):
+        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead, out, rows)
 
     def hadamard_qdq4(self, x, block):
         return self._impl["hadamard_qdq4"](x, block)

@@ -341,14 +341,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
-              inv_freq: torch.Tensor, round_lead: int = 0) -> torch.Tensor:
+              inv_freq: torch.Tensor, round_lead: int = 0, out: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """RMSNorm of x [S, ..., D] (weight [D] or None), then RoPE at positions [S] (the attention's
     q and kv, §C.4); `round_lead` > 0: QDQ8 (block 64) of the leading round_lead channels, the
-    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op."""
+    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op. With `out` [R, ..., D]
+    and `rows` [S]: token s is written to out[rows[s]] (in place; the KV window) and None returned."""
     y = rope(rms_norm(x, weight, eps), positions, inv_freq)
     if round_lead:
         y = torch.cat((qdq8(y[..., :round_lead], 64), y[..., round_lead:]), dim=-1)
-    return y
+    if out is None:
+        return y
+    out.index_copy_(0, rows, y.to(out.dtype))
+    return None
 
 
 # --------------------------------------------------------------------------------- mHC, norms

@@ -609,6 +609,31 @@ def test_norm_rope_matches_reference(shape, weighted, lead, gen):
     assert far.float().mean() < 0.01  # QDQ8 codes moved by the normed values' last bit: rare
 
 
+@pytest.mark.parametrize("shape,rows", [((1, 512), [5]), ((3, 512), [7, 0, 2]), ((1, 1100), [1])])
+def test_norm_rope_writes_buffer_rows_in_place(shape, rows, gen):
+    """With out/rows the kernel writes token s to out[rows[s]] (the KV window row), bitwise what
+    it returns without them, and leaves every other row as it was (the last case: the reference
+    path, a row too wide for one CTA)."""
+    from kernels.act_quant import KernelInputError
+    from kernels.norm_rope import norm_rope
+    d = shape[-1]
+    inv_freq = ref.rope_inv_freq(64, 10000.0).to(DEV)
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.rand(d, generator=gen, device=DEV) + 0.5
+    positions = torch.randint(0, 1 << 16, (shape[0],), generator=gen, device=DEV)
+    want = norm_rope(x, w, 1e-6, positions, inv_freq, 448)
+    buf = torch.randn(8, d, generator=gen, device=DEV).to(torch.bfloat16)
+    before = buf.clone()
+    idx = torch.tensor(rows, device=DEV)
+    assert norm_rope(x, w, 1e-6, positions, inv_freq, 448, buf, idx) is None
+    assert torch.equal(buf[idx], want)
+    untouched = torch.ones(8, dtype=torch.bool, device=DEV)
+    untouched[idx] = False
+    assert torch.equal(buf[untouched], before[untouched])
+    with pytest.raises(KernelInputError, match="out"):
+        norm_rope(x, w, 1e-6, positions, inv_freq, 448, buf.float(), idx)
+
+
 @pytest.mark.parametrize("shape,weighted", [((1, 4096), True), ((1, 1024), True), ((7, 4096), False),
                                             ((3, 256), True)])
 def test_rms_norm_quant_matches_reference(shape, weighted, gen):
