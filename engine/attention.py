@@ -284,7 +284,7 @@ class Attention:
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
-        return self._output(self._attend(q, window_kv, idx), rot)
+        return self._output(self._attend(q, window_kv, idx, rot))
 
     def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool) -> torch.Tensor:
         """One token x [1, D] at decode position `at` -> [1, D], with static shapes.
@@ -306,7 +306,7 @@ class Attention:
                 order, width = self._slots(st.capacity, idx.device), st.capacity
             ops = self.numerics.backend if self.numerics.native else ref  # one launch on CUDA
             idx = ops.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]), self.window, width)
-        return self._output(self._attend(q, st.kv, idx), rot)
+        return self._output(self._attend(q, st.kv, idx, rot))
 
     def _slots(self, n: int, device: torch.device) -> torch.Tensor:
         """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""
@@ -337,15 +337,16 @@ class Attention:
         chosen = torch.arange(n_entries, device=visible.device).expand(visible.shape[0], -1)
         return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
 
-    def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
-        """Attention output o [S, H, D] (numerics dtype) -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
-        o = self.rope(o, rot, inverse=True)
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output o [S, H, D] (numerics dtype, rotated back) -> wo_a -> wo_b -> [S, D]."""
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if self.numerics.native:
-            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
-        return ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, rot) -> torch.Tensor:
+        """Sparse attention of q over rows idx of kv, then the inverse RoPE at `rot` (a table) -> [S, H, D]."""
+        if self.numerics.native:  # one backend op: the rotation back is the attention's last step
+            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5,
+                                                          (rot, self.rope.inv_freq))
+        return self.rope(ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5), rot, inverse=True)
 
     def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys for the window branch and per-query indices into them, then update the ring.

@@ -71,8 +71,10 @@ class Backend(Protocol):
         ...
 
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype."""
+                         scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype;
+        `inverse_rope` = (positions [S], inv_freq): rotated back by the queries' RoPE angles."""
         ...
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
@@ -168,8 +170,8 @@ class TorchBackend:
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return ref.sparse_index(window_rows, order, visible, k, offset, width)
 
-    def sparse_attention(self, q, kv, idx, sink, scale):
-        return ref.sparse_attention(q, kv, idx, sink, scale)
+    def sparse_attention(self, q, kv, idx, sink, scale, inverse_rope=None):
+        return ref.sparse_attention(q, kv, idx, sink, scale, inverse_rope)
 
     def indexer_scores(self, q, keys, weights, visible, scale):
         return ref.indexer_scores(q, keys, weights, visible, scale)
@@ -268,8 +270,8 @@ class TileLangBackend:
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return self._impl["sparse_index"](window_rows, order, visible, k, offset, width)
 
-    def sparse_attention(self, q, kv, idx, sink, scale):
-        return self._impl["sparse_attention"](q, kv, idx, sink, scale)
+    def sparse_attention(self, q, kv, idx, sink, scale, inverse_rope=None):
+        return self._impl["sparse_attention"](q, kv, idx, sink, scale, inverse_rope=inverse_rope)
 
     def indexer_scores(self, q, keys, weights, visible, scale):
         return self._impl["indexer_scores"](q, keys, weights, visible, scale)

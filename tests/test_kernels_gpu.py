@@ -412,6 +412,27 @@ def test_sparse_attention_all_absent_gives_zero(gen):
     assert rel_err(out[1], want[1]) < 1e-4
 
 
+@pytest.mark.parametrize("s,h,t,k", [(1, 64, 700, 640), (3, 64, 300, 200), (2, 16, 10, 5)])
+def test_sparse_attention_rotates_back_in_its_combine(s, h, t, k, gen):
+    """With inverse_rope the combine launch rotates its rounded output back by the queries' RoPE
+    angles: bitwise the rope kernel's inverse rotation of the plain result (decode: 16 splits;
+    prefill-sized: one), and the all-absent path likewise."""
+    from kernels.rope import rope
+    from kernels.sparse_attention import sparse_attention
+    q = torch.randn(s, h, 512, generator=gen, device=DEV).to(torch.bfloat16)
+    kv = torch.randn(t, 512, generator=gen, device=DEV).to(torch.bfloat16)
+    idx = torch.randint(-1, t, (s, k), generator=gen, device=DEV)
+    sink = torch.randn(h, generator=gen, device=DEV)
+    positions = torch.randint(0, 1 << 16, (s,), generator=gen, device=DEV)
+    inv_freq = ref.rope_inv_freq(64, 160000.0).to(DEV)
+    plain = sparse_attention(q, kv, idx, sink, 512 ** -0.5)
+    got = sparse_attention(q, kv, idx, sink, 512 ** -0.5, inverse_rope=(positions, inv_freq))
+    assert torch.equal(got, rope(plain, positions, inv_freq, inverse=True))
+    none = torch.full_like(idx, -1)[:, :0]
+    assert torch.equal(sparse_attention(q, kv, none, sink, 512 ** -0.5, inverse_rope=(positions, inv_freq)),
+                       torch.zeros_like(got))
+
+
 # ------------------------------------------------------------------------------- backend
 def test_tilelang_backend_has_every_kernel():
     from kernels.backend import make_backend
