@@ -40,7 +40,7 @@ _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 @functools.cache
 def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
-    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int32, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
+    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
 
     Split `sp` of query s covers blocks sp·per .. (sp+1)·per - 1 of its K selected rows (per =
     ceil(blocks / nsplit)) and writes its unnormalised output PO, running max PM and sum of
@@ -55,7 +55,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
 
     @T.prim_func
     def sparse_attn_partial(Q: T.Tensor((s_len, heads, dim), "bfloat16"), KV: T.Tensor((t_len, dim), "bfloat16"),
-                            IDX: T.Tensor((s_len, k_len), "int32"),
+                            IDX: T.Tensor((s_len, k_len), "int64"),
                             PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
                             PM: T.Tensor((s_len, nsplit, heads), "float32"),
                             PL: T.Tensor((s_len, nsplit, heads), "float32")):
@@ -82,10 +82,10 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
             for it in T.Pipelined(per, num_stages=p["stages"]):
                 base = (sp * per + it) * bi  # first selected row of this block
                 for j in T.Parallel(bi):
-                    valid[j] = T.if_then_else(base + j < k_len, IDX[s, T.min(base + j, k_len - 1)], -1) >= 0
+                    valid[j] = T.if_then_else(base + j < k_len, IDX[s, T.min(base + j, k_len - 1)], T.int64(-1)) >= 0
                 for j, d in T.Parallel(bi, dim):  # absent rows load row 0 and score -inf
                     kv_sh[j, d] = KV[T.max(T.if_then_else(base + j < k_len,
-                                                          IDX[s, T.min(base + j, k_len - 1)], 0), 0), d]
+                                                          IDX[s, T.min(base + j, k_len - 1)], T.int64(0)), T.int64(0)), d]
                 for h, j in T.Parallel(bh, bi):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity("float32"))
                 T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -236,7 +236,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     pm = torch.empty(s_len, nsplit, hp, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     partial_kernel(hp, dim, float(scale), nsplit, arch)(qp.contiguous(), kv.contiguous(),
-                                                        idx.to(torch.int32).contiguous(), po, pm, pl)
+                                                        idx.to(torch.int64).contiguous(), po, pm, pl)
     rope_args = () if inverse_rope is None else (inverse_rope[0].to(torch.int64).contiguous(),
                                                  inverse_rope[1].float().contiguous())
     combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch, half)(
