@@ -44,13 +44,18 @@ class Rope:
         cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
         return ref.apply_rope(x, cos, sin, inverse)
 
-    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0
-               ) -> torch.Tensor:
+    def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """RMSNorm of x (weight or None), then rotated at `at`; native also QDQ8-rounds the leading
-        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op."""
+        `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op.
+        `out` = (buffer, rows): token s is written to buffer[rows[s]] instead (None returned)."""
         if self.numerics.native:
-            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead)
-        return self(ref.rms_norm(x, weight, eps), at)
+            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead, *(out or ()))
+        y = self(ref.rms_norm(x, weight, eps), at)
+        if out is None:
+            return y
+        out[0].index_copy_(0, out[1], y.to(out[0].dtype))
+        return None
 
 
 class Compressor:
@@ -232,10 +237,16 @@ class Attention:
         # W-1 .. 0: a prefill query at p sees positions p - back (the window), built once at load
         self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
         self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
-        self.wq_a = FP8Linear(get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"), numerics)
+        wq_a = (get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"))
+        wkv = (get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"))
+        self.q_rank = wq_a[0].shape[0]
+        self.wq_a = self.wkv = self.wq_a_kv = None
+        if numerics.native and self.q_rank % 128 == 0:  # x's two readers in one GEMV: rows [wq_a; wkv]
+            self.wq_a_kv = FP8Linear(torch.cat((wq_a[0], wkv[0])), torch.cat((wq_a[1], wkv[1])), numerics)
+        else:  # (the block scales stack only when wq_a's rows fill whole 128-row blocks)
+            self.wq_a, self.wkv = FP8Linear(*wq_a, numerics), FP8Linear(*wkv, numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
-        self.wkv = FP8Linear(get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"), numerics)
         self.kv_norm = get(f"{prefix}.kv_norm.weight").float()
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,
                                    numerics)
@@ -273,7 +284,7 @@ class Attention:
             chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
             window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
             idx = torch.cat((idx, chosen), dim=1)
-        return self._output(self._attend(q, window_kv, idx), rot)
+        return self._output(self._attend(q, window_kv, idx, rot))
 
     def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool) -> torch.Tensor:
         """One token x [1, D] at decode position `at` -> [1, D], with static shapes.
@@ -284,8 +295,7 @@ class Attention:
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
         xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        c, q, kv = self._project(xq, rot)
-        st.window.index_copy_(0, at.window_row, kv.to(st.kv.dtype))
+        c, q, _ = self._project(xq, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         idx = at.window_rows  # [1, W]
         if self.ratio:
             self.compressor.decode(x, at, st.compressor, emit)
@@ -296,7 +306,7 @@ class Attention:
                 order, width = self._slots(st.capacity, idx.device), st.capacity
             ops = self.numerics.backend if self.numerics.native else ref  # one launch on CUDA
             idx = ops.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]), self.window, width)
-        return self._output(self._attend(q, st.kv, idx), rot)
+        return self._output(self._attend(q, st.kv, idx, rot))
 
     def _slots(self, n: int, device: torch.device) -> torch.Tensor:
         """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""
@@ -304,15 +314,21 @@ class Attention:
             self._slot_ids = torch.arange(n, device=device).unsqueeze(0)
         return self._slot_ids
 
-    def _project(self, x: torch.Tensor, rot):
+    def _project(self, x: torch.Tensor, rot, kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
-        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table. With
+        `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes its place."""
         eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
-        c = self.numerics.norm_quantized(self.wq_a(xq), self.q_norm, eps)  # read by wq_b and the indexer's wq_b
+        if self.wq_a_kv is not None:
+            both = self.wq_a_kv(xq)  # [S, q_rank + D]; the halves are views (contiguous for one token)
+            qa, kv = both[:, :self.q_rank].contiguous(), both[:, self.q_rank:].contiguous()
+        else:
+            qa, kv = self.wq_a(xq), self.wkv(xq)
+        c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
-        kv = self.rope.normed(self.wkv(xq), self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim)  # [S, D]
+        kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim, out=kv_out)  # [S, D]
         return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:
@@ -321,15 +337,16 @@ class Attention:
         chosen = torch.arange(n_entries, device=visible.device).expand(visible.shape[0], -1)
         return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
 
-    def _output(self, o: torch.Tensor, rot) -> torch.Tensor:
-        """Attention output o [S, H, D] (numerics dtype) -> inverse RoPE (table `rot`) -> wo_a -> wo_b -> [S, D]."""
-        o = self.rope(o, rot, inverse=True)
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output o [S, H, D] (numerics dtype, rotated back) -> wo_a -> wo_b -> [S, D]."""
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if self.numerics.native:
-            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
-        return ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5)
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, rot) -> torch.Tensor:
+        """Sparse attention of q over rows idx of kv, then the inverse RoPE at `rot` (a table) -> [S, H, D]."""
+        if self.numerics.native:  # one backend op: the rotation back is the attention's last step
+            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5,
+                                                          (rot, self.rope.inv_freq))
+        return self.rope(ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5), rot, inverse=True)
 
     def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys for the window branch and per-query indices into them, then update the ring.

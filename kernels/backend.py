@@ -71,8 +71,10 @@ class Backend(Protocol):
         ...
 
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype."""
+                         scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """q [S, H, D], kv [T, D], idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's dtype;
+        `inverse_rope` = (positions [S], inv_freq): rotated back by the queries' RoPE angles."""
         ...
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
@@ -110,8 +112,10 @@ class Backend(Protocol):
         ...
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
-                  inv_freq: torch.Tensor, round_lead: int) -> torch.Tensor:
-        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none)."""
+                  inv_freq: torch.Tensor, round_lead: int, out: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """RMSNorm, RoPE at positions, QDQ8 of the leading `round_lead` channels (0: none); with
+        `out` and `rows`, token s goes to out[rows[s]] in place (None returned)."""
         ...
 
     def hadamard_qdq4(self, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -166,8 +170,8 @@ class TorchBackend:
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return ref.sparse_index(window_rows, order, visible, k, offset, width)
 
-    def sparse_attention(self, q, kv, idx, sink, scale):
-        return ref.sparse_attention(q, kv, idx, sink, scale)
+    def sparse_attention(self, q, kv, idx, sink, scale, inverse_rope=None):
+        return ref.sparse_attention(q, kv, idx, sink, scale, inverse_rope)
 
     def indexer_scores(self, q, keys, weights, visible, scale):
         return ref.indexer_scores(q, keys, weights, visible, scale)
@@ -190,8 +194,8 @@ class TorchBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return ref.rope(x, positions, inv_freq, inverse)
 
-    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
-        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead)
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead, out=None, rows=None):
+        return ref.norm_rope(x, weight, eps, positions, inv_freq, round_lead, out, rows)
 
     def hadamard_qdq4(self, x, block):
         return ref.hadamard_qdq4(x, block)
@@ -266,8 +270,8 @@ class TileLangBackend:
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return self._impl["sparse_index"](window_rows, order, visible, k, offset, width)
 
-    def sparse_attention(self, q, kv, idx, sink, scale):
-        return self._impl["sparse_attention"](q, kv, idx, sink, scale)
+    def sparse_attention(self, q, kv, idx, sink, scale, inverse_rope=None):
+        return self._impl["sparse_attention"](q, kv, idx, sink, scale, inverse_rope=inverse_rope)
 
     def indexer_scores(self, q, keys, weights, visible, scale):
         return self._impl["indexer_scores"](q, keys, weights, visible, scale)
@@ -290,8 +294,8 @@ class TileLangBackend:
     def rope(self, x, positions, inv_freq, inverse):
         return self._impl["rope"](x, positions, inv_freq, inverse)
 
-    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead):
-        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead)
+    def norm_rope(self, x, weight, eps, positions, inv_freq, round_lead, out=None, rows=None):
+        return self._impl["norm_rope"](x, weight, eps, positions, inv_freq, round_lead, out, rows)
 
     def hadamard_qdq4(self, x, block):
         return self._impl["hadamard_qdq4"](x, block)

@@ -341,14 +341,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
-              inv_freq: torch.Tensor, round_lead: int = 0) -> torch.Tensor:
+              inv_freq: torch.Tensor, round_lead: int = 0, out: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """RMSNorm of x [S, ..., D] (weight [D] or None), then RoPE at positions [S] (the attention's
     q and kv, §C.4); `round_lead` > 0: QDQ8 (block 64) of the leading round_lead channels, the
-    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op."""
+    native KV storage rounding of the nope dims. Keeps x's dtype. One backend op. With `out` [R, ..., D]
+    and `rows` [S]: token s is written to out[rows[s]] (in place; the KV window) and None returned."""
     y = rope(rms_norm(x, weight, eps), positions, inv_freq)
     if round_lead:
         y = torch.cat((qdq8(y[..., :round_lead], 64), y[..., round_lead:]), dim=-1)
-    return y
+    if out is None:
+        return y
+    out.index_copy_(0, rows, y.to(out.dtype))
+    return None
 
 
 # --------------------------------------------------------------------------------- mHC, norms
@@ -446,13 +451,14 @@ def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).
 
     q [S, H, D], kv [T, D] (key and value are the same row), idx [S, K] int64 rows of kv, -1 =
     absent, sink [H] fp32 -> out [S, H, D] in q's dtype (computed in fp32, rounded once). One
     softmax over the selected rows whose denominator also holds exp(sink_h); the sink carries
-    no value.
+    no value. `inverse_rope` = (positions [S], inv_freq): the rounded output is then rotated back
+    by the queries' RoPE angles (§C.4's inverse rotation before wo_a), one backend op.
     """
     valid = idx >= 0
     rows = kv[idx.clamp_min(0)].float()  # [S, K, D]
@@ -462,4 +468,5 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     full = torch.cat((logits, sink_col), dim=-1)  # [S, H, K+1]
     full = full - full.amax(-1, keepdim=True)
     p = torch.softmax(full, dim=-1)[..., :-1]
-    return torch.einsum("shk,skd->shd", p, rows).to(q.dtype)
+    out = torch.einsum("shk,skd->shd", p, rows).to(q.dtype)
+    return out if inverse_rope is None else rope(out, *inverse_rope, inverse=True)

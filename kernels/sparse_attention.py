@@ -24,8 +24,9 @@ import math
 
 import torch
 
-from kernels import pdl
+from kernels import pdl, reference as ref
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.rope import rope_angle, rotate_pair
 
 TILE_PARAMS = {
     (9, 0): {"block_h": 16, "block_i": 64, "threads": 128, "stages": 2, "min_ctas": 132, "splits": 16},
@@ -39,7 +40,7 @@ _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 @functools.cache
 def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
-    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int32, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
+    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
 
     Split `sp` of query s covers blocks sp·per .. (sp+1)·per - 1 of its K selected rows (per =
     ceil(blocks / nsplit)) and writes its unnormalised output PO, running max PM and sum of
@@ -54,7 +55,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
 
     @T.prim_func
     def sparse_attn_partial(Q: T.Tensor((s_len, heads, dim), "bfloat16"), KV: T.Tensor((t_len, dim), "bfloat16"),
-                            IDX: T.Tensor((s_len, k_len), "int32"),
+                            IDX: T.Tensor((s_len, k_len), "int64"),
                             PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
                             PM: T.Tensor((s_len, nsplit, heads), "float32"),
                             PL: T.Tensor((s_len, nsplit, heads), "float32")):
@@ -81,10 +82,10 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
             for it in T.Pipelined(per, num_stages=p["stages"]):
                 base = (sp * per + it) * bi  # first selected row of this block
                 for j in T.Parallel(bi):
-                    valid[j] = T.if_then_else(base + j < k_len, IDX[s, T.min(base + j, k_len - 1)], -1) >= 0
+                    valid[j] = T.if_then_else(base + j < k_len, IDX[s, T.min(base + j, k_len - 1)], T.int64(-1)) >= 0
                 for j, d in T.Parallel(bi, dim):  # absent rows load row 0 and score -inf
                     kv_sh[j, d] = KV[T.max(T.if_then_else(base + j < k_len,
-                                                          IDX[s, T.min(base + j, k_len - 1)], 0), 0), d]
+                                                          IDX[s, T.min(base + j, k_len - 1)], T.int64(0)), T.int64(0)), d]
                 for h, j in T.Parallel(bh, bi):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity("float32"))
                 T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -117,41 +118,74 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
 
 
 @functools.cache
-def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: str, arch: tuple[int, int]):
+def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: str, arch: tuple[int, int],
+                   half: int = 0):
     """(PO [S,nsplit,H,D], PM, PL [S,nsplit,H], SINK [H] fp32, O [S,H,D] out_dtype): the splits'
     partial softmaxes rescaled to their common maximum, the sink added to the denominator last,
-    the result rounded once into out_dtype."""
+    the result rounded once into out_dtype. With `half` > 0: (PO, PM, PL, SINK, P [S] int64,
+    F [half] fp32, O), the rounded result's trailing 2·half channels then rotated back by the
+    query's RoPE angles (kernels/rope.py's inverse rotation, bit for bit)."""
     import tilelang.language as T
 
     s_len = T.dynamic("s_len")
     c = scale * _LOG2E
     threads = 128
+    lead = dim - 2 * half  # channels before the rotary tail
 
-    @T.prim_func
-    def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
-                            PM: T.Tensor((s_len, nsplit, heads), "float32"),
-                            PL: T.Tensor((s_len, nsplit, heads), "float32"),
-                            SINK: T.Tensor((heads,), "float32"), O: T.Tensor((s_len, heads, dim), out_dtype)):
-        with T.Kernel(s_len, heads, threads=threads) as (s, h):
-            m = T.alloc_local((1,), "float32")
-            total = T.alloc_local((1,), "float32")
-            w = T.alloc_local((nsplit,), "float32")
-            acc = T.alloc_fragment((dim,), "float32")
-            pdl.begin(T, arch)
-            m[0] = _NO_MAX
-            for sp in T.serial(nsplit):
-                m[0] = T.max(m[0], PM[s, sp, h])
-            total[0] = 0.0
-            for sp in T.serial(nsplit):
-                w[sp] = T.exp2((PM[s, sp, h] - m[0]) * c)
-                total[0] = total[0] + w[sp] * PL[s, sp, h]
-            total[0] = total[0] + T.exp2(SINK[h] * _LOG2E - m[0] * c)
-            T.fill(acc, 0)
-            for sp in T.serial(nsplit):
-                for d in T.Parallel(dim):
-                    acc[d] = acc[d] + w[sp] * PO[s, sp, h, d]
+    @T.macro
+    def combined(PO, PM, PL, SINK, m, total, w, acc, s, h):
+        """acc [dim] = the softmax-weighted rows of (s, h), not yet divided; total[0] = the denominator."""
+        m[0] = _NO_MAX
+        for sp in T.serial(nsplit):
+            m[0] = T.max(m[0], PM[s, sp, h])
+        total[0] = 0.0
+        for sp in T.serial(nsplit):
+            w[sp] = T.exp2((PM[s, sp, h] - m[0]) * c)
+            total[0] = total[0] + w[sp] * PL[s, sp, h]
+        total[0] = total[0] + T.exp2(SINK[h] * _LOG2E - m[0] * c)
+        T.fill(acc, 0)
+        for sp in T.serial(nsplit):
             for d in T.Parallel(dim):
-                O[s, h, d] = T.Cast(out_dtype, acc[d] / total[0])
+                acc[d] = acc[d] + w[sp] * PO[s, sp, h, d]
+
+    if half:
+        @T.prim_func
+        def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
+                                PM: T.Tensor((s_len, nsplit, heads), "float32"),
+                                PL: T.Tensor((s_len, nsplit, heads), "float32"),
+                                SINK: T.Tensor((heads,), "float32"), P: T.Tensor((s_len,), "int64"),
+                                F: T.Tensor((half,), "float32"), O: T.Tensor((s_len, heads, dim), out_dtype)):
+            with T.Kernel(s_len, heads, threads=threads) as (s, h):
+                m = T.alloc_local((1,), "float32")
+                total = T.alloc_local((1,), "float32")
+                w = T.alloc_local((nsplit,), "float32")
+                acc = T.alloc_fragment((dim,), "float32")
+                o_sh = T.alloc_shared((dim,), "float32")  # the rounded result, for the pairs
+                pdl.begin(T, arch)
+                combined(PO, PM, PL, SINK, m, total, w, acc, s, h)
+                for d in T.Parallel(dim):
+                    o_sh[d] = T.Cast("float32", T.Cast(out_dtype, acc[d] / total[0]))
+                for d in T.Parallel(dim):
+                    re = lead + ((d - lead) // 2) * 2  # this channel's pair: (re, re + 1)
+                    angle = rope_angle(T, P[s], F[T.max(d - lead, 0) // 2])
+                    back = rotate_pair(T, o_sh[re], o_sh[re + 1], T.cos(angle), T.sin(angle), True)
+                    O[s, h, d] = T.Cast(out_dtype, T.if_then_else(
+                        d < lead, o_sh[d], T.if_then_else((d - lead) % 2 == 0, back[0], back[1])))
+    else:
+        @T.prim_func
+        def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
+                                PM: T.Tensor((s_len, nsplit, heads), "float32"),
+                                PL: T.Tensor((s_len, nsplit, heads), "float32"),
+                                SINK: T.Tensor((heads,), "float32"), O: T.Tensor((s_len, heads, dim), out_dtype)):
+            with T.Kernel(s_len, heads, threads=threads) as (s, h):
+                m = T.alloc_local((1,), "float32")
+                total = T.alloc_local((1,), "float32")
+                w = T.alloc_local((nsplit,), "float32")
+                acc = T.alloc_fragment((dim,), "float32")
+                pdl.begin(T, arch)
+                combined(PO, PM, PL, SINK, m, total, w, acc, s, h)
+                for d in T.Parallel(dim):
+                    O[s, h, d] = T.Cast(out_dtype, acc[d] / total[0])
 
     return compile_kernel(sparse_attn_combine, arch)
 
@@ -164,9 +198,11 @@ def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [S, H, D] bf16, kv [T, D] bf16, idx [S, K] (-1 absent), sink [H] -> [S, H, D] in q's
-    dtype, as the reference (`out_dtype` torch.float32: the unrounded fp32 result)."""
+    dtype, as the reference (`out_dtype` torch.float32: the unrounded fp32 result);
+    `inverse_rope` = (positions [S], inv_freq [R/2]): rotated back in the combine launch."""
     out_dtype = q.dtype if out_dtype is None else out_dtype
     s_len, heads, dim = q.shape
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
@@ -176,6 +212,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
                                f"idx {tuple(idx.shape)}, sink {tuple(sink.shape)} do not agree")
     if dim % 64:
         raise KernelInputError(f"sparse_attention needs a head dim that is a multiple of 64, got {dim}")
+    half = 0 if inverse_rope is None else inverse_rope[1].shape[-1]
+    if inverse_rope is not None and (tuple(inverse_rope[0].shape) != (s_len,) or 2 * half > dim):
+        raise KernelInputError(f"sparse_attention: inverse_rope positions {tuple(inverse_rope[0].shape)} and "
+                               f"{2 * half} rotary channels do not fit q {tuple(q.shape)}")
     arch = cuda_arch(q.device)
     bh = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["block_h"]
     hp = -(-heads // bh) * bh
@@ -185,7 +225,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     if s_len == 0:
         return out[:, :heads]
     if idx.shape[1] == 0 or kv.shape[0] == 0:  # nothing selected: every probability is 0
-        return out.zero_()[:, :heads]
+        out = out.zero_()[:, :heads]
+        return out if inverse_rope is None else ref.rope(out, *inverse_rope, inverse=True)
     qp, sinkp = q, sink.float()
     if hp != heads:  # pad heads to the CTA's head block (padding heads are discarded)
         qp = torch.cat((q, q.new_zeros(s_len, hp - heads, dim)), dim=1)
@@ -195,6 +236,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     pm = torch.empty(s_len, nsplit, hp, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     partial_kernel(hp, dim, float(scale), nsplit, arch)(qp.contiguous(), kv.contiguous(),
-                                                        idx.to(torch.int32).contiguous(), po, pm, pl)
-    combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch)(po, pm, pl, sinkp.contiguous(), out)
+                                                        idx.to(torch.int64).contiguous(), po, pm, pl)
+    rope_args = () if inverse_rope is None else (inverse_rope[0].to(torch.int64).contiguous(),
+                                                 inverse_rope[1].float().contiguous())
+    combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch, half)(
+        po, pm, pl, sinkp.contiguous(), *rope_args, out)
     return out[:, :heads]

@@ -412,6 +412,27 @@ def test_sparse_attention_all_absent_gives_zero(gen):
     assert rel_err(out[1], want[1]) < 1e-4
 
 
+@pytest.mark.parametrize("s,h,t,k", [(1, 64, 700, 640), (3, 64, 300, 200), (2, 16, 10, 5)])
+def test_sparse_attention_rotates_back_in_its_combine(s, h, t, k, gen):
+    """With inverse_rope the combine launch rotates its rounded output back by the queries' RoPE
+    angles: bitwise the rope kernel's inverse rotation of the plain result (decode: 16 splits;
+    prefill-sized: one), and the all-absent path likewise."""
+    from kernels.rope import rope
+    from kernels.sparse_attention import sparse_attention
+    q = torch.randn(s, h, 512, generator=gen, device=DEV).to(torch.bfloat16)
+    kv = torch.randn(t, 512, generator=gen, device=DEV).to(torch.bfloat16)
+    idx = torch.randint(-1, t, (s, k), generator=gen, device=DEV)
+    sink = torch.randn(h, generator=gen, device=DEV)
+    positions = torch.randint(0, 1 << 16, (s,), generator=gen, device=DEV)
+    inv_freq = ref.rope_inv_freq(64, 160000.0).to(DEV)
+    plain = sparse_attention(q, kv, idx, sink, 512 ** -0.5)
+    got = sparse_attention(q, kv, idx, sink, 512 ** -0.5, inverse_rope=(positions, inv_freq))
+    assert torch.equal(got, rope(plain, positions, inv_freq, inverse=True))
+    none = torch.full_like(idx, -1)[:, :0]
+    assert torch.equal(sparse_attention(q, kv, none, sink, 512 ** -0.5, inverse_rope=(positions, inv_freq)),
+                       torch.zeros_like(got))
+
+
 # ------------------------------------------------------------------------------- backend
 def test_tilelang_backend_has_every_kernel():
     from kernels.backend import make_backend
@@ -558,6 +579,21 @@ def test_fp8_gemm_quantized_equals_fp8_gemm(m, gen):
     assert rel_err(got, ref.fp8_gemm_quantized(*ref.act_quant(x, 128), w, s)) < 4e-3
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 8192), (1, 512, 4096), (16, 1024, 4096), (5, 200, 384), (2, 8, 128)])
+def test_fp8_gemv_quantises_bf16_activations_in_kernel(m, n, k, gen):
+    """fp8_gemm's one-launch GEMV (act_quant inside) gives the bits of act_quant followed by the
+    pre-quantised GEMV: real decode shapes (wo_b), a K that ends mid-step (lanes past K skip their
+    block, shuffles stay within it), odd N, a zero row and a row of tiny values."""
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import fp8_gemm, fp8_gemm_quantized
+    w, s = fp8_weight(n, k, gen)
+    x = activations(m, k, gen)
+    x[0, :128] = 0  # a block of zeros: scale from the 1e-4 floor, zero codes
+    x[-1, -128:] *= 2.0 ** -30  # a block below the floor
+    got = fp8_gemm(x, w, s)
+    assert got.shape == (m, n) and torch.equal(got, fp8_gemm_quantized(*act_quant(x, 128), w, s))
+
+
 # ------------------------------------------------------------------------- indexer scores
 @pytest.mark.parametrize("s,h,d,t", [(1, 64, 128, 700), (3, 64, 128, 129), (2, 4, 32, 10), (1, 64, 128, 1)])
 def test_indexer_scores_matches_reference(s, h, d, t, gen):
@@ -607,6 +643,31 @@ def test_norm_rope_matches_reference(shape, weighted, lead, gen):
     assert rel_err(got, want) < 1e-2
     assert not far[..., lead:].any()  # unrounded channels: one rounding step at most
     assert far.float().mean() < 0.01  # QDQ8 codes moved by the normed values' last bit: rare
+
+
+@pytest.mark.parametrize("shape,rows", [((1, 512), [5]), ((3, 512), [7, 0, 2]), ((1, 1100), [1])])
+def test_norm_rope_writes_buffer_rows_in_place(shape, rows, gen):
+    """With out/rows the kernel writes token s to out[rows[s]] (the KV window row), bitwise what
+    it returns without them, and leaves every other row as it was (the last case: the reference
+    path, a row too wide for one CTA)."""
+    from kernels.act_quant import KernelInputError
+    from kernels.norm_rope import norm_rope
+    d = shape[-1]
+    inv_freq = ref.rope_inv_freq(64, 10000.0).to(DEV)
+    x = (torch.randn(*shape, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.rand(d, generator=gen, device=DEV) + 0.5
+    positions = torch.randint(0, 1 << 16, (shape[0],), generator=gen, device=DEV)
+    want = norm_rope(x, w, 1e-6, positions, inv_freq, 448)
+    buf = torch.randn(8, d, generator=gen, device=DEV).to(torch.bfloat16)
+    before = buf.clone()
+    idx = torch.tensor(rows, device=DEV)
+    assert norm_rope(x, w, 1e-6, positions, inv_freq, 448, buf, idx) is None
+    assert torch.equal(buf[idx], want)
+    untouched = torch.ones(8, dtype=torch.bool, device=DEV)
+    untouched[idx] = False
+    assert torch.equal(buf[untouched], before[untouched])
+    with pytest.raises(KernelInputError, match="out"):
+        norm_rope(x, w, 1e-6, positions, inv_freq, 448, buf.float(), idx)
 
 
 @pytest.mark.parametrize("shape,weighted", [((1, 4096), True), ((1, 1024), True), ((7, 4096), False),

@@ -213,3 +213,17 @@ def test_hadamard_is_bitwise_the_plain_butterfly(shape, dtype):
     got = ref.hadamard(x)
     assert got.dtype == dtype and torch.equal(got, _hadamard_by_the_book(x))
     assert torch.equal(x, before)  # the ping-pong buffers never alias the input
+
+
+def test_norm_rope_writes_buffer_rows_in_place():
+    """With out/rows, token s lands in out[rows[s]] bitwise as returned without them (the KV
+    window row of a decode step); the other rows keep their values."""
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    w, pos, inv_freq = torch.rand(128) + 0.5, torch.tensor([4, 90, 7]), ref.rope_inv_freq(32, 10000.0)
+    want = ref.norm_rope(x, w, 1e-6, pos, inv_freq, 64)
+    buf = torch.randn(6, 128).to(torch.bfloat16)
+    before = buf.clone()
+    rows = torch.tensor([5, 0, 3])
+    assert ref.norm_rope(x, w, 1e-6, pos, inv_freq, 64, buf, rows) is None
+    assert torch.equal(buf[rows], want)
+    assert torch.equal(buf[[1, 2, 4]], before[[1, 2, 4]])
