@@ -160,6 +160,7 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
         q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
     rows.append((f"fp4 w1+w3 6 experts, one launch {n}x{k}", 2 * g * per + 2 * k + 4 * g * n, t, graphed))
+    rows.extend(fp4_tile_rows(dev, q, sq, arena2, n, k, g))
     # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
     tlen, kk = 128 + 2048, 640
     q = torch.randn(1, 64, 512, device=dev).to(torch.bfloat16)
@@ -168,6 +169,32 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     sink = torch.randn(64, device=dev)
     t, graphed = time_calls([lambda: sparse_attention(q, kv, idx, sink, 512 ** -0.5)] * CALLS_PER_GRAPH)
     rows.append((f"sparse_attention S=1 H=64 K={kk}", kk * 512 * 2 + 64 * 512 * (2 + 4) + kk * 8, t, graphed))
+    return rows
+
+
+def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, int, float, bool]]:
+    """Decode's routed w1+w3 launch (two parts of `arena`'s records, shared activations q, sq)
+    and its w2 launch (N = k, K = n, fp32 out) at every (rows per warp, warps per CTA) that the
+    GPU tests cover, to choose kernels/fp4_moe.py's TILE_PARAMS from."""
+    from kernels.act_quant import act_quant, cuda_arch
+    from kernels.fp4_moe import fp4_gemv_kernel
+    from kernels.fp8_gemm import as_words
+
+    arch = cuda_arch(dev)
+    per = n * k // 2 + n * k // 32  # one weight's codes and scales
+    q2, s2 = act_quant(torch.randn(g, 1, n, device=dev).to(torch.bfloat16), 128)  # w2's inputs [G, 1, n]
+    arena_w2 = fp4_arena(64, k, n, dev)
+    shapes = [("w1+w3", n, k, arena, (0, n * k // 2), (n * k, n * k + n * k // 32), q, sq, "bfloat16",
+               2 * g * per + 2 * k + 4 * g * n),
+              ("w2", k, n, arena_w2, (0,), (n * k // 2,), q2, s2, "float32", g * per + g * (n + n // 32) + 4 * g * k)]  # w2: its activations [G, n] and fp32 outputs
+    rows = []
+    for name, nn, kk, ar, w_off, s_off, qa, sa, out, nbytes in shapes:
+        y = torch.empty(len(w_off), g, 1, nn, dtype=getattr(torch, out), device=dev)
+        for tile in [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]:
+            kernel = fp4_gemv_kernel(1, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, *tile, out, arch)
+            t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
+                as_words(qa), sa, as_words(ar), ar, s, y))
+            rows.append((f"fp4 {name} 6 experts {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
     return rows
 
 
