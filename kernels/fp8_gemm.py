@@ -10,9 +10,7 @@ bf16 output (spec §B.4).
   times s_act · s_weight · 2^16 (powers of two, so the scaling is exact). A warp shuffle sum
   finishes each row. Small grids split K between the warps of a CTA (`ksplit`), whose partial
   sums meet in shared memory in a fixed order. The weight is read once whatever M is;
-  activations come from L1. A bf16 activation is quantised inside the GEMV
-  (`fp8_gemv_act_kernel`: act_quant's arithmetic per 128-channel block, bit for bit), so `fp8_gemm`
-  is one launch; `fp8_gemm_quantized` takes activations quantised before.
+  activations come from L1.
 * Prefill (larger M): both operands are dequantised exactly to bf16 (an e4m3 value times a
   power of two has 4 significant bits) and multiplied by cuBLAS with fp32 accumulation.
 
@@ -27,7 +25,7 @@ import torch
 
 from kernels import lowbit, pdl
 from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
-                               pad_rows_to_bucket, pow2_scale_bits, tile_params)
+                               pad_rows_to_bucket, tile_params)
 
 GEMV_MAX_M = 16
 # GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps
@@ -130,72 +128,6 @@ def weight_steps_macro(T, n: int, k: int, rows: int, ksplit: int, step):
     return weight_steps
 
 
-@functools.cache
-def fp8_gemv_act_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, arch: tuple[int, int]):
-    """(X [m,k] bf16, W [n,k/4] int32 = e4m3 codes, SW [ceil(n/128),k/128] u8) -> Y [m,n] bf16:
-    `fp8_gemv_kernel` with the activation's act_quant done in the kernel, so that one launch
-    replaces two. A lane's 16 channels of a row are quantised as kernels/act_quant.py does: the
-    128-channel block's amax (over the 8 lanes that hold the block, by shuffles among those lanes
-    only), its power-of-two scale, e4m3 round to nearest even; the codes' values times 2^-8 then
-    enter the same dot products, scaled by the same factors. Y equals act_quant + fp8_gemv_kernel
-    bit for bit (same tile)."""
-    import tilelang.language as T
-
-    kb, nb, kw = k // 128, (n + 127) // 128, k // 4
-    groups = warps // ksplit
-    cta_rows = rows * groups
-    store = store_rows_macro(T, m, n, rows, ksplit)
-    code_to_value = T.float32(2.0 ** -lowbit.E4M3_SHIFT)  # the codes' values as the decoded ones
-
-    @T.macro
-    def step(k0, wq, first, X, SW, group_mask, xb, af, v, acc):
-        # k0 < k holds for all 8 lanes of a block or for none: K is a multiple of 128
-        for i in T.unroll(m):
-            for u in T.vectorized(_VEC):
-                xb[u] = X[i, k0 + u]
-            v[0] = T.float32(0)
-            for u in T.unroll(_VEC):
-                v[0] = T.max(v[0], T.abs(T.Cast("float32", xb[u])))
-            for d in T.unroll(3):  # max over the block's 8 lanes (exact in any order)
-                v[0] = T.max(v[0], T.shfl_xor(v[0], 1 << d, width=8, mask=group_mask))
-            sc, inv = pow2_scale_bits(T, v[0])
-            v[1] = sc
-            for u in T.unroll(_VEC):
-                af[u] = T.Cast("float32", T.Cast("float8_e4m3", T.clamp(
-                    T.Cast("float32", xb[u]) * inv, -448.0, 448.0))) * code_to_value
-            for r in T.unroll(rows):
-                # both operands are value * 2^-8: the block scale takes 2^16
-                scale = v[1] * e8m0_bits_to_float(
-                    T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
-                acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
-
-    weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
-
-    @T.prim_func
-    def fp8_gemv_act(X: T.Tensor((m, k), "bfloat16"), W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb), "uint8"),
-                     Y: T.Tensor((m, n), "bfloat16")):
-        with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, warps)) as bn:
-            lowbit.import_source(T, pdl.SOURCE)
-            lane = T.get_thread_binding(0)
-            warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC // 4), "int32")
-            xb = T.alloc_local((_VEC,), "bfloat16")
-            af = T.alloc_local((_VEC,), "float32")
-            v = T.alloc_local((2,), "float32")  # the block's amax, then its scale
-            acc = T.alloc_local((rows, m), "float32")
-            red = T.alloc_shared((ksplit, cta_rows, m), "float32")
-            first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
-            if lane == 0 and warp == 0:  # the CTA's rows: one range
-                pdl.prefetch_rows(T, arch, n * k, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k)
-            pdl.begin(T, arch)
-            group_mask = T.shift_left(T.uint32(0xFF), T.Cast("uint32", (lane // 8) * 8))  # this block's lanes
-            T.clear(acc)
-            weight_steps(W, wq, lane, warp, first, X, SW, group_mask, xb, af, v, acc)
-            store(acc, red, lane, warp, first, Y)
-
-    return compile_kernel(fp8_gemv_act, arch)
-
-
 def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int, put=None):
     """A TileLang macro `store(acc, red, lane, warp, first, *outs)` ending a row-per-warp GEMV.
 
@@ -275,20 +207,12 @@ def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16) × FP8 weight [N, K] with e8m0 scales [N/128, K/128] -> bf16 [..., N]; a
-    bf16 x of at most GEMV_MAX_M rows is quantised inside the GEMV (`fp8_gemv_act_kernel`, one
-    launch), otherwise by act_quant first."""
+    """x [..., K] (bf16) × FP8 weight [N, K] with e8m0 scales [N/128, K/128] -> bf16 [..., N]."""
     check_fp8_weight(x, w, w_scale)
     n, k = w.shape
-    arch = cuda_arch(x.device)
+    cuda_arch(x.device)
     x2 = x.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    if x.dtype != torch.bfloat16 or not 0 < m <= GEMV_MAX_M:
-        return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale).reshape(*x.shape[:-1], n)
-    xp = aligned16(pad_rows_to_bucket(x2))  # zero rows quantise to zero codes: zero outputs
-    y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    fp8_gemv_act_kernel(xp.shape[0], n, k, *gemv_tile(n, k, arch), arch)(xp, as_words(w), scale_bytes(w_scale), y)
-    return y[:m].reshape(*x.shape[:-1], n)
+    return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale).reshape(*x.shape[:-1], n)
 
 
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
