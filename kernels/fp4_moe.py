@@ -35,7 +35,7 @@ from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
 TILE_PARAMS = {
-    (9, 0): {"rows": 2, "warps": 4},
+    (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
 }
 DEFAULT_TILE = {"rows": 2, "warps": 4}
@@ -140,7 +140,7 @@ def gemv_tile(n: int, arch: tuple[int, int]) -> tuple[int, int]:
     """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
     rows, warps = p["rows"], p["warps"]
-    while rows > 1 and n // (rows * warps) < 128:
+    while rows > 1 and n // (rows * warps) < 256:
         rows //= 2
     return rows, warps
 
