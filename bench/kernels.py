@@ -184,9 +184,11 @@ def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, 
     per = n * k // 2 + n * k // 32  # one weight's codes and scales
     q2, s2 = act_quant(torch.randn(g, 1, n, device=dev).to(torch.bfloat16), 128)  # w2's inputs [G, 1, n]
     arena_w2 = fp4_arena(64, k, n, dev)
+    # (name, N, K, arena, weight offsets, scale offsets, activations, scales, out, bytes per call)
     shapes = [("w1+w3", n, k, arena, (0, n * k // 2), (n * k, n * k + n * k // 32), q, sq, "bfloat16",
                2 * g * per + 2 * k + 4 * g * n),
-              ("w2", k, n, arena_w2, (0,), (n * k // 2,), q2, s2, "float32", g * per + g * (n + n // 32) + 4 * g * k)]  # w2: its activations [G, n] and fp32 outputs
+              ("w2", k, n, arena_w2, (0,), (n * k // 2,), q2, s2, "float32",
+               g * per + g * (n + n // 32) + 4 * g * k)]  # G activation rows in, fp32 out
     rows = []
     for name, nn, kk, ar, w_off, s_off, qa, sa, out, nbytes in shapes:
         y = torch.empty(len(w_off), g, 1, nn, dtype=getattr(torch, out), device=dev)
