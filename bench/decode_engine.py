@@ -18,6 +18,7 @@ prefill time (after one untimed prefill where experts are resident, so it exclud
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -52,13 +53,14 @@ class GpuResidentExperts:
 
 
 def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int, step=None,
-            warmup: int = 2, warm_prefill: bool = False) -> tuple[float, float, object, torch.Tensor]:
+            warmup: int = 2, warm_prefill: bool = False, rounds: int = 1) -> tuple[float, list[float], object,
+                                                                                  torch.Tensor]:
     """Greedy: eager prefill, `warmup` untimed steps (compilation, allocator, graph capture), then
-    `tokens` timed steps of `step(state, token) -> logits` (default: the eager forward).
-    `warm_prefill`: one untimed prefill on a scratch state first, so that the timed one runs
-    compiled kernels (what every prompt after the first sees; for resident experts only, since it
-    would also fill an expert cache).
-    Returns (prefill seconds, ms per decoded token, the state, the next token)."""
+    `rounds` timed rounds of `tokens` steps each of `step(state, token) -> logits` (default: the
+    eager forward). `warm_prefill`: one untimed prefill on a scratch state first, so that the
+    timed one runs compiled kernels (what every prompt after the first sees; for resident experts
+    only, since it would also fill an expert cache).
+    Returns (prefill seconds, ms per decoded token of each round, the state, the next token)."""
     if step is None:
         def step(st, t):
             return model.forward(t, st, experts, last_only=True)
@@ -74,13 +76,15 @@ def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int, step=N
         nxt = logits.argmax(-1)
         for _ in range(warmup):
             nxt = step(state, nxt).argmax(-1)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        for _ in range(tokens):
-            nxt = step(state, nxt).argmax(-1)
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-    return t1 - t0, (t3 - t2) * 1e3 / tokens, state, nxt
+        per_round = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            for _ in range(tokens):
+                nxt = step(state, nxt).argmax(-1)
+            torch.cuda.synchronize()
+            per_round.append((time.perf_counter() - t2) * 1e3 / tokens)
+    return t1 - t0, per_round, state, nxt
 
 
 def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
@@ -170,9 +174,11 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         model = Transformer(lambda n: files.get(n).to(dev), files.args,
                             Numerics.named("native", make_backend("tilelang", dev)))
         runner = DecodeRunner(model, files.experts, whole=whole)
-        pre, ms, state, nxt = _decode(model, files.experts, ids, a.prefill, a.tokens, runner.step, warmup=3,
-                                      warm_prefill=whole)
-        print(f"  decode {ms:.2f} ms/token; graph captures: {runner.captures}")
+        pre, per_round, state, nxt = _decode(model, files.experts, ids, a.prefill, a.tokens, runner.step, warmup=3,
+                                             warm_prefill=whole, rounds=a.rounds)
+        ms = statistics.median(per_round)
+        print(f"  decode {ms:.2f} ms/token (median of {len(per_round)} rounds of {a.tokens} tokens: "
+              f"{', '.join(f'{r:.2f}' for r in per_round)}); graph captures: {runner.captures}")
         _profile(lambda t: runner.step(state, t), nxt)
         st = files.experts.stats()
         print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
@@ -197,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prefill", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed rounds of --tokens steps for the CUDA-graph runs (the median is reported)")
     p.add_argument("--workdir", default="/tmp/dsv4b")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--backends", default="tilelang,torch",
@@ -229,7 +237,7 @@ def main(argv=None) -> int:
     rows = []
     for backend in backends:
         model = Transformer(lambda n: files.get(n).to(dev), args, Numerics.named("native", make_backend(backend, dev)))
-        pre, ms, _, _ = _decode(model, experts, ids, a.prefill, a.tokens, warm_prefill=True)
+        pre, (ms,), _, _ = _decode(model, experts, ids, a.prefill, a.tokens, warm_prefill=True)
         rows.append((f"ours native, {backend}, all resident", pre, ms))
         if backend == "tilelang":
             state = model.new_state()
