@@ -30,13 +30,13 @@ from kernels import lowbit, pdl
 from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
-from kernels.fp8_gemm import as_words, e8m0_bits_to_float
+from kernels.fp8_gemm import _gemv_rows, as_words, e8m0_bits_to_float
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
-# Rows per warp shrink (gemv_tile) until a group's part has >= 256 CTAs. H200 (bench.kernels'
-# sweep): decode's w2 (N 4096) 12.90 us at 4 rows x 4 warps vs 13.75 at 2 x 4; w1+w3 (N 2048)
-# stays at 2 x 4 (24.82 us; 25.00 at 4 x 4).
+# Rows per warp shrink (gemv_tile, as the FP8 GEMV's) until a group's part has >= 256 CTAs.
+# H200 (bench.kernels' sweep): decode's w2 (N 4096) 12.90 us at 4 rows x 4 warps vs 13.75 at
+# 2 x 4; w1+w3 (N 2048) stays at 2 x 4 (24.82 us; 25.00 at 4 x 4).
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
@@ -142,10 +142,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
 def gemv_tile(n: int, arch: tuple[int, int]) -> tuple[int, int]:
     """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps = p["rows"], p["warps"]
-    while rows > 1 and n // (rows * warps) < 256:
-        rows //= 2
-    return rows, warps
+    return _gemv_rows(n, p), p["warps"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
