@@ -2,8 +2,8 @@
 
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` (same arguments, same outputs) for at
 most 8 activation rows. Why: the CUDA-core kernel widens every weight channel to fp32 before
-its FMA, and at decode shapes those per-channel instructions, not memory, bound it (bench.kernels
-on the H200: ~51 % of the copy bandwidth for every tile shape). Here the decoded fp16 codes go
+its FMA, and at decode shapes those per-channel instructions, presumably, not memory, bound it
+(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp). Here the decoded fp16 codes go
 straight into the tensor cores, which multiply exactly and sum in fp32.
 
 Data layout (one warp = `tiles` tiles of 16 weight rows; lane = 4·gi + ti):
