@@ -3,10 +3,12 @@
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` (same arguments, same outputs) for at
 most 8 activation rows. Why: the CUDA-core kernel widens every weight channel to fp32 before
 its FMA, and at decode shapes those per-channel instructions, presumably, not memory, bound it
-(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp). Here the decoded fp16 codes go
-straight into the tensor cores, which multiply exactly and sum in fp32.
+(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp).
+Here the decoded fp16 codes go straight into the tensor cores, which multiply exactly and sum in
+fp32.
 
-Data layout (one warp = `tiles` tiles of 16 weight rows; lane = 4·gi + ti):
+Data layout (a CTA = `tiles` tiles of 16 weight rows, its `ksplit` warps each summing a
+contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
 * a scale group is 32 channels = 4 words of e2m1 codes per row; lane ti reads word ti of the
   group for rows gi and gi + 8 of its tile, i.e. channels 8·ti .. 8·ti + 7;
 * `dsv4_e2m1x8_to_f16x2` turns a word into the fp16x2 pairs (p, p + 4), p = 0..3 (values times
