@@ -94,6 +94,15 @@ def supports(m: int, k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
     return m <= MAX_M and k % 128 == 0 and s_stride % 4 == 0 and all(o % 4 == 0 for o in s_off)
 
 
+def part_offset(p, values):
+    """values[p] as first + p·step, for a kernel's part index p (a linear index keeps the loads
+    provably aligned); the FP4 GEMVs' part offsets must be evenly spaced."""
+    step = values[1] - values[0] if len(values) > 1 else 0
+    if any(v != values[0] + i * step for i, v in enumerate(values)):
+        raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
+    return values[0] + p * step
+
+
 @functools.cache
 def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                    s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
@@ -115,12 +124,6 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
 
-    def per_part(p, values):
-        step = values[1] - values[0] if len(values) > 1 else 0
-        if any(v != values[0] + i * step for i, v in enumerate(values)):
-            raise KernelInputError(f"fp4 MMA part offsets {values} must be evenly spaced")
-        return values[0] + p * step
-
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
         lowbit.import_source(T, SOURCE)
@@ -137,8 +140,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
         red = T.alloc_shared((ksplit, tiles * 4, 32), "float32")
         ga = T.min(g, agroups - 1)
         tok = T.min(gi, m - 1)  # this lane's B column; columns >= m are computed, never stored
-        w_off_w = per_part(part, [o // 4 for o in w_off])
-        s_off_w = per_part(part, [o // 4 for o in s_off])
+        w_off_w = part_offset(part, [o // 4 for o in w_off])
+        s_off_w = part_offset(part, [o // 4 for o in s_off])
         row0 = bn * cta_rows
         T.clear(acc)
         for kr in T.serial(blocks // ksplit):

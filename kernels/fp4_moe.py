@@ -74,13 +74,6 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     agroups = T.dynamic("agroups")  # activation groups: G, or 1 when every group reads the same
     entries = T.dynamic("entries")  # slot-table entries (lookup)
 
-    def per_part(p, values):
-        """values[p] as first + p·step (a linear index keeps the 16-byte loads provably aligned)."""
-        step = values[1] - values[0] if len(values) > 1 else 0
-        if any(v != values[0] + i * step for i, v in enumerate(values)):
-            raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
-        return values[0] + p * step
-
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
         lowbit.import_source(T)
@@ -92,8 +85,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
         af = T.alloc_local((2 * _VEC,), "float32")
         acc = T.alloc_local((rows, m), "float32")
         ga = T.min(g, agroups - 1)
-        w_off_w = per_part(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_p = per_part(part, list(s_off))
+        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_p = fp4_mma.part_offset(part, list(s_off))
         T.clear(acc)
         for ko in loop(steps):
             k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
