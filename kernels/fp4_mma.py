@@ -22,8 +22,10 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
   and added to the lane's accumulators: D[gi, 2ti], D[gi, 2ti+1], D[gi+8, 2ti], D[gi+8, 2ti+1].
 
 Scales are read as words: the record's scale block must start 4-byte aligned (`supports`).
-Untested on a GPU so far: the kernel compiles for sm_90a; kernels/fp4_moe.py uses it only where
-`MMA_ARCHS` lists the architecture.
+GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
+architecture. It did not meet the hope above: at its best tile it is 2-3 % faster than the
+CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
+main limit.
 """
 
 import functools
@@ -207,9 +209,11 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
 
 
 def mma_tile(k: int) -> tuple[int, int]:
-    """(tiles of 16 rows per CTA, ksplit warps) for K channels: up to 8 warps, each summing at
-    least two whole 128-channel blocks (so that it has loads in flight); ksplit divides K/128."""
-    blocks, ksplit = k // 128, 8
+    """(tiles of 16 rows per CTA, ksplit warps) for K channels: 2 tiles and up to 4 warps, each
+    summing at least two whole 128-channel blocks; ksplit divides K/128. H200 (bench.kernels,
+    decode's 6 experts): w1+w3 24.08 us at 2 tiles x 4 warps vs 27.10 at 1 x 8 and 24.57 for the
+    CUDA-core kernel's best tile; w2 12.43 us vs 15.90 and 12.79."""
+    blocks, ksplit = k // 128, 4
     while ksplit > 1 and (blocks % ksplit or blocks < 2 * ksplit):
         ksplit //= 2
-    return 1, ksplit
+    return 2, ksplit

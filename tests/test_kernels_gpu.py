@@ -319,7 +319,7 @@ def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
 def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     """The tensor-core GEMV (kernels/fp4_mma.py) on its own: two parts (w1 and w3), per-group
     and shared activations, bf16 and fp32 outputs, slots direct or looked up in a table; rows
-    that are not a whole 16-row tile, 1 to 8 tokens, K split over 1 to 8 warps. Also against
+    that are not a whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps. Also against
     the CUDA-core kernel, which sums the same exact products in another order."""
     from kernels.act_quant import act_quant
     from kernels.fp4_mma import fp4_mma_kernel, mma_tile
@@ -339,7 +339,8 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
         a = slice(0, 1) if shared else slice(None)  # shared: every group reads x[0]
         tl_dtype = str(out_dtype).removeprefix("torch.")
         y = torch.empty(2, 3, m, inter, dtype=out_dtype, device=DEV)
-        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], *mma_tile(dim), tl_dtype,
+        tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
+        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
                        arch, lookup)(as_words(q[a]), sa[a], as_words(data), as_words(data), *where, y)
         core = torch.empty_like(y)
         fp4_gemv_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], *gemv_tile(inter, arch),
