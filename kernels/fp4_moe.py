@@ -16,7 +16,9 @@ The kernel is grouped: G independent problems, each reading its weight from a sl
 arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed byte offsets,
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
-For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS.
+For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
+kernels/fp4_mma.py lists the architecture and supports the launch (<= 8 rows), the grouped GEMV
+runs on the tensor cores instead, with the same contract.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (GB10, FP4 tensor
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
@@ -26,7 +28,7 @@ import functools
 
 import torch
 
-from kernels import lowbit, pdl
+from kernels import fp4_mma, lowbit, pdl
 from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
@@ -72,13 +74,6 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     agroups = T.dynamic("agroups")  # activation groups: G, or 1 when every group reads the same
     entries = T.dynamic("entries")  # slot-table entries (lookup)
 
-    def per_part(p, values):
-        """values[p] as first + p·step (a linear index keeps the 16-byte loads provably aligned)."""
-        step = values[1] - values[0] if len(values) > 1 else 0
-        if any(v != values[0] + i * step for i, v in enumerate(values)):
-            raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
-        return values[0] + p * step
-
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
         lowbit.import_source(T)
@@ -90,8 +85,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
         af = T.alloc_local((2 * _VEC,), "float32")
         acc = T.alloc_local((rows, m), "float32")
         ga = T.min(g, agroups - 1)
-        w_off_w = per_part(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_p = per_part(part, list(s_off))
+        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_p = fp4_mma.part_offset(part, list(s_off))
         T.clear(acc)
         for ko in loop(steps):
             k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
@@ -193,10 +188,15 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
     y = torch.empty(len(w_offs), g, m, n, dtype=out_dtype, device=q.device)
     if g:
         arch = cuda_arch(q.device)
-        kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                 *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch, table is not None)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
-        kernel(as_words(q), s, as_words(wb), sb, *where, y)
+        if arch in fp4_mma.MMA_ARCHS and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1]):
+            kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                            *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
+            kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
+        else:
+            kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                     *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch, table is not None)
+            kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 
 

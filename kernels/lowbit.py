@@ -55,21 +55,27 @@ __device__ __forceinline__ float dsv4_dot_e4m3x16(const int* w, const float* a) 
   return s;
 }
 
+// 8 e2m1 codes (one word, low nibble first) -> h[p] = the fp16x2 of channels (p, p + 4) (low
+// half first), values times 2^-14. Each nibble's magnitude goes to bits 1..3 and its sign to bit
+// 7 of its byte (even nibbles in `ev`, odd ones in `od`); a byte permute then moves two such
+// bytes, 16 bits apart, into the high bytes of an fp16x2 (bits 9..11 and 15), zero-filling the
+// low bytes.
+__device__ __forceinline__ void dsv4_e2m1x8_to_f16x2(unsigned x, unsigned* h) {
+  unsigned ev = ((x << 1) & 0x0E0E0E0Eu) | ((x << 4) & 0x80808080u);  // channels 0, 2, 4, 6
+  unsigned od = ((x >> 3) & 0x0E0E0E0Eu) | (x & 0x80808080u);         // channels 1, 3, 5, 7
+  h[0] = __byte_perm(ev, 0u, 0x2404u);  // channels 0, 4
+  h[1] = __byte_perm(od, 0u, 0x2404u);  // channels 1, 5
+  h[2] = __byte_perm(ev, 0u, 0x3414u);  // channels 2, 6
+  h[3] = __byte_perm(od, 0u, 0x3414u);  // channels 3, 7
+}
+
 // sum_c a[c] * e2m1(w)[c] * 2^-14 over 32 channels (4 words, low nibble first), fp32 sums.
-// Per word: each nibble's magnitude goes to bits 1..3 and its sign to bit 7 of its byte (even
-// nibbles in `ev`, odd ones in `od`); a byte permute then moves two such bytes, 16 bits apart,
-// into the high bytes of an fp16x2 (bits 9..11 and 15), zero-filling the low bytes.
 __device__ __forceinline__ float dsv4_dot_e2m1x32(const int* w, const float* a) {
   float s = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    unsigned x = (unsigned)w[j];
-    unsigned ev = ((x << 1) & 0x0E0E0E0Eu) | ((x << 4) & 0x80808080u);  // channels 0, 2, 4, 6
-    unsigned od = ((x >> 3) & 0x0E0E0E0Eu) | (x & 0x80808080u);         // channels 1, 3, 5, 7
-    unsigned h[4] = {__byte_perm(ev, 0u, 0x2404u),   // channels 0, 4
-                     __byte_perm(od, 0u, 0x2404u),   // channels 1, 5
-                     __byte_perm(ev, 0u, 0x3414u),   // channels 2, 6
-                     __byte_perm(od, 0u, 0x3414u)};  // channels 3, 7
+    unsigned h[4];
+    dsv4_e2m1x8_to_f16x2((unsigned)w[j], h);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       float2 f = __half22float2(*reinterpret_cast<__half2*>(&h[p]));

@@ -38,3 +38,14 @@ def test_decoded_dot_with_scale_matches_dequantised_product():
     got = (af * wf).sum() * 2.0 ** (lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
     want = (a.view(torch.float8_e4m3fn).double() * ref.unpack_fp4(w.view(torch.int8)).double()).sum()
     assert got == want
+
+
+def test_every_e4m3_code_decodes_into_the_mma_pairs():
+    # kernels/fp4_mma.py's activation pairs (p, p + 4): every code in every byte position
+    from kernels.fp4_mma import decode_e4m3_pairs
+    codes = torch.arange(256, dtype=torch.uint8).repeat(8)  # 512 words = 256 word pairs
+    got = decode_e4m3_pairs(codes.view(torch.int32))
+    want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -lowbit.E4M3_SHIFT
+    finite = ~torch.isnan(want)
+    assert got.shape == want.shape == (2048,)
+    assert torch.equal(got[finite], want[finite])

@@ -1,0 +1,219 @@
+"""FP4 routed-expert GEMV on the tensor cores (sm_80+ `mma.sync` m16n8k16, fp16 in, fp32 out).
+
+The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` (same arguments, same outputs) for at
+most 8 activation rows. Why: the CUDA-core kernel widens every weight channel to fp32 before
+its FMA, and at decode shapes those per-channel instructions, presumably, not memory, bound it
+(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp).
+Here the decoded fp16 codes go straight into the tensor cores, which multiply exactly and sum in
+fp32.
+
+Data layout (a CTA = `tiles` tiles of 16 weight rows, its `ksplit` warps each summing a
+contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
+* a scale group is 32 channels = 4 words of e2m1 codes per row; lane ti reads word ti of the
+  group for rows gi and gi + 8 of its tile, i.e. channels 8·ti .. 8·ti + 7;
+* `dsv4_e2m1x8_to_f16x2` turns a word into the fp16x2 pairs (p, p + 4), p = 0..3 (values times
+  2^-14); the activations of token gi get the same pairs (`dsv4_e4m3x8_to_f16x2`, values times
+  2^-8);
+* MMA 0 of a group takes pairs 0 and 1 as its k positions (2ti, 2ti+1) and (2ti+8, 2ti+9), MMA 1
+  pairs 2 and 3: the two MMAs cover the group's 32 channels once, and A and B agree on which
+  channel sits at each k position (the MMA sums over k in any order);
+* the fp32 result D [16 rows, 8 tokens] of a group is then scaled by that group's weight scale
+  (per row) times the activation block scale (per token) -- exact powers of two times 2^22 --
+  and added to the lane's accumulators: D[gi, 2ti], D[gi, 2ti+1], D[gi+8, 2ti], D[gi+8, 2ti+1].
+
+Scales are read as words: the record's scale block must start 4-byte aligned (`supports`).
+GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
+architecture. It did not meet the hope above: at its best tile it is 2-3 % faster than the
+CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
+main limit.
+"""
+
+import functools
+
+import torch
+
+from kernels import lowbit, pdl
+from kernels.act_quant import KernelInputError, compile_kernel
+from kernels.fp8_gemm import e8m0_bits_to_float
+
+MAX_M = 8  # the MMA's n: tokens per launch
+GROUPS_PER_STEP = 4  # scale groups per loop step: one 128-channel activation block
+
+SOURCE = r"""
+// 8 e4m3 codes (w[0] = channels 0..3, w[1] = 4..7) -> out[p] = the fp16x2 of channels
+// (p, p + 4), values times 2^-8: a byte permute puts the two codes in the high bytes of the
+// halves, then the seven magnitude bits move down one (fp16 bits 7..13) and the sign stays at 15.
+__device__ __forceinline__ void dsv4_e4m3x8_to_f16x2(const int* w, unsigned* out) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    unsigned b = __byte_perm((unsigned)w[0], (unsigned)w[1], ((4u + p) << 12) | ((unsigned)p << 4));
+    out[p] = ((b >> 1) & 0x3F803F80u) | (b & 0x80008000u);
+  }
+}
+
+// One scale group of a 16-row tile: d[0..3] = this lane's D[gi, 2ti], D[gi, 2ti+1],
+// D[gi+8, 2ti], D[gi+8, 2ti+1] of (codes times 2^-14) x (activations times 2^-8), fp32.
+// w0, w1: the lane's e2m1 word of rows gi and gi + 8; a: its token's activation pairs.
+__device__ __forceinline__ void dsv4_fp4_mma_group(int w0, int w1, const unsigned* a, float* d) {
+  unsigned h0[4], h1[4];
+  dsv4_e2m1x8_to_f16x2((unsigned)w0, h0);
+  dsv4_e2m1x8_to_f16x2((unsigned)w1, h1);
+  float z = 0.f;
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(a[0]), "r"(a[1]), "f"(z));
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(a[2]), "r"(a[3]));
+}
+"""
+
+def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., 2W] of e4m3 codes (two words = 8 channels) -> fp32 [..., 8W] in channel
+    order (values times 2^-8), through SOURCE's `dsv4_e4m3x8_to_f16x2` moves in torch: pair p of
+    a word pair holds channels (p, p + 4), low half first."""
+    w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (-1, 2))  # [.., W, (channels 0-3, 4-7)]
+    lo, hi = w[..., 0], w[..., 1]
+    pairs = []
+    for p in range(4):
+        b = (((lo >> (8 * p)) & 0xFF) << 8) | (((hi >> (8 * p)) & 0xFF) << 24)  # __byte_perm: bytes 1 and 3
+        bits = ((b >> 1) & 0x3F803F80) | (b & 0x80008000)
+        pairs.append(torch.stack((bits & 0xFFFF, bits >> 16), dim=-1))  # [.., W, 2 halves]
+    h = torch.stack(pairs, dim=-2).to(torch.int16).view(torch.float16).float()  # [.., W, 4 pairs, 2 halves]
+    return h.transpose(-1, -2).flatten(-3)  # channel 4 * half + pair
+
+
+MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches to this kernel (sm_121: untested)
+
+
+def supports(m: int, k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
+    """Whether the MMA kernel takes this launch: at most MAX_M rows, K whole 128-channel blocks,
+    and every scale block (and the scale arena row) 4-byte aligned."""
+    return m <= MAX_M and k % 128 == 0 and s_stride % 4 == 0 and all(o % 4 == 0 for o in s_off)
+
+
+def part_offset(p, values):
+    """values[p] as first + p·step, for a kernel's part index p (a linear index keeps the loads
+    provably aligned); the FP4 GEMVs' part offsets must be evenly spaced."""
+    step = values[1] - values[0] if len(values) > 1 else 0
+    if any(v != values[0] + i * step for i, v in enumerate(values)):
+        raise KernelInputError(f"fp4 GEMV part offsets {values} must be evenly spaced")
+    return values[0] + p * step
+
+
+@functools.cache
+def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
+                   s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
+                   lookup: bool = False):
+    """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
+    `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
+    that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
+    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order)."""
+    import tilelang.language as T
+
+    blocks = k // 128
+    if not supports(m, k, s_off, s_stride) or blocks % ksplit:
+        raise KernelInputError(f"fp4_mma_kernel: m={m}, k={k}, ksplit={ksplit}, scale offsets {s_off} / stride "
+                               f"{s_stride} unsupported (see fp4_mma.supports; ksplit must divide K/128)")
+    kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
+    parts = len(w_off)
+    cta_rows = 16 * tiles
+    odd = m > 1  # tokens 2ti + 1 exist
+    groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
+    agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
+
+    @T.macro
+    def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
+        lowbit.import_source(T, SOURCE)
+        lane = T.get_thread_binding(0)
+        warp = T.get_thread_binding(1)
+        gi, ti = lane // 4, lane % 4
+        aw = T.alloc_local((2,), "int32")
+        ap = T.alloc_local((4,), "uint32")
+        ww = T.alloc_local((tiles, 2, GROUPS_PER_STEP), "int32")
+        sw = T.alloc_local((tiles, 2), "int32")
+        sa = T.alloc_local((2,), "float32")
+        d = T.alloc_local((4,), "float32")
+        acc = T.alloc_local((tiles, 4), "float32")
+        red = T.alloc_shared((ksplit, tiles * 4, 32), "float32")
+        ga = T.min(g, agroups - 1)
+        tok = T.min(gi, m - 1)  # this lane's B column; columns >= m are computed, never stored
+        w_off_w = part_offset(part, [o // 4 for o in w_off])
+        s_off_w = part_offset(part, [o // 4 for o in s_off])
+        row0 = bn * cta_rows
+        T.clear(acc)
+        for kr in T.serial(blocks // ksplit):
+            kb = warp * (blocks // ksplit) + kr  # this warp's K range: contiguous 128-channel blocks
+            for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
+                for h in T.unroll(2):
+                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                    for q in T.unroll(GROUPS_PER_STEP):
+                        ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
+                    sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
+            for j in T.unroll(2):
+                sa[j] = SA[ga, T.min(2 * ti + j, m - 1), kb]
+            for q in T.unroll(GROUPS_PER_STEP):
+                for v in T.unroll(2):
+                    aw[v] = Q[ga, tok, 8 * (kb * GROUPS_PER_STEP + q) + 2 * ti + v]
+                T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
+                                         T.address_of(ap[0])))
+                for t in T.unroll(tiles):
+                    T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_group", ww[t, 0, q], ww[t, 1, q],
+                                             T.address_of(ap[0]), T.address_of(d[0])))
+                    for h in T.unroll(2):
+                        # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
+                        ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
+                                                lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                        acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
+                        if odd:
+                            acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
+        for t in T.unroll(tiles):
+            for c in T.unroll(4):
+                red[warp, 4 * t + c, lane] = acc[t, c]
+        T.sync_threads()
+        if warp == 0:
+            for t in T.unroll(tiles):
+                for c in T.unroll(4):
+                    for w in T.unroll(1, ksplit):
+                        acc[t, c] += red[w, 4 * t + c, lane]
+            for t in T.unroll(tiles):
+                for h in T.unroll(2):
+                    row = row0 + 16 * t + 8 * h + gi
+                    for j in T.unroll(2 if odd else 1):
+                        if row < n and 2 * ti + j < m:
+                            Y[part, g, 2 * ti + j, row] = T.Cast(out_dtype, T.Cast("bfloat16", acc[t, 2 * h + j]))
+
+    if lookup:
+        @T.prim_func
+        def fp4_mma(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
+                    WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
+                    TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
+                    Y: T.Tensor((parts, groups, m, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
+                body(Q, SA, WA, SWA, Y, T.max(TABLE[IDS[g]], 0), bn, g, part)
+    else:
+        @T.prim_func
+        def fp4_mma(Q: T.Tensor((agroups, m, k // 4), "int32"), SA: T.Tensor((agroups, m, k // 128), "float32"),
+                    WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
+                    SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, m, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
+                body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
+
+    return compile_kernel(fp4_mma, arch)
+
+
+def mma_tile(k: int) -> tuple[int, int]:
+    """(tiles of 16 rows per CTA, ksplit warps) for K channels: 2 tiles and up to 4 warps, each
+    summing at least two whole 128-channel blocks; ksplit divides K/128. H200 (bench.kernels,
+    decode's 6 experts): w1+w3 24.08 us at 2 tiles x 4 warps vs 27.10 at 1 x 8 and 24.57 for the
+    CUDA-core kernel's best tile; w2 12.43 us vs 15.90 and 12.79."""
+    blocks, ksplit = k // 128, 4
+    while ksplit > 1 and (blocks % ksplit or blocks < 2 * ksplit):
+        ksplit //= 2
+    return 2, ksplit
