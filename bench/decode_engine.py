@@ -180,6 +180,7 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         print(f"  decode {ms:.2f} ms/token (median of {len(per_round)} rounds of {a.tokens} tokens: "
               f"{', '.join(f'{r:.2f}' for r in per_round)}); graph captures: {runner.captures}")
         _profile(lambda t: runner.step(state, t), nxt)
+        runner.settle()  # the last step's routes, for the statistics
         st = files.experts.stats()
         print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
               f"evictions {st.evictions}")

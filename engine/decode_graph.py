@@ -6,8 +6,11 @@ tensors, routed experts read from the expert arena through its slot table — so
 step can be captured once and replayed. Two modes:
 
 - **whole** (every expert of every layer resident in the arena, e.g. after
-  `StreamingExperts.load_all`): one graph per step, no host round trip inside it; afterwards the
-  routes of all layers are copied to the host once and counted by the provider (statistics).
+  `StreamingExperts.load_all`): one graph per step, no host round trip inside it; the routes of
+  all layers are copied to the host once (asynchronously, into pinned memory) and counted by the
+  provider (statistics) and `on_routes` only after the *next* step has been launched, so that
+  this host work overlaps that step on the GPU instead of idling it. `settle()` counts the last
+  step's routes: call it before anything evicts experts, and when a turn ends.
   Checked every step: after a flush the runner goes layered until the pool is resident again.
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
@@ -93,6 +96,9 @@ class DecodeRunner:
         self._key: tuple | None = None  # the state buffers the graph sets were captured on
         self.captures = 0  # graph sets captured so far
         self.capture_error: str | None = None  # why graphs were given up, if they were
+        # a whole-mode step's routes until settle(): (position, host [n_layers, k], CUDA event or None)
+        self._pending: tuple[int, torch.Tensor, object] | None = None
+        self._routes_host: torch.Tensor | None = None  # the pinned buffer they are copied into
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
 
@@ -161,11 +167,40 @@ class DecodeRunner:
         """Addresses of every state tensor a captured step reads or writes (views follow `kv`)."""
         return tuple(t.data_ptr() for st in state.layers for t in st.tensors())
 
+    # ------------------------------------------------------------------ routes of whole steps
+    def _to_host(self, routes: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying a step's routes [n_layers, k] to the host -> (host tensor, event or None)."""
+        if routes.device.type != "cuda":
+            return routes, None
+        if self._routes_host is None or self._routes_host.shape != routes.shape:
+            self._routes_host = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
+        self._routes_host.copy_(routes, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return self._routes_host, event
+
+    def settle(self) -> None:
+        """Count the last whole-mode step's routes (provider.record, on_routes), waiting for that
+        step if it still runs; nothing when none is pending."""
+        if self._pending is None:
+            return
+        position, host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        for layer, ids in enumerate(host.tolist()):
+            self.provider.record(layer, ids)
+            if self.on_routes is not None:
+                self.on_routes(layer, position, ids)
+
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
-        """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1."""
+        """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1.
+        A whole-mode step's routes are counted by the next step (after its launch) or `settle()`."""
         self.model.reserve(state, state.pos)
         self.whole = self.prefer_whole and self.provider.all_resident()
+        if not self.whole:
+            self.settle()  # this step's provider calls come after the last one's statistics
         if not self.whole and self._hashed:  # start their reads now, overlapping earlier layers
             tok = int(token)
             for layer, table in self._hashed:
@@ -197,11 +232,9 @@ class DecodeRunner:
                 self._sets[self.whole, emitting] = self._capture(state, emitting)
             except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
+        self.settle()  # the previous step's routes, while this one runs (it was queued after it)
         if routes is not None:
-            for layer, ids in enumerate(routes.tolist()):
-                self.provider.record(layer, ids)
-                if self.on_routes is not None:
-                    self.on_routes(layer, state.pos, ids)
+            self._pending = (state.pos, *self._to_host(routes))
         state.pos += 1
         return logits
 

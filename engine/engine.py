@@ -287,25 +287,28 @@ class Engine:
         completion: list[int] = []
         step_ms: list[float] = []
         ttft, finish = 0.0, "cancelled"
-        while not cancel.is_set():
-            t0 = time.perf_counter()
-            token = int(sampler(logits).item())  # the one host transfer per token
-            completion.append(token)
-            if len(completion) == 1:
-                ttft = time.perf_counter() - t_start
-            yield from splitter.push(token)
-            if token == tok.eos_id or len(completion) >= max_new:
-                finish = "eos" if token == tok.eos_id else (
-                    "max_tokens" if len(completion) >= params.max_tokens else "context")
-                work.pending = [token]
-                break
-            res = self.runtime.step(work.state, [token])
-            work.ids.append(token)
-            logits = res.logits
-            step_s = time.perf_counter() - t0
-            step_ms.append(1e3 * step_s)
-            self._step_s.append(step_s)
-            yield StepUpdate(self._step_stats(res, work.state.pos, ttft))
+        try:
+            while not cancel.is_set():
+                t0 = time.perf_counter()
+                token = int(sampler(logits).item())  # the one host transfer per token
+                completion.append(token)
+                if len(completion) == 1:
+                    ttft = time.perf_counter() - t_start
+                yield from splitter.push(token)
+                if token == tok.eos_id or len(completion) >= max_new:
+                    finish = "eos" if token == tok.eos_id else (
+                        "max_tokens" if len(completion) >= params.max_tokens else "context")
+                    work.pending = [token]
+                    break
+                res = self.runtime.step(work.state, [token])
+                work.ids.append(token)
+                logits = res.logits
+                step_s = time.perf_counter() - t0
+                step_ms.append(1e3 * step_s)
+                self._step_s.append(step_s)
+                yield StepUpdate(self._step_stats(res, work.state.pos, ttft))
+        finally:
+            self.runtime.settle()  # the last replayed step's routes (usage counts, trace)
         yield from splitter.flush()
         return completion, step_ms, ttft, finish
 
@@ -321,6 +324,7 @@ class Engine:
     def flush_cache(self) -> int:
         """Evict every unpinned expert; returns how many (0 when every expert is resident)."""
         with self._lock:
+            self.runtime.settle()  # a replayed step's routes name experts that must still be resident
             flush = getattr(self.files.experts, "flush", None)  # the provider also frees arena slots
             if flush is None:
                 cache = self.experts.cache

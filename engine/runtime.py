@@ -154,6 +154,13 @@ class Runtime:
                                 other_ms=1e3 * other)
         return StepResult(logits=logits, tokens=n, seconds=seconds, timing=timing, graphed=graphed)
 
+    def settle(self) -> None:
+        """Count the last graph-replayed step's routes (engine.decode_graph.DecodeRunner.settle):
+        before anything evicts experts, and when a turn ends."""
+        if self.runner is not None:
+            with self.lock:
+                self.runner.settle()
+
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
                 cancel: threading.Event | None = None) -> Iterator[StepResult]:
         """Process `ids` in chunks of at most `chunk` tokens, one result per chunk.

@@ -142,6 +142,7 @@ def test_whole_mode_counts_every_use_as_a_hit(files):
     runner = DecodeRunner(model, files.experts, whole=True)
     for tok in (3, 4, 5):
         runner.step(state, tok)
+    runner.settle()  # the last step's routes
     after = files.experts.stats()
     assert after.misses == before.misses
     main_layers = files.args.n_layers
@@ -163,6 +164,7 @@ def test_whole_mode_survives_a_flush(packed):
         runner = DecodeRunner(model, files.experts, whole=True)
         for i, tok in enumerate((3, 4, 5)):
             if i == 1:
+                runner.settle()  # as Engine.flush_cache does: the last step's experts were resident
                 files.experts.flush()
             want = ref_model.forward(torch.tensor([tok]), ref_state, ref_files.experts, last_only=True)
             assert _rel(want, runner.step(state, tok)) <= 1e-5
@@ -284,6 +286,7 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
             assert b.timing.graph_ms > 0 and b.timing.attention_ms == b.timing.moe_ms == 0
             assert a.timing.graph_ms == 0 and a.timing.moe_ms > 0
         assert s1.pos == s2.pos == len(PROMPT) + 3
+        graphed.settle()  # the last replayed step's routes (the engine settles when a turn ends)
     assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
     recs = list(read_records(tmp_path / "t.jsonl"))
     decode = [r for r in recs if r.tokens == 1]
@@ -305,3 +308,34 @@ def test_arena_cells_equal_the_per_expert_loop(files):
     celled = moe._arena_cells(x, idx, w, files.experts)
     assert celled.shape == looped.shape and celled.dtype == looped.dtype
     assert torch.equal(celled, looped)  # the reference computes each row on its own either way
+
+
+def test_whole_steps_count_their_routes_after_the_next_launch(files):
+    """A whole-mode step leaves its routes pending: the next step counts them after its own
+    launch (so on the GPU that host work overlaps it), or settle() does; positions and experts
+    are those of the step that made them, and settling twice counts once."""
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    n = files.args.n_layers
+    seen, eager_seen = [], []
+    runs = []
+    for out in (seen, eager_seen):
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runs.append((DecodeRunner(model, files.experts, whole=True,
+                                  on_routes=lambda layer, pos, ids, out=out: out.append((layer, pos, tuple(ids)))),
+                     state))
+    (runner, state), (settled, state2) = runs
+    p0 = state.pos
+    before = files.experts.stats().hits
+    runner.step(state, 5)
+    assert seen == [] and files.experts.stats().hits == before  # pending: nothing counted yet
+    runner.step(state, 6)
+    assert [(layer, pos) for layer, pos, _ in seen] == [(layer, p0) for layer in range(n)]
+    runner.settle()
+    runner.settle()
+    assert [(layer, pos) for layer, pos, _ in seen] == [(layer, p) for p in (p0, p0 + 1) for layer in range(n)]
+    for tok in (5, 6):  # the same steps, settled right after each: the same routes
+        settled.step(state2, tok)
+        settled.settle()
+    assert eager_seen == seen
+    assert all(len(set(ids)) == files.args.n_activated_experts for _, _, ids in seen)
