@@ -115,6 +115,7 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     x = torch.randn(1, 4096, device=dev).to(torch.bfloat16)
     t, _ = time_calls([lambda: act_quant(x, 128)] * CALLS_PER_GRAPH)
     rows.append(("act_quant 1x4096", 4096 * 2 + 4096 + 128, t, True))
+    rows.extend(layer_op_rows(dev))
     for name, n, k in [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
                        ("shared w1/w3", 2048, 4096), ("shared w1|w3 fused", 4096, 4096), ("shared w2", 4096, 2048),
                        ("indexer wq_b", 8192, 1024)]:
@@ -169,6 +170,33 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     sink = torch.randn(64, device=dev)
     t, graphed = time_calls([lambda: sparse_attention(q, kv, idx, sink, 512 ** -0.5)] * CALLS_PER_GRAPH)
     rows.append((f"sparse_attention S=1 H=64 K={kk}", kk * 512 * 2 + 64 * 512 * (2 + 4) + kk * 8, t, graphed))
+    return rows
+
+
+def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
+    """The small ops every layer runs, at decode shapes (one token, n = 4 streams of D = 4096,
+    bf16): mHC pre (mix + gate, Sinkhorn folded in), mHC post, the standalone Sinkhorn, the
+    RMSNorm + FP8 quantisation. They are latency-bound; the bytes are what they must move."""
+    from kernels.mhc import hc_post, hc_pre
+    from kernels.rms_norm_quant import rms_norm_quant
+    from kernels.sinkhorn import sinkhorn
+
+    n, d, cols = 4, 4096, 24
+    streams = torch.randn(1, n, d, device=dev).to(torch.bfloat16)
+    fn = torch.randn(cols, n * d, device=dev) * 0.02
+    scale, base = torch.ones(cols, device=dev), torch.zeros(cols, device=dev)
+    out, post = torch.randn(1, d, device=dev).to(torch.bfloat16), torch.rand(1, n, device=dev)
+    comb = torch.rand(1, n, n, device=dev)
+    x, w = torch.randn(1, d, device=dev).to(torch.bfloat16), torch.ones(d, device=dev)
+    cases = [(f"hc_pre S=1 n={n} D={d} (2 launches)", 4 * cols * n * d + 2 * 2 * n * d + 2 * d,
+              lambda: hc_pre(streams, fn, scale, base, n, 20, 1e-6, 1e-6)),
+             (f"hc_post S=1 n={n} D={d}", 2 * 2 * n * d + 2 * d, lambda: hc_post(out, streams, post, comb)),
+             (f"sinkhorn S=1 n={n} 20 iterations", 2 * 4 * n * n, lambda: sinkhorn(comb, 20, 1e-6)),
+             (f"rms_norm_quant 1x{d}", 2 * d + 4 * d + 2 * d + d + d // 32, lambda: rms_norm_quant(x, w, 1e-6))]
+    rows = []
+    for name, nbytes, call in cases:
+        t, graphed = time_calls([call] * CALLS_PER_GRAPH)
+        rows.append((name, nbytes, t, graphed))
     return rows
 
 

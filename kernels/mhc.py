@@ -8,9 +8,10 @@ runs two per layer. Here it is two launches:
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
-   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z),
-   x = Σ_j pre_j · stream_j (streams' dtype); the n² threads of the comb logits z[2n:] then run
-   the Sinkhorn projection (`kernels.sinkhorn.sinkhorn_macro`, the standalone kernel's code).
+   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
+   warp runs the Sinkhorn projection of the comb logits z[2n:] (`kernels.sinkhorn`'s warp
+   macro, the standalone kernel's code) while the others collapse x = Σ_j pre_j · stream_j
+   (streams' dtype), 8 channels per thread and step.
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
@@ -21,9 +22,9 @@ comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once i
 dtype: one launch instead of ~5.
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
-scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major. sm_90 tested with
-Sinkhorn as a third launch; the folded Sinkhorn is untested on a GPU; sm_121 (GB10) untested. (No `from __future__ import annotations`: TileLang evaluates the kernel
-signatures' annotations.)
+scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
+fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) untested. (No `from __future__
+import annotations`: TileLang evaluates the kernel signatures' annotations.)
 """
 
 import functools
@@ -32,10 +33,11 @@ import torch
 
 from kernels import pdl
 from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
-from kernels.sinkhorn import sinkhorn_macro
+from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
 DEFAULT_TILE = {"chunk": 256, "threads": 128}
+VEC = 8  # channels per thread and step of hc_gate's collapse
 
 
 @functools.cache
@@ -78,18 +80,29 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
 def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: float, dtype: str,
                    arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
-    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; one CTA per token. The comb
-    logits' threads run the Sinkhorn projection (kernels.sinkhorn's macro); the CTA's other
-    threads run it on a scratch matrix, so that every thread reaches its barriers."""
+    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; one CTA per token.
+
+    Threads 0..cols sum the partials (chunk order: deterministic); threads 0..2n-1 make pre and
+    post; warp 1 runs the Sinkhorn projection of the comb logits (kernels.sinkhorn's warp macro,
+    no barriers) while the other warps start the collapse x = Σ_j pre_j · stream_j, `VEC`
+    channels per thread and step, every load of a thread issued before its sums."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
     cols, nn = 2 * n + n * n, n * n
-    if cols + 1 > threads:
+    if cols + 1 > threads or threads < 2 * WARP:
         raise KernelInputError(f"hc_pre: {cols} mix columns need more than {threads} threads")
+    if d % VEC:
+        raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {VEC}")
     steps = sinkhorn_macro(T, n, iters, hc_eps)
     inv_nd = T.float32(1.0 / (n * d))
+    rounds = (d // VEC + threads - 1) // threads  # collapse steps per thread
+    chunk_loop = T.unroll if chunks <= 128 else T.serial
     tokens = T.dynamic("tokens")
+
+    def logit(sm, Scale, Base, c):
+        """z of mix column c from the summed partials (an expression)."""
+        return sm[c] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[c] + Base[c]
 
     @T.prim_func
     def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
@@ -99,39 +112,48 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
         with T.Kernel(tokens, threads=threads) as bs:
             tx = T.get_thread_binding(0)
             sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
-            v = T.alloc_local((3,), "float32")  # running sum, z, sigmoid(z)
-            sk = T.alloc_shared((2, nn), "float32")  # the comb matrix; a scratch one
-            w = T.alloc_local((1,), "float32")
+            v = T.alloc_local((2,), "float32")  # running sum / z; sigmoid(z)
             acc = T.alloc_local((1,), "float32")
-            mine = T.alloc_local((1,), "int32")  # 0: one of the comb matrix's threads, 1: scratch
+            pre = T.alloc_local((n,), "float32")
+            xs = T.alloc_local((n, VEC), dtype)
+            ys = T.alloc_local((VEC,), dtype)
             pdl.begin(T, arch)
             if tx < cols + 1:
                 v[0] = 0.0
-                for k in T.serial(chunks):  # chunk order: deterministic
+                for k in chunk_loop(chunks):
                     v[0] = fp32_call(T, "__fadd_rn", v[0], P[bs, k, tx])
                 sm[tx] = v[0]
             T.sync_threads()
-            if tx < cols:
-                v[1] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]
-                v[2] = 1.0 / (1.0 + T.exp(-v[1]))
+            if tx < 2 * n:
+                v[0] = logit(sm, Scale, Base, tx)
+                v[1] = 1.0 / (1.0 + T.exp(-v[0]))
                 if tx < n:
-                    sm[cols + 1 + tx] = v[2] + hc_eps
-                elif tx < 2 * n:
-                    Post[bs, tx - n] = 2.0 * v[2]
-            mine[0] = T.if_then_else(tx >= 2 * n, T.if_then_else(tx < cols, 0, 1), 1)
-            w[0] = T.if_then_else(mine[0] == 0, v[1], T.float32(0))
+                    sm[cols + 1 + tx] = v[1] + hc_eps
+                else:
+                    Post[bs, tx - n] = 2.0 * v[1]
             T.sync_threads()
-            e = T.if_then_else(mine[0] == 0, tx - 2 * n, tx % nn)  # element: row e // n, column e % n
-            steps(sk, w, acc, mine[0], e)
-            if mine[0] == 0:
-                Comb[bs, e] = w[0]
-            for i in T.serial(T.ceildiv(d, threads)):
-                if i * threads + tx < d:
-                    v[0] = 0.0
+            if tx // WARP == 1:  # the whole warp: the shuffles need every lane
+                e = (tx - WARP) % nn  # element: row e // n, column e % n
+                v[0] = logit(sm, Scale, Base, 2 * n + e)
+                steps(v, acc, tx - WARP - e, e)
+                if tx - WARP < nn:
+                    Comb[bs, e] = v[0]
+            for j in T.unroll(n):
+                pre[j] = sm[cols + 1 + j]
+            for i in T.unroll(rounds):
+                c0 = (i * threads + tx) * VEC
+                if c0 < d:
                     for j in T.unroll(n):
-                        v[0] = fp32_call(T, "__fadd_rn", v[0], fp32_call(
-                            T, "__fmul_rn", sm[cols + 1 + j], T.Cast("float32", X[bs, j, i * threads + tx])))
-                    Y[bs, i * threads + tx] = T.Cast(dtype, v[0])
+                        for u in T.vectorized(VEC):
+                            xs[j, u] = X[bs, j, c0 + u]
+                    for u in T.unroll(VEC):
+                        v[0] = 0.0
+                        for j in T.unroll(n):
+                            v[0] = fp32_call(T, "__fadd_rn", v[0], fp32_call(
+                                T, "__fmul_rn", pre[j], T.Cast("float32", xs[j, u])))
+                        ys[u] = T.Cast(dtype, v[0])
+                    for u in T.vectorized(VEC):
+                        Y[bs, c0 + u] = ys[u]
 
     return compile_kernel(hc_gate, arch)
 
@@ -185,6 +207,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                                f"{scale.numel()}, base {base.numel()} do not fit n={n} ({cols} mix columns)")
     if nd % chunk:
         raise KernelInputError(f"hc_pre: n·D = {nd} is not a multiple of the {chunk}-channel chunk")
+    check_n(n)
     x3 = streams.contiguous()
     dt = _TORCH_TO_TL[streams.dtype]
     partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
