@@ -76,15 +76,27 @@ def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int, step=N
         nxt = logits.argmax(-1)
         for _ in range(warmup):
             nxt = step(state, nxt).argmax(-1)
-        per_round = []
+    per_round, nxt = _rounds(step, state, nxt, tokens, rounds)
+    return t1 - t0, per_round, state, nxt
+
+
+def _rounds(step, state, nxt: torch.Tensor, tokens: int, rounds: int, read_back: bool = False
+            ) -> tuple[list[float], torch.Tensor]:
+    """ms per token of each of `rounds` timed rounds of `tokens` greedy steps. The next token
+    stays on the device (the host may run ahead of the GPU), or with `read_back` is read on the
+    host after every step, as the app's loop does (it samples, detokenises and checks stops)."""
+    per_round = []
+    with torch.inference_mode():
         for _ in range(rounds):
             torch.cuda.synchronize()
-            t2 = time.perf_counter()
+            t = time.perf_counter()
             for _ in range(tokens):
                 nxt = step(state, nxt).argmax(-1)
+                if read_back:
+                    nxt = torch.tensor([int(nxt)], device=nxt.device)
             torch.cuda.synchronize()
-            per_round.append((time.perf_counter() - t2) * 1e3 / tokens)
-    return t1 - t0, per_round, state, nxt
+            per_round.append((time.perf_counter() - t) * 1e3 / tokens)
+    return per_round, nxt
 
 
 def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
@@ -179,6 +191,9 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         ms = statistics.median(per_round)
         print(f"  decode {ms:.2f} ms/token (median of {len(per_round)} rounds of {a.tokens} tokens: "
               f"{', '.join(f'{r:.2f}' for r in per_round)}); graph captures: {runner.captures}")
+        synced, nxt = _rounds(runner.step, state, nxt, a.tokens, a.rounds, read_back=True)
+        print(f"  decode with the token read on the host every step (the app's loop) "
+              f"{statistics.median(synced):.2f} ms/token ({', '.join(f'{r:.2f}' for r in synced)})")
         _profile(lambda t: runner.step(state, t), nxt)
         runner.settle()  # the last step's routes, for the statistics
         st = files.experts.stats()
