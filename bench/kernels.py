@@ -170,6 +170,37 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     sink = torch.randn(64, device=dev)
     t, graphed = time_calls([lambda: sparse_attention(q, kv, idx, sink, 512 ** -0.5)] * CALLS_PER_GRAPH)
     rows.append((f"sparse_attention S=1 H=64 K={kk}", kk * 512 * 2 + 64 * 512 * (2 + 4) + kk * 8, t, graphed))
+    rows.extend(sparse_split_rows(dev))
+    return rows
+
+
+def sparse_split_rows(dev) -> list[tuple[str, int, float, bool]]:
+    """Decode's sparse attention (one query, 64 heads of 512) at K = 128 (window only) and 640
+    (window + 512 selected) rows: its two launches apart and together, at every (rows per block,
+    K splits) pair below, to choose the tiles from."""
+    from kernels.act_quant import cuda_arch
+    from kernels.sparse_attention import combine_kernel, partial_kernel
+
+    arch, h, d, scale = cuda_arch(dev), 64, 512, 512 ** -0.5
+    q = torch.randn(1, h, d, device=dev).to(torch.bfloat16)
+    kv = torch.randn(128 + 2048, d, device=dev).to(torch.bfloat16)
+    sink = torch.randn(h, device=dev)
+    out = torch.empty(1, h, d, dtype=torch.bfloat16, device=dev)
+    rows = []
+    for kk in (128, 640):
+        idx = torch.randperm(kv.shape[0], device=dev)[:kk].view(1, kk)
+        nbytes = kk * d * 2 + h * d * (2 + 2) + kk * 8
+        for bi, nsplit in [(64, 16), (64, 8), (64, 4), (32, 16), (32, 8), (32, 32)]:
+            po = torch.empty(1, nsplit, h, d, device=dev)
+            pm, pl = torch.empty(1, nsplit, h, device=dev), torch.empty(1, nsplit, h, device=dev)
+            part = partial_kernel(h, d, scale, nsplit, arch, bi)
+            comb = combine_kernel(h, d, scale, nsplit, "bfloat16", arch)
+            name = f"sparse K={kk} block {bi} splits {nsplit}"
+            for what, call in [("partial", lambda: part(q, kv, idx, po, pm, pl)),
+                               ("combine", lambda: comb(po, pm, pl, sink, out)),
+                               ("both", lambda: (part(q, kv, idx, po, pm, pl), comb(po, pm, pl, sink, out)))]:
+                t, graphed = time_calls([call] * CALLS_PER_GRAPH)
+                rows.append((f"{name} {what}", nbytes, t, graphed))
     return rows
 
 

@@ -39,8 +39,9 @@ _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @functools.cache
-def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int]):
-    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32).
+def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int], block_i: int = 0):
+    """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32);
+    rows per block `block_i` (0: the architecture's).
 
     Split `sp` of query s covers blocks sp·per .. (sp+1)·per - 1 of its K selected rows (per =
     ceil(blocks / nsplit)) and writes its unnormalised output PO, running max PM and sum of
@@ -49,7 +50,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
     import tilelang.language as T
 
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    bh, bi = p["block_h"], p["block_i"]
+    bh, bi = p["block_h"], block_i or p["block_i"]
     s_len, t_len, k_len = T.dynamic("s_len"), T.dynamic("t_len"), T.dynamic("k_len")
     c = scale * _LOG2E  # exp(x * scale) = exp2(x * c)
 
@@ -136,15 +137,15 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
     def combined(PO, PM, PL, SINK, m, total, w, acc, s, h):
         """acc [dim] = the softmax-weighted rows of (s, h), not yet divided; total[0] = the denominator."""
         m[0] = _NO_MAX
-        for sp in T.serial(nsplit):
+        for sp in T.unroll(nsplit):  # unrolled: every split's loads in flight at once
             m[0] = T.max(m[0], PM[s, sp, h])
         total[0] = 0.0
-        for sp in T.serial(nsplit):
+        for sp in T.unroll(nsplit):
             w[sp] = T.exp2((PM[s, sp, h] - m[0]) * c)
             total[0] = total[0] + w[sp] * PL[s, sp, h]
         total[0] = total[0] + T.exp2(SINK[h] * _LOG2E - m[0] * c)
         T.fill(acc, 0)
-        for sp in T.serial(nsplit):
+        for sp in T.unroll(nsplit):
             for d in T.Parallel(dim):
                 acc[d] = acc[d] + w[sp] * PO[s, sp, h, d]
 
