@@ -12,8 +12,8 @@ products), and keeps an online softmax. The probabilities are split into a bf16 
 bf16 remainder and both multiply the rows, so P·V carries about 16 mantissa bits (the official
 kernel rounds P to bf16 once; the reference keeps fp32). A second launch combines the splits'
 partial softmaxes (flash-decoding), adds the sink to the denominator last and rounds the result. Decode (one
-query: 4 CTAs per call without splits) uses `splits` splits; prefill fills the GPU with
-queries and uses one.
+query: 4 CTAs per call without splits) uses `splits` splits of `decode_block_i`-row blocks;
+prefill fills the GPU with queries and uses one split of `block_i`-row blocks.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10, ~99 KB
 shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is untested.
@@ -28,11 +28,17 @@ from kernels import pdl, reference as ref
 from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 from kernels.rope import rope_angle, rotate_pair
 
+# decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,
+# one query, 64 heads): both launches 7.80 us at K = 640 with 32 rows x 32 splits vs 9.14 at
+# 64 x 16, and 8.36 vs 9.56 at K = 128: a CTA's one block of rows is latency-bound, so smaller.
 TILE_PARAMS = {
-    (9, 0): {"block_h": 16, "block_i": 64, "threads": 128, "stages": 2, "min_ctas": 132, "splits": 16},
-    (12, 1): {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1, "min_ctas": 48, "splits": 8},
+    (9, 0): {"block_h": 16, "block_i": 64, "decode_block_i": 32, "threads": 128, "stages": 2, "min_ctas": 132,
+             "splits": 32},
+    (12, 1): {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 48,
+              "splits": 8},
 }
-DEFAULT_TILE = {"block_h": 16, "block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64, "splits": 8}
+DEFAULT_TILE = {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64,
+                "splits": 8}
 _LOG2E = 1.4426950408889634
 _NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m) free of inf - inf
 _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -236,8 +242,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     po = torch.empty(s_len, nsplit, hp, dim, dtype=torch.float32, device=q.device)
     pm = torch.empty(s_len, nsplit, hp, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    partial_kernel(hp, dim, float(scale), nsplit, arch)(qp.contiguous(), kv.contiguous(),
-                                                        idx.to(torch.int64).contiguous(), po, pm, pl)
+    block_i = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["decode_block_i"] if nsplit > 1 else 0
+    partial_kernel(hp, dim, float(scale), nsplit, arch, block_i)(qp.contiguous(), kv.contiguous(),
+                                                                 idx.to(torch.int64).contiguous(), po, pm, pl)
     rope_args = () if inverse_rope is None else (inverse_rope[0].to(torch.int64).contiguous(),
                                                  inverse_rope[1].float().contiguous())
     combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch, half)(
