@@ -278,8 +278,11 @@ class Engine:
                 logits: torch.Tensor, t_start: float):
         """Sample and run one token per step; yields text deltas and step stats.
 
-        Returns (completion ids, step times in ms, ttft s, finish reason). The final sampled token
-        (EOS or the one that hit a limit) is left in work.pending, not run."""
+        Each sampled token is launched as the next step before the host reads it (one transfer
+        per token, waiting for the sampler only), so detokenising and the UI overlap that step on
+        the device. The token that reaches the length limit is not run: it is left in
+        work.pending. An EOS has been run by then (its logits are dropped; the next turn would run
+        it first anyway). Returns (completion ids, step times in ms, ttft s, finish reason)."""
         tok = self.tokenizer
         sampler = Sampler(params, logits.device)
         splitter = ThinkingSplitter(tok, params.thinking)
@@ -287,27 +290,38 @@ class Engine:
         completion: list[int] = []
         step_ms: list[float] = []
         ttft, finish = 0.0, "cancelled"
+        ahead = None  # the step launched on the last sampled token, not yet finished
+        t0 = time.perf_counter()
         try:
             while not cancel.is_set():
-                t0 = time.perf_counter()
-                token = int(sampler(logits).item())  # the one host transfer per token
+                chosen = sampler(logits)
+                last = len(completion) + 1 >= max_new  # this token ends the turn, whatever it is
+                value = self.runtime.read(chosen)  # its copy to the host starts first
+                if not last:
+                    ahead = self.runtime.launch(work.state, chosen.reshape(1))
+                token = value()  # the one host transfer per token
                 completion.append(token)
+                if ahead is not None:
+                    work.ids.append(token)
                 if len(completion) == 1:
                     ttft = time.perf_counter() - t_start
                 yield from splitter.push(token)
-                if token == tok.eos_id or len(completion) >= max_new:
+                if token == tok.eos_id or last:
                     finish = "eos" if token == tok.eos_id else (
                         "max_tokens" if len(completion) >= params.max_tokens else "context")
-                    work.pending = [token]
+                    if ahead is None:
+                        work.pending = [token]
                     break
-                res = self.runtime.step(work.state, [token])
-                work.ids.append(token)
+                res, ahead = self.runtime.finish(ahead), None
                 logits = res.logits
-                step_s = time.perf_counter() - t0
-                step_ms.append(1e3 * step_s)
-                self._step_s.append(step_s)
+                now = time.perf_counter()
+                step_ms.append(1e3 * (now - t0))
+                self._step_s.append(now - t0)
+                t0 = now
                 yield StepUpdate(self._step_stats(res, work.state.pos, ttft))
         finally:
+            if ahead is not None:  # the EOS's step, or a step left running when the turn was closed
+                self.runtime.finish(ahead)
             self.runtime.settle()  # the last replayed step's routes (usage counts, trace)
         yield from splitter.flush()
         return completion, step_ms, ttft, finish

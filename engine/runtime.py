@@ -2,7 +2,10 @@
 
 `Runtime.step` runs one forward call (a prefill chunk or one decoded token) under the engine's
 lock and `torch.inference_mode()`, and returns the last position's logits with the step's wall
-time split into attention / MoE compute / expert wait / other. `Runtime.prefill` yields one
+time split into attention / MoE compute / expert wait / other. It is `launch` (queue the call on
+the device) then `finish` (wait for it): the decode loop launches the next step on a sampled
+token before it reads that token on the host (`read`), so the host's per-token work overlaps
+the device's. `Runtime.prefill` yields one
 result per chunk and stops between chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
@@ -18,7 +21,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -99,6 +102,18 @@ class StepTimer:
 
 
 @dataclass(frozen=True)
+class Launched:
+    """A forward call queued on the device (`Runtime.launch`): its logits, once it has run."""
+
+    logits: torch.Tensor
+    tokens: int
+    graphed: bool
+    timer: StepTimer
+    t0: float  # perf_counter at launch
+    wait_s: float  # seconds spent waiting for experts while launching
+
+
+@dataclass(frozen=True)
 class StepResult:
     """One forward call: last-position logits [V] fp32 (on the device), tokens, wall time."""
 
@@ -123,6 +138,12 @@ class Runtime:
 
     def step(self, state: SequenceState, ids: Sequence[int] | torch.Tensor) -> StepResult:
         """Process `ids` (a prefill chunk, or one token) from state.pos; advances the state."""
+        return self.finish(self.launch(state, ids))
+
+    def launch(self, state: SequenceState, ids: Sequence[int] | torch.Tensor) -> Launched:
+        """Queue the forward call of `step` on the device without waiting for it (on the CPU it
+        has run when this returns); the state has advanced. `finish` waits for it. `ids` may be
+        a device tensor (a sampled token that the host has not read)."""
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
         graphed = self.runner is not None and n == 1  # the runner takes the host token id itself
@@ -140,11 +161,16 @@ class Runtime:
                     logits = self.runner.step(state, ids if host is None else host[0])[0]
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - t0
             wait = self.experts.wait_s - wait0
-        if graphed:  # no sections inside a replay: all but the expert wait is the graph's
+        return Launched(logits, n, graphed, timer, t0, wait)
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for a launched call; its result, timed from its launch."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - launched.t0
+        wait, timer = launched.wait_s, launched.timer
+        if launched.graphed:  # no sections inside a replay: all but the expert wait is the graph's
             timing = StepTiming(expert_wait_ms=1e3 * wait, graph_ms=1e3 * max(0.0, seconds - wait))
         else:
             attention = timer.seconds.get("attention", 0.0)
@@ -152,13 +178,33 @@ class Runtime:
             other = max(0.0, seconds - attention - moe - wait)
             timing = StepTiming(attention_ms=1e3 * attention, moe_ms=1e3 * moe, expert_wait_ms=1e3 * wait,
                                 other_ms=1e3 * other)
-        return StepResult(logits=logits, tokens=n, seconds=seconds, timing=timing, graphed=graphed)
+        return StepResult(logits=launched.logits, tokens=launched.tokens, seconds=seconds, timing=timing,
+                          graphed=launched.graphed)
+
+    def read(self, token: torch.Tensor) -> Callable[[], int]:
+        """Start copying a one-element tensor (a sampled token) to the host; returns a function
+        that waits for that copy only, not for work queued after it, and gives the value."""
+        if token.device.type != "cuda":
+            value = int(token)
+            return lambda: value
+        host = torch.empty(1, dtype=token.dtype, pin_memory=True)
+        host.copy_(token.reshape(1), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def value() -> int:
+            done.synchronize()
+            return int(host[0])
+        return value
 
     def settle(self) -> None:
-        """Count the last graph-replayed step's routes (engine.decode_graph.DecodeRunner.settle):
-        before anything evicts experts, and when a turn ends."""
-        if self.runner is not None:
-            with self.lock:
+        """Wait for launched work and count the last graph-replayed step's routes
+        (engine.decode_graph.DecodeRunner.settle): before anything evicts experts, and when a
+        turn ends."""
+        with self.lock:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if self.runner is not None:
                 self.runner.settle()
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,

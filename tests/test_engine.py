@@ -153,6 +153,60 @@ def test_cancel_mid_generation_keeps_a_consistent_session(engine):
     check_against_scratch(engine, sess, nxt)
 
 
+def test_each_token_is_launched_before_the_host_reads_it(engine, monkeypatch):
+    """The next step runs on the sampled token (a device tensor) before the host reads it; the
+    token that reaches max_tokens is not run: it waits in `pending` for the next turn."""
+    rt, order = engine.runtime, []
+    launch, read = rt.launch, rt.read
+
+    def spy_launch(state, ids):
+        if isinstance(ids, torch.Tensor):  # prefill chunks come as host lists
+            order.append("launch")
+        return launch(state, ids)
+
+    def spy_read(token):
+        value = read(token)
+
+        def get():
+            order.append("read")
+            return value()
+        return get
+
+    monkeypatch.setattr(rt, "launch", spy_launch)
+    monkeypatch.setattr(rt, "read", spy_read)
+    sess = engine.new_session()
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[3], GREEDY))
+    assert fin.stats.finish_reason == "max_tokens" and fin.stats.completion_tokens == GREEDY.max_tokens
+    assert order == ["launch", "read"] * (GREEDY.max_tokens - 1) + ["read"]
+    assert sess.live.pending == [sess.ids[-1]] and sess.position == len(sess.ids) - 1
+    check_against_scratch(engine, sess, fin)
+
+
+def test_an_eos_is_run_with_its_turn_and_the_next_turn_starts_after_it(ckpt, engine):
+    sess = engine.new_session()
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    first = sess.ids[fin.stats.prompt_tokens]  # the greedy first token of the answer
+    prompt_logits = [x for x in sess.snapshots if x.logits is not None and len(x.ids) == fin.stats.prompt_tokens]
+    assert prompt_logits[-1].logits[first] > 0
+    files, tok = open_official(ckpt), ChatTokenizer.from_dir(ckpt)
+    head = files.get("head.weight").clone()
+    head[tok.eos_id] = 2 * head[first]  # EOS now outscores the token greedy picked first
+    model = Transformer(lambda n: head if n == "head.weight" else files.get(n), files.args, Numerics.named("exact"))
+    eng = Engine(files, model, tok, EngineConfig(numerics="exact", prefill_chunk=32))
+    try:
+        s2 = eng.new_session()
+        fin, _ = turn(eng.generate(s2, USER_TEXTS[0], GREEDY))
+        assert fin.stats.finish_reason == "eos" and fin.stats.completion_tokens == 1 and fin.stats.step_ms == ()
+        assert s2.ids[-1] == tok.eos_id and s2.live.pending == []  # the EOS was run with the turn
+        assert s2.position == len(s2.ids) == fin.stats.prompt_tokens + 1
+        nxt, _ = turn(eng.generate(s2, USER_TEXTS[1], GREEDY))
+        assert isinstance(nxt, TurnFinished), nxt
+        assert nxt.stats.reused_tokens == fin.stats.prompt_tokens + 1  # nothing of the first turn runs again
+        check_against_scratch(eng, s2, nxt)
+    finally:
+        eng.close()
+
+
 def test_cancel_during_prefill_rolls_the_state_back(engine):
     sess = engine.new_session()
     turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
