@@ -3,10 +3,11 @@
 `Runtime.step` runs one forward call (a prefill chunk or one decoded token) under the engine's
 lock and `torch.inference_mode()`, and returns the last position's logits with the step's wall
 time split into attention / MoE compute / expert wait / other. It is `launch` (queue the call on
-the device) then `finish` (wait for it): the decode loop launches the next step on a sampled
-token before it reads that token on the host (`read`), so the host's per-token work overlaps
-the device's. `Runtime.prefill` yields one
-result per chunk and stops between chunks when `cancel` is set.
+the device, under the lock) then `finish` (wait for it): the decode loop launches the next step
+on a sampled token before it reads that token on the host (`read`), so the host's per-token
+work overlaps the device's; `settle` waits for launched work, so that nothing (a flush) changes
+what a running step reads. `Runtime.prefill` yields one result per chunk and stops between
+chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
 shared and routed experts); `InstrumentedProvider` wraps the expert provider and measures the
@@ -146,7 +147,7 @@ class Runtime:
         a device tensor (a sampled token that the host has not read)."""
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
-        graphed = self.runner is not None and n == 1  # the runner takes the host token id itself
+        graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
         x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
                                   else torch.tensor(host, dtype=torch.long, device=self.device))
         timer = StepTimer()
