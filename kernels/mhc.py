@@ -91,7 +91,8 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
     cols, nn = 2 * n + n * n, n * n
     if cols + 1 > threads or threads < 2 * WARP:
-        raise KernelInputError(f"hc_pre: {cols} mix columns need more than {threads} threads")
+        raise KernelInputError(f"hc_pre needs at least max({cols + 1}, {2 * WARP}) threads per CTA (the mix "
+                               f"columns and a second warp for Sinkhorn), the tile gives {threads}")
     if d % VEC:
         raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {VEC}")
     steps = sinkhorn_macro(T, n, iters, hc_eps)
