@@ -231,11 +231,16 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     return rows
 
 
+# (tiles of 16 rows per CTA, K-split warps, blocks per straight-line step) of the tensor-core kernel
+MMA_SWEEP = [(1, 8, 2), (2, 8, 2), (2, 4, 1), (2, 4, 2), (2, 4, 4), (2, 4, 8), (4, 4, 2), (2, 2, 2), (2, 2, 4),
+             (4, 2, 2)]
+
+
 def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, int, float, bool]]:
     """Decode's routed w1+w3 launch (two parts of `arena`'s records, shared activations q, sq)
     and its w2 launch (N = k, K = n, fp32 out): the CUDA-core kernel at every (rows per warp,
     warps per CTA) that the GPU tests cover, and the tensor-core kernel (kernels/fp4_mma.py) at
-    1-4 tiles and 2-8 warps, to choose the kernel and its tiles from."""
+    MMA_SWEEP's tiles, warps and unrolls, to choose the kernel and its tiles from."""
     from kernels.act_quant import act_quant, cuda_arch
     from kernels.fp4_mma import fp4_mma_kernel
     from kernels.fp4_moe import fp4_gemv_kernel
@@ -258,11 +263,13 @@ def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, 
             t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
                 as_words(qa), sa, as_words(ar), ar, s, y))
             rows.append((f"fp4 {name} 6 experts {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
-        for tiles, ksplit in [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]:  # the tensor-core kernel
-            kernel = fp4_mma_kernel(1, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch)
+        for tiles, ksplit, kunroll in MMA_SWEEP:  # the tensor-core kernel
+            kernel = fp4_mma_kernel(1, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
+                                    kunroll=kunroll)
             t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            rows.append((f"fp4 MMA {name} 6 experts {nn}x{kk} {tiles} tile(s), ksplit {ksplit}", nbytes, t, graphed))
+            rows.append((f"fp4 MMA {name} 6 experts {nn}x{kk} {tiles}t x{ksplit}w unroll {kunroll}", nbytes, t,
+                         graphed))
     return rows
 
 

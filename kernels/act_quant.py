@@ -55,6 +55,13 @@ def tile_params(table: dict, arch: tuple[int, int], default: dict) -> dict:
     return table.get(tuple(arch), default)
 
 
+# TileLang guards every load whose index it cannot bound (a slot read from a table, a dynamic
+# row count) with a branch; the GEMVs whose indices are in range by their callers' contract
+# compile without, so that their unrolled K loops are straight-line code in which the compiler
+# can issue later steps' loads before earlier steps' arithmetic.
+UNGUARDED = {"tl.disable_safe_memory_legalize": True}
+
+
 def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict | None = None):
     """Compile a TileLang PrimFunc for `arch` = (major, minor)."""
     import tilelang

@@ -33,7 +33,7 @@ import functools
 import torch
 
 from kernels import lowbit, pdl
-from kernels.act_quant import KernelInputError, compile_kernel
+from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
 from kernels.fp8_gemm import e8m0_bits_to_float
 
 MAX_M = 8  # the MMA's n: tokens per launch
@@ -108,11 +108,14 @@ def part_offset(p, values):
 @functools.cache
 def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                    s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                   lookup: bool = False):
+                   lookup: bool = False, kunroll: int = 2):
     """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
     `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
     that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
-    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order)."""
+    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order).
+    Compiled without TileLang's bounds guards, as that kernel.
+    `kunroll` blocks of a warp's range form one straight-line step (clamped to a divisor of the
+    range), so that their loads are in flight together; more costs registers."""
     import tilelang.language as T
 
     blocks = k // 128
@@ -125,6 +128,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
     odd = m > 1  # tokens 2ti + 1 exist
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
+    per_warp = blocks // ksplit
+    unroll = max(u for u in range(1, min(kunroll, per_warp) + 1) if per_warp % u == 0)
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -146,31 +151,32 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
         s_off_w = part_offset(part, [o // 4 for o in s_off])
         row0 = bn * cta_rows
         T.clear(acc)
-        for kr in T.serial(blocks // ksplit):
-            kb = warp * (blocks // ksplit) + kr  # this warp's K range: contiguous 128-channel blocks
-            for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
-                for h in T.unroll(2):
-                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                    for q in T.unroll(GROUPS_PER_STEP):
-                        ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
-                    sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
-            for j in T.unroll(2):
-                sa[j] = SA[ga, T.min(2 * ti + j, m - 1), kb]
-            for q in T.unroll(GROUPS_PER_STEP):
-                for v in T.unroll(2):
-                    aw[v] = Q[ga, tok, 8 * (kb * GROUPS_PER_STEP + q) + 2 * ti + v]
-                T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
-                                         T.address_of(ap[0])))
-                for t in T.unroll(tiles):
-                    T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_group", ww[t, 0, q], ww[t, 1, q],
-                                             T.address_of(ap[0]), T.address_of(d[0])))
+        for ko in T.serial(per_warp // unroll):
+            for ku in T.unroll(unroll):  # one straight-line step: its blocks' loads in flight together
+                kb = warp * per_warp + ko * unroll + ku  # this warp's K range: contiguous 128-channel blocks
+                for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
                     for h in T.unroll(2):
-                        # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
-                        ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
-                                                lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
-                        acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
-                        if odd:
-                            acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
+                        row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                        for q in T.unroll(GROUPS_PER_STEP):
+                            ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
+                        sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
+                for j in T.unroll(2):
+                    sa[j] = SA[ga, T.min(2 * ti + j, m - 1), kb]
+                for q in T.unroll(GROUPS_PER_STEP):
+                    for v in T.unroll(2):
+                        aw[v] = Q[ga, tok, 8 * (kb * GROUPS_PER_STEP + q) + 2 * ti + v]
+                    T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
+                                             T.address_of(ap[0])))
+                    for t in T.unroll(tiles):
+                        T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_group", ww[t, 0, q], ww[t, 1, q],
+                                                 T.address_of(ap[0]), T.address_of(d[0])))
+                        for h in T.unroll(2):
+                            # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
+                            ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
+                                                    lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                            acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
+                            if odd:
+                                acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
         for t in T.unroll(tiles):
             for c in T.unroll(4):
                 red[warp, 4 * t + c, lane] = acc[t, c]
@@ -205,7 +211,7 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
                 pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
                 body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
 
-    return compile_kernel(fp4_mma, arch)
+    return compile_kernel(fp4_mma, arch, pass_configs=UNGUARDED)
 
 
 def mma_tile(k: int) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import functools
 import torch
 
 from kernels import fp4_mma, lowbit, pdl
-from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, act_quant, compile_kernel, cuda_arch,
+from kernels.act_quant import (_TORCH_TO_TL, UNGUARDED, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.fp8_gemm import _gemv_rows, as_words, e8m0_bits_to_float
@@ -62,6 +62,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     are rounded to bf16; an fp32 `out_dtype` stores them widened (what the MoE sums).
     `lookup`: SLOT is replaced by TABLE [E] int32 and IDS [G] int64, and group g reads slot
     max(TABLE[IDS[g]], 0) (a layer's slot table and the routed expert ids: no lookup launches).
+    Compiled without TileLang's bounds guards (`UNGUARDED`): ids must be below E and slots
+    below the arena's rows, as the callers guarantee.
     """
     import tilelang.language as T
 
@@ -90,7 +92,9 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
         T.clear(acc)
         for ko in loop(steps):
             k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
-            if k0 < k:
+            # without a guard (k whole steps) the unrolled steps are one basic block, so that
+            # the compiler may issue the later steps' loads before the first step's arithmetic
+            if steps * kstep == k or k0 < k:
                 for r in T.unroll(rows):
                     row = T.min(bn * rows * warps + warp * rows + r, n - 1)
                     for v in T.vectorized(_VEC // 4):
@@ -131,7 +135,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
                 pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
                 body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
 
-    return compile_kernel(fp4_gemv, arch)
+    return compile_kernel(fp4_gemv, arch, pass_configs=UNGUARDED)
 
 
 def gemv_tile(n: int, arch: tuple[int, int]) -> tuple[int, int]:
