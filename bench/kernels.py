@@ -161,7 +161,9 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
         q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
     rows.append((f"fp4 w1+w3 6 experts, one launch {n}x{k}", 2 * g * per + 2 * k + 4 * g * n, t, graphed))
-    rows.extend(fp4_tile_rows(dev, q, sq, arena2, n, k, g))
+    rows.extend(fp4_tile_rows(dev, arena2, n, k, g))
+    for m in (2, 4, 8):  # a few tokens per expert (short prefills): which kernel MMA_MIN_M picks
+        rows.extend(fp4_tile_rows(dev, arena2, n, k, g, m, [(2, 4), (4, 4)], [(2, 4)]))
     # decode attention: 64 heads, 512 dims, 128 window + 512 compressed rows
     tlen, kk = 128 + 2048, 640
     q = torch.randn(1, 64, 512, device=dev).to(torch.bfloat16)
@@ -231,16 +233,16 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     return rows
 
 
-# (tiles of 16 rows per CTA, K-split warps, blocks per straight-line step) of the tensor-core kernel
-MMA_SWEEP = [(1, 8, 2), (2, 8, 2), (2, 4, 1), (2, 4, 2), (2, 4, 4), (2, 4, 8), (4, 4, 2), (2, 2, 2), (2, 2, 4),
-             (4, 2, 2)]
+CUDA_TILES = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]  # (rows per warp, warps) of the CUDA-core FP4 GEMV
+MMA_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]  # (tiles, ksplit warps) of the MMA one
 
 
-def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, int, float, bool]]:
-    """Decode's routed w1+w3 launch (two parts of `arena`'s records, shared activations q, sq)
-    and its w2 launch (N = k, K = n, fp32 out): the CUDA-core kernel at every (rows per warp,
-    warps per CTA) that the GPU tests cover, and the tensor-core kernel (kernels/fp4_mma.py) at
-    MMA_SWEEP's tiles, warps and unrolls, to choose the kernel and its tiles from."""
+def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUDA_TILES,
+                  mma_tiles=MMA_TILES) -> list[tuple[str, int, float, bool]]:
+    """Decode's routed w1+w3 launch (two parts of `arena`'s records, m activation rows shared by
+    the g experts) and its w2 launch (N = k, K = n, m rows per expert, fp32 out): the CUDA-core
+    kernel at `cuda_tiles` and the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles`, to
+    choose the kernel and its tiles from."""
     from kernels.act_quant import act_quant, cuda_arch
     from kernels.fp4_mma import fp4_mma_kernel
     from kernels.fp4_moe import fp4_gemv_kernel
@@ -248,28 +250,27 @@ def fp4_tile_rows(dev, q, sq, arena, n: int, k: int, g: int) -> list[tuple[str, 
 
     arch = cuda_arch(dev)
     per = n * k // 2 + n * k // 32  # one weight's codes and scales
-    q2, s2 = act_quant(torch.randn(g, 1, n, device=dev).to(torch.bfloat16), 128)  # w2's inputs [G, 1, n]
+    q, sq = act_quant(torch.randn(1, m, k, device=dev).to(torch.bfloat16), 128)  # w1+w3's inputs [1, m, k]
+    q2, s2 = act_quant(torch.randn(g, m, n, device=dev).to(torch.bfloat16), 128)  # w2's inputs [G, m, n]
     arena_w2 = fp4_arena(64, k, n, dev)
     # (name, N, K, arena, weight offsets, scale offsets, activations, scales, out, bytes per call)
     shapes = [("w1+w3", n, k, arena, (0, n * k // 2), (n * k, n * k + n * k // 32), q, sq, "bfloat16",
-               2 * g * per + 2 * k + 4 * g * n),
+               2 * g * per + m * (k + k // 32) + 4 * g * m * n),
               ("w2", k, n, arena_w2, (0,), (n * k // 2,), q2, s2, "float32",
-               g * per + g * (n + n // 32) + 4 * g * k)]  # G activation rows in, fp32 out
+               g * per + g * m * (n + n // 32) + 4 * g * m * k)]  # G·m activation rows in, fp32 out
     rows = []
     for name, nn, kk, ar, w_off, s_off, qa, sa, out, nbytes in shapes:
-        y = torch.empty(len(w_off), g, 1, nn, dtype=getattr(torch, out), device=dev)
-        for tile in [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]:
-            kernel = fp4_gemv_kernel(1, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, *tile, out, arch)
+        y = torch.empty(len(w_off), g, m, nn, dtype=getattr(torch, out), device=dev)
+        for tile in cuda_tiles:
+            kernel = fp4_gemv_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, *tile, out, arch)
             t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
                 as_words(qa), sa, as_words(ar), ar, s, y))
-            rows.append((f"fp4 {name} 6 experts {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
-        for tiles, ksplit, kunroll in MMA_SWEEP:  # the tensor-core kernel
-            kernel = fp4_mma_kernel(1, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
-                                    kunroll=kunroll)
+            rows.append((f"fp4 {name} 6x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
+        for tiles, ksplit in mma_tiles:  # the tensor-core kernel
+            kernel = fp4_mma_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch)
             t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            rows.append((f"fp4 MMA {name} 6 experts {nn}x{kk} {tiles}t x{ksplit}w unroll {kunroll}", nbytes, t,
-                         graphed))
+            rows.append((f"fp4 MMA {name} 6x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
     return rows
 
 

@@ -23,9 +23,12 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
 
 Scales are read as words: the record's scale block must start 4-byte aligned (`supports`).
 GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
-architecture. It did not meet the hope above: at its best tile it is 2-3 % faster than the
+architecture. It did not meet the hope above: at its best tile it was 2-3 % faster than the
 CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
-main limit.
+main limit. That limit was TileLang's bounds guards (kernels/act_quant.py's UNGUARDED): without
+them the CUDA-core kernel is the faster one at one row (decode's six experts' w1+w3: 19.84 us
+against 23.29 here), and this kernel serves MMA_MIN_M to 8 rows, where the CUDA-core kernel's
+per-row arithmetic grows (w1+w3 at 4 rows 31.15 us against 47.87, at 8 rows 34.54 against 103.25).
 """
 
 import functools
@@ -33,7 +36,7 @@ import functools
 import torch
 
 from kernels import lowbit, pdl
-from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels.act_quant import KernelInputError, compile_kernel
 from kernels.fp8_gemm import e8m0_bits_to_float
 
 MAX_M = 8  # the MMA's n: tokens per launch
@@ -88,6 +91,9 @@ def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
 
 
 MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches to this kernel (sm_121: untested)
+# Launches of fewer rows go to the CUDA-core kernel. H200, decode's six experts' w1+w3 (w2):
+# 1 row 19.84 (11.01) us there against 23.29 (12.41) here; 2 rows 30.85 (15.21) against 29.47 (15.28).
+MMA_MIN_M = 2
 
 
 def supports(m: int, k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
@@ -108,14 +114,11 @@ def part_offset(p, values):
 @functools.cache
 def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                    s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                   lookup: bool = False, kunroll: int = 2):
+                   lookup: bool = False):
     """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
     `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
     that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
-    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order).
-    Compiled without TileLang's bounds guards, as that kernel.
-    `kunroll` blocks of a warp's range form one straight-line step (clamped to a divisor of the
-    range), so that their loads are in flight together; more costs registers."""
+    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order)."""
     import tilelang.language as T
 
     blocks = k // 128
@@ -128,8 +131,6 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
     odd = m > 1  # tokens 2ti + 1 exist
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
-    per_warp = blocks // ksplit
-    unroll = max(u for u in range(1, min(kunroll, per_warp) + 1) if per_warp % u == 0)
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -151,32 +152,31 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
         s_off_w = part_offset(part, [o // 4 for o in s_off])
         row0 = bn * cta_rows
         T.clear(acc)
-        for ko in T.serial(per_warp // unroll):
-            for ku in T.unroll(unroll):  # one straight-line step: its blocks' loads in flight together
-                kb = warp * per_warp + ko * unroll + ku  # this warp's K range: contiguous 128-channel blocks
-                for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
+        for kr in T.serial(blocks // ksplit):
+            kb = warp * (blocks // ksplit) + kr  # this warp's K range: contiguous 128-channel blocks
+            for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
+                for h in T.unroll(2):
+                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                    for q in T.unroll(GROUPS_PER_STEP):
+                        ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
+                    sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
+            for j in T.unroll(2):
+                sa[j] = SA[ga, T.min(2 * ti + j, m - 1), kb]
+            for q in T.unroll(GROUPS_PER_STEP):
+                for v in T.unroll(2):
+                    aw[v] = Q[ga, tok, 8 * (kb * GROUPS_PER_STEP + q) + 2 * ti + v]
+                T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
+                                         T.address_of(ap[0])))
+                for t in T.unroll(tiles):
+                    T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_group", ww[t, 0, q], ww[t, 1, q],
+                                             T.address_of(ap[0]), T.address_of(d[0])))
                     for h in T.unroll(2):
-                        row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                        for q in T.unroll(GROUPS_PER_STEP):
-                            ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
-                        sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
-                for j in T.unroll(2):
-                    sa[j] = SA[ga, T.min(2 * ti + j, m - 1), kb]
-                for q in T.unroll(GROUPS_PER_STEP):
-                    for v in T.unroll(2):
-                        aw[v] = Q[ga, tok, 8 * (kb * GROUPS_PER_STEP + q) + 2 * ti + v]
-                    T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
-                                             T.address_of(ap[0])))
-                    for t in T.unroll(tiles):
-                        T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_group", ww[t, 0, q], ww[t, 1, q],
-                                                 T.address_of(ap[0]), T.address_of(d[0])))
-                        for h in T.unroll(2):
-                            # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
-                            ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
-                                                    lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
-                            acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
-                            if odd:
-                                acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
+                        # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
+                        ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
+                                                lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                        acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
+                        if odd:
+                            acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
         for t in T.unroll(tiles):
             for c in T.unroll(4):
                 red[warp, 4 * t + c, lane] = acc[t, c]
@@ -211,7 +211,7 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
                 pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
                 body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
 
-    return compile_kernel(fp4_mma, arch, pass_configs=UNGUARDED)
+    return compile_kernel(fp4_mma, arch)
 
 
 def mma_tile(k: int) -> tuple[int, int]:

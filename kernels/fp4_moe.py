@@ -17,8 +17,8 @@ arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed by
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
-kernels/fp4_mma.py lists the architecture and supports the launch (<= 8 rows), the grouped GEMV
-runs on the tensor cores instead, with the same contract.
+kernels/fp4_mma.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
+grouped GEMV runs on the tensor cores instead, with the same contract.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (GB10, FP4 tensor
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
@@ -36,9 +36,9 @@ from kernels.fp8_gemm import _gemv_rows, as_words, e8m0_bits_to_float
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
-# Rows per warp shrink (gemv_tile, as the FP8 GEMV's) until a group's part has >= 256 CTAs.
-# H200 (bench.kernels' sweep): decode's w2 (N 4096) 12.90 us at 4 rows x 4 warps vs 13.75 at
-# 2 x 4; w1+w3 (N 2048) stays at 2 x 4 (24.82 us; 25.00 at 4 x 4).
+# Rows per warp shrink (gemv_tile) until the launch (every group and part) has >= 256 CTAs.
+# H200 (bench.kernels' sweep, the kernel compiled without bounds guards): decode's six experts'
+# w1+w3 (N 2048) 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2 (N 4096) 11.01 vs 12.37.
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
@@ -138,10 +138,11 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     return compile_kernel(fp4_gemv, arch, pass_configs=UNGUARDED)
 
 
-def gemv_tile(n: int, arch: tuple[int, int]) -> tuple[int, int]:
-    """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`."""
+def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
+    """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`, where one
+    launch runs `gemvs` such GEMVs side by side (groups times parts)."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    return _gemv_rows(n, p), p["warps"]
+    return _gemv_rows(n * gemvs, p), p["warps"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -193,13 +194,15 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
     if g:
         arch = cuda_arch(q.device)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
-        if arch in fp4_mma.MMA_ARCHS and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1]):
+        if (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
+                and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):
             kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
                                             *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         else:
             kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                     *gemv_tile(n, arch), _TORCH_TO_TL[out_dtype], arch, table is not None)
+                                     *gemv_tile(n, arch, g * len(w_offs)), _TORCH_TO_TL[out_dtype], arch,
+                                     table is not None)
             kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 
