@@ -279,10 +279,12 @@ class Engine:
         """Sample and run one token per step; yields text deltas and step stats.
 
         Each sampled token is launched as the next step before the host reads it (one transfer
-        per token, waiting for the sampler only), so detokenising and the UI overlap that step on
-        the device. The token that reaches the length limit is not run: it is left in
-        work.pending. An EOS has been run by then (its logits are dropped; the next turn would run
-        it first anyway). Returns (completion ids, step times in ms, ttft s, finish reason)."""
+        per token, waiting for the sampler only), and the sampler is queued on a step's logits
+        before that step has run, so the device always holds the next step while the host
+        detokenises, reports and queues the one after. The token that reaches the length limit
+        is not run: it is left in work.pending. An EOS has been run by then (its logits are
+        dropped; the next turn would run it first anyway). Returns (completion ids, step times
+        in ms, ttft s, finish reason)."""
         tok = self.tokenizer
         sampler = Sampler(params, logits.device)
         splitter = ThinkingSplitter(tok, params.thinking)
@@ -290,19 +292,25 @@ class Engine:
         completion: list[int] = []
         step_ms: list[float] = []
         ttft, finish = 0.0, "cancelled"
-        ahead = None  # the step launched on the last sampled token, not yet finished
+        ahead = None  # the step launched on the last sampled token; `logits` are its output
         t0 = time.perf_counter()
         try:
             while not cancel.is_set():
-                chosen = sampler(logits)
+                chosen = sampler(logits)  # queued after the step that writes `logits`
                 last = len(completion) + 1 >= max_new  # this token ends the turn, whatever it is
                 value = self.runtime.read(chosen)  # its copy to the host starts first
-                if not last:
-                    ahead = self.runtime.launch(work.state, chosen.reshape(1))
-                token = value()  # the one host transfer per token
+                ran, ahead = ahead, (None if last else self.runtime.launch(work.state, chosen.reshape(1)))
+                token = value()  # the one host transfer per token: `ran` has run by now
                 completion.append(token)
                 if ahead is not None:
                     work.ids.append(token)
+                if ran is not None:
+                    res = self.runtime.finish(ran)
+                    now = time.perf_counter()
+                    step_ms.append(1e3 * (now - t0))
+                    self._step_s.append(now - t0)
+                    t0 = now
+                    yield StepUpdate(self._step_stats(res, work.state.pos - (ahead is not None), ttft))
                 if len(completion) == 1:
                     ttft = time.perf_counter() - t_start
                 yield from splitter.push(token)
@@ -312,13 +320,7 @@ class Engine:
                     if ahead is None:
                         work.pending = [token]
                     break
-                res, ahead = self.runtime.finish(ahead), None
-                logits = res.logits
-                now = time.perf_counter()
-                step_ms.append(1e3 * (now - t0))
-                self._step_s.append(now - t0)
-                t0 = now
-                yield StepUpdate(self._step_stats(res, work.state.pos, ttft))
+                logits = ahead.logits
         finally:
             if ahead is not None:  # the EOS's step, or a step left running when the turn was closed
                 self.runtime.finish(ahead)

@@ -3,9 +3,9 @@
 `Runtime.step` runs one forward call (a prefill chunk or one decoded token) under the engine's
 lock and `torch.inference_mode()`, and returns the last position's logits with the step's wall
 time split into attention / MoE compute / expert wait / other. It is `launch` (queue the call on
-the device, under the lock) then `finish` (wait for it): the decode loop launches the next step
-on a sampled token before it reads that token on the host (`read`), so the host's per-token
-work overlaps the device's; `settle` waits for launched work, so that nothing (a flush) changes
+the device, under the lock) then `finish` (wait for it, not for work queued after it): the
+decode loop launches the next step on a sampled token before it reads that token on the host
+(`read`), so the host's per-token work overlaps the device's; `settle` waits for launched work, so that nothing (a flush) changes
 what a running step reads. `Runtime.prefill` yields one result per chunk and stops between
 chunks when `cancel` is set.
 
@@ -112,6 +112,7 @@ class Launched:
     timer: StepTimer
     t0: float  # perf_counter at launch
     wait_s: float  # seconds spent waiting for experts while launching
+    done: torch.cuda.Event | None = None  # recorded after the call's work (CUDA): finish waits for it alone
 
 
 @dataclass(frozen=True)
@@ -163,12 +164,17 @@ class Runtime:
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
             wait = self.experts.wait_s - wait0
-        return Launched(logits, n, graphed, timer, t0, wait)
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+        return Launched(logits, n, graphed, timer, t0, wait, done)
 
     def finish(self, launched: Launched) -> StepResult:
-        """Wait for a launched call; its result, timed from its launch."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Wait for a launched call (not for work queued after it); its result, timed from its
+        launch to this return."""
+        if launched.done is not None:
+            launched.done.synchronize()
         seconds = time.perf_counter() - launched.t0
         wait, timer = launched.wait_s, launched.timer
         if launched.graphed:  # no sections inside a replay: all but the expert wait is the graph's

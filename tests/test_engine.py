@@ -144,12 +144,14 @@ def test_cancel_mid_generation_keeps_a_consistent_session(engine):
                 cancel.set()
     fin = evs[-1]
     assert isinstance(fin, TurnFinished) and fin.stats.finish_reason == "cancelled"
-    assert fin.stats.completion_tokens == 2  # both sampled tokens were run: kept with their ids
-    assert sess.position == len(sess.ids) == fin.stats.prompt_tokens + 2
+    # a step's update comes once the token after it is read and launched: three sampled tokens,
+    # all run, kept with their ids
+    assert fin.stats.completion_tokens == 3
+    assert sess.position == len(sess.ids) == fin.stats.prompt_tokens + 3
     assert sess.messages[-1] == Message("assistant", fin.content)
     check_against_scratch(engine, sess, fin)
     nxt, _ = turn(engine.generate(sess, USER_TEXTS[3], GREEDY))
-    assert nxt.stats.reused_tokens == fin.stats.prompt_tokens + 2
+    assert nxt.stats.reused_tokens == fin.stats.prompt_tokens + 3
     check_against_scratch(engine, sess, nxt)
 
 
@@ -179,6 +181,36 @@ def test_each_token_is_launched_before_the_host_reads_it(engine, monkeypatch):
     assert fin.stats.finish_reason == "max_tokens" and fin.stats.completion_tokens == GREEDY.max_tokens
     assert order == ["launch", "read"] * (GREEDY.max_tokens - 1) + ["read"]
     assert sess.live.pending == [sess.ids[-1]] and sess.position == len(sess.ids) - 1
+    check_against_scratch(engine, sess, fin)
+
+
+def test_the_next_step_is_launched_before_the_host_waits_for_the_last(engine, monkeypatch):
+    """The decode loop never leaves the device idle for the host: step k+1 is queued (on the
+    token sampled from step k's logits, themselves not yet waited for) before step k is finished."""
+    rt, order, alive = engine.runtime, [], []  # alive: no id() is reused while the turn runs
+    launch, finish = rt.launch, rt.finish
+
+    def spy_launch(state, ids):
+        launched = launch(state, ids)
+        alive.append(launched)
+        if isinstance(ids, torch.Tensor):  # decode steps: the sampled token stays a tensor
+            order.append(("launch", id(launched)))
+        return launched
+
+    def spy_finish(launched):
+        order.append(("finish", id(launched)))
+        return finish(launched)
+
+    monkeypatch.setattr(rt, "launch", spy_launch)
+    monkeypatch.setattr(rt, "finish", spy_finish)
+    sess = engine.new_session()
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[3], GREEDY))
+    steps = [i for kind, i in order if kind == "launch"]
+    assert len(steps) == GREEDY.max_tokens - 1
+    decode = [ev for ev in order if ev[1] in steps]  # prefill's launch+finish pairs left out
+    assert decode[:2] == [("launch", steps[0]), ("launch", steps[1])]
+    for k in range(len(steps) - 1):  # step k is finished after step k+1 was launched
+        assert decode.index(("finish", steps[k])) > decode.index(("launch", steps[k + 1]))
     check_against_scratch(engine, sess, fin)
 
 
