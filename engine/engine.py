@@ -46,6 +46,10 @@ from engine.stats import CacheSnapshot, StepStats, StepTiming, TurnStats, cache_
 
 ProgressFn = Callable[[LoadProgress], None]
 RATE_WINDOW = 32  # decode steps in the windowed tok/s and read bandwidth
+# Step updates re-measure the memory budget at most this often: a measurement reads /proc (unified
+# memory) or queries the CUDA driver and sums every session's state, ~1 ms on this project's CPU
+# machine, as long as a whole decode step on the H200.
+MEMORY_REFRESH_S = 0.25
 
 
 class EngineError(RuntimeError):
@@ -93,6 +97,7 @@ class Engine:
         self._reads: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, bytes read)
         self._last = (0, 0, StepTiming(), None)  # (tokens, position, timing, ttft) of the last step
         self._phase = "eager"  # how the last step ran: "eager" or "graph replay"
+        self._memory: tuple[float, object] | None = None  # (perf_counter, MemoryBudget) of step updates
 
     # ---------------------------------------------------------------------------- loading
     @classmethod
@@ -406,16 +411,21 @@ class Engine:
     def _step_stats(self, res: StepResult, position: int, ttft: float | None) -> StepStats:
         self._last = (res.tokens, position, res.timing, ttft)
         self._phase = "graph replay" if res.graphed else "eager"
-        return self._snapshot(res.tokens, position, res.timing, ttft)
+        now = time.perf_counter()
+        if self._memory is None or now - self._memory[0] >= MEMORY_REFRESH_S:
+            self._memory = (now, self.memory())
+        return self._snapshot(res.tokens, position, res.timing, ttft, self._memory[1])
 
-    def _snapshot(self, tokens: int, position: int, timing: StepTiming, ttft: float | None) -> StepStats:
+    def _snapshot(self, tokens: int, position: int, timing: StepTiming, ttft: float | None,
+                  memory=None) -> StepStats:
+        """The stats of the last step and the cache now; `memory`: a recent MemoryBudget (default: measured now)."""
         cache = self._cache_snapshot()
         self._reads.append((time.perf_counter(), cache.bytes_read))
         (t0, b0), (t1, b1) = self._reads[0], self._reads[-1]
         steps = list(self._step_s)
         return StepStats(phase=self._phase, tokens=tokens, position=position, timing=timing,
                          tok_per_s=len(steps) / sum(steps) if steps else 0.0, ttft_s=ttft, cache=cache,
-                         memory=self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
+                         memory=memory or self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
 
     def _cache_snapshot(self) -> CacheSnapshot:
         return cache_snapshot(self.experts.cache, self.args, self.experts.layer_uses)
