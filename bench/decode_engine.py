@@ -311,7 +311,8 @@ def main(argv=None) -> int:
     for name, pre, ms in rows:
         gbs = per_token / (ms * 1e-3) / 1e9
         ratio = f"{hf_ms / ms:.2f}x" if hf_ms else "-"
-        print(f"| {name} | {'-' if pre != pre else f'{pre:.3f}'} | {ms:.2f} | {gbs:.0f} | {100 * gbs / bw:.1f}% | {ratio} |")
+        pre_s = "-" if pre != pre else f"{pre:.3f}"  # nan: not timed
+        print(f"| {name} | {pre_s} | {ms:.2f} | {gbs:.0f} | {100 * gbs / bw:.1f}% | {ratio} |")
     files.close()
     return 0
 

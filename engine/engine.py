@@ -425,7 +425,7 @@ class Engine:
         steps = list(self._step_s)
         return StepStats(phase=self._phase, tokens=tokens, position=position, timing=timing,
                          tok_per_s=len(steps) / sum(steps) if steps else 0.0, ttft_s=ttft, cache=cache,
-                         memory=memory or self.memory(), read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
+                         memory=self.memory() if memory is None else memory, read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
 
     def _cache_snapshot(self) -> CacheSnapshot:
         return cache_snapshot(self.experts.cache, self.args, self.experts.layer_uses)

@@ -5,8 +5,8 @@ lock and `torch.inference_mode()`, and returns the last position's logits with t
 time split into attention / MoE compute / expert wait / other. It is `launch` (queue the call on
 the device, under the lock) then `finish` (wait for it, not for work queued after it): the
 decode loop launches the next step on a sampled token before it reads that token on the host
-(`read`), so the host's per-token work overlaps the device's; `settle` waits for launched work, so that nothing (a flush) changes
-what a running step reads. `Runtime.prefill` yields one result per chunk and stops between
+(`read`), so the host's per-token work overlaps the device's; `settle` waits for launched work,
+so that nothing (a flush) changes what a running step reads. `Runtime.prefill` yields one result per chunk and stops between
 chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,

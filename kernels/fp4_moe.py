@@ -36,9 +36,11 @@ from kernels.fp8_gemm import _gemv_rows, as_words, e8m0_bits_to_float
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
-# Rows per warp shrink (gemv_tile) until the launch (every group and part) has >= 256 CTAs.
-# H200 (bench.kernels' sweep, the kernel compiled without bounds guards): decode's six experts'
-# w1+w3 (N 2048) 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2 (N 4096) 11.01 vs 12.37.
+# Rows per warp shrink (gemv_tile) until the launch has >= 256 CTAs: at one token, counting every
+# group and part (H200, bench.kernels' sweep, the kernel compiled without bounds guards: decode's
+# six experts' w1+w3, N 2048, 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2, N 4096, 11.01
+# vs 12.37); with more tokens per row (rows x tokens accumulators), one group's (w1+w3 at 8
+# tokens: 103.25 us at 2 x 4 vs 157.44 at 4 x 4; those go to kernels/fp4_mma.py on sm_90).
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
@@ -200,9 +202,9 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
                                             *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         else:
+            gemvs = g * len(w_offs) if m == 1 else 1  # see TILE_PARAMS
             kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                     *gemv_tile(n, arch, g * len(w_offs)), _TORCH_TO_TL[out_dtype], arch,
-                                     table is not None)
+                                     *gemv_tile(n, arch, gemvs), _TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 
