@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
 from weakref import WeakSet
@@ -39,17 +38,13 @@ from engine.memory import memory_budget, tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.decode_graph import make_runner
-from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime, StepResult
+from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
-from engine.stats import CacheSnapshot, StepStats, StepTiming, TurnStats, cache_snapshot
+from engine.stats import CacheSnapshot, StepStats, TurnStats, cache_snapshot
+from engine.step_meter import StepMeter
 
 ProgressFn = Callable[[LoadProgress], None]
-RATE_WINDOW = 32  # decode steps in the windowed tok/s and read bandwidth
-# Step updates re-measure the memory budget at most this often: a measurement reads /proc (unified
-# memory) or queries the CUDA driver and sums every session's state, ~1 ms on this project's CPU
-# machine, as long as a whole decode step on the H200.
-MEMORY_REFRESH_S = 0.25
 
 
 class EngineError(RuntimeError):
@@ -93,11 +88,7 @@ class Engine:
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
         self._weights_bytes = tensor_bytes(model)
-        self._step_s: deque[float] = deque(maxlen=RATE_WINDOW)  # recent decode step times
-        self._reads: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)  # (time, bytes read)
-        self._last = (0, 0, StepTiming(), None)  # (tokens, position, timing, ttft) of the last step
-        self._phase = "eager"  # how the last step ran: "eager" or "graph replay"
-        self._memory: tuple[float, object] | None = None  # (perf_counter, MemoryBudget) of step updates
+        self._meter = StepMeter(self._cache_snapshot, self.memory)
 
     # ---------------------------------------------------------------------------- loading
     @classmethod
@@ -217,7 +208,7 @@ class Engine:
             return
         turn_start = session.live.copy() if plan.from_live and session.live.length else None
         work = session.start(plan)
-        self._last = (0, work.state.pos, StepTiming(), None)
+        self._meter.start_turn(work.state.pos)
         committed = False
         try:
             prefill_s, logits = yield from self._prefill(session, work, plan, prompt_text, params, cancel)
@@ -269,7 +260,7 @@ class Engine:
                 done += res.tokens
                 seconds += res.seconds
                 logits = res.logits
-                yield StepUpdate(self._step_stats(res, work.state.pos, None))
+                yield StepUpdate(self._meter.step(res, work.state.pos, None))
             if done < len(part):
                 return seconds, None
             if i == 0 and len(parts) == 2:
@@ -313,9 +304,9 @@ class Engine:
                     res = self.runtime.finish(ran)
                     now = time.perf_counter()
                     step_ms.append(1e3 * (now - t0))
-                    self._step_s.append(now - t0)
+                    self._meter.decode_step(now - t0)
                     t0 = now
-                    yield StepUpdate(self._step_stats(res, work.state.pos - (ahead is not None), ttft))
+                    yield StepUpdate(self._meter.step(res, work.state.pos - (ahead is not None), ttft))
                 if len(completion) == 1:
                     ttft = time.perf_counter() - t_start
                 yield from splitter.push(token)
@@ -399,33 +390,13 @@ class Engine:
     # ---------------------------------------------------------------------------- statistics
     def stats(self) -> StepStats:
         """A snapshot now: cache, memory, and the last step's timing."""
-        tokens, position, timing, ttft = self._last
-        return self._snapshot(tokens, position, timing, ttft)
+        return self._meter.now()
 
     def _graph_routes(self, layer: int, position: int, ids: list[int]) -> None:
         """Routing decisions of a graph-replayed step: usage counts, and the trace if recording."""
         self.experts.note_uses(layer, ids)
         if self.runtime.log is not None:
             self.runtime.log("experts", layer, position, torch.tensor([ids]))
-
-    def _step_stats(self, res: StepResult, position: int, ttft: float | None) -> StepStats:
-        self._last = (res.tokens, position, res.timing, ttft)
-        self._phase = "graph replay" if res.graphed else "eager"
-        now = time.perf_counter()
-        if self._memory is None or now - self._memory[0] >= MEMORY_REFRESH_S:
-            self._memory = (now, self.memory())
-        return self._snapshot(res.tokens, position, res.timing, ttft, self._memory[1])
-
-    def _snapshot(self, tokens: int, position: int, timing: StepTiming, ttft: float | None,
-                  memory=None) -> StepStats:
-        """The stats of the last step and the cache now; `memory`: a recent MemoryBudget (default: measured now)."""
-        cache = self._cache_snapshot()
-        self._reads.append((time.perf_counter(), cache.bytes_read))
-        (t0, b0), (t1, b1) = self._reads[0], self._reads[-1]
-        steps = list(self._step_s)
-        return StepStats(phase=self._phase, tokens=tokens, position=position, timing=timing,
-                         tok_per_s=len(steps) / sum(steps) if steps else 0.0, ttft_s=ttft, cache=cache,
-                         memory=self.memory() if memory is None else memory, read_bytes_per_s=(b1 - b0) / (t1 - t0) if t1 > t0 else 0.0)
 
     def _cache_snapshot(self) -> CacheSnapshot:
         return cache_snapshot(self.experts.cache, self.args, self.experts.layer_uses)
