@@ -258,19 +258,20 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                2 * g * per + m * (k + k // 32) + 4 * g * m * n),
               ("w2", k, n, arena_w2, (0,), (n * k // 2,), q2, s2, "float32",
                g * per + g * m * (n + n // 32) + 4 * g * m * k)]  # G·m activation rows in, fp32 out
+    tables = slot_sets(64, g, dev)  # the same slot choices for every kernel and tile
     rows = []
     for name, nn, kk, ar, w_off, s_off, qa, sa, out, nbytes in shapes:
         y = torch.empty(len(w_off), g, m, nn, dtype=getattr(torch, out), device=dev)
         for tile in cuda_tiles:
             kernel = fp4_gemv_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, *tile, out, arch)
-            t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
+            t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), ar, s, y))
-            rows.append((f"fp4 {name} 6x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
+            rows.append((f"fp4 {name} {g}x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
         for tiles, ksplit in mma_tiles:  # the tensor-core kernel
             kernel = fp4_mma_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch)
-            t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: kernel(
+            t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            rows.append((f"fp4 MMA {name} 6x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
+            rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
     return rows
 
 

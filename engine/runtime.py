@@ -6,8 +6,8 @@ time split into attention / MoE compute / expert wait / other. It is `launch` (q
 the device, under the lock) then `finish` (wait for it, not for work queued after it): the
 decode loop launches the next step on a sampled token before it reads that token on the host
 (`read`), so the host's per-token work overlaps the device's; `settle` waits for launched work,
-so that nothing (a flush) changes what a running step reads. `Runtime.prefill` yields one result per chunk and stops between
-chunks when `cancel` is set.
+so that nothing (a flush) changes what a running step reads. `Runtime.prefill` yields one result
+per chunk and stops between chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
 shared and routed experts); `InstrumentedProvider` wraps the expert provider and measures the
@@ -197,7 +197,7 @@ class Runtime:
         host = torch.empty(1, dtype=token.dtype, pin_memory=True)
         host.copy_(token.reshape(1), non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(token.device))
 
         def value() -> int:
             done.synchronize()
