@@ -158,9 +158,12 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     # decode's routed w1 and w3 of six experts in one launch (two parts), x quantised once
     arena2 = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     q, sq = act_quant(xg[:1].unsqueeze(1), 128)
-    t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
-        q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16))
-    rows.append((f"fp4 w1+w3 6 experts, one launch {n}x{k}", 2 * g * per + 2 * k + 4 * g * n, t, graphed))
+    for early in (False, True):  # the engine's decode launches it early (engine/moe.py)
+        t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
+            q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16,
+            early=early))
+        rows.append((f"fp4 w1+w3 6 experts, one launch{' early' if early else ''} {n}x{k}",
+                     2 * g * per + 2 * k + 4 * g * n, t, graphed))
     rows.extend(fp4_tile_rows(dev, arena2, n, k, g))
     for m in (2, 4, 8):  # a few tokens per expert (short prefills): which kernel MMA_MIN_M picks
         rows.extend(fp4_tile_rows(dev, arena2, n, k, g, m, [(2, 4), (4, 4)], [(2, 4)]))
@@ -235,16 +238,21 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
 
 CUDA_TILES = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]  # (rows per warp, warps) of the CUDA-core FP4 GEMV
 MMA_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]  # (tiles, ksplit warps) of the MMA one
+MMA1_TILES = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 4, True), (2, 8, True)]  # (tiles, ksplit warps[, early]) of the
+# one-token MMA kernel (early: slots and weights read before the wait on the kernel before)
 
 
 def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUDA_TILES,
-                  mma_tiles=MMA_TILES) -> list[tuple[str, int, float, bool]]:
+                  mma_tiles=MMA_TILES, mma1_tiles=MMA1_TILES) -> list[tuple[str, int, float, bool]]:
     """Decode's routed w1+w3 launch (two parts of `arena`'s records, m activation rows shared by
     the g experts) and its w2 launch (N = k, K = n, m rows per expert, fp32 out): the CUDA-core
-    kernel at `cuda_tiles` and the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles`, to
-    choose the kernel and its tiles from."""
+    kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles` and, at one
+    row, the one-token tensor-core kernel (kernels/fp4_mma1.py) at `mma1_tiles`, to choose the
+    kernel and its tiles from."""
     from kernels.act_quant import act_quant, cuda_arch
     from kernels.fp4_mma import fp4_mma_kernel
+    from kernels.fp4_mma1 import MAX_BLOCKS, fp4_mma1_kernel
+    from kernels.fp4_mma1 import supports as mma1_supports
     from kernels.fp4_moe import fp4_gemv_kernel
     from kernels.fp8_gemm import as_words
 
@@ -272,6 +280,15 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
+        for tiles, ksplit, *early in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
+            if not mma1_supports(kk, s_off, ar.shape[1]) or kk // 128 % ksplit or kk // 128 // ksplit > MAX_BLOCKS:
+                continue
+            kernel = fp4_mma1_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
+                                     False, *early)
+            t, graphed = time_rotating(tables, lambda s: kernel(
+                as_words(qa), sa, as_words(ar), as_words(ar), s, y))
+            label = " early" if early and early[0] else ""
+            rows.append((f"fp4 MMA1 {name} {g}x1 rows {nn}x{kk} {tiles}t x{ksplit}w{label}", nbytes, t, graphed))
     return rows
 
 

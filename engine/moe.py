@@ -144,9 +144,12 @@ class MoE:
         k = idx.shape[1]
         if self.numerics.native:  # the kernels look the experts' slots up in the layer's table
             xq = self.numerics.quantize(x)  # one row for all k choices
+            # the shared expert first: the routed kernels then follow launches that do not write
+            # the ids, and may read them and their weights before those launches complete
+            shared = self._shared(xq)
             y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0],
-                                                        self.limit, arena.table[self.layer])  # [k, D] fp32
-            return self._combine(y.unsqueeze(0), xq)  # row j of y = choice j
+                                                        self.limit, arena.table[self.layer], early=True)  # [k, D]
+            return self.ops.moe_combine(y.unsqueeze(0), shared, self.numerics.dtype)  # row j of y = choice j
         x = unquantized(x)
         slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
         recs = arena.data.index_select(0, slots.long())  # [k, R]

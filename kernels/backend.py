@@ -89,9 +89,10 @@ class Backend(Protocol):
 
     def fp4_moe_quantized(self, q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
                           slots: torch.Tensor, weights: torch.Tensor, limit: float,
-                          table: torch.Tensor | None = None) -> torch.Tensor:
+                          table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
         """`fp4_moe` on act_quant's (q, s) [A, D] (A = G, or 1 for every slot) -> fp32 [G, D];
-        with `table`, slots are expert ids looked up in it."""
+        with `table`, slots are expert ids looked up in it. `early`: the launch just before this
+        call writes neither slots, table nor arena (the kernels may then read them sooner)."""
         ...
 
     def head_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -179,8 +180,8 @@ class TorchBackend:
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return ref.fp4_moe(x, arena, fields, slots, weights, limit)
 
-    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
-        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, table)
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None, early=False):
+        return ref.fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, table, early)
 
     def head_logits(self, x, w):
         return ref.head_logits(x, w)
@@ -279,8 +280,8 @@ class TileLangBackend:
     def fp4_moe(self, x, arena, fields, slots, weights, limit):
         return self._impl["fp4_moe"](x, arena, fields, slots, weights, limit)
 
-    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None):
-        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit, table)
+    def fp4_moe_quantized(self, q, s, arena, fields, slots, weights, limit, table=None, early=False):
+        return self._impl["fp4_moe_quantized"](q, s, arena, fields, slots, weights, limit, table, early)
 
     def head_logits(self, x, w):
         return self._impl["head_logits"](x, w)

@@ -18,7 +18,8 @@ through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
 kernels/fp4_mma.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
-grouped GEMV runs on the tensor cores instead, with the same contract.
+grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
+where kernels/fp4_mma1.py lists it.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (GB10, FP4 tensor
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
@@ -28,7 +29,7 @@ import functools
 
 import torch
 
-from kernels import fp4_mma, lowbit, pdl
+from kernels import fp4_mma, fp4_mma1, lowbit, pdl
 from kernels.act_quant import (_TORCH_TO_TL, UNGUARDED, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
@@ -185,10 +186,12 @@ def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: 
 
 def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
                   s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
-                  table: torch.Tensor | None = None) -> torch.Tensor:
+                  table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
     """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
     all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N].
-    With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0)."""
+    With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0).
+    `early`: the kernel may read slots, ids and weights before its predecessor completes (see
+    kernels/fp4_mma1.py; the kernel launched just before must not write them)."""
     g, m = slots.shape[0], q.shape[1]
     wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
     _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g, table)
@@ -196,7 +199,12 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
     if g:
         arch = cuda_arch(q.device)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
-        if (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
+        if m == 1 and arch in fp4_mma1.MMA1_ARCHS and fp4_mma1.supports(k, tuple(s_offs), sb.shape[1]):
+            kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                              *fp4_mma1.mma1_tile(k), _TORCH_TO_TL[out_dtype], arch,
+                                              table is not None, early)
+            kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
+        elif (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
                 and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):
             kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
                                             *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
@@ -261,12 +269,15 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
-                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None) -> torch.Tensor:
+                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None,
+                      early: bool = False) -> torch.Tensor:
     """`fp4_moe` on activations quantised by act_quant, as `reference.fp4_moe_quantized` (q [A, D]
     e4m3, s [A, D/128], A = G or 1 for every slot; with `table`, slots are expert ids looked up in
     the kernels). Three launches for all G: w1 and w3 of every expert in one GEMV, SwiGLU +
     weighting + w2's activation quantisation in one kernel (kernels/swiglu_quant.py), w2 (its
-    bf16-rounded outputs stored as fp32)."""
+    bf16-rounded outputs stored as fp32). `early`: the kernel launched just before this call does
+    not write slots, table or arena, so w1+w3 may read them (and the weights) before it completes;
+    w2 always may (the kernel just before it, swiglu_quant, writes none of them)."""
     _check(q, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe_quantized")
     g = slots.shape[0]
     if q.dim() != 2 or q.shape[0] not in (1, g) or tuple(s.shape) != (q.shape[0], q.shape[1] // 128):
@@ -276,7 +287,8 @@ def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fie
     inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
     gu = _grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
-                       (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table)  # [2, G, 1, inter]
+                       (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
+                       early)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
     return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
-                         dim, inter, slots, torch.float32, table)[0, :, 0]
+                         dim, inter, slots, torch.float32, table, True)[0, :, 0]

@@ -237,10 +237,12 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
-                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None) -> torch.Tensor:
+                      weights: torch.Tensor, limit: float, table: torch.Tensor | None = None,
+                      early: bool = False) -> torch.Tensor:
     """`fp4_moe` on activations quantised by act_quant: q [A, D] e4m3, s [A, D/128] fp32, A = G
     (row g for slot g) or 1 (one row for every slot) -> fp32 [G, D]. With `table` [E] (a layer's
-    arena slot table), `slots` are expert ids and expert e is read from slot max(table[e], 0)."""
+    arena slot table), `slots` are expert ids and expert e is read from slot max(table[e], 0).
+    `early` is a scheduling hint for the CUDA kernels (kernels/fp4_moe.py); it changes nothing here."""
     if table is not None:
         slots = table.index_select(0, slots.long()).clamp_min(0)
     xd = act_dequant(q, s, 128)  # [A, D] fp32: the activations' exact FP8 values

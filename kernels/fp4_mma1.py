@@ -1,0 +1,198 @@
+"""FP4 routed-expert GEMV of one token on the tensor cores, scale groups along the MMA's N axis.
+
+The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` at m = 1 (same tensors, same outputs).
+The CUDA-core kernel spends about four instructions per weight (decode, fp32 widening, FMA; its
+sm_90a SASS); here a weight costs its decode alone (about half the instructions): the tensor
+cores multiply the fp16 codes exactly and sum in fp32. kernels/fp4_mma.py does the same for 2-8
+tokens, but must give the four lanes of a quad the same scale group, so each lane reads 4-byte
+words; here each lane reads a whole group (16 bytes). H200 (bench.kernels, graphed chains): at
+48 experts' w1+w3 per launch (428 MB) 80.4 % of the copy bandwidth against 75.8 % for the
+CUDA-core kernel. At decode's 6 experts (54 MB) both pay a fixed ~3-5 us per launch (first
+loads, last wave; a graphed 54 MB copy pays almost none), and the difference shrinks: 19.58 us
+here (with `early`, below) against 19.85 us, in one run.
+
+Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
+contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
+* per block, lane ti loads the 16 bytes of scale group ti (channels 32·ti .. 32·ti + 31) of rows
+  gi and gi + 8 of each tile: four words w, each 8 channels, decoded by `dsv4_e2m1x8_to_f16x2`
+  into the fp16x2 pairs (p, p + 4) (values times 2^-14);
+* MMA 2w takes pairs 0, 1 of word w as the lane's k positions (2ti, 2ti+1) and (2ti+8, 2ti+9),
+  MMA 2w+1 pairs 2, 3: k positions of lane ti always hold channels of group ti;
+* B column n holds the activations of group n at the k positions of lanes ti = n (the same pairs,
+  `dsv4_e4m3x8_to_f16x2`, values times 2^-8) and zeros elsewhere, so D[row, n] sums group n only:
+  after the block's 8 MMAs, D columns 0..3 are the row's four 32-channel group sums (exact
+  products, fp32 sums), columns 4..7 zero;
+* the lane's D[gi, 2ti + j] and D[gi+8, 2ti + j] are scaled by that group's weight scale times
+  the activation block scale (exact powers of two, times 2^22) and added to its accumulators; the
+  row's sum meets over lanes ti = 0, 1 (one shuffle) after the warps' partial sums met in shared
+  memory in warp order.
+The activations' B fragments are decoded once per CTA into shared memory ([blocks, 4, 16] words).
+Weight and scale words of the warp's whole K range are loaded before any arithmetic.
+
+Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma.supports).
+Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/act_quant.UNGUARDED).
+"""
+
+import functools
+
+from kernels import fp4_mma, lowbit, pdl
+from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels.fp8_gemm import e8m0_bits_to_float
+
+SOURCE = r"""
+// One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
+// (0, 4), (1, 5) in the first and (2, 6), (3, 7) in the second; b[0..3] the matching B pairs.
+__device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned* b, float* d) {
+  unsigned h0[4], h1[4];
+  dsv4_e2m1x8_to_f16x2((unsigned)w0, h0);
+  dsv4_e2m1x8_to_f16x2((unsigned)w1, h1);
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(b[0]), "r"(b[1]));
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(b[2]), "r"(b[3]));
+}
+"""
+
+MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches here (sm_121: untested)
+
+
+MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registers (8 words per tile each)
+
+
+def mma1_tile(k: int) -> tuple[int, int] | None:
+    """(tiles of 16 rows per CTA, ksplit warps) for K channels, or None where no split keeps a
+    warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles and the first of 4, 8, 16,
+    2, 1 warps that divides K/128. H200 (bench.kernels, decode's 6 experts, early): w1+w3 (K 4096)
+    19.58 us at 2 x 4 against 20.23 at 2 x 8; w2 (K 2048) 11.12 us at 2 x 4, 11.00 at 2 x 8."""
+    blocks = k // 128
+    for ksplit in (4, 8, 16, 2, 1):
+        if blocks % ksplit == 0 and blocks // ksplit <= MAX_BLOCKS:
+            return 2, ksplit
+    return None
+
+
+def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
+    """Whether this kernel takes a launch (at its `mma1_tile`): K whole 128-channel blocks that
+    warps can share, and 4-byte aligned scale blocks (fp4_mma.supports)."""
+    return fp4_mma.supports(1, k, s_off, s_stride) and mma1_tile(k) is not None
+
+
+@functools.cache
+def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int, s_off: tuple[int, ...],
+                    tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int], lookup: bool = False,
+                    early: bool = False):
+    """Grouped one-token FP4 GEMV on the tensor cores: the tensors of kernels/fp4_mma.py's
+    `fp4_mma_kernel` at m = 1 (SWA as int32 words [Ss, s_stride/4]); a CTA owns `tiles` tiles of
+    16 rows and its `ksplit` warps each sum K/ksplit channels.
+
+    `early`: the slots (SLOT, or TABLE and IDS) and the weights are read before the kernel waits
+    for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's tail. Only
+    where the kernel launched immediately before this one does not write the slots, the ids or
+    the arena (it starts once every CTA of that predecessor has started, and by then every
+    earlier kernel has completed)."""
+    import tilelang.language as T
+
+    if not fp4_mma.supports(1, k, s_off, s_stride) or (k // 128) % ksplit:
+        raise KernelInputError(f"fp4_mma1_kernel: k={k}, ksplit={ksplit}, scale offsets {s_off} / stride {s_stride} "
+                               "unsupported (K whole 128-channel blocks shared evenly, scales 4-byte aligned)")
+    blocks = k // 128
+    per = blocks // ksplit  # blocks per warp
+    kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
+    parts, cta_rows, threads = len(w_off), 16 * tiles, 32 * ksplit
+    groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
+    agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
+    shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
+
+    @T.macro
+    def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
+        lowbit.import_source(T, fp4_mma.SOURCE, SOURCE)
+        lane = T.get_thread_binding(0)
+        warp = T.get_thread_binding(1)
+        gi, ti = lane // 4, lane % 4
+        act = T.alloc_shared((blocks, 4, 16), "uint32")  # B pairs of group q of block kb (lanes gi = q)
+        red = T.alloc_shared((ksplit, tiles * 4, 32), "float32")
+        aw = T.alloc_local((8,), "int32")
+        ww = T.alloc_local((per, tiles, 2, 4), "int32")
+        sw = T.alloc_local((per, tiles, 2), "int32")
+        b = T.alloc_local((16,), "uint32")
+        d = T.alloc_local((4,), "float32")
+        acc = T.alloc_local((tiles, 4), "float32")
+        ga = T.min(g, agroups - 1)
+        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])
+        row0 = bn * cta_rows
+        if not early:
+            pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
+        for i in T.unroll(per):  # the warp's weight and scale words, loaded first
+            kb = warp * per + i
+            for t in T.unroll(tiles):
+                for h in T.unroll(2):
+                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                    for v in T.vectorized(4):
+                        ww[i, t, h, v] = WA[slot, w_off_w + row * kw + 16 * kb + 4 * ti + v]
+                    sw[i, t, h] = SWA[slot, s_off_w + row * kgw + kb]
+        if early:
+            pdl.begin(T, arch)  # the activations: the predecessor wrote them
+        for it in T.serial((blocks * 4 + threads - 1) // threads):  # the activations' B pairs
+            item = it * threads + warp * 32 + lane
+            if item < blocks * 4:
+                for v in T.vectorized(8):
+                    aw[v] = Q[ga, 0, 8 * item + v]  # group item % 4 of block item // 4
+                for w in T.unroll(4):
+                    T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[2 * w]),
+                                             T.address_of(act[item // 4, item % 4, 4 * w])))
+        T.sync_threads()
+        T.clear(acc)
+        for i in T.unroll(per):
+            kb = warp * per + i
+            sa = SA[ga, 0, kb]
+            for u in T.unroll(16):
+                b[u] = T.if_then_else(gi == ti, act[kb, ti, u], T.uint32(0))
+            for t in T.unroll(tiles):
+                T.clear(d)
+                for w in T.unroll(4):
+                    T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_word", ww[i, t, 0, w], ww[i, t, 1, w],
+                                             T.address_of(b[4 * w]), T.address_of(d[0])))
+                for h in T.unroll(2):
+                    for j in T.unroll(2):  # lanes ti >= 2 hold zero columns; any finite scale serves
+                        ws = e8m0_bits_to_float(T, (sw[i, t, h] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
+                        acc[t, 2 * h + j] += d[2 * h + j] * (ws * sa)
+        for t in T.unroll(tiles):
+            for c in T.unroll(4):
+                red[warp, 4 * t + c, lane] = acc[t, c]
+        T.sync_threads()
+        if warp == 0:
+            for t in T.unroll(tiles):
+                for c in T.unroll(4):
+                    for w in T.unroll(1, ksplit):
+                        acc[t, c] += red[w, 4 * t + c, lane]
+                for h in T.unroll(2):
+                    d[h] = acc[t, 2 * h] + acc[t, 2 * h + 1]  # groups 2ti, 2ti + 1 of row gi + 8h
+                    d[h] += T.shfl_xor(d[h], 1)
+                    row = row0 + 16 * t + 8 * h + gi
+                    if ti == 0 and row < n:
+                        Y[part, g, 0, row] = T.Cast(out_dtype, T.Cast("bfloat16", d[h]))
+
+    if lookup:
+        @T.prim_func
+        def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
+                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
+                     TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
+                     Y: T.Tensor((parts, groups, 1, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                body(Q, SA, WA, SWA, Y, T.max(TABLE[IDS[g]], 0), bn, g, part)
+    else:
+        @T.prim_func
+        def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
+                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
+                     SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, 1, n), out_dtype)):
+            with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
+
+    return compile_kernel(fp4_mma1, arch, pass_configs=UNGUARDED)

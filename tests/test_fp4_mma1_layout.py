@@ -1,0 +1,87 @@
+"""kernels/fp4_mma1.py's data layout, replayed on the CPU: each lane's group words, the zeroed B
+columns, the eight MMAs of a 128-channel block (PTX m16n8k16 fragments, as in
+tests/test_fp4_mma_layout.py), the scale each D column takes and the lanes that sum a row,
+against the reference FP4 GEMM. It checks the layout's logic, not the GPU code itself."""
+
+import pytest
+import torch
+
+from kernels import lowbit
+from kernels import reference as ref
+from kernels.fp4_mma import decode_e4m3_pairs
+from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, supports
+from test_fp4_mma_layout import _mma, _pairs
+
+
+def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
+    """The kernel's arithmetic for one part and group: W [n, k/2] e2m1, its e8m0 scales [n, k/32]
+    (uint8), one token's activations q [k] e4m3 (uint8) with scales sa [k/128] -> fp64 [n]."""
+    n, k = w.shape[0], q.shape[0]
+    words = w.contiguous().view(torch.int32)  # [n, k/8]
+    swords = ws.contiguous().view(torch.int32).to(torch.int64)  # [n, k/128]
+    qwords = q.contiguous().view(torch.int32)  # [k/4]
+    blocks = k // 128
+    y = torch.zeros(n, dtype=torch.float64)
+    for bn in range(-(-n // (16 * tiles))):
+        partial = torch.zeros(ksplit, tiles, 32, 4, dtype=torch.float64)
+        for warp in range(ksplit):
+            for i in range(blocks // ksplit):
+                kb = warp * (blocks // ksplit) + i
+                # the CTA's B pairs of group qg: words 2w, 2w + 1 of the group's eight
+                act = [[_pairs(decode_e4m3_pairs(qwords[32 * kb + 8 * qg + 2 * wd:32 * kb + 8 * qg + 2 * wd + 2])
+                               .double()) for wd in range(4)] for qg in range(4)]
+                zero = torch.zeros(4, 2, dtype=torch.float64)
+                b = [act[lane % 4] if lane // 4 == lane % 4 else [zero] * 4 for lane in range(32)]
+                for t in range(tiles):
+                    d = torch.zeros(16, 8, dtype=torch.float64)
+                    for wd in range(4):  # word wd of each lane's group, rows gi and gi + 8
+                        h = []
+                        for lane in range(32):
+                            rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
+                            col = 16 * kb + 4 * (lane % 4) + wd
+                            h.append([_pairs(lowbit.decode_e2m1_words(words[r, col:col + 1]).double()) for r in rows])
+                        d += _mma([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
+                                  [[b[i][wd][0], b[i][wd][1]] for i in range(32)])
+                        d += _mma([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
+                                  [[b[i][wd][2], b[i][wd][3]] for i in range(32)])
+                    assert not d[:, 4:].any()  # columns 4..7: no group
+                    for lane in range(32):
+                        gi, ti = lane // 4, lane % 4
+                        for hh in (0, 1):
+                            row = min(bn * 16 * tiles + 16 * t + 8 * hh + gi, n - 1)
+                            for j in (0, 1):
+                                byte = (int(swords[row, kb]) >> (8 * ((2 * ti + j) % 4))) & 0xFF
+                                scale = 2.0 ** (byte - 127 + lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                                partial[warp, t, lane, 2 * hh + j] += d[gi + 8 * hh, 2 * ti + j] * scale * sa[kb].item()
+        acc = partial.sum(0)  # the warps' partial sums, added in warp order
+        for t in range(tiles):
+            for lane in range(0, 32, 4):  # lane ti = 0 of each quad, after the shuffle with ti = 1
+                for hh in (0, 1):
+                    row = bn * 16 * tiles + 16 * t + 8 * hh + lane // 4
+                    if row < n:
+                        y[row] = acc[t, lane, 2 * hh:2 * hh + 2].sum() + acc[t, lane + 1, 2 * hh:2 * hh + 2].sum()
+    return y
+
+
+@pytest.mark.parametrize("n,k,tiles,ksplit", [(40, 512, 1, 2), (32, 256, 2, 1), (24, 384, 2, 3)])
+def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    ws = torch.randint(117, 131, (n, k // 32), generator=gen, dtype=torch.uint8)
+    x = torch.randn(1, k, generator=gen) * 4.0
+    q, sa = ref.act_quant(x, 128)
+    got = emulate(w, ws, q[0].view(torch.uint8), sa[0], tiles, ksplit)
+    exact = (ref.act_dequant(q, sa, 128).double() @ ref.dequant_fp4(
+        w.view(torch.int8), ws.view(torch.float8_e8m0fnu)).double().T)[0]
+    assert ((got - exact).abs() <= 1e-9 * got.abs().max()).all()  # exact products, fp64 sums here
+
+
+def test_mma1_tile_keeps_a_warps_blocks_in_registers():
+    assert mma1_tile(4096) == (2, 4) and mma1_tile(2048) == (2, 4)  # decode's w1+w3 and w2
+    assert mma1_tile(7168) == (2, 8) and mma1_tile(384) == (2, 1) and mma1_tile(256) == (2, 2)
+    for k in range(128, 16384, 128):
+        tile = mma1_tile(k)
+        if tile is not None:
+            assert (k // 128) % tile[1] == 0 and k // 128 // tile[1] <= MAX_BLOCKS
+    assert mma1_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
+    assert not supports(4096, (2,), 4096)  # scales must start 4-byte aligned
