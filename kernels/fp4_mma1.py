@@ -160,7 +160,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
                     T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_word", ww[i, t, 0, w], ww[i, t, 1, w],
                                              T.address_of(b[4 * w]), T.address_of(d[0])))
                 for h in T.unroll(2):
-                    for j in T.unroll(2):  # lanes ti >= 2 hold zero columns; any finite scale serves
+                    for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
                         ws = e8m0_bits_to_float(T, (sw[i, t, h] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
                         acc[t, 2 * h + j] += d[2 * h + j] * (ws * sa)
         for t in T.unroll(tiles):
