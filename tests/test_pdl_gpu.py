@@ -71,3 +71,58 @@ def test_chain_in_a_graph_equals_the_chain_synchronised(links):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, want)
+
+
+def _routed_chain(ops, x, gate_w, bias, shared, norm_w, arena, fields, table, sync: bool):
+    """Links as in the decode's MoE: the router writes the expert ids, the shared expert's GEMV runs
+    (it writes neither ids nor table), then the routed experts read the ids early; the next link's
+    input depends on both outputs, so the ids change from link to link."""
+    def done():
+        if sync:
+            torch.cuda.synchronize()
+    for w, s in shared:
+        ids, wts = ops.moe_gate(x, gate_w, bias, 6, 1.0, None)  # [1, 6]
+        done()
+        q, sq = ops.act_quant(x, 128)
+        done()
+        h = ops.fp8_gemm(x, w, s)
+        done()
+        y = ops.fp4_moe_quantized(q, sq, arena, fields, ids[0], wts[0], 10.0, table, early=True)  # [6, D] fp32
+        done()
+        x = ops.rms_norm((h.float() + y.sum(0, keepdim=True)).to(torch.bfloat16), norm_w, 1e-6)
+        done()
+    return x
+
+
+def test_early_expert_reads_in_a_graph_equal_the_chain_synchronised():
+    """fp4_moe_quantized(early=True) reads its expert ids and weights before waiting on the kernel
+    ahead (kernels/fp4_mma1.py). With the ids written two launches before (as in the decode), a
+    graph replay, where PDL overlaps every link, equals the chain synchronised after every call."""
+    from kernels.backend import TileLangBackend
+    from test_kernels_gpu import _arena
+    ops = TileLangBackend(torch.device(DEV))
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    inter, dim, experts, links = 256, 512, 16, 12
+    arena, fields, _ = _arena(experts, inter, dim, gen)
+    table = torch.randperm(experts, generator=gen, device=DEV).to(torch.int32)  # expert id -> slot
+    gate_w = torch.randn(experts, dim, generator=gen, device=DEV)
+    bias = torch.zeros(experts, device=DEV)
+    norm_w = torch.rand(dim, generator=gen, device=DEV) + 0.5
+    shared = _weights(dim, dim, links, gen)
+    args = (gate_w, bias, shared, norm_w, arena, fields, table)
+    x0 = torch.randn(1, dim, generator=gen, device=DEV).to(torch.bfloat16)
+
+    want = _routed_chain(ops, x0, *args, sync=True).clone()
+    static_in = x0.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _routed_chain(ops, static_in, *args, sync=False)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _routed_chain(ops, static_in, *args, sync=False)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, want)
