@@ -111,6 +111,24 @@ def part_offset(p, values):
     return values[0] + p * step
 
 
+def warp_sums_macro(T, tiles: int, ksplit: int):
+    """A TileLang macro `warp_sums(acc, red, warp, lane)`: the `ksplit` warps' accumulators acc
+    [tiles, 4] meet in shared memory red [ksplit, tiles * 4, 32]; warp 0's acc then holds their
+    sums, added in warp order (every thread must call it: it synchronises the CTA)."""
+    @T.macro
+    def warp_sums(acc, red, warp, lane):
+        for t in T.unroll(tiles):
+            for c in T.unroll(4):
+                red[warp, 4 * t + c, lane] = acc[t, c]
+        T.sync_threads()
+        if warp == 0:
+            for t in T.unroll(tiles):
+                for c in T.unroll(4):
+                    for w in T.unroll(1, ksplit):
+                        acc[t, c] += red[w, 4 * t + c, lane]
+    return warp_sums
+
+
 @functools.cache
 def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                    s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
@@ -131,6 +149,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
     odd = m > 1  # tokens 2ti + 1 exist
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
+
+    warp_sums = warp_sums_macro(T, tiles, ksplit)
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -177,15 +197,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
                         acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
                         if odd:
                             acc[t, 2 * h + 1] += d[2 * h + 1] * (ws * sa[1])
-        for t in T.unroll(tiles):
-            for c in T.unroll(4):
-                red[warp, 4 * t + c, lane] = acc[t, c]
-        T.sync_threads()
+        warp_sums(acc, red, warp, lane)
         if warp == 0:
-            for t in T.unroll(tiles):
-                for c in T.unroll(4):
-                    for w in T.unroll(1, ksplit):
-                        acc[t, c] += red[w, 4 * t + c, lane]
             for t in T.unroll(tiles):
                 for h in T.unroll(2):
                     row = row0 + 16 * t + 8 * h + gi

@@ -108,6 +108,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
     shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
+    warp_sums = fp4_mma.warp_sums_macro(T, tiles, ksplit)
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -163,15 +164,9 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
                         ws = e8m0_bits_to_float(T, (sw[i, t, h] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
                         acc[t, 2 * h + j] += d[2 * h + j] * (ws * sa)
-        for t in T.unroll(tiles):
-            for c in T.unroll(4):
-                red[warp, 4 * t + c, lane] = acc[t, c]
-        T.sync_threads()
+        warp_sums(acc, red, warp, lane)
         if warp == 0:
             for t in T.unroll(tiles):
-                for c in T.unroll(4):
-                    for w in T.unroll(1, ksplit):
-                        acc[t, c] += red[w, 4 * t + c, lane]
                 for h in T.unroll(2):
                     d[h] = acc[t, 2 * h] + acc[t, 2 * h + 1]  # groups 2ti, 2ti + 1 of row gi + 8h
                     d[h] += T.shfl_xor(d[h], 1)

@@ -314,15 +314,12 @@ def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
                 assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
 
 
-@pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
-                                                (8, 200, 1024, True), (2, 48, 256, False)])
-def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
-    """The tensor-core GEMV (kernels/fp4_mma.py) on its own: two parts (w1 and w3), per-group
-    and shared activations, bf16 and fp32 outputs, slots direct or looked up in a table; rows
-    that are not a whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps. Also against
-    the CUDA-core kernel, which sums the same exact products in another order."""
+def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> None:
+    """w1 and w3 of three experts in one launch (two parts), per-group and shared activations, bf16
+    and fp32 outputs, slots direct or looked up in a table: `launch(q, sa, data, offs, where, y,
+    tl_dtype, shared)` runs the kernel under test into y [2, 3, m, inter] (NaN before), which must
+    match the reference and the CUDA-core kernel (the same exact products summed in another order)."""
     from kernels.act_quant import act_quant
-    from kernels.fp4_mma import fp4_mma_kernel, mma_tile
     from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
     from kernels.fp8_gemm import as_words
     data, fields, expert = _arena(5, inter, dim, gen)
@@ -338,10 +335,8 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     for out_dtype, shared in ((torch.bfloat16, False), (torch.float32, True)):
         a = slice(0, 1) if shared else slice(None)  # shared: every group reads x[0]
         tl_dtype = str(out_dtype).removeprefix("torch.")
-        y = torch.empty(2, 3, m, inter, dtype=out_dtype, device=DEV)
-        tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
-        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
-                       arch, lookup)(as_words(q[a]), sa[a], as_words(data), as_words(data), *where, y)
+        y = torch.full((2, 3, m, inter), float("nan"), dtype=out_dtype, device=DEV)
+        launch(as_words(q[a]), sa[a], data, offs, where, y, tl_dtype, shared)
         core = torch.empty_like(y)
         fp4_gemv_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], *gemv_tile(inter, arch),
                         tl_dtype, arch, lookup)(as_words(q[a]), sa[a], as_words(data), data, *where, core)
@@ -354,44 +349,37 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
                 assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
 
 
+@pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
+                                                (8, 200, 1024, True), (2, 48, 256, False)])
+def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
+    """The tensor-core GEMV (kernels/fp4_mma.py) on its own (`_two_part_gemv`): rows that are not a
+    whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps."""
+    from kernels.fp4_mma import fp4_mma_kernel, mma_tile
+    from kernels.fp8_gemm import as_words
+    arch = torch.cuda.get_device_capability()
+
+    def launch(q, sa, data, offs, where, y, tl_dtype, shared):
+        tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
+        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
+                       arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
+    _two_part_gemv(m, inter, dim, lookup, gen, launch)
+
+
 @pytest.mark.parametrize("inter,dim,tiles,ksplit,lookup,early", [
     (2048, 4096, 2, 8, True, True), (4096, 2048, 2, 4, False, True), (2048, 4096, 1, 4, True, False),
     (200, 1024, 2, 8, True, False), (48, 256, 1, 1, False, True), (72, 384, 2, 3, True, False)])
 def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, gen):
-    """The one-token tensor-core GEMV (kernels/fp4_mma1.py): two parts (w1 and w3), per-group and
-    shared activations, bf16 and fp32 outputs, slots direct or looked up in a table, read before
-    or after the wait on the predecessor, rows that are not a whole tile, K split over 1 to 8
-    warps. Also against the CUDA-core kernel, which sums the same exact products in another order."""
-    from kernels.act_quant import act_quant
+    """The one-token tensor-core GEMV (kernels/fp4_mma1.py, `_two_part_gemv`): slots and weights read
+    before or after the wait on the predecessor, rows that are not a whole tile, K split over 1 to 8
+    warps."""
     from kernels.fp4_mma1 import fp4_mma1_kernel
-    from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
     from kernels.fp8_gemm import as_words
-    data, fields, expert = _arena(5, inter, dim, gen)
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
-    table = torch.tensor([3, 1, 4, -1, 0, 2], dtype=torch.int32, device=DEV)  # expert id -> slot
-    ids = torch.tensor([2, 4, 5], dtype=torch.int64, device=DEV)  # -> slots 4, 0, 2
-    x = activations(3, dim, gen).view(3, 1, dim)
-    q, sa = act_quant(x, 128)
-    names = ("w1", "w3")
-    offs = tuple(fields[f"{n}.weight"].offset for n in names), tuple(fields[f"{n}.scale"].offset for n in names)
     arch = torch.cuda.get_device_capability()
-    where = (table, ids) if lookup else (slots,)
-    for out_dtype, shared in ((torch.bfloat16, False), (torch.float32, True)):
-        a = slice(0, 1) if shared else slice(None)  # shared: every group reads x[0]
-        tl_dtype = str(out_dtype).removeprefix("torch.")
-        y = torch.full((2, 3, 1, inter), float("nan"), dtype=out_dtype, device=DEV)
+
+    def launch(q, sa, data, offs, where, y, tl_dtype, shared):
         fp4_mma1_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
-                        arch, lookup, early)(as_words(q[a]), sa[a], as_words(data), as_words(data), *where, y)
-        core = torch.empty_like(y)
-        fp4_gemv_kernel(1, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], *gemv_tile(inter, arch),
-                        tl_dtype, arch, lookup)(as_words(q[a]), sa[a], as_words(data), data, *where, core)
-        for p, n in enumerate(names):
-            for g, slot in enumerate(slots.tolist()):
-                e = expert(slot)
-                want = ref.fp4_gemm(x[0 if shared else g], e[f"{n}.weight"], e[f"{n}.scale"])  # [1, inter]
-                assert rel_err(y[p, g], want) < 4e-3, (n, g, slot, out_dtype)
-                assert rel_err(y[p, g], core[p, g]) < 4e-3, (n, g, slot, out_dtype)
-                assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
+                        arch, lookup, early)(q, sa, as_words(data), as_words(data), *where, y)
+    _two_part_gemv(1, inter, dim, lookup, gen, launch)
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
