@@ -110,6 +110,11 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
     warp_sums = fp4_mma.warp_sums_macro(T, tiles, ksplit)
 
+    def index(buf, i, dtype: str):
+        """buf[i]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
+        must not answer a read made before the wait."""
+        return T.call_extern(dtype, "__ldcg", T.address_of(buf[i])) if early else buf[i]
+
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
         lowbit.import_source(T, fp4_mma.SOURCE, SOURCE)
@@ -181,13 +186,13 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
                      TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
                      Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
-                body(Q, SA, WA, SWA, Y, T.max(TABLE[IDS[g]], 0), bn, g, part)
+                body(Q, SA, WA, SWA, Y, T.max(index(TABLE, index(IDS, g, "int64"), "int32"), 0), bn, g, part)
     else:
         @T.prim_func
         def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
                      WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
                      SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
-                body(Q, SA, WA, SWA, Y, SLOT[g], bn, g, part)
+                body(Q, SA, WA, SWA, Y, index(SLOT, g, "int32"), bn, g, part)
 
     return compile_kernel(fp4_mma1, arch, pass_configs=UNGUARDED)
