@@ -68,8 +68,9 @@ MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registe
 def mma1_tile(k: int) -> tuple[int, int] | None:
     """(tiles of 16 rows per CTA, ksplit warps) for K channels, or None where no split keeps a
     warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles and the first of 4, 8, 16,
-    2, 1 warps that divides K/128. H200 (bench.kernels, decode's 6 experts, early): w1+w3 (K 4096)
-    19.58 us at 2 x 4 against 20.23 at 2 x 8; w2 (K 2048) 11.12 us at 2 x 4, 11.00 at 2 x 8."""
+    2, 1 warps that divides K/128 (K <= 16384 keeps the shared activations within 32 KB). H200
+    (bench.kernels, decode's 6 experts, early, two runs): w1+w3 (K 4096) 19.58 / 19.54 us at 2 x 4
+    against 20.23 / 20.15 at 2 x 8; w2 (K 2048) 11.12 / 10.44 at 2 x 4 against 11.00 / 10.79."""
     blocks = k // 128
     for ksplit in (4, 8, 16, 2, 1):
         if blocks % ksplit == 0 and blocks // ksplit <= MAX_BLOCKS:
