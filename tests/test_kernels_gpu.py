@@ -366,7 +366,8 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
 
 
 @pytest.mark.parametrize("inter,dim,tiles,ksplit,lookup,early", [
-    (2048, 4096, 2, 8, True, True), (4096, 2048, 2, 4, False, True), (2048, 4096, 1, 4, True, False),
+    (2048, 4096, 2, 4, True, True), (4096, 2048, 2, 4, False, True), (2048, 4096, 1, 4, True, False),
+    (2048, 4096, 2, 8, False, True),
     (200, 1024, 2, 8, True, False), (48, 256, 1, 1, False, True), (72, 384, 2, 3, True, False)])
 def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, gen):
     """The one-token tensor-core GEMV (kernels/fp4_mma1.py, `_two_part_gemv`): slots and weights read
