@@ -130,6 +130,12 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
     print("  by launches:")
     for e in sorted(kernels, key=lambda e: -e.count)[:15]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
+    # TileLang names its kernels `<prim_func>_kernel`; the rest (torch's, cuBLAS, copies) launch
+    # without programmatic dependent launch, so each waits for the kernel before it to finish
+    others = [e for e in kernels if not e.key.endswith("_kernel")]
+    print(f"  outside TileLang (no PDL overlap): {sum(e.count for e in others) / steps:.0f} per token")
+    for e in sorted(others, key=lambda e: -e.count)[:8]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count / steps:5.2f}  {e.key[:90]}")
 
 
 def _hf_decode(path: Path, ids: torch.Tensor, prefill: int, tokens: int) -> tuple[float, float, float]:
