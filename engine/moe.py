@@ -109,7 +109,7 @@ class MoE:
         for e, weights in provider.experts(self.layer, wanted):
             rows, cols = where[:, spans[e][0]:spans[e][1]]
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
-        return self._combine(slots, x)
+        return self._combine(slots, self._shared(x))
 
     def _cells_in_arena(self, provider) -> bool:
         """Native numerics with every expert resident in a CUDA arena: then all (token, choice)
@@ -131,7 +131,7 @@ class MoE:
         y = self.numerics.backend.fp4_moe(x.index_select(0, tokens), arena.data, arena.record.fields,
                                           slots[order], w.reshape(-1)[order], self.limit)  # [N·k, D] fp32
         cells = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
-        return self._combine(cells.view(n, k, -1), x)
+        return self._combine(cells.view(n, k, -1), self._shared(x))
 
     def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
@@ -149,18 +149,18 @@ class MoE:
             shared = self._shared(xq)
             y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0],
                                                         self.limit, arena.table[self.layer], early=True)  # [k, D]
-            return self.ops.moe_combine(y.unsqueeze(0), shared, self.numerics.dtype)  # row j of y = choice j
+            return self._combine(y.unsqueeze(0), shared)  # row j of y = choice j
         x = unquantized(x)
         slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
         recs = arena.data.index_select(0, slots.long())  # [k, R]
         y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
                        for j in range(k)])
-        return self._combine(y.unsqueeze(0), x)  # [1, k, D]
+        return self._combine(y.unsqueeze(0), self._shared(x))  # [1, k, D]
 
-    def _combine(self, slots: torch.Tensor, x: torch.Tensor | Quantized) -> torch.Tensor:
+    def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
-        order), then the shared expert on x; rounded once into the stream dtype."""
-        return self.ops.moe_combine(slots, self._shared(x), self.numerics.dtype)
+        order), then the shared expert's output [N, D]; rounded once into the stream dtype."""
+        return self.ops.moe_combine(slots, shared, self.numerics.dtype)
 
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
