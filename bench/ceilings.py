@@ -4,8 +4,9 @@ bench.kernels rates every kernel against the device-to-device copy bandwidth of 
 kernel moves 1-60 MB per launch, where a fixed cost per launch (first loads, last wave) weighs
 in. This prints, in one run: graphed copies and read-only reductions (torch's fp32 sum and amax)
 of 27-428 MB, each timed like bench.kernels' rows (a CUDA graph of calls over rotating buffers
-that together exceed L2), and the routed FP4 GEMV (w1+w3 of 6-48 experts in one launch, the
-one-token tensor-core kernel and the CUDA-core one), whose slope is its steady rate.
+that together exceed L2), and the routed FP4 GEMVs (w1+w3 and w2 of 6-48 experts in one launch,
+through bench.kernels.fp4_tile_rows: the CUDA-core kernel and the one-token tensor-core one,
+early), whose slope is their steady rate.
 
     python -m bench.ceilings
 """
@@ -14,7 +15,7 @@ import argparse
 
 import torch
 
-from bench.kernels import CALLS_PER_GRAPH, copy_bandwidth, fp4_arena, time_calls, time_rotating
+from bench.kernels import copy_bandwidth, fp4_arena, fp4_tile_rows, time_calls
 
 SIZES_MB = (27, 54, 107, 428)
 EXPERTS = (6, 12, 24, 48)
@@ -28,10 +29,9 @@ def main(argv=None) -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.ceilings needs a CUDA GPU")
-    from kernels.act_quant import act_quant, cuda_arch
-    from kernels.fp4_mma1 import fp4_mma1_kernel, mma1_tile
-    from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.act_quant import cuda_arch
+    from kernels.fp4_mma1 import mma1_tile
+    from kernels.fp4_moe import gemv_tile
 
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
@@ -55,21 +55,12 @@ def main(argv=None) -> None:
         del bufs
 
     n, k = 2048, 4096
-    arena = fp4_arena(2 * max(EXPERTS) + 16, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
+    arena = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     arch = cuda_arch(dev)
-    q, sq = act_quant(torch.randn(1, 1, k, device=dev).to(torch.bfloat16), 128)
-    w_off, s_off = (0, n * k // 2), (n * k, n * k + n * k // 32)
-    per = n * k // 2 + n * k // 32
-    core = fp4_gemv_kernel(1, n, k, arena.shape[1], w_off, arena.shape[1], s_off, *gemv_tile(n, arch, 12),
-                           "bfloat16", arch)
-    mma1 = fp4_mma1_kernel(n, k, arena.shape[1], w_off, arena.shape[1], s_off, *mma1_tile(k), "bfloat16", arch,
-                           False, True)
-    for g in EXPERTS:
-        y = torch.empty(2, g, 1, n, dtype=torch.bfloat16, device=dev)
-        tables = [torch.randperm(arena.shape[0], device=dev)[:g].to(torch.int32) for _ in range(CALLS_PER_GRAPH)]
-        for name, kernel, scales in (("tensor cores, early", mma1, as_words(arena)), ("CUDA cores", core, arena)):
-            t, _ = time_rotating(tables, lambda s: kernel(as_words(q), sq, as_words(arena), scales, s, y))
-            show(f"fp4 w1+w3 of {g} experts, {name}", 2 * g * per, t)
+    for g in EXPERTS:  # both kernels at decode's one-token tiles: w1+w3 of g experts, then w2
+        for name, nbytes, t, _ in fp4_tile_rows(dev, arena, n, k, g, 1, [gemv_tile(n, arch, 2 * g)], [],
+                                                [(*mma1_tile(k), True)]):
+            show(name, nbytes, t)
 
 
 if __name__ == "__main__":

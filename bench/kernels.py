@@ -251,7 +251,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
     kernel and its tiles from."""
     from kernels.act_quant import act_quant, cuda_arch
     from kernels.fp4_mma import fp4_mma_kernel
-    from kernels.fp4_mma1 import MAX_BLOCKS, fp4_mma1_kernel
+    from kernels.fp4_mma1 import fp4_mma1_kernel
+    from kernels.fp4_mma1 import splits as mma1_splits
     from kernels.fp4_mma1 import supports as mma1_supports
     from kernels.fp4_moe import fp4_gemv_kernel
     from kernels.fp8_gemm import as_words
@@ -281,7 +282,7 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
         for tiles, ksplit, *early in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
-            if not mma1_supports(kk, s_off, ar.shape[1]) or kk // 128 % ksplit or kk // 128 // ksplit > MAX_BLOCKS:
+            if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
                 continue
             kernel = fp4_mma1_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
                                      False, *early)

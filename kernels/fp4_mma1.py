@@ -71,11 +71,16 @@ def mma1_tile(k: int) -> tuple[int, int] | None:
     2, 1 warps that divides K/128 (K <= 16384 keeps the shared activations within 32 KB). H200
     (bench.kernels, decode's 6 experts, early, two runs): w1+w3 (K 4096) 19.58 / 19.54 us at 2 x 4
     against 20.23 / 20.15 at 2 x 8; w2 (K 2048) 11.12 / 10.44 at 2 x 4 against 11.00 / 10.79."""
-    blocks = k // 128
     for ksplit in (4, 8, 16, 2, 1):
-        if blocks % ksplit == 0 and blocks // ksplit <= MAX_BLOCKS:
+        if splits(k, ksplit):
             return 2, ksplit
     return None
+
+
+def splits(k: int, ksplit: int) -> bool:
+    """Whether `ksplit` warps share K's 128-channel blocks evenly, at most MAX_BLOCKS each."""
+    blocks = k // 128
+    return blocks % ksplit == 0 and blocks // ksplit <= MAX_BLOCKS
 
 
 def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
