@@ -1,17 +1,20 @@
 """What one launch of a given size can reach on this GPU, against the 1 GiB copy ceiling.
 
 bench.kernels rates every kernel against the device-to-device copy bandwidth of 1 GiB. A decode
-kernel moves 1-60 MB per launch, where a fixed cost per launch (first loads, last wave) weighs
-in. This prints, in one run: graphed copies and read-only reductions (torch's fp32 sum and amax)
-of 27-428 MB, each timed like bench.kernels' rows (a CUDA graph of calls over rotating buffers
-that together exceed L2), and the routed FP4 GEMVs (w1+w3 and w2 of 6-48 experts in one launch,
-through bench.kernels.fp4_tile_rows: the CUDA-core kernel and the one-token tensor-core one,
-early), whose slope is their steady rate.
+kernel moves 1-60 MB per launch. This prints, in one run, at 27-428 MB: graphed copies, torch's
+read-only fp32 sum and amax, and a plain streaming read (`read_kernel`), each timed like
+bench.kernels' rows (a CUDA graph of calls over rotating buffers that together exceed L2); then the
+routed FP4 GEMVs (w1+w3 and w2 of 6-48 experts in one launch, through bench.kernels.fp4_tile_rows:
+the CUDA-core kernel and the one-token tensor-core one, early), whose slope is their steady rate.
+H200, one run: the streaming read reached 92-99 % of the copy bandwidth at 27 MB and ~100 % from
+54 MB, where torch's sum reached 47 % and 66 %: a read-only launch of decode size need not lose
+a fixed cost; the FP4 GEMVs' shortfall is their own (sums waiting on loads).
 
     python -m bench.ceilings
 """
 
 import argparse
+import functools
 
 import torch
 
@@ -19,6 +22,43 @@ from bench.kernels import copy_bandwidth, fp4_arena, fp4_tile_rows, time_calls
 
 SIZES_MB = (27, 54, 107, 428)
 EXPERTS = (6, 12, 24, 48)
+READ_TILES = ((256, 4, False), (256, 8, False), (256, 8, True), (256, 16, True), (128, 16, True))
+# (threads, 16-byte vectors per thread, early) of the streaming read
+
+
+@functools.cache
+def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], early: bool):
+    """A streaming read of `words` int32 (a multiple of 4·threads·unroll): every thread loads
+    `unroll` 16-byte vectors (all issued before their XOR), and writes nothing unless the XOR of
+    its words is a sentinel, so the loads cannot be dropped. The best a read-only launch of that
+    size can do, for the kernels' figures to be set against. `early`: PDL as fp4_mma1's early
+    (loads issued before the wait on the kernel before); else no PDL, as torch's kernels."""
+    import tilelang.language as T
+
+    from kernels import pdl
+    from kernels.act_quant import UNGUARDED, compile_kernel
+
+    per_cta = threads * unroll  # 16-byte vectors
+
+    @T.prim_func
+    def read(X: T.Tensor((words // 4, 4), "int32"), OUT: T.Tensor((1,), "int32")):
+        with T.Kernel(words // 4 // per_cta, threads=threads) as bx:
+            tid = T.get_thread_binding(0)
+            v = T.alloc_local((unroll, 4), "int32")
+            acc = T.alloc_local((1,), "int32")
+            for u in T.unroll(unroll):
+                for j in T.vectorized(4):
+                    v[u, j] = X[bx * per_cta + u * threads + tid, j]
+            if early:
+                pdl.begin(T, arch)
+            acc[0] = 0
+            for u in T.unroll(unroll):
+                for j in T.unroll(4):
+                    acc[0] = acc[0] ^ v[u, j]
+            if acc[0] == 0x5A5A5A5A:
+                OUT[0] = acc[0]
+
+    return compile_kernel(read, arch, pass_configs=UNGUARDED)
 
 
 def _buffers(nbytes: int, dev) -> list[torch.Tensor]:
@@ -34,6 +74,7 @@ def main(argv=None) -> None:
     from kernels.fp4_moe import gemv_tile
 
     dev = torch.device("cuda")
+    arch = cuda_arch(dev)
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy of 1 GiB {ceiling / 1e9:.0f} GB/s (read + write)")
 
@@ -52,14 +93,22 @@ def main(argv=None) -> None:
         for name, op in (("sum", torch.sum), ("amax", torch.amax)):
             t, _ = time_calls([(lambda i=i: op(bufs[i], dim=0, out=out[i])) for i in range(len(bufs))] * 2)
             show(f"read only, torch fp32 {name}", mb << 20, t)
+        words = bufs[0].numel()
+        sentinel = torch.zeros(1, dtype=torch.int32, device=dev)
+        for threads, unroll, early in READ_TILES:
+            if words % (4 * threads * unroll) == 0:
+                kern = read_kernel(words, threads, unroll, arch, early)
+                t, _ = time_calls([(lambda i=i: kern(bufs[i].view(torch.int32).view(-1, 4), sentinel))
+                                   for i in range(len(bufs))] * 2)
+                show(f"read only, {threads} threads x {unroll} vectors{' early' if early else ''}", mb << 20, t)
         del bufs
 
     n, k = 2048, 4096
     arena = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
-    arch = cuda_arch(dev)
+    tiles, ksplit, depth = mma1_tile(k)  # w1+w3's tile, w2 timed at it too (each row names its tile)
     for g in EXPERTS:  # both kernels at decode's one-token tiles: w1+w3 of g experts, then w2
         for name, nbytes, t, _ in fp4_tile_rows(dev, arena, n, k, g, 1, [gemv_tile(n, arch, 2 * g)], [],
-                                                [(*mma1_tile(k), True)]):
+                                                [(tiles, ksplit, True, depth)]):
             show(name, nbytes, t)
 
 

@@ -238,8 +238,9 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
 
 CUDA_TILES = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]  # (rows per warp, warps) of the CUDA-core FP4 GEMV
 MMA_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]  # (tiles, ksplit warps) of the MMA one
-MMA1_TILES = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 4, True), (2, 8, True)]  # (tiles, ksplit warps[, early]) of the
-# one-token MMA kernel (early: slots and weights read before the wait on the kernel before)
+MMA1_TILES = [(2, 4), (2, 4, True), (2, 2, True), (2, 2, True, 3), (2, 4, True, 3), (2, 8, True, 3)]
+# (tiles, ksplit warps[, early[, depth]]) of the one-token MMA kernel (early: slots and weights read
+# before the wait on the kernel before; depth: loads kept that many blocks ahead of the sums)
 
 
 def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUDA_TILES,
@@ -281,14 +282,15 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
-        for tiles, ksplit, *early in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
+        for tiles, ksplit, *opts in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
+            early, depth = (*opts, False, 0)[:2]
             if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
                 continue
             kernel = fp4_mma1_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
-                                     False, *early)
+                                     False, early, depth)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            label = " early" if early and early[0] else ""
+            label = (" early" if early else "") + (f" depth {depth}" if depth else "")
             rows.append((f"fp4 MMA1 {name} {g}x1 rows {nn}x{kk} {tiles}t x{ksplit}w{label}", nbytes, t, graphed))
     return rows
 

@@ -57,6 +57,7 @@ __device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(b[2]), "r"(b[3]));
 }
+
 """
 
 MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches here (sm_121: untested)
@@ -65,15 +66,19 @@ MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches
 MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registers (8 words per tile each)
 
 
-def mma1_tile(k: int) -> tuple[int, int] | None:
-    """(tiles of 16 rows per CTA, ksplit warps) for K channels, or None where no split keeps a
-    warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles and the first of 4, 8, 16,
-    2, 1 warps that divides K/128 (K <= 16384 keeps the shared activations within 32 KB). H200
-    (bench.kernels, decode's 6 experts, early, two runs): w1+w3 (K 4096) 19.58 / 19.54 us at 2 x 4
-    against 20.23 / 20.15 at 2 x 8; w2 (K 2048) 11.12 / 10.44 at 2 x 4 against 11.00 / 10.79."""
-    for ksplit in (4, 8, 16, 2, 1):
-        if splits(k, ksplit):
-            return 2, ksplit
+DEPTH = 3  # blocks whose loads a warp keeps ahead of its sums (`depth`)
+
+
+def mma1_tile(k: int) -> tuple[int, int, int] | None:
+    """(tiles of 16 rows per CTA, ksplit warps, depth) for K channels, or None where no split keeps
+    a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
+    one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
+    activations within 32 KB), loads kept DEPTH blocks ahead. H200 (bench.kernels, decode's 6
+    experts, early, one run): w1+w3 (K 4096) 18.95 us at 2 x 4 depth 3 against 19.64 with every
+    load issued first; w2 (K 2048) 9.74 us at 2 x 2 depth 3 against 10.69 at 2 x 4 all first."""
+    for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
+        if ksplit >= 1 and splits(k, ksplit):
+            return 2, ksplit, DEPTH
     return None
 
 
@@ -92,10 +97,14 @@ def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
 @functools.cache
 def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int, s_off: tuple[int, ...],
                     tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int], lookup: bool = False,
-                    early: bool = False):
+                    early: bool = False, depth: int = 0):
     """Grouped one-token FP4 GEMV on the tensor cores: the tensors of kernels/fp4_mma.py's
     `fp4_mma_kernel` at m = 1 (SWA as int32 words [Ss, s_stride/4]); a CTA owns `tiles` tiles of
     16 rows and its `ksplit` warps each sum K/ksplit channels.
+
+    `depth`: each warp issues its first `depth` blocks' loads, then those of block i + depth before
+    it sums block i (0: every load first). The loads arrive in the order the sums need them
+    instead of all at the end; the unrolled code keeps the order (bench: interleaved in the SASS).
 
     `early`: the slots (SLOT, or TABLE and IDS) and the weights are read before the kernel waits
     for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's tail. Only
@@ -109,6 +118,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
                                "unsupported (K whole 128-channel blocks shared evenly, scales 4-byte aligned)")
     blocks = k // 128
     per = blocks // ksplit  # blocks per warp
+    lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum
     kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
     parts, cta_rows, threads = len(w_off), 16 * tiles, 32 * ksplit
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
@@ -120,6 +130,20 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         """buf[i]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
         must not answer a read made before the wait."""
         return T.call_extern(dtype, "__ldcg", T.address_of(buf[i])) if early else buf[i]
+
+    @T.macro
+    def load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i):
+        """Issue the loads of the warp's block i: weight words into ww[i], scale words into sw[i]."""
+        gi, ti = lane // 4, lane % 4
+        kb = warp * per + i
+        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])
+        for t in T.unroll(tiles):
+            for h in T.unroll(2):
+                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                for v in T.vectorized(4):
+                    ww[i, t, h, v] = WA[slot, w_off_w + row * kw + 16 * kb + 4 * ti + v]
+                sw[i, t, h] = SWA[slot, s_off_w + row * kgw + kb]
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -136,19 +160,11 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         d = T.alloc_local((4,), "float32")
         acc = T.alloc_local((tiles, 4), "float32")
         ga = T.min(g, agroups - 1)
-        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])
         row0 = bn * cta_rows
         if not early:
             pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
-        for i in T.unroll(per):  # the warp's weight and scale words, loaded first
-            kb = warp * per + i
-            for t in T.unroll(tiles):
-                for h in T.unroll(2):
-                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                    for v in T.vectorized(4):
-                        ww[i, t, h, v] = WA[slot, w_off_w + row * kw + 16 * kb + 4 * ti + v]
-                    sw[i, t, h] = SWA[slot, s_off_w + row * kgw + kb]
+        for i in T.unroll(lead):  # the warp's first `lead` blocks of weight and scale words
+            load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i)
         if early:
             pdl.begin(T, arch)  # the activations: the predecessor wrote them
         for it in T.serial((blocks * 4 + threads - 1) // threads):  # the activations' B pairs
@@ -164,6 +180,8 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         for i in T.unroll(per):
             kb = warp * per + i
             sa = SA[ga, 0, kb]
+            if i + lead < per:  # `depth`: the block `lead` ahead (after unrolling, a constant test)
+                load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i + lead)
             for u in T.unroll(16):
                 b[u] = T.if_then_else(gi == ti, act[kb, ti, u], T.uint32(0))
             for t in T.unroll(tiles):

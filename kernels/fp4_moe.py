@@ -200,9 +200,9 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
         arch = cuda_arch(q.device)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
         if m == 1 and arch in fp4_mma1.MMA1_ARCHS and fp4_mma1.supports(k, tuple(s_offs), sb.shape[1]):
-            kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                              *fp4_mma1.mma1_tile(k), _TORCH_TO_TL[out_dtype], arch,
-                                              table is not None, early)
+            tiles, ksplit, depth = fp4_mma1.mma1_tile(k)
+            kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs), tiles,
+                                              ksplit, _TORCH_TO_TL[out_dtype], arch, table is not None, early, depth)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         elif (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
                 and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):

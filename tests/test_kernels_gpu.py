@@ -365,21 +365,23 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     _two_part_gemv(m, inter, dim, lookup, gen, launch)
 
 
-@pytest.mark.parametrize("inter,dim,tiles,ksplit,lookup,early", [
-    (2048, 4096, 2, 4, True, True), (4096, 2048, 2, 4, False, True), (2048, 4096, 1, 4, True, False),
-    (2048, 4096, 2, 8, False, True),
-    (200, 1024, 2, 8, True, False), (48, 256, 1, 1, False, True), (72, 384, 2, 3, True, False)])
-def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, gen):
+@pytest.mark.parametrize("inter,dim,tiles,ksplit,lookup,early,depth", [
+    (2048, 4096, 2, 4, True, True, 0), (4096, 2048, 2, 4, False, True, 0), (2048, 4096, 1, 4, True, False, 0),
+    (2048, 4096, 2, 8, False, True, 0), (200, 1024, 2, 8, True, False, 0), (48, 256, 1, 1, False, True, 0),
+    (72, 384, 2, 3, True, False, 0), (2048, 4096, 2, 4, True, True, 3), (4096, 2048, 2, 2, True, True, 3),
+    (2048, 4096, 2, 1, True, True, 4), (200, 1024, 1, 2, True, False, 3), (72, 384, 2, 1, False, True, 2)])
+def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
     """The one-token tensor-core GEMV (kernels/fp4_mma1.py, `_two_part_gemv`): slots and weights read
-    before or after the wait on the predecessor, rows that are not a whole tile, K split over 1 to 8
-    warps."""
+    before or after the wait on the predecessor, all first or `depth` blocks ahead of the sums, rows
+    that are not a whole tile, K split over 1 to 8 warps."""
     from kernels.fp4_mma1 import fp4_mma1_kernel
     from kernels.fp8_gemm import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
-        fp4_mma1_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
-                        arch, lookup, early)(q, sa, as_words(data), as_words(data), *where, y)
+        kernel = fp4_mma1_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
+                                 tl_dtype, arch, lookup, early, depth)
+        kernel(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(1, inter, dim, lookup, gen, launch)
 
 
