@@ -27,7 +27,8 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
   row's sum meets over lanes ti = 0, 1 (one shuffle) after the warps' partial sums met in shared
   memory in warp order.
 The activations' B fragments are decoded once per CTA into shared memory ([blocks, 4, 16] words).
-Weight and scale words of the warp's whole K range are loaded before any arithmetic.
+A warp's weight and scale words are loaded `depth` 128-channel blocks ahead of its sums (all
+before any arithmetic at depth 0).
 
 Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma.supports).
 Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/act_quant.UNGUARDED).
@@ -57,7 +58,6 @@ __device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(b[2]), "r"(b[3]));
 }
-
 """
 
 MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches here (sm_121: untested)
@@ -74,8 +74,10 @@ def mma1_tile(k: int) -> tuple[int, int, int] | None:
     a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
     one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
     activations within 32 KB), loads kept DEPTH blocks ahead. H200 (bench.kernels, decode's 6
-    experts, early, one run): w1+w3 (K 4096) 18.95 us at 2 x 4 depth 3 against 19.64 with every
-    load issued first; w2 (K 2048) 9.74 us at 2 x 2 depth 3 against 10.69 at 2 x 4 all first."""
+    experts, early, two runs): w1+w3 (K 4096) 18.95 / 18.91 us at 2 x 4 depth 3 against 19.64 /
+    19.63 with every load issued first; w2 (K 2048) 9.74 / 9.70 us at 2 x 2 depth 3 against 10.69 /
+    10.11 at 2 x 4 all first (2 x 4 depth 3: 10.36 / 10.18; 2 x 1 and 2 x 2 at depth 4-6, 1-tile
+    CTAs, and weights staged in shared memory by cp.async were all slower)."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
             return 2, ksplit, DEPTH
@@ -103,8 +105,9 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     16 rows and its `ksplit` warps each sum K/ksplit channels.
 
     `depth`: each warp issues its first `depth` blocks' loads, then those of block i + depth before
-    it sums block i (0: every load first). The loads arrive in the order the sums need them
-    instead of all at the end; the unrolled code keeps the order (bench: interleaved in the SASS).
+    it sums block i (0: every load first), so the sums of early blocks need not wait for the
+    whole range to arrive. The unrolled code keeps that order (sm_90a SASS: loads interleaved with
+    the MMAs).
 
     `early`: the slots (SLOT, or TABLE and IDS) and the weights are read before the kernel waits
     for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's tail. Only
