@@ -6,9 +6,10 @@ read-only fp32 sum and amax, and a plain streaming read (`read_kernel`), each ti
 bench.kernels' rows (a CUDA graph of calls over rotating buffers that together exceed L2); then the
 routed FP4 GEMVs (w1+w3 and w2 of 6-48 experts in one launch, through bench.kernels.fp4_tile_rows:
 the CUDA-core kernel and the one-token tensor-core one, early), whose slope is their steady rate.
-H200, one run: the streaming read reached 92-99 % of the copy bandwidth at 27 MB and ~100 % from
-54 MB, where torch's sum reached 47 % and 66 %: a read-only launch of decode size need not lose
-a fixed cost; the FP4 GEMVs' shortfall is their own (sums waiting on loads).
+H200, one run: the streaming read with PDL (`early`) reached 92-99 % of the copy bandwidth at
+27 MB and 100-102 % at 54 MB (without PDL 84-85 % and 95-96 %), where torch's sum reached 47 %
+and 66 %: a read-only launch of decode size need not lose a fixed cost; the FP4 GEMVs' shortfall
+is their own (sums waiting on loads).
 
     python -m bench.ceilings
 """
