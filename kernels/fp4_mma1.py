@@ -7,9 +7,11 @@ cores multiply the fp16 codes exactly and sum in fp32. kernels/fp4_mma.py does t
 tokens, but must give the four lanes of a quad the same scale group, so each lane reads 4-byte
 words; here each lane reads a whole group (16 bytes). H200 (bench.kernels, graphed chains): at
 48 experts' w1+w3 per launch (428 MB) 80.4 % of the copy bandwidth against 75.8 % for the
-CUDA-core kernel. At decode's 6 experts (54 MB) both pay a fixed ~3-5 us per launch (first
-loads, last wave; a graphed 54 MB copy pays almost none), and the difference shrinks: 19.58 us
-here (with `early`, below) against 19.85 us, in one run.
+CUDA-core kernel. At decode's 6 experts (54 MB) the difference shrinks, and both fall well short
+of a plain streaming read of that size (bench.ceilings: 100-102 %), presumably because their sums
+wait on their loads.
+`depth` (below) lets the sums start as the first blocks land: 18.91 us here against 19.63 with
+every load issued first and 19.80 for the CUDA-core kernel, in one run.
 
 Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
