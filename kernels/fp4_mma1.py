@@ -45,20 +45,29 @@ from kernels.fp8_gemm import e8m0_bits_to_float
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
 // (0, 4), (1, 5) in the first and (2, 6), (3, 7) in the second; b[0..3] the matching B pairs.
-__device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned* b, float* d) {
+// `first`: the block's first word, whose products start D (no cleared D to add them to). Not
+// volatile: the MMAs have no side effects, so ptxas may interleave the tiles' MMAs.
+template <bool first>
+__device__ __forceinline__ void dsv4_fp4_mma_word_t(int w0, int w1, const unsigned* b, float* d) {
   unsigned h0[4], h1[4];
   dsv4_e2m1x8_to_f16x2((unsigned)w0, h0);
   dsv4_e2m1x8_to_f16x2((unsigned)w1, h1);
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(b[0]), "r"(b[1]));
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  float c[4] = {first ? 0.f : d[0], first ? 0.f : d[1], first ? 0.f : d[2], first ? 0.f : d[3]};
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(b[2]), "r"(b[3]));
+}
+__device__ __forceinline__ void dsv4_fp4_mma_word_first(int w0, int w1, const unsigned* b, float* d) {
+  dsv4_fp4_mma_word_t<true>(w0, w1, b, d);
+}
+__device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned* b, float* d) {
+  dsv4_fp4_mma_word_t<false>(w0, w1, b, d);
 }
 """
 
@@ -156,13 +165,13 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         lane = T.get_thread_binding(0)
         warp = T.get_thread_binding(1)
         gi, ti = lane // 4, lane % 4
-        act = T.alloc_shared((blocks, 4, 16), "uint32")  # B pairs of group q of block kb (lanes gi = q)
+        act = T.alloc_shared((blocks + 1, 4, 16), "uint32")  # B pairs of group q of block kb; block `blocks`: zeros
         red = T.alloc_shared((ksplit, tiles * 4, 32), "float32")
         aw = T.alloc_local((8,), "int32")
         ww = T.alloc_local((per, tiles, 2, 4), "int32")
         sw = T.alloc_local((per, tiles, 2), "int32")
         b = T.alloc_local((16,), "uint32")
-        d = T.alloc_local((4,), "float32")
+        d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
         acc = T.alloc_local((tiles, 4), "float32")
         ga = T.min(g, agroups - 1)
         row0 = bn * cta_rows
@@ -180,6 +189,10 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
                 for w in T.unroll(4):
                     T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[2 * w]),
                                              T.address_of(act[item // 4, item % 4, 4 * w])))
+        for it in T.serial((64 + threads - 1) // threads):  # the zero block, B of the lanes gi != ti
+            item = it * threads + warp * 32 + lane
+            if item < 64:
+                act[blocks, item // 16, item % 16] = T.uint32(0)
         T.sync_threads()
         T.clear(acc)
         for i in T.unroll(per):
@@ -187,17 +200,22 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
             sa = SA[ga, 0, kb]
             if i + lead < per:  # `depth`: the block `lead` ahead (after unrolling, a constant test)
                 load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i + lead)
-            for u in T.unroll(16):
-                b[u] = T.if_then_else(gi == ti, act[kb, ti, u], T.uint32(0))
-            for t in T.unroll(tiles):
-                T.clear(d)
-                for w in T.unroll(4):
+            kr = T.if_then_else(gi == ti, kb, blocks)  # lanes gi != ti: B columns of zeros
+            for w in T.unroll(4):
+                for v in T.vectorized(4):  # one 16-byte shared load per word
+                    b[4 * w + v] = act[kr, ti, 4 * w + v]
+            for t in T.unroll(tiles):  # word 0 starts each tile's D, then words 1..3 tile by tile
+                T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_word_first", ww[i, t, 0, 0], ww[i, t, 1, 0],
+                                         T.address_of(b[0]), T.address_of(d[4 * t])))
+            for w in T.unroll(1, 4):
+                for t in T.unroll(tiles):
                     T.evaluate(T.call_extern("handle", "dsv4_fp4_mma_word", ww[i, t, 0, w], ww[i, t, 1, w],
-                                             T.address_of(b[4 * w]), T.address_of(d[0])))
+                                             T.address_of(b[4 * w]), T.address_of(d[4 * t])))
+            for t in T.unroll(tiles):
                 for h in T.unroll(2):
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
                         ws = e8m0_bits_to_float(T, (sw[i, t, h] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
-                        acc[t, 2 * h + j] += d[2 * h + j] * (ws * sa)
+                        acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa)
         warp_sums(acc, red, warp, lane)
         if warp == 0:
             for t in T.unroll(tiles):
