@@ -28,9 +28,12 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
   the activation block scale (exact powers of two, times 2^22) and added to its accumulators; the
   row's sum meets over lanes ti = 0, 1 (one shuffle) after the warps' partial sums met in shared
   memory in warp order.
-The activations' B fragments are decoded once per CTA into shared memory ([blocks, 4, 16] words).
-A warp's weight and scale words are loaded `depth` 128-channel blocks ahead of its sums (all
-before any arithmetic at depth 0).
+The activations' B fragments are decoded once per CTA into shared memory ([blocks + 1, 4, 16]
+words, the last block zeros): a lane reads its four B pairs of a word in one 16-byte load, lanes
+gi != ti from the zero block. A warp first loads the scale words of its whole K range (up to four
+per load, `scale_vector`), then keeps its weight words `depth` 128-channel blocks ahead of its sums
+(all before any arithmetic at depth 0). Registers are capped so that RESIDENT_WARPS warps fit on
+an SM, the occupancy the tiles were timed at.
 
 Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma.supports).
 Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/act_quant.UNGUARDED).
@@ -78,21 +81,34 @@ MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registe
 
 
 DEPTH = 3  # blocks whose loads a warp keeps ahead of its sums (`depth`)
+DEPTH_2_WARPS = 2  # the same for CTAs of two warps (w2: K 2048)
+
+
+RESIDENT_WARPS = 12  # registers capped so that this many warps fit on an SM (__launch_bounds__)
 
 
 def mma1_tile(k: int) -> tuple[int, int, int] | None:
     """(tiles of 16 rows per CTA, ksplit warps, depth) for K channels, or None where no split keeps
     a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
     one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
-    activations within 32 KB), loads kept DEPTH blocks ahead. H200 (bench.kernels, decode's 6
-    experts, early, two runs): w1+w3 (K 4096) 18.95 / 18.91 us at 2 x 4 depth 3 against 19.64 /
-    19.63 with every load issued first; w2 (K 2048) 9.74 / 9.70 us at 2 x 2 depth 3 against 10.69 /
-    10.11 at 2 x 4 all first (2 x 4 depth 3: 10.36 / 10.18; 2 x 1 and 2 x 2 at depth 4-6, 1-tile
-    CTAs, and weights staged in shared memory by cp.async were all slower)."""
+    activations within 33 KB), loads kept DEPTH blocks ahead (DEPTH_2_WARPS for two warps).
+    H200 (bench.kernels, decode's 6 experts, early, same-run pairs): w1+w3 (K 4096) 18.95 / 18.91
+    us at 2 x 4 depth 3 against 19.64 / 19.63 with every load issued first; w2 (K 2048) at 2 x 2
+    9.25-9.28 us at depth 2 against 9.61-9.69 at depth 3 and 9.50 at depth 1 (scale words loaded
+    first), 10.06 at depth 4; 2 x 4 for w2, 1-tile CTAs, depth with one warp per K range, and
+    weights staged in shared memory by cp.async were all slower."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
-            return 2, ksplit, DEPTH
+            return 2, ksplit, DEPTH_2_WARPS if ksplit == 2 else DEPTH
     return None
+
+
+def scale_vector(k: int, ksplit: int, s_off: tuple[int, ...], s_stride: int) -> int:
+    """Scale words per load (4, 2 or 1): the widest that divides a warp's blocks and keeps every
+    load aligned (scale offsets, arena row and weight row in words)."""
+    per = k // 128 // ksplit
+    return next(v for v in (4, 2, 1) if per % v == 0 and (k // 128) % v == 0 and (s_stride // 4) % v == 0
+                and all((o // 4) % v == 0 for o in s_off))
 
 
 def splits(k: int, ksplit: int) -> bool:
@@ -134,6 +150,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     per = blocks // ksplit  # blocks per warp
     lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum
     kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
+    vs = scale_vector(k, ksplit, s_off, s_stride)  # scale words per load
     parts, cta_rows, threads = len(w_off), 16 * tiles, 32 * ksplit
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
@@ -146,22 +163,33 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         return T.call_extern(dtype, "__ldcg", T.address_of(buf[i])) if early else buf[i]
 
     @T.macro
-    def load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i):
-        """Issue the loads of the warp's block i: weight words into ww[i], scale words into sw[i]."""
+    def load_scales(SWA, sw, slot, warp, lane, row0, part):
+        """Issue the loads of the scale words of the warp's whole K range, `vs` words each, into sw."""
+        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])  # in int32 words
+        for t in T.unroll(tiles):
+            for h in T.unroll(2):
+                row = T.min(row0 + 16 * t + 8 * h + lane // 4, n - 1)
+                for c in T.unroll(per // vs):
+                    for v in T.vectorized(vs):
+                        sw[t, h, vs * c + v] = SWA[slot, s_off_w + row * kgw + warp * per + vs * c + v]
+
+    @T.macro
+    def load(WA, ww, slot, warp, lane, row0, part, i):
+        """Issue the loads of the warp's block i: weight words into ww[i]."""
         gi, ti = lane // 4, lane % 4
         kb = warp * per + i
         w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])
         for t in T.unroll(tiles):
             for h in T.unroll(2):
                 row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
                 for v in T.vectorized(4):
                     ww[i, t, h, v] = WA[slot, w_off_w + row * kw + 16 * kb + 4 * ti + v]
-                sw[i, t, h] = SWA[slot, s_off_w + row * kgw + kb]
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
         lowbit.import_source(T, fp4_mma.SOURCE, SOURCE)
+        if RESIDENT_WARPS // ksplit:
+            T.annotate_min_blocks_per_sm(RESIDENT_WARPS // ksplit)
         lane = T.get_thread_binding(0)
         warp = T.get_thread_binding(1)
         gi, ti = lane // 4, lane % 4
@@ -169,7 +197,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         red = T.alloc_shared((ksplit, tiles * 4, 32), "float32")
         aw = T.alloc_local((8,), "int32")
         ww = T.alloc_local((per, tiles, 2, 4), "int32")
-        sw = T.alloc_local((per, tiles, 2), "int32")
+        sw = T.alloc_local((tiles, 2, per), "int32")
         b = T.alloc_local((16,), "uint32")
         d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
         acc = T.alloc_local((tiles, 4), "float32")
@@ -177,8 +205,9 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         row0 = bn * cta_rows
         if not early:
             pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
-        for i in T.unroll(lead):  # the warp's first `lead` blocks of weight and scale words
-            load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i)
+        load_scales(SWA, sw, slot, warp, lane, row0, part)
+        for i in T.unroll(lead):  # the warp's first `lead` blocks of weight words
+            load(WA, ww, slot, warp, lane, row0, part, i)
         if early:
             pdl.begin(T, arch)  # the activations: the predecessor wrote them
         for it in T.serial((blocks * 4 + threads - 1) // threads):  # the activations' B pairs
@@ -199,7 +228,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
             kb = warp * per + i
             sa = SA[ga, 0, kb]
             if i + lead < per:  # `depth`: the block `lead` ahead (after unrolling, a constant test)
-                load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i + lead)
+                load(WA, ww, slot, warp, lane, row0, part, i + lead)
             kr = T.if_then_else(gi == ti, kb, blocks)  # lanes gi != ti: B columns of zeros
             for w in T.unroll(4):
                 for v in T.vectorized(4):  # one 16-byte shared load per word
@@ -214,7 +243,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
             for t in T.unroll(tiles):
                 for h in T.unroll(2):
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
-                        ws = e8m0_bits_to_float(T, (sw[i, t, h] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
+                        ws = e8m0_bits_to_float(T, (sw[t, h, i] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
                         acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa)
         warp_sums(acc, red, warp, lane)
         if warp == 0:

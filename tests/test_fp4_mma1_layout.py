@@ -9,7 +9,7 @@ import torch
 from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp4_mma import decode_e4m3_pairs
-from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, supports
+from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, scale_vector, supports
 from test_fp4_mma_layout import _mma, _pairs
 
 
@@ -77,11 +77,21 @@ def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
 
 
 def test_mma1_tile_keeps_a_warps_blocks_in_registers():
-    assert mma1_tile(4096) == (2, 4, 3) and mma1_tile(2048) == (2, 2, 3)  # decode's w1+w3 and w2
-    assert mma1_tile(7168) == (2, 7, 3) and mma1_tile(384) == (2, 1, 3) and mma1_tile(256) == (2, 2, 3)
+    assert mma1_tile(4096) == (2, 4, 3) and mma1_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
+    assert mma1_tile(7168) == (2, 7, 3) and mma1_tile(384) == (2, 1, 3) and mma1_tile(256) == (2, 2, 2)
     for k in range(128, 16384, 128):
         tile = mma1_tile(k)
         if tile is not None:
             assert (k // 128) % tile[1] == 0 and k // 128 // tile[1] <= MAX_BLOCKS
     assert mma1_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
     assert not supports(4096, (2,), 4096)  # scales must start 4-byte aligned
+
+
+def test_scale_vector_keeps_every_scale_load_aligned():
+    """A warp's scale words go in loads of 4, 2 or 1 words: the widest that divides its blocks and
+    that every part's offset, the arena row and the weight row (K/128 words) are aligned to."""
+    assert scale_vector(4096, 4, (0, 16), 64) == 4  # decode's w1+w3: 8 blocks per warp
+    assert scale_vector(4096, 4, (0, 8), 64) == 2 and scale_vector(4096, 4, (4,), 64) == 1  # offsets
+    assert scale_vector(4096, 4, (0,), 68) == 1  # an arena row of 17 words
+    assert scale_vector(1024, 4, (0,), 64) == 2 and scale_vector(384, 1, (0,), 64) == 1  # 2, 3 blocks
+    assert scale_vector(1536, 3, (0,), 64) == 4 and scale_vector(1536, 6, (0,), 64) == 2  # 12 blocks
