@@ -80,7 +80,7 @@ MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches
 MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registers (8 words per tile each)
 
 
-DEPTH = 3  # blocks whose loads a warp keeps ahead of its sums (`depth`)
+DEPTH = 4  # blocks whose loads a warp keeps ahead of its sums (`depth`)
 DEPTH_2_WARPS = 2  # the same for CTAs of two warps (w2: K 2048)
 
 

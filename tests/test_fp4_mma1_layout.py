@@ -77,8 +77,8 @@ def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
 
 
 def test_mma1_tile_keeps_a_warps_blocks_in_registers():
-    assert mma1_tile(4096) == (2, 4, 3) and mma1_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
-    assert mma1_tile(7168) == (2, 7, 3) and mma1_tile(384) == (2, 1, 3) and mma1_tile(256) == (2, 2, 2)
+    assert mma1_tile(4096) == (2, 4, 4) and mma1_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
+    assert mma1_tile(7168) == (2, 7, 4) and mma1_tile(384) == (2, 1, 4) and mma1_tile(256) == (2, 2, 2)
     for k in range(128, 16384, 128):
         tile = mma1_tile(k)
         if tile is not None:
