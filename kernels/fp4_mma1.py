@@ -11,7 +11,13 @@ CUDA-core kernel. At decode's 6 experts (54 MB) the difference shrinks, and both
 of a plain streaming read of that size (bench.ceilings: 100-102 %), presumably because their sums
 wait on their loads.
 `depth` (below) lets the sums start as the first blocks land: 18.91 us here against 19.63 with
-every load issued first and 19.80 for the CUDA-core kernel, in one run.
+every load issued first and 19.80 for the CUDA-core kernel, in one run. The kernel's own issue
+rate is what remains: the same grid and loads with the sums replaced by an XOR take 14.48 (w1+w3)
+and 7.81 us (w2), and on L2-resident weights the whole kernel still takes 16.2 and 8.2 us. Hence
+the fewer instructions per block below (16-byte B loads, no D clears, scale words in vectors; in
+the sm_90a SASS of decode's w1+w3, 2 304 per warp instead of 2 448) with a register cap and retuned depths: w1+w3
+18.08-18.18 us (69.7-70.0 % of the copy bandwidth), w2 9.45-9.49 (66.7-67.0 %), against 19.04-19.21
+and 9.74 for the kernel before them, same run.
 
 Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -84,7 +90,7 @@ DEPTH = 4  # blocks whose loads a warp keeps ahead of its sums (`depth`)
 DEPTH_2_WARPS = 2  # the same for CTAs of two warps (w2: K 2048)
 
 
-RESIDENT_WARPS = 12  # registers capped so that this many warps fit on an SM (__launch_bounds__)
+RESIDENT_WARPS = 12  # registers capped (168 per thread) so that this many warps fit on an SM
 
 
 def mma1_tile(k: int) -> tuple[int, int, int] | None:
@@ -92,11 +98,11 @@ def mma1_tile(k: int) -> tuple[int, int, int] | None:
     a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
     one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
     activations within 33 KB), loads kept DEPTH blocks ahead (DEPTH_2_WARPS for two warps).
-    H200 (bench.kernels, decode's 6 experts, early, same-run pairs): w1+w3 (K 4096) 18.95 / 18.91
-    us at 2 x 4 depth 3 against 19.64 / 19.63 with every load issued first; w2 (K 2048) at 2 x 2
-    9.25-9.28 us at depth 2 against 9.61-9.69 at depth 3 and 9.50 at depth 1 (scale words loaded
-    first), 10.06 at depth 4; 2 x 4 for w2, 1-tile CTAs, depth with one warp per K range, and
-    weights staged in shared memory by cp.async were all slower."""
+    H200 (decode's 6 experts, early, same-run sets): w1+w3 (K 4096) at 2 x 4 17.96-17.99 us at
+    depth 4 against 18.48-18.50 at 3, 18.15-18.67 at 6, 18.69-19.33 at 5, 22.2-22.5 at 8; w2 (K 2048)
+    at 2 x 2 9.25-9.28 us at depth 2 against 9.61-9.69 at 3, 9.50 at 1 and 10.06 at 4. A cap of 16
+    warps per SM was slower for both (w2 11.4 us). 2 x 4 for w2, 1-tile CTAs, one warp per K
+    range, and weights staged in shared memory by cp.async were all slower."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
             return 2, ksplit, DEPTH_2_WARPS if ksplit == 2 else DEPTH
