@@ -14,10 +14,10 @@ wait on their loads.
 every load issued first and 19.80 for the CUDA-core kernel, in one run. The kernel's own issue
 rate is what remains: the same grid and loads with the sums replaced by an XOR take 14.48 (w1+w3)
 and 7.81 us (w2), and on L2-resident weights the whole kernel still takes 16.2 and 8.2 us. Hence
-the fewer instructions per block below (16-byte B loads, no D clears, scale words in vectors; in
-the sm_90a SASS of decode's w1+w3, 2 304 per warp instead of 2 448) with a register cap and retuned depths: w1+w3
-18.08-18.18 us (69.7-70.0 % of the copy bandwidth), w2 9.45-9.49 (66.7-67.0 %), against 19.04-19.21
-and 9.74 for the kernel before them, same run.
+fewer instructions per block (16-byte B loads, no D clears, scale words in vectors: 2 304 per
+warp instead of 2 448 in the sm_90a SASS of decode's w1+w3), a register cap and retuned depths:
+w1+w3 18.08-18.18 us (69.7-70.0 % of the copy bandwidth), w2 9.45-9.49 (66.7-67.0 %), against
+19.04-19.21 and 9.74 for the kernel before them, same run.
 
 Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
