@@ -238,7 +238,7 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
 
 CUDA_TILES = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]  # (rows per warp, warps) of the CUDA-core FP4 GEMV
 MMA_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]  # (tiles, ksplit warps) of the MMA one
-MMA1_TILES = [(2, 4), (2, 4, True), (2, 2, True), (2, 2, True, 3), (2, 4, True, 3), (2, 8, True, 3)]
+MMA1_TILES = [(2, 4), (2, 4, True), (2, 2, True, 2), (2, 2, True, 3), (2, 4, True, 3), (2, 4, True, 4), (2, 8, True, 4)]
 # (tiles, ksplit warps[, early[, depth]]) of the one-token MMA kernel (early: slots and weights read
 # before the wait on the kernel before; depth: loads kept that many blocks ahead of the sums)
 
