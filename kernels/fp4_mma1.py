@@ -137,15 +137,15 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     `fp4_mma_kernel` at m = 1 (SWA as int32 words [Ss, s_stride/4]); a CTA owns `tiles` tiles of
     16 rows and its `ksplit` warps each sum K/ksplit channels.
 
-    `depth`: each warp issues its first `depth` blocks' loads, then those of block i + depth before
-    it sums block i (0: every load first), so the sums of early blocks need not wait for the
-    whole range to arrive. The unrolled code keeps that order (sm_90a SASS: loads interleaved with
-    the MMAs).
+    `depth`: each warp issues the loads of its whole range's scale words and of its first `depth`
+    blocks' weight words, then those of block i + depth before it sums block i (0: every load
+    first), so the sums of early blocks need not wait for the whole range to arrive. The unrolled
+    code keeps that order (sm_90a SASS: loads interleaved with the MMAs).
 
-    `early`: the slots (SLOT, or TABLE and IDS) and the weights are read before the kernel waits
-    for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's tail. Only
-    where the kernel launched immediately before this one does not write the slots, the ids or
-    the arena (it starts once every CTA of that predecessor has started, and by then every
+    `early`: the slots (SLOT, or TABLE and IDS), the weights and the scales are read before the
+    kernel waits for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's
+    tail. Only where the kernel launched immediately before this one does not write the slots, the
+    ids or the arena (it starts once every CTA of that predecessor has started, and by then every
     earlier kernel has completed)."""
     import tilelang.language as T
 
