@@ -100,8 +100,9 @@ def mma1_tile(k: int) -> tuple[int, int, int] | None:
     activations within 33 KB), loads kept DEPTH blocks ahead (DEPTH_2_WARPS for two warps).
     H200 (decode's 6 experts, early, same-run sets): w1+w3 (K 4096) at 2 x 4 17.96-17.99 us at
     depth 4 against 18.48-18.50 at 3, 18.15-18.67 at 6, 18.69-19.33 at 5, 22.2-22.5 at 8; w2 (K 2048)
-    at 2 x 2 9.25-9.28 us at depth 2 against 9.61-9.69 at 3, 9.50 at 1 and 10.06 at 4. A cap of 16
-    warps per SM was slower for both (w2 11.4 us). 2 x 4 for w2, 1-tile CTAs, one warp per K
+    at 2 x 2 9.02-9.28 us at depth 2 (two runs) against 9.63-9.69 at 3 and 10.05-10.06 at 4 (the
+    first run), 9.50-9.61 at 1 (the second). A cap of 16 warps per SM was slower for both (w2
+    11.4-11.5 us). 2 x 4 for w2, 1-tile CTAs, one warp per K
     range, and weights staged in shared memory by cp.async were all slower."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
