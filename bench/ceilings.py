@@ -9,7 +9,7 @@ the CUDA-core kernel and the one-token tensor-core one, early), whose slope is t
 H200, one run: the streaming read with PDL (`early`) reached 92-99 % of the copy bandwidth at
 27 MB and 100-102 % at 54 MB (without PDL 84-85 % and 95-96 %), where torch's sum reached 47 %
 and 66 %: a read-only launch of decode size need not lose a fixed cost; the FP4 GEMVs' shortfall
-is their own (sums waiting on loads).
+is their own (kernels/fp4_mma1.py: their instruction rate).
 
     python -m bench.ceilings
 """

@@ -8,10 +8,9 @@ tokens, but must give the four lanes of a quad the same scale group, so each lan
 words; here each lane reads a whole group (16 bytes). H200 (bench.kernels, graphed chains): at
 48 experts' w1+w3 per launch (428 MB) 80.4 % of the copy bandwidth against 75.8 % for the
 CUDA-core kernel. At decode's 6 experts (54 MB) the difference shrinks, and both fall well short
-of a plain streaming read of that size (bench.ceilings: 100-102 %), presumably because their sums
-wait on their loads.
-`depth` (below) lets the sums start as the first blocks land: 18.91 us here against 19.63 with
-every load issued first and 19.80 for the CUDA-core kernel, in one run. The kernel's own issue
+of a plain streaming read of that size (bench.ceilings: 100-102 %), at first because their sums
+waited on all their loads: `depth` (below) lets the sums start as the first blocks land, 18.91 us
+here against 19.63 with every load issued first and 19.80 for the CUDA-core kernel, in one run. The kernel's own issue
 rate is what remains: the same grid and loads with the sums replaced by an XOR take 14.48 (w1+w3)
 and 7.81 us (w2), and on L2-resident weights the whole kernel still takes 16.2 and 8.2 us. Hence
 fewer instructions per block (16-byte B loads, no D clears, scale words in vectors: 2 304 per
@@ -111,10 +110,10 @@ def mma1_tile(k: int) -> tuple[int, int, int] | None:
 
 
 def scale_vector(k: int, ksplit: int, s_off: tuple[int, ...], s_stride: int) -> int:
-    """Scale words per load (4, 2 or 1): the widest that divides a warp's blocks and keeps every
-    load aligned (scale offsets, arena row and weight row in words)."""
+    """Scale words per load (4, 2 or 1): the widest that divides a warp's blocks (hence also a
+    weight row's K/128 scale words) and keeps every load aligned (scale offsets, arena row)."""
     per = k // 128 // ksplit
-    return next(v for v in (4, 2, 1) if per % v == 0 and (k // 128) % v == 0 and (s_stride // 4) % v == 0
+    return next(v for v in (4, 2, 1) if per % v == 0 and (s_stride // 4) % v == 0
                 and all((o // 4) % v == 0 for o in s_off))
 
 
