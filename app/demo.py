@@ -6,6 +6,7 @@ renamed into place only when complete, so a half-built demo never looks usable.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
@@ -13,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from app.wizard import DEMO_NAME, WizardError, is_converted
+from app.wizard import DEMO_NAME, MANIFEST, WizardError, is_converted
 from engine.events import LoadProgress
 
 DEMO_NOTICE = ("demo model: a tiny network with RANDOM weights and the real tokenizer — "
@@ -47,11 +48,24 @@ def build_with_converter(work_dir: Path, out_dir: Path, progress: ProgressFn) ->
     convert.convert(ckpt, out_dir, progress=progress, cancel=threading.Event(), resume=False)
 
 
+def outdated(converted: Path) -> bool:
+    """Whether a converted directory's manifest names another layout version than this build's
+    converter writes (a demo built by an older build: rebuilt, it is only a few MB)."""
+    try:
+        from converter.layout import VERSION
+        return json.loads((converted / MANIFEST).read_text(encoding="utf-8")).get("version") != VERSION
+    except ImportError:  # no converter: nothing to rebuild with
+        return False
+    except (OSError, ValueError, AttributeError):  # unreadable: the engine's open names the problem
+        return False
+
+
 def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | None = None) -> Path:
-    """The converted demo model under `data_dir/models/demo`, building it on first use."""
+    """The converted demo model under `data_dir/models/demo`, building it on first use (and again
+    when an older build left it in another layout version)."""
     models = data_dir / "models"
     target = models / DEMO_NAME
-    if is_converted(target):
+    if is_converted(target) and not outdated(target):
         return target
     models.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
@@ -60,7 +74,7 @@ def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | Non
         (build or build_with_converter)(work, out, progress)
         if not is_converted(out):
             raise WizardError("building the demo model produced no manifest.json")
-        if target.exists():  # a stale, incomplete demo directory from an older build
+        if target.exists():  # a stale demo: incomplete, or in an older layout version
             shutil.rmtree(target)
         try:
             out.rename(target)

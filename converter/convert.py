@@ -1,7 +1,8 @@
-"""`dsv4-convert`: official HF checkpoint -> expert-pack layout v1 (converter/layout.py).
+"""`dsv4-convert`: official HF checkpoint -> expert-pack layout v2 (converter/layout.py).
 
-Lossless (bytes are copied, never re-quantised) and streaming: one resident tensor (in 8 MiB
-chunks) or one expert record is in memory at a time, whatever the model size. Each output file
+Lossless (bytes are copied, never re-quantised; the FP4 expert weights' codes are only
+reordered within each byte) and streaming: one resident tensor (in 8 MiB chunks) or one expert
+record is in memory at a time, whatever the model size. Each output file
 is written under `<name>.tmp`, fsynced, hashed piece by piece on the way, and renamed when
 complete; its manifest entry then goes to `.dsv4-convert.json`. A rerun with the same source
 (resume, the default) re-verifies the files listed there and writes only what is missing, and
@@ -210,11 +211,13 @@ class _Converter:
     def _write_records(self, fd: int, f: _OutFile, record: layout.RecordLayout,
                        hasher: layout.PieceHasher) -> None:
         buf = memoryview(bytearray(record.record_bytes))  # padding stays zero: fields never reach it
+        view = torch.frombuffer(buf, dtype=torch.uint8)  # the same bytes
         for e, sources in enumerate(f.experts):
             self._check_cancel()
             for field, t in zip(record.fields.values(), sources):
                 _pread_exact(self._fd(t.file), buf[field.offset:field.offset + field.nbytes],
                              t.offset, t.name)
+            record.to_record_order(view)
             hasher.add_record(hashlib.sha256(buf).digest())
             _write_all(fd, buf)
             self.meter.add(record.record_bytes)
@@ -269,7 +272,7 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
             cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
             disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None) -> Path:
-    """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v1); returns out_dir.
+    """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v2); returns out_dir.
 
     Raises preflight.PreflightError (nothing written) when the source or destination is unfit,
     ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards

@@ -1,8 +1,8 @@
-"""The converted "expert pack" layout, version 1 (DESIGN §3). On-disk contract:
+"""The converted "expert pack" layout, version 2 (DESIGN §3). On-disk contract:
 
 A directory holding
   * `manifest.json` (written last: a directory without it is an unfinished conversion):
-        {"format": "dsv4-expert-pack", "version": 1,
+        {"format": "dsv4-expert-pack", "version": 2,
          "config": {the HF config.json of the source},
          "source": {"index_sha256": hex, "total_size": int, "shards": [{"name", "size"}, ...]},
          "experts": {"record_bytes": R, "alignment": 4096, "count": E,
@@ -18,7 +18,10 @@ A directory holding
     with spaces). Resident tensors keep their official names, dtypes, shapes and bytes. A unit's
     routed experts are ONE uint8 tensor `{prefix}.ffn.experts` of shape [E, R], first in the data
     section: record e (bytes e*R .. (e+1)*R) holds expert e's six tensors back to back at the field
-    offsets, zero padded so R is a multiple of 4096. One expert = one aligned read.
+    offsets, zero padded so R is a multiple of 4096. One expert = one aligned read. The scales
+    keep their source bytes; the FP4 weights (the `.weight` fields) hold the source's codes in
+    kernels/reference.py's record order (a bit permutation within each byte, lossless; version 1
+    kept the official nibble order, which the GPU kernels decode in more instructions).
   * tokenizer and config files copied from the source (config.json, generation_config.json,
     tokenizer.json, tokenizer_config.json, those present).
 
@@ -46,9 +49,10 @@ import torch
 from converter import mapping
 from engine.checkpoint import DTYPES
 from engine.config import ModelArgs
+from kernels.reference import fp4_record_order
 
 FORMAT = "dsv4-expert-pack"
-VERSION = 1
+VERSION = 2  # 2: FP4 weights in record order
 ALIGNMENT = 4096
 MANIFEST = "manifest.json"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -124,6 +128,14 @@ class RecordLayout:
             if f.nbytes != _numel(f.shape) or f.offset < 0 or f.offset + f.nbytes > self.record_bytes:
                 raise LayoutError(f"record field {name!r} ({f}) does not fit a "
                                   f"{self.record_bytes}-byte record")
+
+    def to_record_order(self, record: torch.Tensor) -> None:
+        """Rewrite the FP4 weights of one record as read from a checkpoint (uint8 [record_bytes],
+        official order) into record order, in place."""
+        for name, f in self.fields.items():
+            if name.endswith(".weight"):
+                part = record[f.offset:f.offset + f.nbytes]
+                part.copy_(fp4_record_order(part))
 
     def unpack(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero-copy views of the six tensors in one record (uint8 [record_bytes], any device)."""

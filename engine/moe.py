@@ -22,7 +22,8 @@ from kernels.reference import EXPERT_FIELDS, swiglu
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One routed expert in its on-disk format: FP4 packed weights + e8m0 1×32 scales."""
+    """One routed expert in its record format: FP4 packed weights in record order
+    (kernels/reference.py) + e8m0 1×32 scales."""
 
     w1: torch.Tensor
     w1_scale: torch.Tensor
@@ -33,7 +34,15 @@ class ExpertWeights:
 
     @classmethod
     def from_fields(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
+        """The six tensors of a converted record (views, no copy)."""
         return cls(*(t[name] for name in EXPERT_FIELDS))
+
+    @classmethod
+    def from_official(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
+        """The six tensors as an official checkpoint stores them: the weights are copied into
+        record order, the scales kept as they are."""
+        return cls(*(ref.fp4_record_order(t[name]).view(t[name].dtype) if name.endswith(".weight") else t[name]
+                     for name in EXPERT_FIELDS))
 
 
 class ExpertProvider(Protocol):
@@ -189,7 +198,8 @@ class MoE:
 
 
 class ResidentExperts:
-    """ExpertProvider over experts read directly from a checkpoint (every expert resident)."""
+    """ExpertProvider over experts read directly from an official checkpoint (every expert
+    resident); each expert's weights are put into record order as it is handed out."""
 
     def __init__(self, fetch):
         """`fetch(layer, e) -> dict` of the six official tensors (e.g. TensorIndex.get_expert)."""
@@ -197,7 +207,7 @@ class ResidentExperts:
 
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
         for e in ids:
-            yield e, ExpertWeights.from_fields(self._fetch(layer, e))
+            yield e, ExpertWeights.from_official(self._fetch(layer, e))
 
     def prefetch(self, layer: int, ids: list[int]) -> None:
         """Nothing to do: every expert is already addressable."""

@@ -2,7 +2,8 @@
 
 Two layouts are understood:
 * an official HF checkpoint (config.json + model.safetensors.index.json + shards): every
-  tensor, experts included, is read zero-copy from the shards' mmaps;
+  tensor is read zero-copy from the shards' mmaps, except that a routed expert's FP4 weights are
+  copied into record order each time the expert is used (engine.moe.ResidentExperts);
 * a converted "expert pack" directory (manifest.json; see converter/layout.py): resident
   tensors keep their official names; routed experts are streamed (engine/experts).
 """

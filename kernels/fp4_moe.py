@@ -1,7 +1,8 @@
 """FP4 routed-expert GEMMs on CUDA (TileLang); `fp4_gemm` has the contract of `reference.fp4_gemm`.
 
-y = act_quant(x) · W^T with W [N, K] stored as packed e2m1 codes [N, K/2] (low nibble = even
-channel) and 1×32 e8m0 scales [N, K/32]; fp32 accumulation, bf16 output (spec §B.4).
+y = act_quant(x) · W^T with W [N, K] stored as packed e2m1 codes [N, K/2] (two a byte, in
+kernels/reference.py's record order) and 1×32 e8m0 scales [N, K/32]; fp32 accumulation, bf16
+output (spec §B.4).
 
 Hopper has no FP4 tensor cores, so the weight is unpacked in the kernel (weight-only
 dequantisation) with integer bit moves and a byte permute (kernels/lowbit.py): a code becomes
@@ -154,8 +155,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """FP4 weight [N, K/2] -> bf16 [N, K], exactly (e2m1 times a power of two fits bf16)."""
-    b = _as_bytes(w)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()  # [N, K/2, 2] -> [N, K]
+    codes = ref.fp4_codes(_as_bytes(w)).long()  # [N, K]
     v = ref.FP4_VALUES.to(device=w.device, dtype=torch.bfloat16)[codes]
     e = (_as_bytes(w_scale).to(torch.int32) - 127).repeat_interleave(32, dim=-1)
     return torch.ldexp(v, e.to(torch.bfloat16))

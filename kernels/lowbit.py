@@ -13,8 +13,11 @@ block scales:
   bytes 1 and 3 the other. The e4m3 NaN codes (0x7F, 0xFF) become finite numbers: weights and
   quantised activations never hold them.
 * e2m1 (s ee m) -> fp16: the three magnitude bits go to fp16 bits 9..11 and the sign to bit 15,
-  which is exactly the e2m1 value times 2^-14. A word holds channels 0..7 (low nibble first);
-  nibbles j and j + 4 form one fp16x2 word, through a byte permute.
+  which is exactly the e2m1 value times 2^-14. A word holds channels 0..7 in record order
+  (kernels/reference.py: byte j holds channel 2j's sign at bit 7 and magnitude at bits 1..3,
+  channel 2j+1's magnitude at bits 4..6 and sign at bit 0), so one mask places the even
+  channels and two shifts the odd ones: 9 instructions per word with the byte permutes that
+  pair channels j and j + 4 into fp16x2 words, against 11 for the official nibble order.
 
 `SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
 `T.import_source`, called through the helpers below); `decode_e4m3_words` and
@@ -55,21 +58,21 @@ __device__ __forceinline__ float dsv4_dot_e4m3x16(const int* w, const float* a) 
   return s;
 }
 
-// 8 e2m1 codes (one word, low nibble first) -> h[p] = the fp16x2 of channels (p, p + 4) (low
-// half first), values times 2^-14. Each nibble's magnitude goes to bits 1..3 and its sign to bit
-// 7 of its byte (even nibbles in `ev`, odd ones in `od`); a byte permute then moves two such
-// bytes, 16 bits apart, into the high bytes of an fp16x2 (bits 9..11 and 15), zero-filling the
-// low bytes.
+// 8 e2m1 codes (one word, record order) -> h[p] = the fp16x2 of channels (p, p + 4) (low half
+// first), values times 2^-14. Each code's magnitude goes to bits 1..3 and its sign to bit 7 of
+// its byte (even channels in `ev`, where record order already holds them; odd ones in `od`); a
+// byte permute then moves two such bytes, 16 bits apart, into the high bytes of an fp16x2 (bits
+// 9..11 and 15), zero-filling the low bytes.
 __device__ __forceinline__ void dsv4_e2m1x8_to_f16x2(unsigned x, unsigned* h) {
-  unsigned ev = ((x << 1) & 0x0E0E0E0Eu) | ((x << 4) & 0x80808080u);  // channels 0, 2, 4, 6
-  unsigned od = ((x >> 3) & 0x0E0E0E0Eu) | (x & 0x80808080u);         // channels 1, 3, 5, 7
+  unsigned ev = x & 0x8E8E8E8Eu;                                       // channels 0, 2, 4, 6
+  unsigned od = ((x >> 3) & 0x0E0E0E0Eu) | ((x << 7) & 0x80808080u);  // channels 1, 3, 5, 7
   h[0] = __byte_perm(ev, 0u, 0x2404u);  // channels 0, 4
   h[1] = __byte_perm(od, 0u, 0x2404u);  // channels 1, 5
   h[2] = __byte_perm(ev, 0u, 0x3414u);  // channels 2, 6
   h[3] = __byte_perm(od, 0u, 0x3414u);  // channels 3, 7
 }
 
-// sum_c a[c] * e2m1(w)[c] * 2^-14 over 32 channels (4 words, low nibble first), fp32 sums.
+// sum_c a[c] * e2m1(w)[c] * 2^-14 over 32 channels (4 words, record order), fp32 sums.
 __device__ __forceinline__ float dsv4_dot_e2m1x32(const int* w, const float* a) {
   float s = 0.f;
 #pragma unroll
@@ -129,10 +132,11 @@ def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] of e2m1 codes -> fp32 [..., 8W] (values times 2^-14): SOURCE's moves in torch."""
+    """int32 words [..., W] of e2m1 codes (record order) -> fp32 [..., 8W] (values times 2^-14):
+    SOURCE's moves in torch."""
     x = words.to(torch.int64) & 0xFFFFFFFF
-    ev = ((x << 1) & 0x0E0E0E0E) | ((x << 4) & 0x80808080)  # channels 0, 2, 4, 6
-    od = ((x >> 3) & 0x0E0E0E0E) | (x & 0x80808080)  # channels 1, 3, 5, 7
+    ev = x & 0x8E8E8E8E  # channels 0, 2, 4, 6
+    od = ((x >> 3) & 0x0E0E0E0E) | ((x << 7) & 0x80808080)  # channels 1, 3, 5, 7
     pairs = [_byte_perm_hi(ev, 0, 2), _byte_perm_hi(od, 0, 2), _byte_perm_hi(ev, 1, 3), _byte_perm_hi(od, 1, 3)]
     h = torch.stack([_halves(p) for p in pairs], dim=-2)  # [.., W, 4 pairs, 2 halves]: channel 4 * half + pair
     return h.transpose(-1, -2).flatten(-3)

@@ -5,8 +5,14 @@ These run the CPU path and are the oracle for the GPU kernels, which keep the sa
 Data layouts (contract):
 * FP8 weight `w` [N, K] float8_e4m3fn with `scale` [ceil(N/128), ceil(K/128)] float8_e8m0fnu
   (a multiplier): W[n, k] = w[n, k] * scale[n // 128, k // 128].
-* FP4 weight `packed` [N, K/2] int8/uint8: element (n, 2j) is the LOW nibble of byte (n, j),
-  (n, 2j+1) the high nibble; e2m1 codes; `scale` [N, K/32] e8m0: W[n, k] = v * scale[n, k // 32].
+* FP4 weight `packed` [N, K/2] int8/uint8, e2m1 codes (sign, 2 exponent bits, 1 mantissa bit)
+  in RECORD ORDER (converted expert records, hence every ExpertWeights): byte (n, j) holds
+  elements a = (n, 2j) and b = (n, 2j+1) as bit 7 = sign of a, bits 4..6 = magnitude of b,
+  bits 1..3 = magnitude of a, bit 0 = sign of b (the GPU kernels decode it in 9 integer
+  instructions per 8 codes instead of 11, kernels/lowbit.py). The official checkpoint's OFFICIAL
+  ORDER (a the low nibble, b the high nibble, sign in each nibble's bit 3) converts losslessly
+  both ways (`fp4_record_order`, `fp4_official_order`). `scale` [N, K/32] e8m0:
+  W[n, k] = v * scale[n, k // 32].
 * Activation quantisation: per row and `block` channels, s = 2^ceil(log2(max(amax, 1e-4) / 448)),
   q = e4m3(clamp(x / s, ±448)); the scale is returned as float32 (an exact power of two).
 * Index tensors for sparse attention use -1 for "absent".
@@ -44,10 +50,29 @@ def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: int = 128) ->
     return w.to(torch.float32) * s
 
 
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] packed e2m1 codes (low nibble first) -> float32 values [N, K] (unscaled)."""
+def fp4_record_order(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes in official order -> the same codes in record order (a new uint8 tensor)."""
     b = packed.view(torch.uint8)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
+    return ((b & 0x08) << 4) | (b & 0x70) | ((b & 0x07) << 1) | (b >> 7)
+
+
+def fp4_official_order(packed: torch.Tensor) -> torch.Tensor:
+    """FP4 bytes in record order -> the same codes in official order (a new uint8 tensor)."""
+    b = packed.view(torch.uint8)
+    return ((b >> 4) & 0x08) | (b & 0x70) | ((b >> 1) & 0x07) | ((b & 0x01) << 7)
+
+
+def fp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] FP4 bytes in record order -> uint8 e2m1 codes [..., K] (bit 3 the sign)."""
+    b = packed.view(torch.uint8)
+    a = ((b >> 1) & 0x07) | ((b >> 4) & 0x08)  # element 2j
+    c = ((b >> 4) & 0x07) | ((b & 0x01) << 3)  # element 2j + 1
+    return torch.stack((a, c), dim=-1).flatten(-2)  # [..., K/2, 2] -> [..., K]
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] FP4 bytes in record order -> float32 values [N, K] (unscaled)."""
+    codes = fp4_codes(packed)
     # decoded from the bits (sign | 2 exponent bits | 1 mantissa bit) rather than looked up in
     # FP4_VALUES: no host-to-device copy, so the reference path can be captured in a CUDA graph
     e = ((codes >> 1) & 3).float()
@@ -57,7 +82,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """FP4 e2m1 weight [N, K/2] with 1×32 e8m0 scales [N, K/32] -> float32 [N, K]."""
+    """FP4 e2m1 weight [N, K/2] (record order) with 1×32 e8m0 scales [N, K/32] -> float32 [N, K]."""
     return unpack_fp4(packed) * e8m0_to_float(scale).repeat_interleave(block, dim=-1)
 
 

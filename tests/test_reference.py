@@ -69,12 +69,26 @@ def test_qdq8_changes_values_like_e4m3():
     assert y[0, :3].tolist() == [1.0, 1.0, 1.125]  # 1.0625 is a tie between 1 and 1.125 -> even
 
 
-def test_fp4_unpack_low_nibble_first_and_table():
-    packed = torch.tensor([[0x21, 0xF7]], dtype=torch.uint8).view(torch.int8)
+def test_fp4_unpack_record_order_and_table():
+    # record order: bit 7 sign of a, bits 4..6 magnitude of b, bits 1..3 magnitude of a, bit 0 sign of b
+    packed = torch.tensor([[0x22, 0x7F]], dtype=torch.uint8).view(torch.int8)
     assert ref.unpack_fp4(packed).tolist() == [[0.5, 1.0, 6.0, -6.0]]
+    assert ref.fp4_official_order(packed).tolist() == [[0x21, 0xF7]]  # low nibble = element a
     scale = torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^3
-    w = ref.dequant_fp4(torch.zeros(1, 16, dtype=torch.int8) + 0x12, scale)
+    w = ref.dequant_fp4(torch.zeros(1, 16, dtype=torch.int8) + 0x14, scale)  # a = 2, b = 1
     assert w.shape == (1, 32) and w[0, :2].tolist() == [8.0, 4.0]
+    w = ref.dequant_fp4(torch.zeros(1, 16, dtype=torch.uint8) + 0x83, scale)  # a = -0.5, b = -0
+    assert w[0, :2].tolist() == [-4.0, 0.0] and str(w[0, 1].item()) == "-0.0"
+
+
+def test_fp4_record_order_is_a_lossless_reordering_of_the_official_codes():
+    official = torch.arange(256, dtype=torch.uint8)  # every pair of codes
+    record = ref.fp4_record_order(official)
+    assert sorted(record.tolist()) == list(range(256))
+    assert torch.equal(ref.fp4_official_order(record), official)
+    low_nibble_first = torch.stack((official & 0xF, official >> 4), dim=-1).flatten()
+    assert torch.equal(ref.fp4_codes(record), low_nibble_first)
+    assert torch.equal(ref.unpack_fp4(record[None]), ref.FP4_VALUES[low_nibble_first.long()][None])
 
 
 def test_dequant_fp8_block_scales_by_block():

@@ -20,6 +20,7 @@ from engine.experts.provider import RoutingTrace
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.trace import TraceWriter, read_records
 from engine.model import Transformer
+from engine.moe import ExpertWeights
 from engine.numerics import Numerics
 from engine.weights import open_model, open_official
 
@@ -112,9 +113,9 @@ def test_logits_bitwise_equal_native(packed, reference, record_bytes, budget):
 
 
 def expert_bytes(source: Path, layer: int, e: int) -> list[bytes]:
+    """The bytes of an official expert's six tensors as a record holds them (weights in record order)."""
     with TensorIndex.open(source) as idx:
-        return [t.contiguous().view(torch.uint8).numpy().tobytes()
-                for t in idx.get_expert(layer, e).values()]
+        return weight_bytes(ExpertWeights.from_official(idx.get_expert(layer, e)))
 
 
 def weight_bytes(w) -> list[bytes]:

@@ -99,6 +99,11 @@ def expected_inventory(c: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]
     return inv
 
 
+def dequant_official_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An FP4 weight as the official checkpoint stores it (low nibble first) -> float32."""
+    return ref.dequant_fp4(ref.fp4_record_order(packed), scale)
+
+
 def read_all(ckpt: Path) -> dict[str, torch.Tensor]:
     out = {}
     for shard in sorted(ckpt.glob("model-*.safetensors")):
@@ -228,7 +233,7 @@ def test_tiny_weight_statistics(tiny: Path):
     assert abs(t["layers.2.attn.compressor.ape"].std().item() - 0.5) < 0.02
     wq_b = ref.dequant_fp8_block(t["layers.0.attn.wq_b.weight"], t["layers.0.attn.wq_b.scale"])
     assert abs(wq_b.std().item() * math.sqrt(128) - 1.0) < 0.05  # N(0, fan_in^-1/2)
-    w2 = ref.dequant_fp4(t["layers.4.ffn.experts.3.w2.weight"],
+    w2 = dequant_official_fp4(t["layers.4.ffn.experts.3.w2.weight"],
                              t["layers.4.ffn.experts.3.w2.scale"])
     assert abs(w2.std().item() * math.sqrt(128) - 1.0) < 0.1
 
@@ -247,12 +252,12 @@ def test_clamp_stress_expert(tmp_path: Path):
     t = read_all(out)
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))  # unit-RMS input
     for p in ("layers.0.ffn.experts.5.w1", "layers.4.ffn.experts.5.w3", "mtp.0.ffn.experts.5.w1"):
-        pre = x @ ref.dequant_fp4(t[p + ".weight"], t[p + ".scale"]).T
+        pre = x @ dequant_official_fp4(t[p + ".weight"], t[p + ".scale"]).T
         assert pre.abs().max() > 10 and pre.std() > 10
     shared = ref.dequant_fp8_block(t["layers.2.ffn.shared_experts.w1.weight"],
                                   t["layers.2.ffn.shared_experts.w1.scale"])
     assert (x @ shared.T).std() > 10
-    normal = ref.dequant_fp4(t["layers.0.ffn.experts.4.w1.weight"],
+    normal = dequant_official_fp4(t["layers.0.ffn.experts.4.w1.weight"],
                                  t["layers.0.ffn.experts.4.w1.scale"])
     assert (x @ normal.T).std() < 2
 
@@ -268,7 +273,7 @@ def test_hf_oracle_loads_and_dequantises_equal(tiny: Path):
     sd, t = model.state_dict(), read_all(tiny)
 
     def fp4(n):
-        return ref.dequant_fp4(t[n + ".weight"], t[n + ".scale"])
+        return dequant_official_fp4(t[n + ".weight"], t[n + ".scale"])
 
     p = "layers.3.ffn.experts.9."
     gate_up = sd["model.layers.3.mlp.experts.gate_up_proj"][9]  # [2I, D]: w1 rows, then w3
@@ -333,13 +338,13 @@ def test_fp4_pack_order_scales_and_round_trip():
     assert packed.dtype == I8 and packed.shape == (1, 16) and scale.shape == (1, 1)
     assert packed.view(torch.uint8)[0, :2].tolist() == [0x21, 0x5F]  # low nibble = even element
     assert ref.e8m0_to_float(scale).item() == 1.0
-    assert torch.equal(ref.dequant_fp4(packed, scale), row[None])
+    assert torch.equal(dequant_official_fp4(packed, scale), row[None])
     for amax, want in [(6.0, 1.0), (6.01, 2.0), (3.0, 0.5), (12.0, 2.0), (0.0, 2.0 ** -42)]:
         _, s = quantize_fp4_rows(torch.full((1, 32), amax))
         assert ref.e8m0_to_float(s).item() == want, amax  # 2^ceil(log2(amax/6)), floored amax
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 3
     packed, scale = quantize_fp4_rows(w)
-    err = (ref.dequant_fp4(packed, scale) - w).abs()
+    err = (dequant_official_fp4(packed, scale) - w).abs()
     step = ref.e8m0_to_float(scale).repeat_interleave(32, 1)  # largest gap is 2 * scale
     assert (err <= step + 1e-7).all()
     with pytest.raises(QuantError, match="K % 32"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -21,6 +22,7 @@ from app.screens.resume import ResumeScreen
 from app.screens.wizard import SourceScreen, WizardScreen
 from app.widgets.message import AssistantMessage, NoteMessage, UserMessage
 from app.wizard import WizardError, check_source, find_model, free_space_problem
+from converter import layout
 from engine.events import LoadProgress
 
 SIZE = (120, 45)
@@ -171,12 +173,17 @@ def test_ensure_demo_model_is_atomic_and_built_once(tmp_path):
     def good(work, out, progress):
         calls.append(work)
         out.mkdir()
-        (out / "manifest.json").write_text("{}")
+        (out / "manifest.json").write_text(json.dumps({"version": layout.VERSION}))
 
     path = ensure_demo_model(tmp_path, print, build=good)
     assert path == tmp_path / "models" / "demo" and (path / "manifest.json").is_file()
     assert ensure_demo_model(tmp_path, print, build=good) == path
     assert len(calls) == 1 and os.listdir(tmp_path / "models") == ["demo"]
+
+    (path / "manifest.json").write_text(json.dumps({"version": layout.VERSION - 1}))  # an older build's
+    assert ensure_demo_model(tmp_path, print, build=good) == path
+    assert len(calls) == 2 and json.loads((path / "manifest.json").read_text())["version"] == layout.VERSION
+    assert os.listdir(tmp_path / "models") == ["demo"]
 
 
 def _killed_transcript(config, pending: str = "") -> Path:
