@@ -228,6 +228,8 @@ def _engine_turns(pack: Path, a, config: EngineConfig) -> list[tuple[str, float,
     with Engine.load(pack, config) as eng:
         session = eng.new_session()
         for turn in range(3):
+            runner = eng.runtime.runner
+            captures = runner.captures if runner is not None else 0
             t = time.perf_counter()
             events = list(eng.generate(session, f"Turn {turn}: tell me about the sea.",
                                        SamplingParams(temperature=0.6, seed=turn, max_tokens=4 * a.tokens)))
@@ -238,8 +240,13 @@ def _engine_turns(pack: Path, a, config: EngineConfig) -> list[tuple[str, float,
             st = done[0].stats
             steps = sorted(st.step_ms)
             ms = 1e3 * (wall - st.prefill_s) / st.completion_tokens
+            median = steps[len(steps) // 2]
+            slow = [x for x in st.step_ms if x > 3 * median]
             print(f"  engine turn {turn}: {st.completion_tokens} tokens ({st.finish_reason}), {st.tok_per_s:.0f} tok/s "
-                  f"(median step {steps[len(steps) // 2]:.2f} ms), wall after prefill {ms:.2f} ms/token")
+                  f"(median step {median:.2f} ms), wall after prefill {ms:.2f} ms/token; positions "
+                  f"{st.prompt_tokens}..{st.prompt_tokens + st.completion_tokens}, graph captures "
+                  f"{(runner.captures if runner is not None else 0) - captures}, steps over 3x the median: "
+                  f"{len(slow)} ({sum(slow):.0f} ms in all)")
             if turn:
                 per_token.append(ms)
     return [("ours native, Engine.generate (the app's loop), all resident", float("nan"),

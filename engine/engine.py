@@ -279,12 +279,14 @@ class Engine:
         before that step has run, so the device always holds the next step while the host
         detokenises, reports and queues the one after. The token that reaches the length limit
         is not run: it is left in work.pending. An EOS has been run by then (its logits are
-        dropped; the next turn would run it first anyway). Returns (completion ids, step times
-        in ms, ttft s, finish reason)."""
+        dropped; the next turn would run it first anyway). The state's caches are first grown for
+        the whole turn, so that no step in it re-captures the decode graphs. Returns (completion
+        ids, step times in ms, ttft s, finish reason)."""
         tok = self.tokenizer
         sampler = Sampler(params, logits.device)
         splitter = ThinkingSplitter(tok, params.thinking)
         max_new = min(params.max_tokens, self.config.max_seq_len - plan.prompt_tokens)
+        self.runtime.reserve(work.state, work.state.pos + max_new)  # no growth mid-turn
         completion: list[int] = []
         step_ms: list[float] = []
         ttft, finish = 0.0, "cancelled"

@@ -188,6 +188,14 @@ class Runtime:
         return StepResult(logits=launched.logits, tokens=launched.tokens, seconds=seconds, timing=timing,
                           graphed=launched.graphed)
 
+    def reserve(self, state: SequenceState, last: int) -> None:
+        """Room in `state` for every position up to `last`: its compressed caches grow now, not in
+        the middle of a decode (a growth gives the state new buffers, and the decode graphs are
+        captured again on the first step of each emission pattern after it, ~25 ms each at 4 Flash
+        layers)."""
+        with self.lock:
+            self.model.reserve(state, last)
+
     def read(self, token: torch.Tensor) -> Callable[[], int]:
         """Start copying a one-element tensor (a sampled token) to the host; returns a function
         that waits for that copy only, not for work queued after it, and gives the value."""

@@ -91,11 +91,14 @@ class LayerState:
         return out
 
     def reserve(self, n_entries: int) -> bool:
-        """Make room for `n_entries` compressed entries (attention and indexer), growing
-        geometrically; True when the buffers were reallocated (their identity changed)."""
+        """Make room for `n_entries` compressed entries (attention and indexer), growing to the
+        power of two that holds them, at least doubling; True when the buffers were reallocated
+        (their identity changed). Powers of two: a decode step's kernels take the capacity as a
+        static shape, so each capacity is compiled once (a first step at a new one waited ~1 s
+        on the H200)."""
         if self.compressor is None or n_entries <= self.capacity:
             return False
-        cap = max(n_entries, 2 * self.capacity)
+        cap = 1 << (max(n_entries, 2 * self.capacity) - 1).bit_length()
         kv = self.kv.new_zeros(self.window_size + cap, self.kv.shape[1])
         kv[:self.kv.shape[0]] = self.kv
         self.kv = kv

@@ -20,6 +20,7 @@ from engine.memory import tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.sampling import SamplingParams
+from engine.state import MIN_ENTRIES
 from engine.session import SessionError
 from engine.weights import open_official
 
@@ -212,6 +213,28 @@ def test_the_next_step_is_launched_before_the_host_waits_for_the_last(engine, mo
     for k in range(len(steps) - 1):  # step k is finished after step k+1 was launched
         assert decode.index(("finish", steps[k])) > decode.index(("launch", steps[k + 1]))
     check_against_scratch(engine, sess, fin)
+
+
+def test_a_turn_grows_the_state_before_its_first_decode_step(engine, monkeypatch):
+    """Decode graphs are captured on the state's buffers: a turn reserves room for all its tokens
+    first, so its decode steps all see the same buffers, even across a capacity boundary."""
+    rt, buffers = engine.runtime, []
+    launch = rt.launch
+
+    def spy_launch(state, ids):
+        if isinstance(ids, torch.Tensor):  # decode steps
+            buffers.append(tuple((st.capacity, st.kv.data_ptr()) for st in state.layers if st.compressor))
+        return launch(state, ids)
+
+    monkeypatch.setattr(rt, "launch", spy_launch)
+    sess = engine.new_session()
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[0], SamplingParams(temperature=0.0, max_tokens=80)))
+    start = fin.stats.prompt_tokens
+    assert start < 4 * MIN_ENTRIES < start + 80  # the turn may cross the ratio-4 layer's first capacity
+    assert len(buffers) == fin.stats.completion_tokens - (fin.stats.finish_reason == "max_tokens") > 1
+    assert len(set(buffers)) == 1
+    assert min(cap for cap, _ in buffers[0]) >= (start + 80) // 128 + 1  # room for the turn's last token
+    assert max(cap for cap, _ in buffers[0]) >= (start + 80) // 4 + 1 > MIN_ENTRIES
 
 
 def test_an_eos_is_run_with_its_turn_and_the_next_turn_starts_after_it(ckpt, engine):
