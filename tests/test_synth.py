@@ -234,7 +234,7 @@ def test_tiny_weight_statistics(tiny: Path):
     wq_b = ref.dequant_fp8_block(t["layers.0.attn.wq_b.weight"], t["layers.0.attn.wq_b.scale"])
     assert abs(wq_b.std().item() * math.sqrt(128) - 1.0) < 0.05  # N(0, fan_in^-1/2)
     w2 = dequant_official_fp4(t["layers.4.ffn.experts.3.w2.weight"],
-                             t["layers.4.ffn.experts.3.w2.scale"])
+                              t["layers.4.ffn.experts.3.w2.scale"])
     assert abs(w2.std().item() * math.sqrt(128) - 1.0) < 0.1
 
 
@@ -258,7 +258,7 @@ def test_clamp_stress_expert(tmp_path: Path):
                                   t["layers.2.ffn.shared_experts.w1.scale"])
     assert (x @ shared.T).std() > 10
     normal = dequant_official_fp4(t["layers.0.ffn.experts.4.w1.weight"],
-                                 t["layers.0.ffn.experts.4.w1.scale"])
+                                  t["layers.0.ffn.experts.4.w1.scale"])
     assert (x @ normal.T).std() < 2
 
 
