@@ -110,6 +110,7 @@ def _source_config(root: Path) -> dict:
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of `data` at fd's position."""
     while data:
         data = data[os.write(fd, data):]
 
@@ -124,7 +125,8 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
         done += n
 
 
-def _replace_durably(tmp: Path, final: Path) -> None:
+def replace_durably(tmp: Path, final: Path) -> None:
+    """Rename `tmp` over `final` and fsync the directory, so the rename survives a crash."""
     os.replace(tmp, final)
     dfd = os.open(final.parent, os.O_RDONLY)
     try:
@@ -204,7 +206,7 @@ class _Converter:
             raise
         os.close(fd)
         self.hook(f"written:{f.name}")
-        _replace_durably(tmp, final)
+        replace_durably(tmp, final)
         self.hook(f"renamed:{f.name}")
         return hasher.finish(f.size)
 
@@ -242,7 +244,7 @@ class _Converter:
         tmp, final = self.out / (name + ".tmp"), self.out / name
         data = (self.src / name).read_bytes()
         tmp.write_bytes(data)
-        _replace_durably(tmp, final)
+        replace_durably(tmp, final)
         self.meter.add(len(data))
         return {"size": len(data), "checksum": "sha256:" + hashlib.sha256(data).hexdigest()}
 
@@ -266,7 +268,7 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
            "files": entries}
     tmp = out / (layout.STATE + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    _replace_durably(tmp, out / layout.STATE)
+    replace_durably(tmp, out / layout.STATE)
 
 
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
@@ -337,7 +339,7 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
     run.hook("manifest")
     tmp = out / (layout.MANIFEST + ".tmp")
     tmp.write_text(manifest.dumps(), encoding="utf-8")
-    _replace_durably(tmp, out / layout.MANIFEST)
+    replace_durably(tmp, out / layout.MANIFEST)
     (out / layout.STATE).unlink(missing_ok=True)
     meter.status("done")
     if verify:
@@ -381,13 +383,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4-convert", description=(
         "Convert an official DeepSeek-V4-Flash checkpoint into the streaming expert-pack layout "
         "(lossless, resumable)."))
-    ap.add_argument("--hf", required=True, help="downloaded checkpoint directory (config.json, "
+    ap.add_argument("--hf", help="downloaded checkpoint directory (config.json, "
                     "model.safetensors.index.json, model-*.safetensors)")
-    ap.add_argument("--out", required=True, help="output directory (new, or an earlier output)")
+    ap.add_argument("--out", help="output directory (new, or an earlier output)")
     ap.add_argument("--verify", action="store_true", help="re-read the output against the manifest")
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="keep verified files of an earlier run (default); --no-resume starts over")
+    ap.add_argument("--upgrade", metavar="DIR", help="rewrite a model converted by an older version "
+                    "(layout 1) in place, without the download; resumable")
     a = ap.parse_args(argv)
+    if a.upgrade is not None:
+        if a.hf or a.out:
+            ap.error("--upgrade DIR takes no --hf or --out")
+        return _upgrade_main(a.upgrade, a.verify)
+    if not (a.hf and a.out):
+        ap.error("--hf and --out are required (or --upgrade DIR)")
     show = _printer(sys.stderr)
     t0 = time.monotonic()
     try:
@@ -404,6 +414,27 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(e["size"] for e in json.loads((out / layout.MANIFEST).read_text())["files"].values())
     print(f"\nconverted {a.hf} -> {out}: {size / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s"
           + (", verified" if a.verify else ""), file=sys.stderr)
+    return 0
+
+
+def _upgrade_main(path: str, verify: bool) -> int:
+    from converter.upgrade import UpgradeError, upgrade
+
+    t0 = time.monotonic()
+    try:
+        upgrade(path, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("\ndsv4-convert: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    except (UpgradeError, OSError) as e:
+        print(f"dsv4-convert: error: {e}", file=sys.stderr)
+        return 1
+    problems = verify_dir(Path(path)) if verify else []
+    if problems:
+        print("dsv4-convert: verification failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 1
+    print(f"upgraded {path} in {time.monotonic() - t0:.1f} s" + (", verified" if verify else ""),
+          file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,8 @@ A directory holding
     offsets, zero padded so R is a multiple of 4096. One expert = one aligned read. The scales
     keep their source bytes; the FP4 weights (the `.weight` fields) hold the source's codes in
     kernels/reference.py's record order (a bit permutation within each byte, lossless; version 1
-    kept the official nibble order, which the GPU kernels decode in more instructions).
+    kept the official nibble order, which the GPU kernels decode in more instructions;
+    converter/upgrade.py rewrites a version-1 directory in place).
   * tokenizer and config files copied from the source (config.json, generation_config.json,
     tokenizer.json, tokenizer_config.json, those present).
 
@@ -207,8 +208,10 @@ def parse_manifest(doc: object, where: str = MANIFEST) -> Manifest:
     if doc.get("format") != FORMAT:
         raise LayoutError(f"{where}: format is {doc.get('format')!r}, expected {FORMAT!r}")
     if doc.get("version") != VERSION:
+        fix = ("upgrade it in place with `dsv4-convert --upgrade DIR`, or convert the checkpoint again"
+               if doc.get("version") == 1 else "convert the checkpoint again")
         raise LayoutError(f"{where}: layout version {doc.get('version')!r} is not supported (this "
-                          f"engine reads version {VERSION}); convert the checkpoint again")
+                          f"engine reads version {VERSION}); {fix}")
     try:
         exp, files = doc["experts"], doc["files"]
         units = tuple(Unit(int(u["layer"]), str(u["file"]), str(u["tensor"])) for u in exp["units"])
@@ -246,8 +249,10 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 
 STATE = ".dsv4-convert.json"  # progress of an unfinished conversion (file entries done so far)
+UPGRADE_STATE = ".dsv4-upgrade.json"  # progress of an unfinished upgrade (converter/upgrade.py)
 _OWN = re.compile(r"(manifest\.json|global\.safetensors|layer_\d+\.safetensors|mtp\.safetensors|"
-                  r"\.dsv4-convert\.json|" + "|".join(re.escape(f) for f in COPIED_FILES) + r")(\.tmp)?")
+                  r"\.dsv4-convert\.json|\.dsv4-upgrade\.json|"
+                  + "|".join(re.escape(f) for f in COPIED_FILES) + r")(\.tmp)?")
 
 
 def is_own_file(name: str) -> bool:
