@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _upgrade_main(path: str, verify: bool) -> int:
-    from converter.upgrade import UpgradeError, upgrade
+    """`dsv4-convert --upgrade DIR [--verify]` (converter/upgrade.py); the exit status."""
+    from converter.upgrade import UpgradeError, upgrade  # imports this module: imported late
 
     t0 = time.monotonic()
     try:
