@@ -400,21 +400,30 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--hf and --out are required (or --upgrade DIR)")
     show = _printer(sys.stderr)
     t0 = time.monotonic()
-    try:
-        out = convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify)
-    except preflight.PreflightError as e:
-        print(f"dsv4-convert: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ndsv4-convert: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except (ConvertError, OSError) as e:
-        print(f"\ndsv4-convert: error: {e}", file=sys.stderr)
-        return 1
+    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify),
+                       ConvertError)
+    if status:
+        return status
     size = sum(e["size"] for e in json.loads((out / layout.MANIFEST).read_text())["files"].values())
     print(f"\nconverted {a.hf} -> {out}: {size / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s"
           + (", verified" if a.verify else ""), file=sys.stderr)
     return 0
+
+
+def _run(work: Callable[[], Path], errors: type[Exception]) -> tuple[Path | None, int]:
+    """(work's result, 0), or (None, the exit status) with the message printed: 2 for a
+    preflight error, 130 when interrupted, 1 for `errors` and OSError."""
+    try:
+        return work(), 0
+    except preflight.PreflightError as e:
+        print(f"dsv4-convert: {e}", file=sys.stderr)
+        return None, 2
+    except KeyboardInterrupt:
+        print("\ndsv4-convert: interrupted; run the same command again to resume", file=sys.stderr)
+        return None, 130
+    except (errors, OSError) as e:
+        print(f"\ndsv4-convert: error: {e}", file=sys.stderr)
+        return None, 1
 
 
 def _upgrade_main(path: str, verify: bool) -> int:
@@ -422,14 +431,10 @@ def _upgrade_main(path: str, verify: bool) -> int:
     from converter.upgrade import UpgradeError, upgrade  # imports this module: imported late
 
     t0 = time.monotonic()
-    try:
-        upgrade(path, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except KeyboardInterrupt:
-        print("\ndsv4-convert: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except (UpgradeError, OSError) as e:
-        print(f"dsv4-convert: error: {e}", file=sys.stderr)
-        return 1
+    _, status = _run(lambda: upgrade(path, progress=lambda line: print(line, file=sys.stderr, flush=True)),
+                     UpgradeError)
+    if status:
+        return status
     problems = verify_dir(Path(path)) if verify else []
     if problems:
         print("dsv4-convert: verification failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
