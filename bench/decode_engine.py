@@ -227,9 +227,13 @@ def _engine_turns(pack: Path, a, config: EngineConfig) -> list[tuple[str, float,
     per_token = []
     with Engine.load(pack, config) as eng:
         session = eng.new_session()
+        runner = eng.runtime.runner
+
+        def captures() -> int:  # decode graph sets captured so far (none: decoding eagerly)
+            return runner.captures if runner is not None else 0
+
         for turn in range(3):
-            runner = eng.runtime.runner
-            captures = runner.captures if runner is not None else 0
+            before = captures()
             t = time.perf_counter()
             events = list(eng.generate(session, f"Turn {turn}: tell me about the sea.",
                                        SamplingParams(temperature=0.6, seed=turn, max_tokens=4 * a.tokens)))
@@ -245,7 +249,7 @@ def _engine_turns(pack: Path, a, config: EngineConfig) -> list[tuple[str, float,
             print(f"  engine turn {turn}: {st.completion_tokens} tokens ({st.finish_reason}), {st.tok_per_s:.0f} tok/s "
                   f"(median step {median:.2f} ms), wall after prefill {ms:.2f} ms/token; positions "
                   f"{st.prompt_tokens}..{st.prompt_tokens + st.completion_tokens}, graph captures "
-                  f"{(runner.captures if runner is not None else 0) - captures}, steps over 3x the median: "
+                  f"{captures() - before}, steps over 3x the median: "
                   f"{len(slow)} ({sum(slow):.0f} ms in all)")
             if turn:
                 per_token.append(ms)

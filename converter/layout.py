@@ -50,7 +50,7 @@ import torch
 from converter import mapping
 from engine.checkpoint import DTYPES
 from engine.config import ModelArgs
-from kernels.reference import fp4_record_order
+from kernels.reference import fp4_official_order, fp4_record_order
 
 FORMAT = "dsv4-expert-pack"
 VERSION = 2  # 2: FP4 weights in record order
@@ -133,10 +133,17 @@ class RecordLayout:
     def to_record_order(self, record: torch.Tensor) -> None:
         """Rewrite the FP4 weights of one record as read from a checkpoint (uint8 [record_bytes],
         official order) into record order, in place."""
+        self._reorder(record, fp4_record_order)
+
+    def to_official_order(self, record: torch.Tensor) -> None:
+        """The inverse of `to_record_order`, in place (the record as version 1 stored it)."""
+        self._reorder(record, fp4_official_order)
+
+    def _reorder(self, record: torch.Tensor, order) -> None:
         for name, f in self.fields.items():
-            if name.endswith(".weight"):
+            if name.endswith(".weight"):  # the FP4 codes; the scales keep their bytes
                 part = record[f.offset:f.offset + f.nbytes]
-                part.copy_(fp4_record_order(part))
+                part.copy_(order(part))
 
     def unpack(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero-copy views of the six tensors in one record (uint8 [record_bytes], any device)."""

@@ -24,7 +24,7 @@ import torch
 
 from converter import layout
 from converter.convert import replace_durably
-from kernels.reference import fp4_official_order
+from engine.checkpoint import CheckpointError, read_header
 
 CHUNK = 1 << 23  # bytes per read of a resident tensor
 
@@ -53,6 +53,10 @@ def _upgrade_file(path: Path, entry: dict, record: layout.RecordLayout,
     rename and saving its entry) is recognised by its first record and only checked."""
     name, tmp = path.name, path.with_name(path.name + ".tmp")
     rewritten = False  # the file holds version-2 records already
+    try:
+        tensors = read_header(path).tensors
+    except CheckpointError as e:
+        raise UpgradeError(f"{e}; convert the checkpoint again") from None
 
     def corrupt(what: str) -> UpgradeError:
         return UpgradeError(f"{name}: {what} does not match its checksum; the file is corrupt and "
@@ -66,14 +70,17 @@ def _upgrade_file(path: Path, entry: dict, record: layout.RecordLayout,
                 raise corrupt("the safetensors header")
             hasher = layout.PieceHasher(bytes(header))
             dst.write(header)
-            meta = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])
-            meta.pop("__metadata__", None)
             buf = memoryview(bytearray(max(CHUNK, record.record_bytes)))
-            for tname, t in sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                begin, end = t["data_offsets"]
+            at = len(header)  # the pieces follow one another (converter/layout.py)
+            for t in sorted(tensors, key=lambda t: t.offset):
+                if t.offset != at:
+                    raise UpgradeError(f"{name}: tensor {t.name} starts at byte {t.offset}, not {at}; "
+                                       "the file is not a converter output: convert the checkpoint again")
+                at += t.nbytes
+                tname = t.name
                 if tname.endswith(".ffn.experts"):  # [E, R]: one piece per record
-                    if end - begin != len(entry["records"]) * record.record_bytes:
-                        raise UpgradeError(f"{name}: {tname} holds {end - begin} bytes, not the manifest's "
+                    if t.nbytes != len(entry["records"]) * record.record_bytes:
+                        raise UpgradeError(f"{name}: {tname} holds {t.nbytes} bytes, not the manifest's "
                                            f"{len(entry['records'])} records; convert the checkpoint again")
                     rec = buf[:record.record_bytes]
                     view = torch.frombuffer(rec, dtype=torch.uint8)  # the same bytes
@@ -92,7 +99,7 @@ def _upgrade_file(path: Path, entry: dict, record: layout.RecordLayout,
                         hasher.add_record(hashlib.sha256(rec).digest())
                         dst.write(rec)
                 else:
-                    h, left = hashlib.sha256(), end - begin
+                    h, left = hashlib.sha256(), t.nbytes
                     while left:
                         part = buf[:min(left, len(buf))]
                         _read_exact(src, part, name)
@@ -117,9 +124,7 @@ def _upgrade_file(path: Path, entry: dict, record: layout.RecordLayout,
 def _official_digest(rec: torch.Tensor, record: layout.RecordLayout) -> str:
     """sha256 hex of a record-order record's bytes put back into official order."""
     back = rec.clone()
-    for name, f in record.fields.items():
-        if name.endswith(".weight"):
-            back[f.offset:f.offset + f.nbytes] = fp4_official_order(rec[f.offset:f.offset + f.nbytes])
+    record.to_official_order(back)
     return hashlib.sha256(back.numpy()).hexdigest()
 
 

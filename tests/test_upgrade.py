@@ -16,8 +16,8 @@ from converter.convert import convert, main
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from converter.upgrade import UpgradeCancelled, UpgradeError, _upgrade_file, upgrade
 from converter.verify import verify
+from engine.checkpoint import read_header
 from engine.weights import open_model
-from kernels import reference as ref
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +38,15 @@ def as_version_1(pack: Path, dst: Path) -> Path:
     doc = json.loads((dst / layout.MANIFEST).read_text())
     for unit in m.units:
         data = bytearray((dst / unit.file).read_bytes())
-        entry = doc["files"][unit.file]
-        hbytes = entry["header"]["bytes"]
-        n = int.from_bytes(data[:8], "little")
-        meta = {k: v for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__"}
-        hasher = layout.PieceHasher(bytes(data[:hbytes]))
-        for name, t in sorted(meta.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = (hbytes + o for o in t["data_offsets"])
-            if name == unit.tensor:
-                records = torch.frombuffer(data, dtype=torch.uint8)[begin:end].view(m.count, -1)
-                for rec in records:
-                    for fname, f in m.record.fields.items():
-                        if fname.endswith(".weight"):
-                            part = rec[f.offset:f.offset + f.nbytes]
-                            part.copy_(ref.fp4_official_order(part))
+        hasher = layout.PieceHasher(bytes(data[:doc["files"][unit.file]["header"]["bytes"]]))
+        for t in sorted(read_header(dst / unit.file).tensors, key=lambda t: t.offset):
+            if t.name == unit.tensor:
+                records = torch.frombuffer(data, dtype=torch.uint8)[t.offset:t.offset + t.nbytes]
+                for rec in records.view(m.count, -1):  # [E, R]
+                    m.record.to_official_order(rec)
                     hasher.add_record(hashlib.sha256(rec.numpy()).digest())
             else:
-                hasher.add_tensor(name, hashlib.sha256(data[begin:end]).digest())
+                hasher.add_tensor(t.name, hashlib.sha256(data[t.offset:t.offset + t.nbytes]).digest())
         (dst / unit.file).write_bytes(data)
         doc["files"][unit.file] = hasher.finish(len(data))
     (dst / layout.MANIFEST).write_text(json.dumps(doc | {"version": 1}, indent=1, sort_keys=True) + "\n")
