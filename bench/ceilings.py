@@ -21,10 +21,11 @@ import torch
 
 from bench.kernels import copy_bandwidth, fp4_arena, fp4_tile_rows, time_calls
 
-SIZES_MB = (27, 54, 107, 428)
+SIZES_MB = (6, 8, 16, 27, 54, 107, 428)
 EXPERTS = (6, 12, 24, 48)
 READ_TILES = ((256, 4, False), (256, 8, False), (256, 8, True), (256, 16, True), (128, 16, True))
 # (threads, 16-byte vectors per thread, early) of the streaming read
+CHAINED_TILE = (256, 16)  # that of the chained read
 
 
 @functools.cache
@@ -62,14 +63,53 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
     return compile_kernel(read, arch, pass_configs=UNGUARDED)
 
 
+@functools.cache
+def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int]):
+    """`read_kernel`'s early streaming read as a link of a dependent chain: after its wait every
+    thread also reads PREV[0], which the link before wrote, and one thread writes NEXT[0] =
+    PREV[0] + 1. The least a decode GEMV does beyond reading its weight (one read of what its
+    predecessor wrote, one write its successor reads): the ceiling for the GEMVs' chained figures."""
+    import tilelang.language as T
+
+    from kernels import pdl
+    from kernels.act_quant import UNGUARDED, compile_kernel
+
+    per_cta = threads * unroll  # 16-byte vectors
+
+    @T.prim_func
+    def chained_read(X: T.Tensor((words // 4, 4), "int32"), PREV: T.Tensor((1,), "int32"),
+                     NEXT: T.Tensor((1,), "int32")):
+        with T.Kernel(words // 4 // per_cta, threads=threads) as bx:
+            tid = T.get_thread_binding(0)
+            v = T.alloc_local((unroll, 4), "int32")
+            acc = T.alloc_local((1,), "int32")
+            for u in T.unroll(unroll):
+                for j in T.vectorized(4):
+                    v[u, j] = X[bx * per_cta + u * threads + tid, j]
+            pdl.begin(T, arch)
+            acc[0] = PREV[0]
+            for u in T.unroll(unroll):
+                for j in T.unroll(4):
+                    acc[0] = acc[0] ^ v[u, j]
+            if bx == 0 and tid == 0:
+                NEXT[0] = PREV[0] + T.if_then_else(acc[0] == 0x5A5A5A5A, 2, 1)
+
+    return compile_kernel(chained_read, arch, pass_configs=UNGUARDED)
+
+
 def _buffers(nbytes: int, dev) -> list[torch.Tensor]:
     return [torch.randn(nbytes // 4, device=dev) for _ in range(max(3, 1000 * 2 ** 20 // nbytes))]
 
 
 def main(argv=None) -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MB), metavar="MB",
+                        help=f"launch sizes in MiB (default {' '.join(map(str, SIZES_MB))})")
+    parser.add_argument("--skip-fp4", action="store_true", help="leave out the routed FP4 GEMV rows")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.ceilings needs a CUDA GPU")
+    from kernels import pdl
     from kernels.act_quant import cuda_arch
     from kernels.fp4_mma1 import mma1_tile
     from kernels.fp4_moe import gemv_tile
@@ -84,7 +124,7 @@ def main(argv=None) -> None:
         print(f"| {what:44s} | {nbytes / 1e6:8.1f} MB | {seconds * 1e6:8.2f} us | {bw / 1e9:5.0f} GB/s | "
               f"{100 * bw / ceiling:5.1f}% |")
 
-    for mb in SIZES_MB:
+    for mb in args.sizes:
         bufs = _buffers(mb << 20, dev)
         out = torch.empty(len(bufs), device=dev)
         half = bufs[0].numel() // 2  # a copy of half a buffer moves mb MB (read + write)
@@ -102,8 +142,17 @@ def main(argv=None) -> None:
                 t, _ = time_calls([(lambda i=i: kern(bufs[i].view(torch.int32).view(-1, 4), sentinel))
                                    for i in range(len(bufs))] * 2)
                 show(f"read only, {threads} threads x {unroll} vectors{' early' if early else ''}", mb << 20, t)
+        threads, unroll = CHAINED_TILE
+        if words % (4 * threads * unroll) == 0 and pdl.enabled(arch):
+            kern = chained_read_kernel(words, threads, unroll, arch)
+            dep = torch.zeros(2, dtype=torch.int32, device=dev)
+            t, _ = time_calls([(lambda i=i: kern(bufs[i].view(torch.int32).view(-1, 4), dep[i % 2:i % 2 + 1],
+                                                 dep[1 - i % 2:2 - i % 2])) for i in range(2 * (len(bufs) // 2))] * 2)
+            show(f"chained read, {threads} threads x {unroll} vectors early", mb << 20, t)
         del bufs
 
+    if args.skip_fp4:
+        return
     n, k = 2048, 4096
     arena = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     tiles, ksplit, depth = mma1_tile(k)  # w1+w3's tile, w2 timed at it too (each row names its tile)

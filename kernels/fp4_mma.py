@@ -37,7 +37,6 @@ import torch
 
 from kernels import lowbit, pdl
 from kernels.act_quant import KernelInputError, compile_kernel
-from kernels.fp8_gemm import e8m0_bits_to_float
 
 MAX_M = 8  # the MMA's n: tokens per launch
 GROUPS_PER_STEP = 4  # scale groups per loop step: one 128-channel activation block
@@ -192,7 +191,7 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
                                              T.address_of(ap[0]), T.address_of(d[0])))
                     for h in T.unroll(2):
                         # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
-                        ws = e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
+                        ws = lowbit.e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
                                                 lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
                         acc[t, 2 * h] += d[2 * h] * (ws * sa[0])
                         if odd:

@@ -51,7 +51,6 @@ import functools
 
 from kernels import fp4_mma, lowbit, pdl
 from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
-from kernels.fp8_gemm import e8m0_bits_to_float
 
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
@@ -254,7 +253,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
             for t in T.unroll(tiles):
                 for h in T.unroll(2):
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
-                        ws = e8m0_bits_to_float(T, (sw[t, h, i] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
+                        ws = lowbit.e8m0_bits_to_float(T, (sw[t, h, i] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
                         acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa)
         warp_sums(acc, red, warp, lane)
         if warp == 0:

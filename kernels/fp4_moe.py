@@ -34,7 +34,7 @@ from kernels import fp4_mma, fp4_mma1, lowbit, pdl
 from kernels.act_quant import (_TORCH_TO_TL, UNGUARDED, KernelInputError, act_quant, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
-from kernels.fp8_gemm import _gemv_rows, as_words, e8m0_bits_to_float
+from kernels.fp8_gemm import _gemv_rows, as_words
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
@@ -111,7 +111,7 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
                     lowbit.e4m3x16_to_f32(T, aq[_VEC // 4], af[_VEC])
                     for r in T.unroll(rows):
                         # activations decode to value * 2^-8, weights to value * 2^-14
-                        scale = SA[ga, i, k0 // 128] * e8m0_bits_to_float(
+                        scale = SA[ga, i, k0 // 128] * lowbit.e8m0_bits_to_float(
                             T, wsc[r], lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
                         acc[r, i] += lowbit.dot_e2m1x32(T, wq[r, 0], af[0]) * scale
         for r in T.unroll(rows):

@@ -3,6 +3,7 @@
 y = act_quant(x) · W^T with W [N, K] e4m3 and 128×128 e8m0 block scales, fp32 accumulation,
 bf16 output (spec §B.4).
 
+* One token on sm_90: the tensor-core GEMV of kernels/fp8_mma1.py (same contract).
 * Decode (M <= GEMV_MAX_M rows): a weight-streaming GEMV. Each warp owns `rows` output rows;
   each lane reads 16 contiguous weight bytes (4 int32 words) per row per step (a warp covers 512
   channels of a row, coalesced), decodes them and the activation codes with integer bit moves
@@ -23,7 +24,7 @@ import functools
 
 import torch
 
-from kernels import lowbit, pdl
+from kernels import fp8_mma1, lowbit, pdl
 from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
                                pad_rows_to_bucket, tile_params)
 
@@ -38,11 +39,6 @@ DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 256}
 _VEC = 16  # fp8 weight bytes per lane per step (one 16-byte load)
 
 
-def e8m0_bits_to_float(T, byte, extra_exp: int = 0):
-    """2^(byte - 127 + extra_exp) as fp32, built from its bits (TileLang expression)."""
-    return T.reinterpret((T.Cast("uint32", byte) + T.uint32(extra_exp)) << T.uint32(23), "float32")
-
-
 def _gemv_rows(n: int, p: dict) -> int:
     """Rows per warp: fewer for small N so that the grid still covers the GPU."""
     rows = p["rows"]
@@ -52,13 +48,18 @@ def _gemv_rows(n: int, p: dict) -> int:
 
 
 @functools.cache
-def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, arch: tuple[int, int]):
+def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, arch: tuple[int, int],
+                    early: bool = True):
     """(Q [m,k/4] int32 = e4m3 codes, SA [m,k/128] fp32, W [n,k/4] int32 = e4m3 codes,
     SW [ceil(n/128),k/128] u8) -> Y [m,n] bf16.
 
     A CTA has `warps` warps in warps/ksplit row groups of `rows` rows; the `ksplit` warps of a
     group each sum one contiguous K range, and the group's partial sums are added in shared
-    memory in a fixed order (deterministic)."""
+    memory in a fixed order (deterministic).
+
+    `early` (with PDL): each lane loads the weight words of its first `early_steps` steps before
+    the kernel waits for its predecessor (kernels/pdl.py), so they overlap that kernel's tail; the
+    L2 prefetch of the CTA's rows is then left out where those steps are all of them."""
     import tilelang.language as T
 
     kb, nb, kw = k // 128, (n + 127) // 128, k // 4
@@ -67,18 +68,19 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     store = store_rows_macro(T, m, n, rows, ksplit)
 
     @T.macro
-    def step(k0, wq, first, Q, SA, SW, aq, af, acc):
+    def step(k0, wq, s, first, Q, SA, SW, aq, af, acc):
         for i in T.unroll(m):
             for v in T.vectorized(_VEC // 4):
                 aq[v] = Q[i, k0 // 4 + v]
             lowbit.e4m3x16_to_f32(T, aq[0], af[0])
             for r in T.unroll(rows):
                 # both operands decode to value * 2^-8: the block scale takes 2^16
-                scale = SA[i, k0 // 128] * e8m0_bits_to_float(
+                scale = SA[i, k0 // 128] * lowbit.e8m0_bits_to_float(
                     T, SW[T.min(first + r, n - 1) // 128, k0 // 128], 2 * lowbit.E4M3_SHIFT)
-                acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+                acc[r, i] += lowbit.dot_e4m3x16(T, wq[s, r, 0], af[0]) * scale
 
-    weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
+    ahead = early_steps(k, rows, ksplit) if early and pdl.enabled(arch) else 0
+    preload, weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step, ahead)
 
     @T.prim_func
     def fp8_gemv(Q: T.Tensor((m, kw), "int32"), SA: T.Tensor((m, kb), "float32"),
@@ -88,14 +90,15 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
             lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC // 4), "int32")
+            wq = T.alloc_local((weight_slots(k, ksplit, ahead), rows, _VEC // 4), "int32")
             aq = T.alloc_local((_VEC // 4,), "int32")
             af = T.alloc_local((_VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
-            if lane == 0 and warp == 0:  # the CTA's rows: one range
+            if lane == 0 and warp == 0 and ahead < split_steps(k, ksplit):  # the CTA's rows: one range
                 pdl.prefetch_rows(T, arch, n * k, W[bn * cta_rows, 0], T.min(cta_rows, n - bn * cta_rows) * k)
+            preload(W, wq, lane, warp, first)  # the weight is never written: read before the wait
             pdl.begin(T, arch)
             T.clear(acc)
             weight_steps(W, wq, lane, warp, first, Q, SA, SW, aq, af, acc)
@@ -104,28 +107,75 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     return compile_kernel(fp8_gemv, arch)
 
 
-def weight_steps_macro(T, n: int, k: int, rows: int, ksplit: int, step):
-    """A TileLang macro `steps(W, wq, lane, warp, first, *args)`: the K loop of a row-per-warp FP8
-    GEMV. For each step of this warp's K range (range warp % ksplit of `ksplit` contiguous ones)
-    that starts below k, it loads this lane's 16 weight bytes of rows first.. (clamped to n - 1)
-    of W [n, k/4] int32 into wq [rows, 4], then runs `step(k0, wq, first, *args)` (a macro; k0 =
-    the lane's first channel of the step), which reads the activations and accumulates."""
+UNROLL_MAX_STEPS = 16  # a warp's K loop is unrolled up to this many steps (else a serial loop)
+EARLY_WORDS = 32  # weight words per lane that `early_steps` may hold in registers before the PDL wait
+
+
+def split_steps(k: int, ksplit: int) -> int:
+    """Steps (32 lanes × 16 weight bytes of each row) of one warp's K range."""
+    steps = -(-k // (32 * _VEC))
+    return -(-steps // ksplit)
+
+
+def early_steps(k: int, rows: int, ksplit: int) -> int:
+    """Steps of a warp's K range whose weight words each lane loads before the PDL wait: as many as
+    EARLY_WORDS registers hold (at least one), none where the K loop is not unrolled."""
+    per = split_steps(k, ksplit)
+    return 0 if per > UNROLL_MAX_STEPS else min(per, max(1, EARLY_WORDS // (rows * _VEC // 4)))
+
+
+def weight_slots(k: int, ksplit: int, ahead: int) -> int:
+    """Steps whose weight words a lane's `wq` holds for `weight_steps_macro` (one per step when
+    loading `ahead`, else one reused)."""
+    return split_steps(k, ksplit) if ahead else 1
+
+
+def weight_steps_macro(T, n: int, k: int, rows: int, ksplit: int, step, ahead: int = 0):
+    """TileLang macros `(preload(W, wq, lane, warp, first), steps(W, wq, lane, warp, first, *args))`:
+    the K loop of a row-per-warp FP8 GEMV. A warp's K range is range warp % ksplit of `ksplit`
+    contiguous ones; at each of its steps that starts below k, a lane loads its 16 weight bytes of
+    rows first.. (clamped to n - 1) of W [n, k/4] int32 into wq [weight_slots, rows, 4] and runs
+    `step(k0, wq, s, first, *args)` (a macro; k0 = the lane's first channel of the step, wq[s] its
+    words), which reads the activations and accumulates.
+
+    `ahead` (0 or `early_steps`): `preload` loads the first `ahead` steps (into slots 0..ahead-1)
+    and `steps` loads step i + ahead at step i, so the caller may run `preload` before its PDL
+    wait (weights only). At 0, `preload` is empty and each step loads its own words."""
     kstep = 32 * _VEC
-    steps = (k + kstep - 1) // kstep
-    split_steps = (steps + ksplit - 1) // ksplit  # steps per warp
-    loop = T.unroll if split_steps <= 16 else T.serial
+    per = split_steps(k, ksplit)
+    loop = T.unroll if per <= UNROLL_MAX_STEPS else T.serial
+    if ahead and per > UNROLL_MAX_STEPS:
+        raise KernelInputError(f"weight_steps_macro: {per} steps per warp cannot be loaded ahead (at most "
+                               f"{UNROLL_MAX_STEPS})")
+
+    @T.macro
+    def load(W, wq, lane, warp, first, ko, s):
+        k0 = ((warp % ksplit) * per + ko) * kstep + lane * _VEC
+        if k0 < k:
+            for r in T.unroll(rows):
+                for v in T.vectorized(_VEC // 4):
+                    wq[s, r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
+
+    @T.macro
+    def preload(W, wq, lane, warp, first):
+        for ko in T.unroll(ahead):
+            load(W, wq, lane, warp, first, ko, ko)
 
     @T.macro
     def weight_steps(W, wq, lane, warp, first, *args):
-        for ko in loop(split_steps):
-            k0 = ((warp % ksplit) * split_steps + ko) * kstep + lane * _VEC
-            if k0 < k:
-                for r in T.unroll(rows):
-                    for v in T.vectorized(_VEC // 4):
-                        wq[r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
-                step(k0, wq, first, *args)
+        for ko in loop(per):
+            k0 = ((warp % ksplit) * per + ko) * kstep + lane * _VEC
+            if ahead:
+                if ko + ahead < per:  # after unrolling, a constant test
+                    load(W, wq, lane, warp, first, ko + ahead, ko + ahead)
+                if k0 < k:
+                    step(k0, wq, ko, first, *args)
+            else:
+                if k0 < k:
+                    load(W, wq, lane, warp, first, ko, 0)
+                    step(k0, wq, 0, first, *args)
 
-    return weight_steps
+    return preload, weight_steps
 
 
 def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int, put=None):
@@ -232,6 +282,11 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
         return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
+    tile = fp8_mma1.mma1_tile(n, k) if m == 1 and arch in fp8_mma1.MMA1_ARCHS else None
+    if tile is not None:  # one token: the tensor-core GEMV
+        fp8_mma1.fp8_mma1_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
+                                                     scale_bytes(w_scale), y)
+        return y
     fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
                                                                   scale_bytes(w_scale), y)
     return y[:m]

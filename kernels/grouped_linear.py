@@ -26,7 +26,7 @@ import torch
 from kernels import lowbit, pdl
 from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
 from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
-                              e8m0_bits_to_float, gemv_tile, scale_bytes, store_rows_macro, weight_steps_macro)
+                              gemv_tile, scale_bytes, store_rows_macro, weight_steps_macro)
 
 
 @functools.cache
@@ -42,7 +42,7 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
     store = store_rows_macro(T, m, n, rows, ksplit)
 
     @T.macro
-    def step(k0, wq, first, X, SW, x0, xb, af, acc):
+    def step(k0, wq, s, first, X, SW, x0, xb, af, acc):
         for i in T.unroll(m):
             for h in T.unroll(2):  # 16 bf16 = two 16-byte loads
                 for v in T.vectorized(_VEC // 2):
@@ -51,10 +51,10 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
                 af[v] = T.Cast("float32", xb[v])
             for r in T.unroll(rows):
                 # the weight codes decode to value * 2^-8: the block scale takes 2^8
-                scale = e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
-                acc[r, i] += lowbit.dot_e4m3x16(T, wq[r, 0], af[0]) * scale
+                scale = lowbit.e8m0_bits_to_float(T, SW[(first + r) // 128, k0 // 128], lowbit.E4M3_SHIFT)
+                acc[r, i] += lowbit.dot_e4m3x16(T, wq[s, r, 0], af[0]) * scale
 
-    weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
+    _, weight_steps = weight_steps_macro(T, n, k, rows, ksplit, step)
 
     @T.prim_func
     def grouped_gemv(X: T.Tensor((m, groups * k), "bfloat16"), W: T.Tensor((n, kw), "int32"),
@@ -63,7 +63,7 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
             lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((rows, _VEC // 4), "int32")
+            wq = T.alloc_local((1, rows, _VEC // 4), "int32")
             xb = T.alloc_local((_VEC,), "bfloat16")
             af = T.alloc_local((_VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")

@@ -33,12 +33,19 @@ E2M1_SHIFT = 14  # the fp16 that an e2m1 code becomes is its value times 2^-E2M1
 SOURCE = r"""
 #include <cuda_fp16.h>
 
+// 4 e4m3 codes (byte 0 = channel 0) -> h[0] = the fp16x2 of channels (0, 2), h[1] = that of
+// (1, 3) (low half first), values times 2^-8, exactly.
+__device__ __forceinline__ void dsv4_e4m3x4_to_f16x2(unsigned w, unsigned* h) {
+  h[0] = ((w & 0x007F007Fu) << 7) | ((w & 0x00800080u) << 8);  // channels 0, 2
+  h[1] = ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);        // channels 1, 3
+}
+
 // 4 e4m3 codes (byte 0 = channel 0) -> out[0..3] = value * 2^-8, exactly.
 __device__ __forceinline__ void dsv4_e4m3x4_to_f32(unsigned w, float* out) {
-  unsigned even = ((w & 0x007F007Fu) << 7) | ((w & 0x00800080u) << 8);  // channels 0, 2
-  unsigned odd = ((w >> 1) & 0x3F803F80u) | (w & 0x80008000u);        // channels 1, 3
-  float2 e = __half22float2(*reinterpret_cast<__half2*>(&even));
-  float2 o = __half22float2(*reinterpret_cast<__half2*>(&odd));
+  unsigned h[2];
+  dsv4_e4m3x4_to_f16x2(w, h);
+  float2 e = __half22float2(*reinterpret_cast<__half2*>(&h[0]));
+  float2 o = __half22float2(*reinterpret_cast<__half2*>(&h[1]));
   out[0] = e.x; out[1] = o.x; out[2] = e.y; out[3] = o.y;
 }
 
@@ -95,6 +102,11 @@ def import_source(T, *extra: str) -> None:
     """Make SOURCE's device functions, and those of the `extra` sources, callable in the TileLang
     kernel being defined (a kernel has one imported source)."""
     T.import_source(SOURCE + "".join(extra))
+
+
+def e8m0_bits_to_float(T, byte, extra_exp: int = 0):
+    """2^(byte - 127 + extra_exp) as fp32, built from its bits (TileLang expression)."""
+    return T.reinterpret((T.Cast("uint32", byte) + T.uint32(extra_exp)) << T.uint32(23), "float32")
 
 
 def e4m3x16_to_f32(T, words, out) -> None:

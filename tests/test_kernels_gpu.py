@@ -94,18 +94,73 @@ def test_fp8_gemm_matches_reference(m, n, k, gen):
     assert err < 4e-3  # bf16 output rounding (2^-9) where summation order flips a rounding
 
 
-@pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (4, 4, 1), (1, 8, 8), (2, 4, 2)])
-def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
+@pytest.mark.parametrize("rows,warps,ksplit,early", [(1, 4, 4, True), (2, 8, 2, True), (4, 4, 1, True),
+                                                   (1, 8, 8, True), (2, 4, 2, True), (2, 4, 2, False),
+                                                   (4, 4, 1, False)])
+def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, early, gen):
     from kernels.act_quant import act_quant
     from kernels.fp8_gemm import as_words, fp8_gemv_kernel, scale_bytes
-    m, n, k = 2, 640, 1536
+    m, n, k = 2, 640, 1536  # K = 3 steps of 512 channels: a ksplit of 2 or more leaves steps out of range
     x = activations(m, k, gen)
     w, s = fp8_weight(n, k, gen)
     q, sa = act_quant(x, 128)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-    fp8_gemv_kernel(m, n, k, rows, warps, ksplit, torch.cuda.get_device_capability())(
+    fp8_gemv_kernel(m, n, k, rows, warps, ksplit, torch.cuda.get_device_capability(), early)(
         as_words(q), sa, as_words(w), scale_bytes(s), y)
     assert rel_err(y, ref.fp8_gemm(x, w, s)) < 4e-3
+
+
+@pytest.mark.parametrize("n,k", [(1536, 4096), (4096, 4096), (4096, 2048), (8192, 1024), (4096, 8192)])
+def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
+    """The decode shapes (their tiles): weights loaded before the PDL wait give the same output,
+    bit for bit, as each step loading its own (the same products in the same order)."""
+    from kernels.act_quant import act_quant, cuda_arch
+    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, gemv_tile, scale_bytes
+    arch = cuda_arch(torch.device(DEV))
+    x = activations(1, k, gen)
+    w, s = fp8_weight(n, k, gen)
+    q, sa = act_quant(x, 128)
+    ys = [torch.empty(1, n, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    for y, early in zip(ys, (False, True)):
+        fp8_gemv_kernel(1, n, k, *gemv_tile(n, k, arch), arch, early)(as_words(q), sa, as_words(w), scale_bytes(s), y)
+    assert torch.equal(ys[0], ys[1])
+    assert rel_err(ys[1], ref.fp8_gemm(x, w, s)) < 4e-3
+
+
+@pytest.mark.parametrize("n,k,tiles,ksplit,depth", [(200, 384, 1, 1, 0), (200, 384, 2, 3, 1), (130, 1024, 2, 2, 1),
+                                                    (1536, 4096, 1, 8, 2), (1536, 4096, 2, 4, 4), (4096, 2048, 2, 4, 0),
+                                                    (4096, 8192, 2, 8, 4)])
+def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
+    """The one-token tensor-core GEMV at odd row counts (partial tiles), K splits and depths."""
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.fp8_mma1 import fp8_mma1_kernel
+    x = activations(1, k, gen)
+    w, s = fp8_weight(n, k, gen)
+    q, sa = act_quant(x, 128)
+    y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fp8_mma1_kernel(n, k, tiles, ksplit, depth, torch.cuda.get_device_capability())(
+        as_words(q), sa, as_words(w), scale_bytes(s), y)
+    assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s)) < 4e-3
+
+
+def test_fp8_mma1_extreme_codes_and_scales(gen):
+    """Every e4m3 magnitude (subnormals, 448) against every activation code, with the smallest and
+    largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.fp8_mma1 import fp8_mma1_kernel, mma1_tile
+    n, k = 256, 1024
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
+    w = codes[torch.randint(0, codes.numel(), (n, k), generator=gen, device=DEV)].view(torch.float8_e4m3fn)
+    s = torch.tensor([[100, 127, 140, 118, 127, 150, 127, 110]] * 2, dtype=torch.uint8, device=DEV)
+    x = (torch.randn(1, k, generator=gen, device=DEV) * 2.0 ** 12).to(torch.bfloat16)
+    q, sa = act_quant(x, 128)
+    y = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
+    fp8_mma1_kernel(n, k, *mma1_tile(n, k), torch.cuda.get_device_capability())(
+        as_words(q), sa, as_words(w), scale_bytes(s.view(torch.float8_e8m0fnu)), y)
+    assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s.view(torch.float8_e8m0fnu))) < 4e-3
 
 
 def test_fp8_gemm_keeps_leading_dims(gen):

@@ -23,19 +23,38 @@ def _weights(n: int, k: int, count: int, gen: torch.Generator):
     return out
 
 
-def test_decode_kernels_wait_for_their_predecessor():
+@pytest.mark.parametrize("early", [False, True])
+def test_decode_kernels_wait_for_their_predecessor(early):
     from kernels import pdl
     from kernels.act_quant import cuda_arch
     from kernels.fp8_gemm import fp8_gemv_kernel
     arch = cuda_arch(torch.device(DEV))
-    src = fp8_gemv_kernel(1, 512, 4096, 1, 4, 4, arch).get_kernel_source()
+    src = fp8_gemv_kernel(1, 512, 4096, 1, 4, 4, arch, early).get_kernel_source()
     if not pdl.enabled(arch):
         assert "cudaGridDependencySynchronize" not in src
         pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
-    # prefetch (weights only) -> wait -> release, in that order, before the first activation load
-    pf, wait, release = (src.index(s) for s in ("dsv4_prefetch_l2((", "cudaGridDependencySynchronize();",
-                                                  "cudaTriggerProgrammaticLaunchCompletion();"))
-    assert pf < wait < release < src.index("Q + ")
+    # weights only (a prefetch, or with `early` the loads of all the warp's steps) -> wait ->
+    # release, in that order, before the first activation load
+    wait, release = (src.index(s) for s in ("cudaGridDependencySynchronize();",
+                                            "cudaTriggerProgrammaticLaunchCompletion();"))
+    first_weight = src.index("W + ") if early else src.index("dsv4_prefetch_l2((")
+    assert first_weight < wait < release < src.index("Q + ")
+    assert ("dsv4_prefetch_l2((" in src) != early  # the 2 steps per warp are all loaded ahead
+    if early:
+        assert src[:wait].count("W + ") == src.count("W + ")  # no weight load left after the wait
+
+
+def test_fp8_mma1_reads_only_weights_before_the_wait():
+    from kernels import pdl
+    from kernels.act_quant import cuda_arch
+    from kernels.fp8_mma1 import fp8_mma1_kernel
+    arch = cuda_arch(torch.device(DEV))
+    if not pdl.enabled(arch):
+        pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
+    src = fp8_mma1_kernel(4096, 2048, 2, 4, 2, arch).get_kernel_source()
+    wait = src.index("cudaGridDependencySynchronize();")
+    assert max(src.index("W + "), src.index("SW[")) < wait < min(src.index("Q + "), src.index("SA["))
+    assert src.count("Q + ") == src[wait:].count("Q + ")
 
 
 @pytest.mark.parametrize("links", [24])
