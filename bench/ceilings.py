@@ -1,15 +1,19 @@
 """What one launch of a given size can reach on this GPU, against the 1 GiB copy ceiling.
 
 bench.kernels rates every kernel against the device-to-device copy bandwidth of 1 GiB. A decode
-kernel moves 1-60 MB per launch. This prints, in one run, at 27-428 MB: graphed copies, torch's
-read-only fp32 sum and amax, and a plain streaming read (`read_kernel`), each timed like
-bench.kernels' rows (a CUDA graph of calls over rotating buffers that together exceed L2); then the
-routed FP4 GEMVs (w1+w3 and w2 of 6-48 experts in one launch, through bench.kernels.fp4_tile_rows:
-the CUDA-core kernel and the one-token tensor-core one, early), whose slope is their steady rate.
+kernel moves 1-60 MB per launch. This prints, in one run, at each size (`--sizes`, MiB): graphed
+copies, torch's read-only fp32 sum and amax, a plain streaming read (`read_kernel`) and the same
+read as a link of a dependent chain (`chained_read_kernel`), each timed like bench.kernels' rows (a
+CUDA graph of calls over rotating buffers that together exceed L2); then the routed FP4 GEMVs
+(w1+w3 and w2 of 6-48 experts in one launch, through bench.kernels.fp4_tile_rows: the CUDA-core
+kernel and the one-token tensor-core one, early), whose slope is their steady rate.
 H200, one run: the streaming read with PDL (`early`) reached 92-99 % of the copy bandwidth at
 27 MB and 100-102 % at 54 MB (without PDL 84-85 % and 95-96 %), where torch's sum reached 47 %
-and 66 %: a read-only launch of decode size need not lose a fixed cost; the FP4 GEMVs' shortfall
-is their own (kernels/fp4_mma1.py: their instruction rate).
+and 66 %. Smaller launches lose a fixed cost even so: the chained read (kernels/pdl.py's protocol,
+one dependent read and one write after the wait) reached 37.6 % at 2 MiB, 60.9 % at 6 MiB,
+68.3-68.7 % at 8 MiB, 91.7-93.8 % at 16 MiB and 97.2 % at 32 MiB (two runs); released first (its
+successor launches once all its CTAs have started, not after its wait) 43.3 % at 2 MiB, 87.5 % at
+8 MiB and 102.0 % at 16 MiB (one run).
 
     python -m bench.ceilings
 """
@@ -64,11 +68,13 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
 
 
 @functools.cache
-def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int]):
+def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], release_first: bool = False):
     """`read_kernel`'s early streaming read as a link of a dependent chain: after its wait every
     thread also reads PREV[0], which the link before wrote, and one thread writes NEXT[0] =
     PREV[0] + 1. The least a decode GEMV does beyond reading its weight (one read of what its
-    predecessor wrote, one write its successor reads): the ceiling for the GEMVs' chained figures."""
+    predecessor wrote, one write its successor reads): the ceiling for the GEMVs' chained figures.
+    `release_first`: the grid lets its successor launch as soon as every CTA has started (before
+    its loads and its wait), instead of after its wait as kernels/pdl.py's `begin` does."""
     import tilelang.language as T
 
     from kernels import pdl
@@ -83,10 +89,15 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
             tid = T.get_thread_binding(0)
             v = T.alloc_local((unroll, 4), "int32")
             acc = T.alloc_local((1,), "int32")
+            if release_first:
+                T.evaluate(T.pdl_trigger())
             for u in T.unroll(unroll):
                 for j in T.vectorized(4):
                     v[u, j] = X[bx * per_cta + u * threads + tid, j]
-            pdl.begin(T, arch)
+            if release_first:
+                T.evaluate(T.pdl_sync())
+            else:
+                pdl.begin(T, arch)
             acc[0] = PREV[0]
             for u in T.unroll(unroll):
                 for j in T.unroll(4):
@@ -143,12 +154,12 @@ def main(argv=None) -> None:
                                    for i in range(len(bufs))] * 2)
                 show(f"read only, {threads} threads x {unroll} vectors{' early' if early else ''}", mb << 20, t)
         threads, unroll = CHAINED_TILE
-        if words % (4 * threads * unroll) == 0 and pdl.enabled(arch):
-            kern = chained_read_kernel(words, threads, unroll, arch)
+        for release_first in (False, True) if words % (4 * threads * unroll) == 0 and pdl.enabled(arch) else ():
+            kern = chained_read_kernel(words, threads, unroll, arch, release_first)
             dep = torch.zeros(2, dtype=torch.int32, device=dev)
             t, _ = time_calls([(lambda i=i: kern(bufs[i].view(torch.int32).view(-1, 4), dep[i % 2:i % 2 + 1],
                                                  dep[1 - i % 2:2 - i % 2])) for i in range(2 * (len(bufs) // 2))] * 2)
-            show(f"chained read, {threads} threads x {unroll} vectors early", mb << 20, t)
+            show(f"chained read, {threads} x {unroll} early{', released first' if release_first else ''}", mb << 20, t)
         del bufs
 
     if args.skip_fp4:
