@@ -4,9 +4,11 @@
 Why: the CUDA-core GEMV spends about three instructions per weight (bit-move decode, fp32
 widening, FMA), and a warp's arithmetic runs after its weight loads arrive. Here a weight costs
 its decode alone: two fp16x2 words per four codes (kernels/lowbit.py's bit moves, exact, values
-times 2^-8), which the tensor cores multiply exactly and sum in fp32 (sm_90a SASS of the 4096 x
-2048 weight: 0.08 instructions per weight byte per warp against 0.17). H200, graphed chains: the
-8-16 MB weights of a decode step take 0.3-1.3 us less than in the CUDA-core GEMV (`mma1_tile`).
+times 2^-8), which the tensor cores multiply exactly and sum in fp32 (sm_90a SASS at the decode
+shapes' tiles: 0.08-0.10 instructions per weight byte and warp, against 0.17-0.25). H200, graphed
+chains (table at `mma1_tile`): the 4096 x 2048 and 4096 x 4096 weights (shared expert) take
+0.3-0.9 us less than the CUDA-core GEMV at its best, 32768 x 1024 0.2-0.3 us less, the 6-8 MB
+wq_a|wkv and indexer wq_b about the same; no shape was slower beyond the run's spread.
 
 Data layout (a CTA = `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a contiguous
 range of whole 128-channel blocks; lane = 4·gi + ti):

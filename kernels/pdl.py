@@ -4,8 +4,9 @@ A decode step is a chain of small kernels, each reading what the one before wrot
 launched after the previous one has drained leaves the GPU idle for microseconds at every link.
 With PDL a kernel's CTAs start while its predecessor still runs:
 
-1. they may read weights (never written while kernels run) -- the GEMVs start an L2 prefetch of
-   their weight rows (`prefetch_rows`), so the DRAM stays busy across the link;
+1. they may read weights (never written while kernels run) -- the GEMVs load their first weight
+   words into registers or start an L2 prefetch of their rows (`prefetch_rows`), so the DRAM stays
+   busy across the link;
 2. `begin` then waits (`griddepcontrol.wait`: the predecessor grid has completed and its writes
    are visible) and only afterwards lets this kernel's own dependents launch
    (`griddepcontrol.launch_dependents`).
