@@ -11,7 +11,7 @@ H200, one run: the streaming read with PDL (`early`) reached 92-99 % of the copy
 27 MB and 100-102 % at 54 MB (without PDL 84-85 % and 95-96 %), where torch's sum reached 47 %
 and 66 %. Smaller launches lose a fixed cost even so: the chained read (kernels/pdl.py's protocol,
 one dependent read and one write after the wait) reached 37.6 % at 2 MiB, 60.9 % at 6 MiB,
-68.3-68.7 % at 8 MiB, 91.7-93.8 % at 16 MiB and 97.2 % at 32 MiB (two runs); released first (its
+68.3-68.7 % at 8 MiB, 91.7-93.8 % at 16 MiB (two runs each) and 97.2 % at 32 MiB; released first (its
 successor launches once all its CTAs have started, not after its wait) 43.3 % at 2 MiB, 87.5 % at
 8 MiB and 102.0 % at 16 MiB (one run).
 
