@@ -55,23 +55,14 @@ from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
 // (0, 4), (1, 5) in the first and (2, 6), (3, 7) in the second; b[0..3] the matching B pairs.
-// `first`: the block's first word, whose products start D (no cleared D to add them to). Not
-// volatile: the MMAs have no side effects, so ptxas may interleave the tiles' MMAs.
+// `first`: the block's first word, whose products start D (lowbit's `dsv4_mma_f16`).
 template <bool first>
 __device__ __forceinline__ void dsv4_fp4_mma_word_t(int w0, int w1, const unsigned* b, float* d) {
   unsigned h0[4], h1[4];
   dsv4_e2m1x8_to_f16x2((unsigned)w0, h0);
   dsv4_e2m1x8_to_f16x2((unsigned)w1, h1);
-  float c[4] = {first ? 0.f : d[0], first ? 0.f : d[1], first ? 0.f : d[2], first ? 0.f : d[3]};
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(b[0]), "r"(b[1]),
-        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(b[2]), "r"(b[3]));
+  dsv4_mma_f16<first>(h0[0], h1[0], h0[1], h1[1], b[0], b[1], d);
+  dsv4_mma_f16<false>(h0[2], h1[2], h0[3], h1[3], b[2], b[3], d);
 }
 __device__ __forceinline__ void dsv4_fp4_mma_word_first(int w0, int w1, const unsigned* b, float* d) {
   dsv4_fp4_mma_word_t<true>(w0, w1, b, d);

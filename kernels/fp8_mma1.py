@@ -49,12 +49,7 @@ __device__ __forceinline__ void dsv4_fp8_mma_word_t(int w0, int w1, const unsign
   unsigned h0[2], h1[2];
   dsv4_e4m3x4_to_f16x2((unsigned)w0, h0);
   dsv4_e4m3x4_to_f16x2((unsigned)w1, h1);
-  float c[4] = {first ? 0.f : d[0], first ? 0.f : d[1], first ? 0.f : d[2], first ? 0.f : d[3]};
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(h0[0]), "r"(h1[0]), "r"(h0[1]), "r"(h1[1]), "r"(b[0]), "r"(b[1]),
-        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+  dsv4_mma_f16<first>(h0[0], h1[0], h0[1], h1[1], b[0], b[1], d);
 }
 __device__ __forceinline__ void dsv4_fp8_mma_word_first(int w0, int w1, const unsigned* b, float* d) {
   dsv4_fp8_mma_word_t<true>(w0, w1, b, d);

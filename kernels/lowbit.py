@@ -20,8 +20,9 @@ block scales:
   pair channels j and j + 4 into fp16x2 words, against 11 for the official nibble order.
 
 `SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
-`T.import_source`, called through the helpers below); `decode_e4m3_words` and
-`decode_e2m1_words` perform the same bit moves in torch, so the CPU tests pin the layout
+`T.import_source`, called through the helpers below), and the one fp16 MMA that the tensor-core
+GEMVs (kernels/fp4_mma1.py, kernels/fp8_mma1.py) feed the decoded words to. `decode_e4m3_words`
+and `decode_e2m1_words` perform the same bit moves in torch, so the CPU tests pin the layout
 (tests/test_lowbit.py: every code) and the GPU tests the kernels against the reference.
 """
 
@@ -47,6 +48,19 @@ __device__ __forceinline__ void dsv4_e4m3x4_to_f32(unsigned w, float* out) {
   float2 e = __half22float2(*reinterpret_cast<__half2*>(&h[0]));
   float2 o = __half22float2(*reinterpret_cast<__half2*>(&h[1]));
   out[0] = e.x; out[1] = o.x; out[2] = e.y; out[3] = o.y;
+}
+
+// One m16n8k16 MMA, fp16 in, fp32 out, on this lane's fragments: A (a0..a3), B (b0, b1), D
+// (d[0..3]). `first`: D = A·B (no cleared D to add the products to); else D += A·B. Not
+// volatile: the MMA has no side effects, so ptxas may interleave MMAs of independent tiles.
+template <bool first>
+__device__ __forceinline__ void dsv4_mma_f16(unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1, float* d) {
+  float c[4] = {first ? 0.f : d[0], first ? 0.f : d[1], first ? 0.f : d[2], first ? 0.f : d[3]};
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
 // 16 e4m3 codes (4 words) -> out[0..15] = value * 2^-8.
