@@ -10,10 +10,12 @@ kernel and the one-token tensor-core one, early), whose slope is their steady ra
 H200, one run: the streaming read with PDL (`early`) reached 92-99 % of the copy bandwidth at
 27 MB and 100-102 % at 54 MB (without PDL 84-85 % and 95-96 %), where torch's sum reached 47 %
 and 66 %. Smaller launches lose a fixed cost even so: the chained read (kernels/pdl.py's protocol,
-one dependent read and one write after the wait) reached 37.6 % at 2 MiB, 60.9 % at 6 MiB,
-68.3-68.7 % at 8 MiB, 91.7-93.8 % at 16 MiB (two runs each) and 97.2 % at 32 MiB; released first (its
-successor launches once all its CTAs have started, not after its wait) 43.3 % at 2 MiB, 87.5 % at
-8 MiB and 102.0 % at 16 MiB (one run).
+one dependent read and one write after the wait) reached 37.5-37.6 % at 2 MiB, 60.9-61.6 % at
+6 MiB (two runs), 68.3-69.1 % at 8 MiB, 91.7-93.8 % at 16 MiB (three runs each) and 97.2 % at
+32 MiB (one). Released first (its successor launches once all its CTAs have issued their loads,
+not after its wait; one run): 39.2 % at 2 MiB, 70.9 % at 6 MiB, 83.6 % at 8 MiB and 100.8 % at
+16 MiB. (An earlier variant that released before issuing its loads: 43.3 %, 87.5 % and 102.0 % at
+2, 8 and 16 MiB.) That order did not speed up the decode: see kernels/pdl.py.
 
     python -m bench.ceilings
 """
@@ -73,8 +75,8 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
     thread also reads PREV[0], which the link before wrote, and one thread writes NEXT[0] =
     PREV[0] + 1. The least a decode GEMV does beyond reading its weight (one read of what its
     predecessor wrote, one write its successor reads): the ceiling for the GEMVs' chained figures.
-    `release_first`: the grid lets its successor launch as soon as every CTA has started (before
-    its loads and its wait), instead of after its wait as kernels/pdl.py's `begin` does."""
+    `release_first`: the grid lets its successor launch once every CTA has issued its loads (before
+    its wait), instead of after its wait as kernels/pdl.py's `begin` does."""
     import tilelang.language as T
 
     from kernels import pdl
@@ -89,12 +91,11 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
             tid = T.get_thread_binding(0)
             v = T.alloc_local((unroll, 4), "int32")
             acc = T.alloc_local((1,), "int32")
-            if release_first:
-                T.evaluate(T.pdl_trigger())
             for u in T.unroll(unroll):
                 for j in T.vectorized(4):
                     v[u, j] = X[bx * per_cta + u * threads + tid, j]
-            if release_first:
+            if release_first and pdl.enabled(arch):  # the other order than pdl.begin's
+                T.evaluate(T.pdl_trigger())
                 T.evaluate(T.pdl_sync())
             else:
                 pdl.begin(T, arch)

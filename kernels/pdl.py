@@ -11,6 +11,13 @@ With PDL a kernel's CTAs start while its predecessor still runs:
    are visible) and only afterwards lets this kernel's own dependents launch
    (`griddepcontrol.launch_dependents`).
 
+Releasing before the wait was tried and measured (H200, 2026-12-01): every decode kernel released
+first, except the launch before an early reader (see the rules below, which that order needs).
+The chained read of bench.ceilings rose from 69.1 % to 83.6 % of the copy bandwidth at 8 MiB, but
+the 4-layer decode step did not move (bench.decode_engine, graph per step: 0.90 ms/token against
+0.89 in the same session; the profile's kernel time rose from 1.20 to 1.74 ms/token, kernels now
+waiting longer while resident). So `begin` keeps the one order that every kernel may use.
+
 TileLang launches every kernel that calls `T.pdl_sync()` with programmatic stream serialization
 (and drops `__restrict__` from its parameters); kernels without it, torch's included, keep the
 ordinary full ordering, so a PDL kernel after a torch kernel waits as before.
