@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from app.settings import AppConfig, SettingsError, build_config
+from engine.reproducible import pin_cpu_math
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +53,7 @@ def config_from_args(argv: list[str] | None, env: dict[str, str]) -> AppConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pin_cpu_math()  # before any model work (engine/reproducible.py)
     try:
         config = config_from_args(argv, dict(os.environ))
     except SettingsError as err:

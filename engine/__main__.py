@@ -10,6 +10,8 @@ import argparse
 import sys
 import threading
 
+from engine.reproducible import pin_cpu_math
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine", description="DeepSeek-V4-Flash engine tools")
@@ -72,6 +74,7 @@ def generate(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pin_cpu_math()  # before any model work (engine/reproducible.py)
     a = parser().parse_args(argv)
     if a.command == "generate":
         return generate(a)

@@ -21,6 +21,7 @@ from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
 from engine.model import Transformer
 from engine.numerics import Numerics
+from engine.reproducible import pin_cpu_math
 from kernels.backend import make_backend
 
 
@@ -52,6 +53,7 @@ def _parse_ids(text: str) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pin_cpu_math()  # before any model work (engine/reproducible.py)
     p = argparse.ArgumentParser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="official checkpoint or converted directory")
     p.add_argument("--ids", required=True, help="comma-separated token ids")

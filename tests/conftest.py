@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
+from engine.reproducible import pin_cpu_math
 
 
 def pytest_configure(config):
+    pin_cpu_math()  # before the first matrix product: the bitwise comparisons rely on it
     # The tiny models are latency-bound; intra-op threads only add contention on 2 cores.
     torch.set_num_threads(1)
 
