@@ -100,10 +100,11 @@ def _rounds(step, state, nxt: torch.Tensor, tokens: int, rounds: int, read_back:
     return per_round, nxt
 
 
-def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
+def _profile(step, nxt: torch.Tensor, steps: int = 4, every: bool = False) -> None:
     """Where a decode step's time goes: GPU kernel time vs wall time (launch + Python gaps).
 
-    `step(token) -> logits` runs one decode step (eager forward, or a graph replay)."""
+    `step(token) -> logits` runs one decode step (eager forward, or a graph replay); `every`
+    lists every kernel by GPU time (else the top 12)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,7 +122,7 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4) -> None:
     print(f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels busy {busy:.2f} ms/token "
           f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernels per token")
     print("  by GPU time:")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:None if every else 12]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
     host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     print("  host, by self CPU time (includes waiting for the GPU in syncs):")
@@ -201,7 +202,7 @@ def _graphed(ckpt: Path, ids: torch.Tensor, a, dev: torch.device) -> list[tuple[
         synced, nxt = _rounds(runner.step, state, nxt, a.tokens, a.rounds, read_back=True)
         print(f"  decode waiting for each token on the host before the next launch "
               f"{statistics.median(synced):.2f} ms/token ({', '.join(f'{r:.2f}' for r in synced)})")
-        _profile(lambda t: runner.step(state, t), nxt)
+        _profile(lambda t: runner.step(state, t), nxt, every=a.kernel_table)
         runner.settle()  # the last step's routes, for the statistics
         st = files.experts.stats()
         print(f"  hit rate {st.hit_rate:.3f} (incl. prefill), bytes read {st.bytes_read / 2**30:.2f} GiB, "
@@ -279,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-graph", action="store_true", help="skip the converted CUDA-graph runs")
     p.add_argument("--skip-stream", action="store_true", help="skip the 25 %% expert-cache (streamed) run")
     p.add_argument("--skip-engine", action="store_true", help="skip the Engine.generate turns (the app's loop)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="list every kernel of the CUDA-graph step by GPU time (default: the top 12)")
     p.add_argument("--io-threads", type=lambda v: [int(n) for n in v.split(",")], default=[EngineConfig.io_threads],
                    help="comma-separated I/O thread counts, one streamed run each (default: EngineConfig's)")
     a = p.parse_args(argv)

@@ -16,9 +16,11 @@ import statistics
 import torch
 
 CALLS_PER_GRAPH = 20
-# (name, N, K) of the FP8 linears of a Flash layer's decode step (wq_a|wkv: one fused weight)
-FP8_DECODE_SHAPES = (("wq_a|wkv", 1536, 4096), ("wq_b", 32768, 1024), ("indexer wq_b", 8192, 1024),
-                     ("wo_b", 4096, 8192), ("shared w1|w3", 4096, 4096), ("shared w2", 4096, 2048))
+# (name, N, K) of the FP8 linears of a Flash layer's decode step (a|b: one stacked weight). CSA
+# layers run wq_b and the indexer's wq_b as one; the indexer's alone is kept for comparison.
+FP8_DECODE_SHAPES = (("wq_a|wkv", 1536, 4096), ("wq_b", 32768, 1024), ("wq_b|indexer wq_b", 40960, 1024),
+                     ("indexer wq_b alone (not launched)", 8192, 1024), ("wo_b", 4096, 8192),
+                     ("shared w1|w3", 4096, 4096), ("shared w2", 4096, 2048))
 MIN_ROTATION_BYTES = 512 << 20  # well above the H200's 60 MiB L2
 
 
@@ -106,8 +108,9 @@ def time_rotating(operands: list, call) -> tuple[float, bool]:
     return time_calls([(lambda o=o: call(o)) for o in operands] * (CALLS_PER_GRAPH // len(operands) or 1))
 
 
-def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
-    """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes."""
+def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, int, float, bool]]:
+    """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes
+    (`dense_only`: up to the dense weights' rows, without the FP4 and attention sweeps)."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import _grouped_gemv, fp4_gemm, fp4_gemm_grouped
     from kernels.fp8_gemm import dequant_fp8_bf16, fp8_gemm, fp8_gemm_quantized
@@ -144,6 +147,8 @@ def bench_rows(dev: torch.device) -> list[tuple[str, int, float, bool]]:
     wb = [dequant_fp8_bf16(*w).view(g, r, k) for w in ws[:copies(2 * g * r * k)]]
     t, graphed = time_rotating(wb, lambda w: torch.einsum("sgi,gri->sgr", xo.view(1, g, k), w))
     rows.append((f"bf16 einsum wo_a (before) M=1 {g}x{r}x{k}", 2 * g * r * k + 2 * g * k + 2 * g * r, t, graphed))
+    if dense_only:
+        return rows
     for name, n, k in [("expert w1/w3", 2048, 4096), ("expert w2", 4096, 2048)]:
         nbytes = n * k // 2 + n * k // 32
         ws = [_fp4(n, k, dev) for _ in range(copies(nbytes))]
@@ -309,13 +314,16 @@ def print_table(rows, ceiling: float) -> None:
 
 
 def main(argv=None) -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dense-only", action="store_true",
+                    help="only the small ops and the dense (FP8, wo_a) weights, not the FP4 and attention rows")
+    a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(dev))
     ceiling = copy_bandwidth(dev)
-    print_table(bench_rows(dev), ceiling)
+    print_table(bench_rows(dev, a.dense_only), ceiling)
 
 
 if __name__ == "__main__":
