@@ -16,11 +16,9 @@ import statistics
 import torch
 
 CALLS_PER_GRAPH = 20
-# (name, N, K) of the FP8 linears of a Flash layer's decode step (a|b: one stacked weight). CSA
-# layers run wq_b and the indexer's wq_b as one; the indexer's alone is kept for comparison.
-FP8_DECODE_SHAPES = (("wq_a|wkv", 1536, 4096), ("wq_b", 32768, 1024), ("wq_b|indexer wq_b", 40960, 1024),
-                     ("indexer wq_b alone (not launched)", 8192, 1024), ("wo_b", 4096, 8192),
-                     ("shared w1|w3", 4096, 4096), ("shared w2", 4096, 2048))
+# (name, N, K) of the FP8 linears of a Flash layer's decode step (wq_a|wkv: one fused weight)
+FP8_DECODE_SHAPES = (("wq_a|wkv", 1536, 4096), ("wq_b", 32768, 1024), ("indexer wq_b", 8192, 1024),
+                     ("wo_b", 4096, 8192), ("shared w1|w3", 4096, 4096), ("shared w2", 4096, 2048))
 MIN_ROTATION_BYTES = 512 << 20  # well above the H200's 60 MiB L2
 
 

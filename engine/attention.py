@@ -163,9 +163,9 @@ class Indexer:
     """Lightning indexer of CSA layers (§C.6): scores visible entries, keeps the top-k."""
 
     def __init__(self, get, prefix: str, args: ModelArgs, rope: Rope, numerics: Numerics):
-        """Its queries come projected (`Attention` runs its wq_b: it reads the attention's c)."""
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.ratio, self.rope, self.numerics = 4, rope, numerics
+        self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
         if numerics.native:  # bf16 as on disk: the backend's indexer_weights (one launch on CUDA)
             self.weights_proj_w = get(f"{prefix}.weights_proj.weight")
         else:
@@ -173,11 +173,11 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, iq: torch.Tensor, start: int, st: CompressorState, log=None,
+    def __call__(self, x: torch.Tensor, c, start: int, st: CompressorState, log=None,
                  rot=None) -> torch.Tensor:
         """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
 
-        `iq` [S, IH·ID] is the indexer's wq_b projection of the attention's c (not yet rotated);
+        `c` is the attention's q_lora activation (a `Quantized` one in native numerics);
         `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips);
         `rot` is the queries' RoPE table if the caller has it."""
         s = x.shape[0]
@@ -185,27 +185,27 @@ class Indexer:
         self.compressor(x, start, st)
         n_entries = (start + s) // self.ratio
         visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
-        scores = self._scores(x, iq, positions, visible, st.entries[:n_entries], rot)
+        scores = self._scores(x, c, positions, visible, st.entries[:n_entries], rot)
         if log is not None:
             log(scores)
         return self._select(scores, visible)
 
-    def decode(self, x: torch.Tensor, iq: torch.Tensor, at: DecodePosition, st: CompressorState,
+    def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
                n_keys: int, emit: bool, rot=None) -> torch.Tensor:
         """One token at decode position `at`, scoring the first `n_keys` (static) entry slots:
         all of them, best first [1, n_keys] (the caller keeps the first `index_topk` and drops
         those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
         as for `Compressor.decode`."""
         self.compressor.decode(x, at, st, emit)
-        scores = self._scores(x, iq, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
         return ref.topk_desc(scores, scores.shape[1])
 
-    def _scores(self, x: torch.Tensor, iq: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+    def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
-        """Index scores [S, T] of the queries iq [S, IH·ID] at `positions` over keys [T, ID]; -inf
-        for entries at or after `visible` [S] (the count complete at each query)."""
+        """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
+        after `visible` [S] (the count complete at each query)."""
         s = x.shape[0]
-        q = iq.view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
+        q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.rope(q, positions if rot is None else rot)
         if self.numerics.native:  # one launch each on CUDA
             backend = self.numerics.backend
@@ -246,20 +246,11 @@ class Attention:
         else:  # (the block scales stack only when wq_a's rows fill whole 128-row blocks)
             self.wq_a, self.wkv = FP8Linear(*wq_a, numerics), FP8Linear(*wkv, numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
-        # c's two readers: wq_b and, in CSA layers, the indexer's wq_b. Native runs them as one GEMV
-        # over rows [wq_b; indexer wq_b] when wq_b's rows fill whole 128-row scale blocks (Flash,
-        # H200, bench.kernels: 42 MB in 13.49 us, 74.2 % of copy, against 10.13 + 3.67 us apart).
-        wq_b = (get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"))
-        index_wq_b = None
-        if self.ratio == 4:
-            index_wq_b = (get(f"{prefix}.indexer.wq_b.weight"), get(f"{prefix}.indexer.wq_b.scale"))
-        self.q_rows = wq_b[0].shape[0]  # the attention's rows of self.wq_b; the indexer's follow
-        self.index_wq_b = None
-        if index_wq_b is not None and numerics.native and self.q_rows % 128 == 0:
-            wq_b = tuple(torch.cat(pair) for pair in zip(wq_b, index_wq_b))
-        elif index_wq_b is not None:
-            self.index_wq_b = FP8Linear(*index_wq_b, numerics)
-        self.wq_b = FP8Linear(*wq_b, numerics)
+        # Tried (H200, 2026-12-01): wq_b and the indexer's wq_b, both reading c, as one GEMV over
+        # stacked rows. 13.47 us (74.1 % of copy) against 10.07 + 3.61 apart, graphed decode step
+        # unchanged (0.90 ms/token), but Engine.generate's median step rose from 0.94-1.00 to
+        # 1.05-1.17 ms in interleaved A/B runs, cause not found: not adopted.
+        self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
         self.kv_norm = get(f"{prefix}.kv_norm.weight").float()
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,
                                    numerics)
@@ -281,14 +272,14 @@ class Attention:
         s = x.shape[0]
         positions = torch.arange(start, start + s, device=x.device)
         rot = self.rope.table(positions)
-        iq, q, kv = self._project(xq, rot)
+        c, q, kv = self._project(xq, rot)
         window_kv, idx = self._window(kv, start, st)
         if self.ratio:
             n_entries = (start + s) // self.ratio
             st.reserve(n_entries)
             self.compressor(x, start, st.compressor)
             if self.indexer is not None:
-                chosen = self.indexer(x, iq, start, st.indexer,
+                chosen = self.indexer(x, c, start, st.indexer,
                                       None if log is None else lambda t: log("indexer_scores", t), rot)
                 if log is not None:
                     log("indexer", chosen)
@@ -308,12 +299,12 @@ class Attention:
         compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
         xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        iq, q, _ = self._project(xq, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
+        c, q, _ = self._project(xq, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         idx = at.window_rows  # [1, W]
         if self.ratio:
             self.compressor.decode(x, at, st.compressor, emit)
             if self.indexer is not None:  # entry slots best first; the top index_topk kept
-                order = self.indexer.decode(x, iq, at, st.indexer, st.capacity, emit, rot)
+                order = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
                 width = self.indexer.topk
             else:  # every entry slot
                 order, width = self._slots(st.capacity, idx.device), st.capacity
@@ -328,8 +319,8 @@ class Attention:
         return self._slot_ids
 
     def _project(self, x: torch.Tensor, rot, kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """(iq [S, IH·ID] the indexer's queries (None without an indexer), q [S, H, D] normed +
-        roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table. With
+        """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table. With
         `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes its place."""
         eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
@@ -338,17 +329,11 @@ class Attention:
             qa, kv = both[:, :self.q_rank].contiguous(), both[:, self.q_rank:].contiguous()
         else:
             qa, kv = self.wq_a(xq), self.wkv(xq)
-        c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # native: quantised once for its readers
-        qb = self.wq_b(c)  # [S, q_rows (+ IH·ID: the indexer's queries, where fused)]
-        q = qb[:, :self.q_rows].contiguous().view(s, self.n_heads, self.head_dim)  # [S, H, D]
-        iq = None
-        if self.index_wq_b is not None:
-            iq = self.index_wq_b(c)
-        elif self.indexer is not None:
-            iq = qb[:, self.q_rows:].contiguous()  # [S, IH·ID]
+        c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
+        q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
         kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim, out=kv_out)  # [S, D]
-        return iq, q, kv
+        return c, q, kv
 
     def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:
         """HCA picks [S, n]: every entry slot 0..n_entries-1, -1 for those at or after `visible`
