@@ -34,6 +34,26 @@ READ_TILES = ((256, 4, False), (256, 8, False), (256, 8, True), (256, 16, True),
 CHAINED_TILE = (256, 16)  # that of the chained read
 
 
+def _stream_macros(T, threads: int, unroll: int):
+    """(load, fold) TileLang macros of the streaming reads: load(X, v, bx, tid) issues the thread's
+    `unroll` 16-byte vectors of CTA bx's range into v [unroll, 4]; fold(v, acc) XORs them into acc[0]."""
+    per_cta = threads * unroll  # 16-byte vectors
+
+    @T.macro
+    def load(X, v, bx, tid):
+        for u in T.unroll(unroll):
+            for j in T.vectorized(4):
+                v[u, j] = X[bx * per_cta + u * threads + tid, j]
+
+    @T.macro
+    def fold(v, acc):
+        for u in T.unroll(unroll):
+            for j in T.unroll(4):
+                acc[0] = acc[0] ^ v[u, j]
+
+    return load, fold
+
+
 @functools.cache
 def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], early: bool):
     """A streaming read of `words` int32 (a multiple of 4·threads·unroll): every thread loads
@@ -47,6 +67,7 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
     from kernels.act_quant import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
+    load, fold = _stream_macros(T, threads, unroll)
 
     @T.prim_func
     def read(X: T.Tensor((words // 4, 4), "int32"), OUT: T.Tensor((1,), "int32")):
@@ -54,15 +75,11 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
             tid = T.get_thread_binding(0)
             v = T.alloc_local((unroll, 4), "int32")
             acc = T.alloc_local((1,), "int32")
-            for u in T.unroll(unroll):
-                for j in T.vectorized(4):
-                    v[u, j] = X[bx * per_cta + u * threads + tid, j]
+            load(X, v, bx, tid)
             if early:
                 pdl.begin(T, arch)
             acc[0] = 0
-            for u in T.unroll(unroll):
-                for j in T.unroll(4):
-                    acc[0] = acc[0] ^ v[u, j]
+            fold(v, acc)
             if acc[0] == 0x5A5A5A5A:
                 OUT[0] = acc[0]
 
@@ -83,6 +100,7 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
     from kernels.act_quant import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
+    load, fold = _stream_macros(T, threads, unroll)
 
     @T.prim_func
     def chained_read(X: T.Tensor((words // 4, 4), "int32"), PREV: T.Tensor((1,), "int32"),
@@ -91,18 +109,14 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
             tid = T.get_thread_binding(0)
             v = T.alloc_local((unroll, 4), "int32")
             acc = T.alloc_local((1,), "int32")
-            for u in T.unroll(unroll):
-                for j in T.vectorized(4):
-                    v[u, j] = X[bx * per_cta + u * threads + tid, j]
+            load(X, v, bx, tid)
             if release_first and pdl.enabled(arch):  # the other order than pdl.begin's
                 T.evaluate(T.pdl_trigger())
                 T.evaluate(T.pdl_sync())
             else:
                 pdl.begin(T, arch)
             acc[0] = PREV[0]
-            for u in T.unroll(unroll):
-                for j in T.unroll(4):
-                    acc[0] = acc[0] ^ v[u, j]
+            fold(v, acc)
             if bx == 0 and tid == 0:
                 NEXT[0] = PREV[0] + T.if_then_else(acc[0] == 0x5A5A5A5A, 2, 1)
 
