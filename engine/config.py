@@ -229,9 +229,6 @@ class EngineConfig:
     cache_bytes: int | None = None  # expert cache budget; None = every expert resident
     cache_policy: str = "lfu"
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
-    # most I/O tasks one expert record's read is split into when a layer misses fewer experts
-    # than there are I/O threads (bench/io_parts.py on the H200 host: 4 parts read one record 2x faster)
-    read_parts: int = 4
     o_direct: bool = False
     max_seq_len: int = 4096
     prefill_chunk: int = 256
@@ -246,8 +243,6 @@ class EngineConfig:
             raise ConfigError(f"backend must be 'torch' or 'tilelang', got {self.backend!r}")
         if self.cache_policy not in ("lfu", "lru", "slru"):
             raise ConfigError(f"cache_policy must be 'lfu', 'lru' or 'slru', got {self.cache_policy!r}")
-        if self.io_threads < 1 or self.read_parts < 1:
-            raise ConfigError(f"io_threads and read_parts must be >= 1, got {self.io_threads} and {self.read_parts}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
         if self.cache_bytes is not None and self.cache_bytes < 0:

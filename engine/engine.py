@@ -58,8 +58,7 @@ def open_model_files(path: str | Path, config: EngineConfig):
     from engine.weights import open_model
 
     files = open_model(path, cache_bytes=config.cache_bytes, policy=config.cache_policy,
-                       io_threads=config.io_threads, o_direct=config.o_direct, device=config.device,
-                       read_parts=config.read_parts)
+                       io_threads=config.io_threads, o_direct=config.o_direct, device=config.device)
     if not files.converted and torch.device(config.device).type != "cpu":
         files.experts = DeviceExperts(files.experts, torch.device(config.device))
     return files

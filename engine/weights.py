@@ -59,13 +59,11 @@ def open_official(path: str | Path) -> ModelFiles:
 
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-                   read_parts: int = 4) -> ModelFiles:
+                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
     """Open a converted (expert-pack) directory: resident tensors zero-copy from the mmaps,
     routed experts streamed through a cache of `cache_bytes` (None = room for every expert).
 
-    Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them. `read_parts`: the
-    most I/O tasks one record's read is split into (engine.experts.provider).
+    Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
     from converter.layout import LayoutError, read_manifest
     from engine.experts.arena import ExpertArena
@@ -89,19 +87,18 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     index = TensorIndex.open(path)
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
-    provider = StreamingExperts(store, arena, cache, pool, read_parts=read_parts)
+    provider = StreamingExperts(store, arena, cache, pool)
     return ModelFiles(path=path, args=args, index=index, get=index.get, experts=provider,
                       converted=True, closers=[provider.close])
 
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-               io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-               read_parts: int = 4) -> ModelFiles:
+               io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
     """Open either layout: a converted directory (manifest.json) streams its experts with the
     given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, read_parts)
+        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
     if (path / INDEX_NAME).is_file():
         return open_official(path)
     if path.is_dir() and any(path.glob("layer_*.safetensors*")):

@@ -14,11 +14,10 @@ from converter import layout
 from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.checkpoint import CheckpointError, TensorIndex
-from engine.experts.arena import ExpertArena
-from engine.experts.cache import CacheFullError, ExpertCache
+from engine.experts.cache import CacheFullError
 from engine.experts.prefetch import IOPool
-from engine.experts.provider import RoutingTrace, StreamingExperts
-from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty, split_record
+from engine.experts.provider import RoutingTrace
+from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.trace import TraceWriter, read_records
 from engine.model import Transformer
 from engine.moe import ExpertWeights
@@ -297,114 +296,3 @@ def test_routing_trace(packed, tmp_path):
     assert [(r.step, r.layer, r.tokens) for r in recs] == (
         [(0, i, 4) for i in range(5)] + [(1, i, 1) for i in range(5)] + [(2, i, 1) for i in range(5)])
     assert all(len(row) == K for r in recs for row in r.experts)
-
-
-# ---------------------------------------------------------------- records read in parts
-class RecordingStore(ExpertStore):
-    """An ExpertStore that notes the (layer, expert, lo, hi) byte range of every read."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.reads: list[tuple[int, int, int, int]] = []
-        self._note = threading.Lock()
-
-    def read_into(self, layer, expert, out, start=0):
-        with self._note:
-            self.reads.append((layer, expert, start, start + len(out)))
-        super().read_into(layer, expert, out, start)
-
-    def ranges(self, layer: int, expert: int) -> list[tuple[int, int]]:
-        return sorted((lo, hi) for la, e, lo, hi in self.reads if (la, e) == (layer, expert))
-
-
-def streaming(packed: Path, slots: int, threads: int, read_parts: int, root: Path | None = None
-              ) -> StreamingExperts:
-    """A CPU StreamingExperts over a RecordingStore of `root` (default `packed`, whose manifest
-    it uses), with its own I/O pool."""
-    m = layout.read_manifest(packed)
-    cache = ExpertCache(slots * m.record.record_bytes, m.record.record_bytes, num_layers=UNITS, num_experts=E)
-    arena = ExpertArena(cache.capacity_slots, m.record, UNITS, E)
-    return StreamingExperts(RecordingStore(root or packed, m), arena, cache, IOPool(threads, name="dsv4-io-test").start(),
-                            read_parts=read_parts)
-
-
-def test_split_record_covers_aligned_ranges():
-    mib = 13_369_344  # a Flash record, 12.75 MiB
-    assert split_record(mib, 1) == [(0, mib)]
-    assert split_record(mib, 4) == [(i * mib // 4, (i + 1) * mib // 4) for i in range(4)]  # 816 pages each
-    assert split_record(7 * 4096, 4) == [(0, 8192), (8192, 16384), (16384, 24576), (24576, 28672)]
-    assert split_record(7 * 4096, 100) == [(i * 4096, (i + 1) * 4096) for i in range(7)]  # at most one per page
-    for parts in range(1, 12):
-        ranges = split_record(7 * 4096, parts)
-        assert len(ranges) <= parts and ranges[0][0] == 0 and ranges[-1][1] == 7 * 4096
-        assert all(lo % 4096 == 0 and hi > lo for lo, hi in ranges)
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-
-
-def test_store_reads_aligned_parts_of_a_record(packed, record_bytes):
-    m = layout.read_manifest(packed)
-    with TensorIndex.open(packed) as idx:
-        want = idx.get("layers.2.ffn.experts")[11].numpy().tobytes()
-    for o_direct in (False, True):
-        store = ExpertStore(packed, m, o_direct=o_direct)
-        buf = aligned_empty(record_bytes)
-        view = memoryview(buf.numpy())
-        for lo, hi in reversed(split_record(record_bytes, 3)):
-            store.read_into(2, 11, view[lo:hi], start=lo)
-        assert buf.numpy().tobytes() == want
-        with pytest.raises(ValueError, match="multiple of 4096"):
-            store.read_into(2, 11, view[:4096], start=100)
-        with pytest.raises(ValueError, match="range of the"):
-            store.read_into(2, 11, view[:8192], start=record_bytes - 4096)
-        store.close()
-
-
-def test_few_misses_are_read_in_parts(source, packed, record_bytes):
-    p = streaming(packed, slots=16, threads=4, read_parts=4)
-    quarters = split_record(record_bytes, 4)
-    assert len(quarters) == 4
-    # one miss: its record in 4 parts, one per thread
-    assert [(e, weight_bytes(w)) for e, w in p.experts(2, [11])] == [(11, expert_bytes(source, 2, 11))]
-    assert p.store.ranges(2, 11) == quarters
-    # two misses: 2 parts each; four or more: whole records
-    assert {e: weight_bytes(w) for e, w in p.experts(2, [11, 3, 4])} == {e: expert_bytes(source, 2, e)
-                                                                         for e in (11, 3, 4)}
-    assert p.store.ranges(2, 11) == quarters  # a hit: not read again
-    assert p.store.ranges(2, 3) == p.store.ranges(2, 4) == split_record(record_bytes, 2)
-    list(p.experts(1, [0, 1, 2, 5, 6]))
-    assert all(p.store.ranges(1, e) == [(0, record_bytes)] for e in (0, 1, 2, 5, 6))
-    # the slot-table path (graph decode) and prefetch split the same way
-    p.acquire(3, [7, 8])
-    assert [weight_bytes(p.arena.weights(p.cache.peek((3, e)))) for e in (7, 8)] == [
-        expert_bytes(source, 3, e) for e in (7, 8)]
-    p.release(3)
-    assert p.store.ranges(3, 7) == p.store.ranges(3, 8) == split_record(record_bytes, 2)
-    p.prefetch(4, [9])
-    assert [e for e, _ in p.experts(4, [9])] == [9] and p.store.ranges(4, 9) == quarters
-    assert p.cache.pinned() == frozenset() and not p._loads
-    p.close()
-    q = streaming(packed, slots=4, threads=4, read_parts=1)  # read_parts=1: whole records only
-    list(q.experts(2, [11]))
-    assert q.store.ranges(2, 11) == [(0, record_bytes)]
-    q.close()
-    with pytest.raises(ValueError, match="read_parts must be >= 1"):
-        streaming(packed, slots=4, threads=1, read_parts=0)
-
-
-def test_failed_part_unadmits_the_expert(source, packed, tmp_path, record_bytes):
-    broken = Path(shutil.copytree(packed, tmp_path / "b"))
-    with TensorIndex.open(broken) as idx:
-        start = idx.info("layers.4.ffn.experts").offset + 5 * record_bytes
-    p = streaming(packed, slots=4, threads=4, read_parts=4, root=broken)  # opened whole, then cut
-    with open(broken / "layer_04.safetensors", "r+b") as f:
-        f.truncate(start + record_bytes // 2)  # expert 5's first parts read, its last ones fail
-    with pytest.raises(ExpertReadError, match="truncated"):
-        list(p.experts(4, [5]))
-    assert len(p.store.ranges(4, 5)) == 4  # every part was read (or tried) before the error
-    assert p.cache.peek((4, 5)) is None and int(p.arena.table[4, 5]) == -1
-    assert p.cache.pinned() == frozenset() and not p._loads and len(p.cache) == 0
-    with pytest.raises(ExpertReadError, match="truncated"):
-        p.acquire(4, [5])
-    assert p.cache.pinned() == frozenset() and len(p.cache) == 0
-    assert [(e, weight_bytes(w)) for e, w in p.experts(4, [2])] == [(2, expert_bytes(source, 4, 2))]
-    p.close()

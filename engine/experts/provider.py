@@ -7,10 +7,7 @@ only copy bytes into slots.
 
 `experts(layer, ids)` looks every id up once (hits and misses counted by the cache), starts the
 misses' reads at once, yields the hits first while those reads run, then each miss as its read
-completes. A call that misses fewer experts than there are I/O threads splits each record's read
-into up to `read_parts` aligned byte ranges, one I/O task each, so that every thread reads: on the
-H200 host one thread reads a 12.75 MiB record from the page cache at ~4 GB/s, four at ~9 GB/s
-(bench/io_parts.py). Budgets smaller than one call's needs work in waves: a key of the current call is
+completes. Budgets smaller than one call's needs work in waves: a key of the current call is
 held (pinned transiently) from its lookup or admission until the consumer has used it (asks for
 the next item), so it is never evicted before use; a miss is admitted only when a slot can be
 freed without evicting a held key, i.e. after earlier experts of the call were used. With a
@@ -38,7 +35,7 @@ import torch
 from engine.experts.arena import ExpertArena
 from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
 from engine.experts.prefetch import IOPool
-from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty, split_record
+from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.trace import TraceWriter
 from engine.moe import ExpertWeights
 
@@ -47,15 +44,12 @@ class StreamingExperts:
     """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
 
     def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
-                 prefetch_share: float = 0.5, read_parts: int = 4):
+                 prefetch_share: float = 0.5):
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
-        if read_parts < 1:
-            raise ValueError(f"read_parts must be >= 1, got {read_parts}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
-        self.read_parts = read_parts  # most I/O tasks one record's read is split into
         self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
-        self._loads: dict[ExpertKey, list[Future]] = {}  # reads started (one future per part), not yet joined
+        self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
@@ -84,8 +78,8 @@ class StreamingExperts:
             self._held.remove(key)
             self.cache.unpin(key)
 
-    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None, lo: int, hi: int) -> None:
-        """Runs on an I/O thread: bytes [lo, hi) of record `key` into arena slot `slot`.
+    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None) -> None:
+        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
 
         Device arenas: the read lands in a pinned buffer, which is copied on the buffer's own
         stream, so uploads overlap the compute stream's kernels. The copy first waits for `freed`
@@ -93,26 +87,20 @@ class StreamingExperts:
         may still read the record it held), and is complete before the read's future resolves
         (the consumer joins it before enqueuing kernels that read the slot)."""
         if self._staging is None:
-            self.store.read_into(key[0], key[1], self.arena.host_buffer(slot)[lo:hi], start=lo)
+            self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
             return
         buf, stream = self._staging.get()
         try:
-            self.store.read_into(key[0], key[1], memoryview(buf.numpy())[:hi - lo], start=lo)
+            self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
             stream.wait_event(freed)
             with torch.cuda.stream(stream):
-                self.arena.data[slot, lo:hi].copy_(buf[:hi - lo], non_blocking=True)
+                self.arena.data[slot].copy_(buf, non_blocking=True)
             stream.synchronize()  # before the buffer is reused and the future resolves
         finally:
             self._staging.put((buf, stream))
 
-    def _ranges(self, misses: int) -> list[tuple[int, int]]:
-        """The byte ranges of one record's read when a call starts `misses` reads: enough parts
-        (at most `read_parts`) that the reads together occupy every I/O thread."""
-        return split_record(self.store.record_bytes, min(self.read_parts, -(-self.pool.size // max(1, misses))))
-
-    def _admit(self, key: ExpertKey, user: frozenset, ranges: list[tuple[int, int]] | None = None) -> bool:
-        """Hold `key`, make it resident and start its read (one I/O task per byte range of
-        `ranges`, default the whole record); False if no slot can be freed now."""
+    def _admit(self, key: ExpertKey, user: frozenset) -> bool:
+        """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
         if not self._hold(key, user):
             return False
         try:
@@ -127,24 +115,16 @@ class StreamingExperts:
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             freed = torch.cuda.Event()
             freed.record(torch.cuda.current_stream(self.arena.device))
-        self._loads[key] = [self.pool.submit(self._load, key, slot, freed, lo, hi)
-                            for lo, hi in ranges or [(0, self.store.record_bytes)]]
+        self._loads[key] = self.pool.submit(self._load, key, slot, freed)
         return True
 
-    def _loaded(self, key: ExpertKey) -> bool:
-        """Every part of the pending read of `key` has finished (successfully or not)."""
-        return all(f.done() for f in self._loads[key])
-
     def _join(self, key: ExpertKey, reraise: bool = True) -> None:
-        """Wait for the read of `key` if one is pending; a failed read un-admits the key (after
-        all its parts have finished: none still writes into the slot)."""
-        futures = self._loads.pop(key, None)
-        if futures is None:
+        """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
+        fut = self._loads.pop(key, None)
+        if fut is None:
             return
-        wait(futures)
         try:
-            for fut in futures:
-                fut.result()
+            fut.result()
         except BaseException as e:
             self.arena.clear(*key)
             self.cache.discard(key)
@@ -173,13 +153,13 @@ class StreamingExperts:
         ready: deque[ExpertKey] = deque()
         waiting: deque[ExpertKey] = deque()
         unprotected: set[ExpertKey] = set()  # hits we could not hold: admit nothing until used
-        loading: list[ExpertKey] = []  # admitted, reads started, in admission order
+        loading: dict[ExpertKey, Future] = {}
 
         def issue() -> bool:
             started = False
-            ranges = self._ranges(len(waiting))
-            while waiting and not unprotected and self._admit(waiting[0], user, ranges):
-                loading.append(waiting.popleft())
+            while waiting and not unprotected and self._admit(waiting[0], user):
+                key = waiting.popleft()
+                loading[key] = self._loads[key]
                 started = True
             return started
 
@@ -198,11 +178,10 @@ class StreamingExperts:
                 if ready:
                     key = ready.popleft()
                 elif loading:
-                    while not any(self._loaded(k) for k in loading):
-                        wait([f for k in loading for f in self._loads[k] if not f.done()],
-                             return_when=FIRST_COMPLETED)
-                    key = next(k for k in loading if self._loaded(k))
-                    loading.remove(key)
+                    if not any(f.done() for f in loading.values()):
+                        wait(list(loading.values()), return_when=FIRST_COMPLETED)
+                    key = next(k for k, f in loading.items() if f.done())
+                    del loading[key]
                 else:
                     self._drop_prefetches()  # their slots are needed now
                     if not issue():
@@ -233,13 +212,12 @@ class StreamingExperts:
             self._settle(key)
         held: list[ExpertKey] = []
         self._acquired[layer] = held
-        ranges = self._ranges(sum(self.cache.peek(key) is None for key in keys))
         for key in keys:
             hit = self.cache.lookup(key) is not None
-            ok = self._hold(key, user) if hit else self._admit(key, user, ranges)
+            ok = self._hold(key, user) if hit else self._admit(key, user)
             if not ok and not hit:
                 self._drop_prefetches()
-                ok = self._admit(key, user, ranges)
+                ok = self._admit(key, user)
             if not ok:
                 self.release(layer)
                 raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
@@ -291,9 +269,7 @@ class StreamingExperts:
         """Start reading these experts of `layer` now and keep them until its next call."""
         user = self.cache.pinned() - self._held
         mine = self._prefetched.setdefault(layer, [])
-        ids = list(dict.fromkeys(int(i) for i in ids))
-        ranges = self._ranges(sum(self.cache.peek((layer, e)) is None for e in ids))
-        for e in ids:
+        for e in dict.fromkeys(int(i) for i in ids):
             key = (layer, e)
             if key in self._held:
                 continue
@@ -302,7 +278,7 @@ class StreamingExperts:
             if self.cache.peek(key) is not None:
                 if not self._hold(key, user):
                     break
-            elif not self._admit(key, user, ranges):
+            elif not self._admit(key, user):
                 break
             mine.append(key)
 
@@ -325,8 +301,8 @@ class StreamingExperts:
         if self._closed:
             return
         self._closed = True
-        for futures in self._loads.values():
-            wait(futures)
+        for fut in self._loads.values():
+            wait([fut])
         self._loads.clear()
         self.pool.close()
         self.store.close()

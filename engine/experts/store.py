@@ -1,8 +1,7 @@
 """ExpertStore: reads routed-expert records of a converted directory (converter/layout.py).
 
-One record = `record_bytes` at a 4 KiB-aligned file offset, read with `os.preadv` straight into
-the caller's buffer (an arena slot or a staging buffer), whole or as 4 KiB-aligned byte ranges
-(`split_record`) that several I/O threads read at once. With `o_direct=True` the files are opened
+One record = one `os.preadv` of `record_bytes` at a 4 KiB-aligned file offset, straight into the
+caller's buffer (an arena slot or a staging buffer). With `o_direct=True` the files are opened
 with O_DIRECT (bypassing the page cache; buffers must be 4 KiB aligned, see `aligned_empty`);
 when the filesystem refuses O_DIRECT (e.g. EINVAL at open or at the first read) the store falls
 back to buffered reads and says why in `o_direct_note`. Safe to call from several I/O threads at
@@ -31,14 +30,6 @@ def aligned_empty(nbytes: int, align: int = ALIGNMENT, pin_memory: bool = False)
     raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % align
     return raw[skip:skip + nbytes]
-
-
-def split_record(record_bytes: int, parts: int) -> list[tuple[int, int]]:
-    """[lo, hi) byte ranges covering a record in at most `parts` near-equal pieces, every `lo` a
-    multiple of ALIGNMENT (so O_DIRECT reads stay aligned; record_bytes is one too)."""
-    step = -(-record_bytes // max(1, parts))
-    step = -(-step // ALIGNMENT) * ALIGNMENT
-    return [(lo, min(record_bytes, lo + step)) for lo in range(0, record_bytes, step)]
 
 
 class ExpertStore:
@@ -92,18 +83,16 @@ class ExpertStore:
     def layers(self) -> list[int]:
         return sorted(self._where)
 
-    def read_into(self, layer: int, expert: int, out: memoryview, start: int = 0) -> None:
-        """Read bytes [start, start + len(out)) of record (layer, expert) into `out` (writable;
-        by default the whole record): preadv until done."""
+    def read_into(self, layer: int, expert: int, out: memoryview) -> None:
+        """Read record (layer, expert) into `out` (writable, `record_bytes` long): one preadv."""
         if layer not in self._where or not 0 <= expert < self.count:
             raise ExpertReadError(f"no expert record ({layer}, {expert}) in {self.root}")
-        if start < 0 or start % ALIGNMENT or not 0 < len(out) <= self.record_bytes - start:
-            raise ValueError(f"bytes [{start}, {start + len(out)}) are not a range of the "
-                             f"{self.record_bytes}-byte record starting at a multiple of {ALIGNMENT}")
+        if len(out) != self.record_bytes:
+            raise ValueError(f"buffer is {len(out)} bytes, a record is {self.record_bytes}")
         path, base = self._where[layer]
-        offset = base + expert * self.record_bytes + start
-        done, size = 0, len(out)
-        while done < size:
+        offset = base + expert * self.record_bytes
+        done = 0
+        while done < self.record_bytes:
             try:
                 n = os.preadv(self._fds[layer], [out[done:]], offset + done)
             except OSError as e:
