@@ -226,7 +226,9 @@ class EngineConfig:
     device: str = "cpu"
     numerics: str = "native"  # "native" (official serving numerics) or "exact" (fp32 reference)
     backend: str = "torch"  # kernel backend: "torch" reference or "tilelang" (CUDA only)
-    cache_bytes: int | None = None  # expert cache budget; None = every expert resident
+    cache_bytes: int | None = None  # expert cache budget; None = sized by the memory plan (engine/memory_plan.py)
+    memory_bytes: int | None = None  # cap on the whole memory plan; None = what the machine has free
+    host_cache_bytes: int | None = None  # pinned host-RAM expert tier (discrete GPU); None = sized by the plan
     cache_policy: str = "lfu"
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
@@ -245,6 +247,8 @@ class EngineConfig:
             raise ConfigError(f"cache_policy must be 'lfu', 'lru' or 'slru', got {self.cache_policy!r}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
-        if self.cache_bytes is not None and self.cache_bytes < 0:
-            raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        for name, value in (("cache_bytes", self.cache_bytes), ("memory_bytes", self.memory_bytes),
+                            ("host_cache_bytes", self.host_cache_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be a non-negative integer number of bytes, got {value!r}")
 

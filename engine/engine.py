@@ -22,6 +22,7 @@ are stopped by `close()`.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from engine.chat import THINK_START, render_messages
 from engine.config import EngineConfig
 from engine.events import EngineFailure, Event, LoadProgress, StepUpdate, TurnFinished
 from engine.memory import memory_budget, tensor_bytes
+from engine.memory_plan import MemoryPlan, make_plan, probe_machine
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.decode_graph import make_runner
@@ -51,14 +53,22 @@ class EngineError(RuntimeError):
     """The engine cannot be used as asked (closed, model directory unusable)."""
 
 
-def open_model_files(path: str | Path, config: EngineConfig):
+def plan_memory(path: str | Path, config: EngineConfig) -> MemoryPlan:
+    """The memory plan for the model at `path` on config.device (engine.memory_plan), made from the
+    files' headers before anything is allocated; raises MemoryPlanError when it cannot fit."""
+    from engine.weights import model_footprint
+
+    return make_plan(model_footprint(path), config, probe_machine(config.device))
+
+
+def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):
     """engine.weights.ModelFiles for `path`: a converted directory (manifest.json) streams its
-    experts through a bounded cache on config.device; an official checkpoint keeps every expert
-    resident in its mmapped shards (copied to a GPU per use)."""
+    experts through a cache of plan.cache bytes on config.device; an official checkpoint keeps every
+    expert resident in its mmapped shards (copied to a GPU per use)."""
     from engine.weights import open_model
 
-    files = open_model(path, cache_bytes=config.cache_bytes, policy=config.cache_policy,
-                       io_threads=config.io_threads, o_direct=config.o_direct, device=config.device)
+    files = open_model(path, cache_bytes=plan.cache, policy=config.cache_policy,
+                       io_threads=config.io_threads, o_direct=plan.direct_reads, device=config.device)
     if not files.converted and torch.device(config.device).type != "cpu":
         files.experts = DeviceExperts(files.experts, torch.device(config.device))
     return files
@@ -68,8 +78,9 @@ class Engine:
     """One loaded model, its tokenizer and expert provider; runs turns of `Session`s."""
 
     def __init__(self, files, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig,
-                 progress: ProgressFn | None = None) -> None:
+                 plan: MemoryPlan | None = None, progress: ProgressFn | None = None) -> None:
         self.files, self.model, self.tokenizer, self.config = files, model, tokenizer, config
+        self.plan = plan or plan_memory(files.path, config)
         self.args = files.args
         self.device = torch.device(config.device)
         self._lock = threading.RLock()
@@ -101,7 +112,9 @@ class Engine:
         if not path.is_dir():
             raise EngineError(f"model directory {path} does not exist; convert a checkpoint with "
                               "dsv4-convert or use --demo")
-        files = open_model_files(path, config)
+        plan = plan_memory(path, config)
+        report(LoadProgress("memory plan", 1, 1, "plan", "; ".join(line.strip() for line in plan.lines()[1:])))
+        files = open_model_files(path, config, plan)
         try:
             n = files.args.n_layers
             report(LoadProgress("loading", 0, n, "layers", f"building the model from {path}"))
@@ -116,7 +129,7 @@ class Engine:
             if tokenizer.vocab_size > files.args.vocab_size:
                 raise EngineError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                                   f"vocab_size is {files.args.vocab_size}; the checkpoint does not fit it")
-            engine = cls(files, model, tokenizer, config, progress)
+            engine = cls(files, model, tokenizer, config, plan, progress)
         except BaseException:
             files.close()
             raise
@@ -132,6 +145,7 @@ class Engine:
 
     @property
     def info(self) -> dict:
+        self._open()
         a, runner = self.args, self.runtime.runner
         decode = "eager" if runner is None or not runner.graphs else "CUDA graphs"
         return {"model": self.files.path.name, "path": str(self.files.path), "n_layers": a.n_layers,
@@ -140,16 +154,29 @@ class Engine:
                 "max_seq_len": self.config.max_seq_len,
                 "experts": "streaming" if self.experts.cache is not None else "resident",
                 "backend": self.config.backend, "decode": decode,
-                "decode_note": runner.capture_error if runner is not None else None}
+                "decode_note": runner.capture_error if runner is not None else None,
+                "memory_plan": self.plan.lines()}
 
     def close(self) -> None:
-        """Release the model files and stop the expert provider's threads. Idempotent."""
+        """Stop the expert provider's threads, release the model files, and give back every byte
+        the engine holds: the weights, the expert arena, the CUDA graphs and their pools, and the
+        states of its sessions (which can no longer be used). Idempotent."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                if self._trace is not None:
-                    self._trace.close()
-                self.files.close()
+            if self._closed:
+                return
+            self._closed = True
+            if self._trace is not None:
+                self._trace.close()
+            self.files.close()
+            for session in list(self._sessions):
+                session.release()
+            self._sessions.clear()
+            self.runtime = self.model = self.experts = self._meter = None
+            self.files.experts = None
+        gc.collect()  # the model's modules hold reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":
         return self
@@ -164,9 +191,12 @@ class Engine:
         self._sessions.add(session)
         return session
 
-    def _check(self, session: Session) -> None:
+    def _open(self) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
+
+    def _check(self, session: Session) -> None:
+        self._open()
         if session.owner is not self:
             raise SessionError("this session belongs to another engine")
 
@@ -337,6 +367,7 @@ class Engine:
     # ---------------------------------------------------------------------------- cache control
     def flush_cache(self) -> int:
         """Evict every unpinned expert; returns how many (0 when every expert is resident)."""
+        self._open()
         with self._lock:
             self.runtime.settle()  # a replayed step's routes name experts that must still be resident
             flush = getattr(self.files.experts, "flush", None)  # the provider also frees arena slots
@@ -352,6 +383,7 @@ class Engine:
                 raise SessionError(f"no expert {layer}:{expert} (layers 0-{self.args.n_layers - 1}, "
                                    f"experts 0-{self.args.n_routed_experts - 1})")
         with self._lock:
+            self._open()
             cache = self.experts.cache
             if cache is not None:
                 for key in keys:
@@ -359,6 +391,7 @@ class Engine:
 
     def pin_hot(self, n: int) -> list[tuple[int, int]]:
         """Pin the n most used experts; returns them."""
+        self._open()
         with self._lock:
             cache = self.experts.cache
             keys = cache.hottest(n) if cache is not None else [k for k, _ in self.experts.uses.most_common(n)]
@@ -367,6 +400,7 @@ class Engine:
 
     def unpin(self, keys: list[tuple[int, int]] | None = None) -> None:
         """Unpin these experts, or all of them (None)."""
+        self._open()
         with self._lock:
             cache = self.experts.cache
             if cache is None:
@@ -379,6 +413,7 @@ class Engine:
 
     def cache_contents(self) -> list[tuple[int, int, bool, int]]:
         """(layer, expert, pinned, uses) of every resident expert, sorted; uses are all-time."""
+        self._open()
         with self._lock:
             cache = self.experts.cache
             uses = self.experts.uses
@@ -392,6 +427,7 @@ class Engine:
     # ---------------------------------------------------------------------------- statistics
     def stats(self) -> StepStats:
         """A snapshot now: cache, memory, and the last step's timing."""
+        self._open()
         return self._meter.now()
 
     def _graph_routes(self, layer: int, position: int, ids: list[int]) -> None:
@@ -411,6 +447,7 @@ class Engine:
 
     def memory(self):
         """The MemoryBudget now (engine.memory)."""
+        self._open()
         cache = self._cache_snapshot()
         state = sum(s.nbytes() for s in list(self._sessions))
         return memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,

@@ -77,6 +77,10 @@ class Plan:
         return self.reused + len(self.suffix)
 
 
+def _closed_engine() -> SequenceState:
+    raise SessionError("the engine that owned this session is closed")
+
+
 def _clean_cut(kept: str, rest: str) -> bool:
     """True if tokenising `rest` on its own matches tokenising it after `kept`."""
     return not kept or not rest or kept.endswith(MARKERS) or rest.startswith(MARKERS)
@@ -141,6 +145,15 @@ class Session:
         self.messages = []
         self.live = self._empty()
         self.snapshots = []
+
+    def release(self) -> None:
+        """Give back the device memory of the live state and every snapshot (the engine that
+        owns the session is closing); the messages and token ids stay readable, the session cannot run
+        again."""
+        live = self.live
+        self.snapshots = []
+        self.live = Snapshot(live.text, live.ids, SequenceState(layers=[]), live.pending)
+        self._new_state = _closed_engine
 
     def _empty(self) -> Snapshot:
         return Snapshot("", [], self._new_state())

@@ -101,8 +101,34 @@ def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "
         return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
     if (path / INDEX_NAME).is_file():
         return open_official(path)
+    raise _not_a_model(path)
+
+
+def _not_a_model(path: Path) -> CheckpointError:
     if path.is_dir() and any(path.glob("layer_*.safetensors*")):
-        raise CheckpointError(f"{path}: a conversion that did not finish (no manifest.json); rerun "
-                              "dsv4-convert with the same arguments to complete it")
-    raise CheckpointError(f"{path}: neither a converted model (manifest.json) nor an official "
-                          f"checkpoint ({INDEX_NAME}); point at one of them")
+        return CheckpointError(f"{path}: a conversion that did not finish (no manifest.json); rerun "
+                               "dsv4-convert with the same arguments to complete it")
+    return CheckpointError(f"{path}: neither a converted model (manifest.json) nor an official "
+                           f"checkpoint ({INDEX_NAME}); point at one of them")
+
+
+def model_footprint(path: str | Path):
+    """engine.memory_plan.ModelFootprint of the model at `path`, read from headers only (no tensor
+    is loaded, no arena allocated): the memory plan is made from it before `open_model`."""
+    from converter.layout import LayoutError, read_manifest
+    from engine.memory_plan import footprint_of
+
+    path = Path(path)
+    manifest = None
+    if (path / "manifest.json").is_file():
+        try:
+            manifest = read_manifest(path)
+        except LayoutError as e:
+            raise CheckpointError(str(e)) from None
+        args = ModelArgs.from_dict(manifest.config, str(path / "manifest.json"))
+    elif (path / INDEX_NAME).is_file():
+        args = ModelArgs.from_dir(path)
+    else:
+        raise _not_a_model(path)
+    with TensorIndex.open(path) as index:
+        return footprint_of(path, args, index, manifest)
