@@ -45,6 +45,7 @@ from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
 from engine.stats import CacheSnapshot, StepStats, TurnStats, cache_snapshot
 from engine.step_meter import StepMeter
+from engine.warmup import plan_warmup, run_warmup
 
 ProgressFn = Callable[[LoadProgress], None]
 
@@ -134,14 +135,27 @@ class Engine:
             files.close()
             raise
         if warmup:
-            report(LoadProgress("warm-up", 0, 1, "steps", "first forward pass"))
             try:
-                engine.runtime.step(model.new_state(), [tokenizer.bos_id])
+                engine.warm_up(report)
             except BaseException:
                 engine.close()
                 raise
-            report(LoadProgress("warm-up", 1, 1, "steps", "ready"))
         return engine
+
+    def warm_up(self, progress: ProgressFn | None = None) -> None:
+        """Run every shape bucket once on scratch states (engine/warmup.py): with the TileLang
+        kernels this compiles each of them, or loads it from TileLang's on-disk cache, so that
+        nothing compiles during a chat; with the torch reference, one short prefill and decode."""
+        self._open()
+        full = self.config.backend == "tilelang"
+        phase = "compiling kernels" if full else "warm-up"
+        report = progress or (lambda p: None)
+        steps = plan_warmup(self.args, self.config, full)
+
+        def step(done: int, total: int, what: str) -> None:
+            report(LoadProgress(phase, done, total, "shapes", what))
+
+        run_warmup(steps, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len, step)
 
     @property
     def info(self) -> dict:

@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from engine.buckets import chunk_lengths
+
 from engine.moe import ExpertProvider, ExpertWeights
 from engine.state import SequenceState
 from engine.stats import StepTiming
@@ -224,11 +226,13 @@ class Runtime:
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
                 cancel: threading.Event | None = None) -> Iterator[StepResult]:
-        """Process `ids` in chunks of at most `chunk` tokens, one result per chunk.
-
-        Stops before a chunk when `cancel` is set (the state then holds the chunks done).
+        """Process `ids` in chunks of `chunk` tokens and the remainder in powers of two
+        (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), one result per
+        chunk. Stops before a chunk when `cancel` is set (the state then holds the chunks done).
         """
-        for start in range(0, len(ids), chunk):
+        start = 0
+        for length in chunk_lengths(len(ids), chunk):
             if cancel is not None and cancel.is_set():
                 return
-            yield self.step(state, ids[start:start + chunk])
+            yield self.step(state, ids[start:start + length])
+            start += length

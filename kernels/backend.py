@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import Protocol
 
 import torch
@@ -321,3 +322,18 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
     if name == "tilelang":
         return TileLangBackend(device)
     raise ValueError(f"unknown kernel backend {name!r}; choose 'torch' or 'tilelang'")
+
+
+def compiled_kernels() -> int:
+    """Kernel variants built in this process so far: the entries of the `*_kernel` factories'
+    caches (each a TileLang compile, or a load from its on-disk cache) in the kernel modules
+    imported so far; 0 with the torch reference. The engine's "nothing compiles during a chat"
+    is checked against this count."""
+
+    total = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kernels.") and module is not None:
+            for attr, obj in vars(module).items():
+                if attr.endswith("_kernel") and callable(obj) and hasattr(obj, "cache_info"):
+                    total += obj.cache_info().currsize
+    return total

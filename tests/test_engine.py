@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from converter import synth
+from engine.buckets import chunk_lengths
 from engine.chat import ChatTokenizer, Message, render_messages
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -399,7 +400,8 @@ def test_engine_info_routing_trace_and_closed_engine(ckpt, tmp_path):
     fin, _ = turn(eng.generate(sess, "Hi", GREEDY))
     eng.close()
     records = list(read_records(trace))
-    steps = 1 + fin.stats.completion_tokens - 1  # the prefill, then one step per run token
+    prefill = len(chunk_lengths(fin.stats.prompt_tokens, eng.config.prefill_chunk))  # bucketed chunks
+    steps = prefill + fin.stats.completion_tokens - 1  # the prefill, then one step per run token
     assert len(records) == steps * 5 and sum(r.tokens for r in records if r.layer == 0) == sess.position
     eng.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):

@@ -1,0 +1,59 @@
+"""Shape buckets: the finite set of shapes a chat can give the kernels, so each compiles once.
+
+TileLang kernels are compiled per static shape (rows of a GEMV, a compressed cache's capacity,
+...), and a compile on the H200 takes seconds. The engine therefore never hands the kernels a
+shape outside these buckets:
+
+* prefill chunk lengths: a prompt of n tokens runs as full chunks of `chunk` tokens and then its
+  remainder split into powers of two, largest first (203 -> 128, 64, 8, 2, 1): every chunk length
+  is `chunk` or a power of two below it. Chunked prefill equals whole prefill, so the split changes
+  no result, and the remainder costs at most log2(chunk) extra chunks;
+* compressed-cache capacities: powers of two from `engine.state.MIN_ENTRIES` up to what
+  `max_seq_len` needs (`engine.state.LayerState.reserve` grows them that way);
+* rows of a one-launch GEMV: padded to powers of two by the kernels (kernels.act_quant).
+
+The warm-up at load (engine/warmup.py) runs every one of them once.
+"""
+
+from __future__ import annotations
+
+from engine.state import MIN_ENTRIES
+
+
+def chunk_lengths(n: int, chunk: int) -> list[int]:
+    """Lengths of the chunks that prefill n tokens: full chunks, then the remainder's powers of two."""
+    if chunk < 1 or n < 0:
+        raise ValueError(f"chunk must be >= 1 and n >= 0, got chunk={chunk}, n={n}")
+    full, rest = divmod(n, chunk)
+    out = [chunk] * full
+    bit = 1 << max(0, rest.bit_length() - 1)
+    while rest:
+        if rest & bit:
+            out.append(bit)
+            rest -= bit
+        bit >>= 1
+    return out
+
+
+def chunk_buckets(chunk: int) -> list[int]:
+    """Every length `chunk_lengths` can produce, largest first."""
+    out = [chunk]
+    bit = 1 << max(0, (chunk - 1).bit_length() - 1)
+    while bit:
+        if bit < chunk:
+            out.append(bit)
+        bit >>= 1
+    return out
+
+
+def capacity_buckets(max_seq_len: int, ratio: int) -> list[int]:
+    """Capacities (compressed entries) a layer of compression `ratio` passes through up to
+    position `max_seq_len`, smallest first (`LayerState.reserve`: powers of two, at least
+    MIN_ENTRIES)."""
+    need = max_seq_len // ratio + 1
+    out, cap = [], MIN_ENTRIES
+    while True:
+        out.append(cap)
+        if cap >= need:
+            return out
+        cap *= 2

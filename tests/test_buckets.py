@@ -1,0 +1,69 @@
+"""Shape buckets (engine/buckets.py) and the warm-up plan that runs each of them (engine/warmup.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from converter import synth
+from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
+from engine.config import EngineConfig, ModelArgs
+from engine.state import LayerState, new_layer_state
+from engine.warmup import plan_warmup
+
+import torch
+
+
+@pytest.mark.parametrize("chunk", [256, 100, 1, 64])
+def test_chunk_lengths_cover_the_prompt_with_bucketed_lengths_only(chunk):
+    allowed = set(chunk_buckets(chunk))
+    for n in range(0, 3 * chunk + 5):
+        lengths = chunk_lengths(n, chunk)
+        assert sum(lengths) == n and set(lengths) <= allowed
+        assert lengths == sorted(lengths, reverse=True)
+        assert len(lengths) <= n // chunk + max(1, chunk.bit_length())
+
+
+def test_chunk_examples():
+    assert chunk_lengths(203, 256) == [128, 64, 8, 2, 1]
+    assert chunk_lengths(600, 256) == [256, 256, 64, 16, 8]
+    assert chunk_buckets(256) == [256, 128, 64, 32, 16, 8, 4, 2, 1]
+    assert chunk_buckets(100) == [100, 64, 32, 16, 8, 4, 2, 1]
+    with pytest.raises(ValueError):
+        chunk_lengths(5, 0)
+
+
+def test_capacity_buckets_are_the_capacities_reserve_passes_through():
+    for max_seq_len, ratio in ((4096, 4), (4096, 128), (1 << 20, 4), (100, 4)):
+        seen = []
+        st = new_layer_state(8, 16, ratio, 16, torch.float32, "meta")
+        seen.append(st.capacity)
+        for pos in range(0, max_seq_len + 1, 3):
+            if st.reserve(pos // ratio + 1):
+                seen.append(st.capacity)
+        st.reserve(max_seq_len // ratio + 1)
+        if st.capacity != seen[-1]:
+            seen.append(st.capacity)
+        assert seen == capacity_buckets(max_seq_len, ratio), (max_seq_len, ratio)
+
+
+def test_the_warm_up_runs_every_bucket_on_the_gpu_and_little_on_the_cpu():
+    args = ModelArgs.from_dict(synth.flash_config(43), "flash")
+    config = EngineConfig(prefill_chunk=256, max_seq_len=4096)
+    full = plan_warmup(args, config, full=True)
+    assert [s.tokens for s in full if s.kind == "prefill"] == chunk_buckets(256)
+    assert [s.capacity for s in full if s.kind == "decode"] == capacity_buckets(4096, 4) == [16, 32, 64, 128, 256,
+                                                                                             512, 1024, 2048]
+    assert len(plan_warmup(args, config, full=False)) == 2
+
+
+def test_prefill_runs_in_bucketed_chunks(tmp_path):
+    from engine.engine import Engine
+
+    ckpt = synth.write_checkpoint(tmp_path / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    eng = Engine.load(ckpt, EngineConfig(prefill_chunk=32), warmup=False)
+    try:
+        state = eng.model.new_state()
+        results = list(eng.runtime.prefill(state, list(range(3, 3 + 75)), 32))
+        assert [r.tokens for r in results] == [32, 32, 8, 2, 1] and state.pos == 75
+    finally:
+        eng.close()
