@@ -1,0 +1,283 @@
+"""The yardstick: the user's path at full depth, through the app's own `Engine`, on a CUDA GPU.
+
+    python -m bench.full_depth [--experts 24] [--layers 43] [--shares 1,0.5,0.25]
+                               [--prompts 16,128,724,2048] [--tokens 64] [--workdir /tmp/dsv4fd]
+
+1. builds (once per workdir) a synthetic checkpoint with DeepSeek-V4-Flash's real dimensions,
+   `--layers` layers and `--experts` routed experts per layer (`dsv4-synth --preset flash`,
+   random weights drawn on the GPU), converts it (`dsv4-convert`) and deletes the source. Per
+   token the engine touches the real model's bytes (top-6 of any expert count);
+2. measures the ceilings in the same run: HBM device-to-device copy, pinned host-to-device copy;
+3. runs each configuration in a fresh process (`Engine.load` + `Engine.generate`, native numerics,
+   TileLang kernels, CUDA graphs), with TileLang's kernel cache in the workdir: the first process
+   finds it empty (cold load: compiles), the later ones load from it (warm load). Per process:
+   load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
+   fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
+   reports it and its median step; a follow-up turn's TTFT; the graphed decode step timed on its
+   own; hit rate and miss bandwidth; peak device memory against the memory plan;
+4. prints one table; `--json FILE` also writes every figure.
+
+The per-token bytes are the resident weights (all but the embedding and the MTP block) plus 6
+experts a layer; the roofline is those bytes at the copy bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- build
+
+def build_pack(workdir: Path, layers: int, experts: int) -> Path:
+    """The converted pack under workdir (built once; the source checkpoint is deleted after)."""
+    from converter.convert import convert
+    from converter.synth import SynthOptions, flash_config, write_checkpoint
+
+    pack = workdir / f"pack_L{layers}_E{experts}"
+    if (pack / "manifest.json").is_file():
+        return pack
+    src = workdir / "hf"
+    t0 = time.perf_counter()
+    write_checkpoint(src, flash_config(layers, n_routed_experts=experts), SynthOptions(seed=0, n_shards=None,
+                                                                                      device="cuda"))
+    t1 = time.perf_counter()
+    convert(src, pack)
+    t2 = time.perf_counter()
+    shutil.rmtree(src)
+    print(f"built {pack}: synth {t1 - t0:.0f} s, convert {t2 - t1:.0f} s", flush=True)
+    return pack
+
+
+def ceilings() -> dict:
+    """HBM copy and pinned host-to-device bandwidth (bytes/s), measured now."""
+    from bench.kernels import copy_bandwidth, median_seconds
+
+    dev = torch.device("cuda")
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    h2d = (1 << 30) / median_seconds(lambda: dst.copy_(host, non_blocking=True), 10)
+    return {"hbm_copy": copy_bandwidth(dev), "h2d_pinned": h2d}
+
+
+# ----------------------------------------------------------------------------- one process
+
+def _text_of(tokenizer, n: int) -> str:
+    """A user message of about n tokens."""
+    base = ("The quick brown fox jumps over the lazy dog while seventeen sailors sing about the "
+            "northern sea, counting waves and stars until the morning bell. ")
+    ids = tokenizer.encode(base * (n // 20 + 2))[:max(1, n)]
+    return tokenizer.decode(ids)
+
+
+def _graphed_step_ms(eng, session, sync, steps: int = 32) -> float:
+    """Median wall time of one decode step replayed through the runner on a clone of the
+    session's state, the device synchronised after each (no host work between steps)."""
+    runtime = eng.runtime
+    state = session.state.clone()
+    runtime.reserve(state, state.pos + steps + 1)
+    token = torch.tensor([eng.tokenizer.bos_id], device=eng.device)
+    times = []
+    for _ in range(steps + 2):
+        sync()
+        t = time.perf_counter()
+        runtime.step(state, token)
+        sync()
+        times.append(1e3 * (time.perf_counter() - t))
+    runtime.settle()
+    return statistics.median(times[2:])
+
+
+class PhaseClock:
+    """Seconds spent in each load phase (LoadProgress.phase), from the progress callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._phase: str | None = None
+        self._t = time.perf_counter()
+
+    def enter(self, phase: str | None) -> None:
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + now - self._t
+        self._phase, self._t = phase, now
+
+
+def child(a) -> dict:
+    """One configuration in this (fresh) process; returns its figures."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TurnFinished
+    from engine.sampling import SamplingParams
+    from engine.weights import model_footprint
+    from kernels.backend import compiled_kernels
+
+    pack = Path(a.pack)
+    pool = model_footprint(pack).pool
+    cache = None if a.share >= 1.0 else int(pool * a.share)
+    cuda = a.device == "cuda"  # the CPU runs only check this script (torch reference, no graphs)
+    config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
+                          max_seq_len=a.max_seq_len, io_threads=a.io_threads)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = PhaseClock()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    eng = Engine.load(pack, config, progress=lambda p: clock.enter(p.phase))
+    load_s = time.perf_counter() - t0
+    clock.enter(None)
+    out = {"share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
+           "plan": eng.plan.lines(), "plan_total": eng.plan.total, "plan_framework": eng.plan.framework,
+           "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
+    greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
+    bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
+    decode_s_all = 0.0
+    session = None
+    for n in a.prompts:
+        session = eng.new_session()
+        events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
+        fin = events[-1]
+        if not isinstance(fin, TurnFinished):
+            raise SystemExit(f"bench.full_depth: the {n}-token turn failed: {fin}")
+        st = fin.stats
+        steps = sorted(st.step_ms)
+        decode_s_all += st.decode_s
+        out["prompts"].append({"n": n, "prompt_tokens": st.prompt_tokens, "ttft_s": st.ttft_s,
+                               "prefill_s": st.prefill_s, "prefill_tok_s": st.prefill_tokens / st.prefill_s,
+                               "completion_tokens": st.completion_tokens, "decode_tok_s": st.tok_per_s,
+                               "median_step_ms": steps[len(steps) // 2] if steps else float("nan"),
+                               "hit_rate": st.cache.hit_rate if st.cache else 1.0})
+    follow = list(eng.generate(session, "And then?", greedy))[-1]
+    out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
+                       "reused": follow.stats.reused_tokens}
+    out["kernels_during_chat"] = compiled_kernels() - out["kernels_after_load"]
+    out["graphed_step_ms"] = _graphed_step_ms(eng, session, sync)
+    snap = eng.stats().cache
+    if snap is not None:
+        out["hit_rate"] = snap.hit_rate
+        out["miss_gb"] = (snap.bytes_read - bytes_read0) / 1e9
+        out["miss_gb_s"] = out["miss_gb"] / decode_s_all if decode_s_all else 0.0
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
+    out["peak_allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
+    out["info"] = {k: v for k, v in eng.info.items() if k != "memory_plan"}
+    before_close = allocated()
+    eng.close()
+    out["allocated_after_close"] = allocated()
+    out["allocated_before_close"] = before_close
+    return out
+
+
+# ----------------------------------------------------------------------------- table
+
+def bytes_per_token(pack: Path) -> int:
+    """Resident weights a decode token reads (all but the embedding and MTP) + 6 experts a layer."""
+    from engine.checkpoint import TensorIndex
+    from engine.config import ModelArgs
+
+    manifest = json.loads((pack / "manifest.json").read_text())
+    args = ModelArgs.from_dict(manifest["config"], "manifest")
+    with TensorIndex.open(pack) as idx:
+        resident = sum(idx.info(n).nbytes for n in idx.names()
+                       if not n.endswith(".ffn.experts") and not n.startswith("mtp.") and n != "embed.weight")
+    return resident + args.n_layers * args.n_activated_experts * manifest["experts"]["record_bytes"]
+
+
+def table(results: list[dict], ceil: dict, per_token: int) -> str:
+    roof_ms = 1e3 * per_token / ceil["hbm_copy"]
+    lines = [f"HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s; "
+             f"{per_token / 1e9:.2f} GB touched per token -> roofline {roof_ms:.2f} ms/token",
+             "",
+             "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
+             "| median step ms | graphed step ms (% roofline) | follow-up TTFT ms | hit rate | miss GB/s "
+             "| peak GiB / plan GiB | compiles in chat |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        peak = r["peak_reserved"] / GiB
+        plan = (r["plan_total"] - r["plan_framework"]) / GiB
+        for i, p in enumerate(r["prompts"]):
+            first = i == 0
+            lines.append(
+                f"| {100 * r['share']:.0f} % {r.get('label', '')} | "
+                + (f"{r['load_s']:.1f} ({r['kernels_after_load']})" if first else "")
+                + f" | {p['prompt_tokens']} | {p['ttft_s']:.3f} | {p['prefill_tok_s']:.0f} | {p['decode_tok_s']:.1f} "
+                f"| {p['median_step_ms']:.2f} | "
+                + (f"{r['graphed_step_ms']:.2f} ({100 * roof_ms / r['graphed_step_ms']:.0f} %)" if first else "")
+                + " | " + (f"{1e3 * r['followup']['ttft_s']:.0f} ({r['followup']['new_tokens']} new)" if first else "")
+                + f" | {p['hit_rate']:.3f} | "
+                + (f"{r.get('miss_gb_s', 0.0):.2f}" if first else "")
+                + " | " + (f"{peak:.1f} / {plan:.1f}" if first else "")
+                + " | " + (f"{r['kernels_during_chat']}" if first else "") + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=43)
+    p.add_argument("--experts", type=int, default=24, help="routed experts per layer in the synthetic pack")
+    p.add_argument("--shares", type=lambda v: [float(x) for x in v.split(",")], default=[1.0, 0.5, 0.25],
+                   help="expert cache sizes as shares of the expert pool (1 = resident)")
+    p.add_argument("--prompts", type=lambda v: [int(x) for x in v.split(",")], default=[16, 128, 724, 2048])
+    p.add_argument("--tokens", type=int, default=64, help="decode tokens per turn")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--workdir", default="/tmp/dsv4fd")
+    p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
+    p.add_argument("--json", help="also write every figure to this file")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pack", help=argparse.SUPPRESS)
+    p.add_argument("--share", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print("RESULT " + json.dumps(child(a)), flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.full_depth needs a CUDA GPU")
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    pack = build_pack(workdir, a.layers, a.experts)
+    ceil = ceilings()
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(workdir / "tilelang-cache"), PYTHONUNBUFFERED="1")
+    runs = [(a.shares[0], "cold")] + ([(a.shares[0], "warm")] if a.warm_repeat else []) + [(s, "") for s in a.shares[1:]]
+    results = []
+    for share, label in runs:
+        cmd = [sys.executable, "-m", "bench.full_depth", "--child", "--pack", str(pack), "--share", str(share),
+               "--prompts", ",".join(map(str, a.prompts)), "--tokens", str(a.tokens),
+               "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads)]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not found:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
+        r = json.loads(found[-1][len("RESULT "):])
+        r["label"], r["process_s"] = label, time.perf_counter() - t
+        results.append(r)
+        print(f"{share:.0%} {label}: process {r['process_s']:.0f} s, load {r['load_s']:.1f} s "
+              f"({', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())}), "
+              f"kernels {r['kernels_after_load']} at load, {r['kernels_during_chat']} during the chat; "
+              f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
+              f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)
+        print("\n".join(r["plan"]), flush=True)
+    per_token = bytes_per_token(pack)
+    print()
+    print(table(results, ceil, per_token))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"ceilings": ceil, "bytes_per_token": per_token, "runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
