@@ -134,7 +134,12 @@ def child(a) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    eng = Engine.load(pack, config, progress=lambda p: clock.enter(p.phase))
+    def progress(p) -> None:
+        clock.enter(p.phase)
+        print(f"  [{time.perf_counter() - t0:7.1f} s] {p.phase} {p.done}/{p.total} {p.message}", file=sys.stderr,
+              flush=True)
+
+    eng = Engine.load(pack, config, progress=progress)
     load_s = time.perf_counter() - t0
     clock.enter(None)
     out = {"share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
@@ -146,7 +151,10 @@ def child(a) -> dict:
     session = None
     for n in a.prompts:
         session = eng.new_session()
+        t_turn = time.perf_counter()
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
+        print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants",
+              file=sys.stderr, flush=True)
         fin = events[-1]
         if not isinstance(fin, TurnFinished):
             raise SystemExit(f"bench.full_depth: the {n}-token turn failed: {fin}")
@@ -235,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
+    p.add_argument("--tilelang-cache", help="TileLang's kernel cache folder (default: WORKDIR/tilelang-cache, "
+                   "empty on a fresh machine, so the first process compiles)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pack", help=argparse.SUPPRESS)
     p.add_argument("--share", type=float, help=argparse.SUPPRESS)
@@ -249,7 +259,11 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     pack = build_pack(workdir, a.layers, a.experts)
     ceil = ceilings()
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(workdir / "tilelang-cache"), PYTHONUNBUFFERED="1")
+    per_token = bytes_per_token(pack)
+    print(f"ceilings: HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s",
+          flush=True)
+    cache_dir = a.tilelang_cache or str(workdir / "tilelang-cache")
+    env = dict(os.environ, TILELANG_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     runs = [(a.shares[0], "cold")] + ([(a.shares[0], "warm")] if a.warm_repeat else []) + [(s, "") for s in a.shares[1:]]
     results = []
     for share, label in runs:
@@ -257,10 +271,10 @@ def main(argv=None) -> int:
                "--prompts", ",".join(map(str, a.prompts)), "--tokens", str(a.tokens),
                "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads)]
         t = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # stderr: its progress, shown
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not found:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            sys.stderr.write(proc.stdout[-4000:])
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
         r["label"], r["process_s"] = label, time.perf_counter() - t
@@ -271,11 +285,11 @@ def main(argv=None) -> int:
               f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
               f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)
         print("\n".join(r["plan"]), flush=True)
-    per_token = bytes_per_token(pack)
-    print()
-    print(table(results, ceil, per_token))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"ceilings": ceil, "bytes_per_token": per_token, "runs": results}, indent=1))
+        print()
+        print(table(results, ceil, per_token), flush=True)  # after every run: a cut-short bench keeps its rows
+        if a.json:
+            Path(a.json).write_text(json.dumps({"ceilings": ceil, "bytes_per_token": per_token, "runs": results},
+                                               indent=1))
     return 0
 
 
