@@ -240,13 +240,24 @@ class PlainChat:
         self.say(f"{args.key} = {args.value}")
 
 
+def progress_line(p: Any) -> str:
+    """One log line for a converter ConvertProgress (building the demo) or an engine LoadProgress."""
+    from converter.convert import ConvertProgress
+
+    if isinstance(p, ConvertProgress):
+        share = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
+        return f"converting: {share:.0%} of {_gib(p.bytes_total)}" + (f" · {p.current}" if p.current else "")
+    line = p.phase + (f": {p.done}/{p.total} {p.unit}".rstrip() if p.total else "")
+    return line + (f" · {p.message}" if p.message else "")
+
+
 def load_engine(config: AppConfig, log: TextIO):
     """The engine for `config`'s model (--model, the newest converted one, or --demo)."""
     from app.backend import RealBackend
     from app.wizard import WizardError, find_model
 
     def progress(p) -> None:
-        log.write(f"{p.phase}: {getattr(p, 'done', '')}/{getattr(p, 'total', '')} {getattr(p, 'unit', '')}\n")
+        log.write(progress_line(p) + "\n")
         log.flush()
 
     if config.demo:
