@@ -1,6 +1,6 @@
 """Crash-proof transcripts: every message is recorded (durably) as it completes.
 
-A transcript is `<data_dir>/transcripts/<YYYYmmdd-HHMMSS>-<pid>.jsonl`, one JSON object a line:
+A transcript is `<data_dir>/transcripts/<YYYYmmdd-HHMMSS>-<pid>[-<n>].jsonl`, one JSON object a line:
 
     {"type": "start", "version": 1, "time": "...", "system": "..."}
     {"type": "message", "role": "user", "content": "..."}      # when sent
@@ -64,8 +64,7 @@ class Autosaver:
         try:
             if self.path is None:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                path = self.directory / f"{stamp}-{os.getpid()}.jsonl"
+                path = _new_name(self.directory)
                 self._data = b""
                 self._write(path, [{"type": "start", "version": TRANSCRIPT_VERSION,
                                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "system": self.system},
@@ -142,6 +141,17 @@ class Autosaver:
                 self._closed = True
                 self._fail(err)
         self._closed = True
+
+
+def _new_name(directory: Path) -> Path:
+    """`<stamp>-<pid>.jsonl`, or `<stamp>-<pid>-<n>.jsonl` when this process already started a
+    transcript this second (a /new right after the first message): never an existing file."""
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path, n = directory / f"{base}.jsonl", 1
+    while path.exists():
+        n += 1
+        path = directory / f"{base}-{n}.jsonl"
+    return path
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -237,3 +237,14 @@ def test_tui_read_only_data_dir_notifies_and_the_chat_goes_on(config, monkeypatc
 
     asyncio.run(go())
     assert not config.transcripts_dir.exists() or not list(config.transcripts_dir.iterdir())
+
+
+def test_two_transcripts_in_the_same_second_stay_apart(tmp_path):
+    first, second = Autosaver(tmp_path, "one"), Autosaver(tmp_path, "two")
+    first.user("q1")
+    second.user("q2")  # e.g. /new right after a message
+    first.close()
+    second.close()
+    assert first.path != second.path
+    assert read_transcript(first.path)[0].messages[0].content == "q1"
+    assert read_transcript(second.path)[0].system == "two"

@@ -75,11 +75,12 @@ def test_plain_autosaves_like_the_tui(config):
     engine.fail_next = "boom"  # a failed turn leaves no message in the transcript
     status, *_ = chat(config, "lost", "q1", "/regen", "/undo", "q2", "/system be brief", "q3", engine=engine)
     assert status == 1  # the failed turn
-    first, second = transcripts(config)
-    conv, closed = read_transcript(first)
+    by_system = {read_transcript(path)[0].system: path for path in transcripts(config)}
+    assert sorted(by_system) == ["", "be brief"]
+    conv, closed = read_transcript(by_system[""])
     assert closed and [(m.role, m.content) for m in conv.messages] == [("user", "q2"), ("assistant", ANSWER)]
-    conv, closed = read_transcript(second)
-    assert closed and conv.system == "be brief"
+    conv, closed = read_transcript(by_system["be brief"])
+    assert closed
     assert [m.content for m in conv.messages] == ["q3", ANSWER] and conv.messages[1].finish == "eos"
 
 
