@@ -66,7 +66,7 @@ class ChatApp(App):
         self.backend = backend if backend is not None else RealBackend()
         self.service = EngineService(self, self.backend, config)
         self.conversation = Conversation(system=config.system)
-        self.autosave = Autosaver(config.transcripts_dir, config.system)
+        self.autosave = Autosaver(config.transcripts_dir, config.system, on_error=self.autosave_failed)
         self.chat = ChatScreen()
         self.model_dir: Path | None = None
         self._offer_resume = offer_resume
@@ -162,7 +162,8 @@ class ChatApp(App):
             autosave.dismiss(found.path)
             self.service.start_session(self.conversation.system)
             return
-        self.autosave = Autosaver(found.path.parent, found.conversation.system, path=found.path)
+        self.autosave = Autosaver(found.path.parent, found.conversation.system, path=found.path,
+                                  on_error=self.autosave_failed)
         pending = found.conversation.pending_prompt()
         if pending:
             self.autosave.undo()  # the unanswered question goes back into the prompt
@@ -179,6 +180,10 @@ class ChatApp(App):
         self.service.start_session(conv.system, conv.messages)
 
     # ---- chatting -------------------------------------------------------------------------
+
+    def autosave_failed(self, message: str) -> None:
+        """The data dir is read-only or full: autosave turned itself off; the chat goes on."""
+        self.notify(message, title="autosave off", severity="warning", timeout=20, markup=False)
 
     async def note(self, text: str, error: bool = False) -> None:
         await self.chat.transcript.add_note(text, error)

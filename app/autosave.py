@@ -1,6 +1,6 @@
-"""Crash-proof transcripts: every message is appended (and fsynced) as it completes.
+"""Crash-proof transcripts: every message is recorded (durably) as it completes.
 
-A transcript is `<data_dir>/transcripts/<YYYYmmdd-HHMMSS>-<pid>.jsonl`, one JSON object a line:
+A transcript is `<data_dir>/transcripts/<YYYYmmdd-HHMMSS>-<pid>[-<n>].jsonl`, one JSON object a line:
 
     {"type": "start", "version": 1, "time": "...", "system": "..."}
     {"type": "message", "role": "user", "content": "..."}      # when sent
@@ -11,7 +11,8 @@ A transcript is `<data_dir>/transcripts/<YYYYmmdd-HHMMSS>-<pid>.jsonl`, one JSON
     {"type": "close"}                                          # the app ended cleanly
 
 A file whose last record is not `close` was not closed cleanly (the app was killed): on the next
-start the app offers to resume it. A torn last line (killed mid-write) is ignored on reading.
+start the app offers to resume it. Records are written by atomic replacement (see `Autosaver`), so
+no line is ever torn; a torn last line in a file from an older build is ignored on reading.
 """
 
 from __future__ import annotations
@@ -21,40 +22,95 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from app.conversation import ChatMessage, Conversation
 
 TRANSCRIPT_VERSION = 1
 
 
-class Autosaver:
-    """Appends records to one transcript file; the file is created on the first record."""
+class AutosaveError(OSError):
+    """A transcript record could not be written; the message names the file and the cause."""
 
-    def __init__(self, directory: Path, system: str = "", path: Path | None = None) -> None:
+
+class Autosaver:
+    """Appends records to one transcript file; the file is created on the first record.
+
+    Each record is made durable whole: the transcript's bytes plus the new line are written to a
+    temporary file next to it, fsynced, renamed over the transcript (atomic) and the directory
+    fsynced, so a full disk, a read-only directory or a kill at any point leaves the transcript
+    as it was before the record or with it, never with a torn line.
+
+    When a write fails, the saver turns itself off (later records are dropped, the file keeps
+    every record written before) and calls `on_error` once with one line for the user; without
+    `on_error` it raises `AutosaveError` once instead.
+    """
+
+    def __init__(self, directory: Path, system: str = "", path: Path | None = None,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.directory = directory
         self.system = system
         self.path = path  # an existing file when resuming
+        self.on_error = on_error
+        self.off: str | None = None  # why autosave stopped, once it has
         self._closed = False
+        self._data: bytes | None = None  # the transcript's bytes (read once when resuming)
 
     def _append(self, record: dict[str, Any]) -> None:
         if self._closed:
             raise RuntimeError("transcript already closed")
-        if self.path is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.path = self.directory / f"{stamp}-{os.getpid()}.jsonl"
-            self._write({"type": "start", "version": TRANSCRIPT_VERSION,
-                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "system": self.system})
-        self._write(record)
+        if self.off is not None:
+            return
+        try:
+            if self.path is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                path = _new_name(self.directory)
+                self._data = b""
+                self._write(path, [{"type": "start", "version": TRANSCRIPT_VERSION,
+                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "system": self.system},
+                                   record])
+                self.path = path
+            else:
+                self._write(self.path, [record])
+        except OSError as err:
+            self._fail(err)
 
-    def _write(self, record: dict[str, Any]) -> None:
-        assert self.path is not None
-        line = json.dumps(record, ensure_ascii=False) + "\n"
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+    def _fail(self, err: OSError) -> None:
+        where = self.path or self.directory
+        reason = err.strerror or str(err)
+        self.off = (f"autosave is off: cannot write the transcript {where} ({reason}); the chat goes "
+                    "on, but what follows is not saved — free space or fix the data dir's permissions")
+        if self.on_error is None:
+            raise AutosaveError(self.off) from err
+        self.on_error(self.off)
+
+    def _write(self, path: Path, records: list[dict[str, Any]]) -> None:
+        """Durably replace `path` with its bytes plus `records` (temp file, fsync, rename)."""
+        if self._data is None:
+            self._data = path.read_bytes() if path.exists() else b""
+            if self._data and not self._data.endswith(b"\n"):  # a torn line from an older build
+                self._data += b"\n"
+        data = self._data + b"".join(
+            (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._data = data
+        _fsync_dir(path.parent)
 
     def user(self, content: str) -> None:
         self._append({"type": "message", "role": "user", "content": content})
@@ -78,9 +134,38 @@ class Autosaver:
 
     def close(self) -> None:
         """Mark the transcript closed cleanly (no-op if nothing was ever written)."""
-        if self.path is not None and not self._closed:
-            self._write({"type": "close"})
+        if self.path is not None and not self._closed and self.off is None:
+            try:
+                self._write(self.path, [{"type": "close"}])
+            except OSError as err:
+                self._closed = True
+                self._fail(err)
         self._closed = True
+
+
+def _new_name(directory: Path) -> Path:
+    """`<stamp>-<pid>.jsonl`, or `<stamp>-<pid>-<n>.jsonl` when this process already started a
+    transcript this second (a /new right after the first message): never an existing file."""
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path, n = directory / f"{base}.jsonl", 1
+    while path.exists():
+        n += 1
+        path = directory / f"{base}-{n}.jsonl"
+    return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (best effort: some filesystems refuse a directory fd)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -137,7 +222,12 @@ def find_unfinished(directory: Path) -> Unfinished | None:
     return None
 
 
-def dismiss(path: Path) -> None:
-    """Mark an unfinished transcript closed (the user declined to resume it)."""
+def dismiss(path: Path) -> str | None:
+    """Mark an unfinished transcript closed (the user declined to resume it). Returns None, or
+    the reason it could not be marked (it is then offered again on the next start)."""
     saver = Autosaver(path.parent, path=path)
-    saver.close()
+    try:
+        saver.close()
+    except AutosaveError as err:
+        return str(err)
+    return None

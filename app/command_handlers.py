@@ -35,7 +35,7 @@ async def cmd_help(app: ChatApp, args: None) -> None:
 async def _restart(app: ChatApp, conv: Conversation, note: str) -> None:
     """Close the current transcript and continue with `conv` in a fresh session."""
     app.autosave.close()
-    app.autosave = Autosaver(app.config.transcripts_dir, conv.system)
+    app.autosave = Autosaver(app.config.transcripts_dir, conv.system, on_error=app.autosave_failed)
     app.autosave.seed(conv)
     await app.show_conversation(conv, note)
 

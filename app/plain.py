@@ -1,11 +1,19 @@
 """`dsv4-chat --plain`: line-mode chat for ssh, tmux and scripts (prompt-toolkit).
 
-Enter sends; Esc then Enter, or a line ending in a backslash, continues on a new line. Up/Down
-walk the input history (kept in `<data_dir>/plain_history`). Ctrl-C while an answer streams
-stops that answer (the partial answer stays in the conversation); Ctrl-C at the prompt clears
-the line; Ctrl-D or /quit leaves. Slash commands are parsed by app.commands (same as the TUI);
-/save, /load and /export belong to the TUI. Without a terminal on stdin, lines are read plainly
-(one message per line), so `printf 'hi\\n/quit\\n' | dsv4-chat --plain` works.
+On a terminal: Enter sends; Esc then Enter, or a line ending in a backslash, continues on a new
+line. Up/Down walk the input history (kept in `<data_dir>/plain_history`; an unwritable history
+file falls back to an in-memory one, with one warning). Ctrl-C while an answer streams stops that
+answer (the partial answer stays in the conversation); Ctrl-C at the prompt clears the line;
+Ctrl-D or /quit leaves. Slash commands are parsed by app.commands (same as the TUI); /save, /load
+and /export belong to the TUI.
+
+Without a terminal on stdin (scripts), lines are read plainly (one message per line), answers go
+to stdout and everything else (banner, prompts, statistics, thinking, errors) to stderr, and the
+exit status is 1 if any turn or command failed (the remaining lines are still handled), so
+`printf 'hi\\n' | dsv4-chat --plain > answer.txt` works. `run_once` is `dsv4-chat run PROMPT`.
+
+Every conversation is autosaved as a transcript (app.autosave), like the TUI's; a data dir that
+is read-only or full turns autosave off with one warning and the chat goes on.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, TextIO
 
+from app.autosave import Autosaver
 from app.commands import Command, help_lines, is_command, parse
+from app.conversation import ChatMessage
 from app.settings import AppConfig, SettingsError, with_gen
 
 TUI_ONLY = ("save", "load", "export")
@@ -65,10 +75,50 @@ def sigint_sets(event: threading.Event):
         signal.signal(signal.SIGINT, previous)
 
 
-def terminal_reader(history_path) -> Callable[[], str]:
+def history_for(path, warn: Callable[[str], None]):
+    """A prompt-toolkit history kept in `path`; when the file cannot be read or written (now or
+    later: read-only, full disk) it goes on in memory, with one `warn` line."""
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    class FallbackFileHistory(FileHistory):
+        def __init__(self) -> None:
+            super().__init__(str(path))
+            self.broken = False
+
+        def _off(self, err: OSError) -> None:
+            if not self.broken:
+                self.broken = True
+                warn(f"input history is kept in memory only: cannot use {path} ({err.strerror or err})")
+
+        def load_history_strings(self):
+            if self.broken:
+                return []
+            try:
+                return list(super().load_history_strings())
+            except OSError as err:
+                self._off(err)
+                return []
+
+        def store_string(self, string: str) -> None:
+            if not self.broken:
+                try:
+                    super().store_string(string)
+                except OSError as err:
+                    self._off(err)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        warn(f"input history is kept in memory only: cannot use {path} ({err.strerror or err})")
+        return InMemoryHistory()
+    return FallbackFileHistory()
+
+
+def terminal_reader(history_path, warn: Callable[[str], None]) -> Callable[[], str]:
     """A prompt-toolkit line reader: history, Esc+Enter / trailing backslash for new lines."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
 
     keys = KeyBindings()
@@ -86,22 +136,18 @@ def terminal_reader(history_path) -> Callable[[], str]:
     def _newline(event) -> None:
         event.current_buffer.insert_text("\n")
 
-    try:
-        history_path.parent.mkdir(parents=True, exist_ok=True)
-        history = FileHistory(str(history_path))
-    except OSError:
-        history = InMemoryHistory()
-    session = PromptSession(history=history, key_bindings=keys, multiline=True,
+    session = PromptSession(history=history_for(history_path, warn), key_bindings=keys, multiline=True,
                             prompt_continuation=lambda width, line, wrap: CONTINUATION)
     return lambda: session.prompt(PROMPT)
 
 
-def stream_reader(stream: TextIO, out: TextIO) -> Callable[[], str]:
-    """Reads one message per line from a non-terminal stream; EOF raises EOFError."""
+def stream_reader(stream: TextIO, prompts: TextIO) -> Callable[[], str]:
+    """Reads one message per line from a non-terminal stream, writing `>>> ` to `prompts` (stderr
+    in scripts); EOF raises EOFError."""
 
     def read() -> str:
-        out.write(PROMPT)
-        out.flush()
+        prompts.write(PROMPT)
+        prompts.flush()
         line = stream.readline()
         if not line:
             raise EOFError
@@ -111,16 +157,45 @@ def stream_reader(stream: TextIO, out: TextIO) -> Callable[[], str]:
 
 
 class PlainChat:
-    """The line-mode loop around one engine and its current session."""
+    """The line-mode loop around one engine and its current session.
 
-    def __init__(self, engine: Any, config: AppConfig, read: Callable[[], str], out: TextIO = sys.stdout):
+    Answers go to `out`; everything else (statistics, notes, errors) to `err` (default: `out`,
+    as on a terminal). With `strict` (scripts), `run` returns 1 if any turn or command failed.
+    With `autosave`, the conversation is recorded under `config.transcripts_dir`."""
+
+    def __init__(self, engine: Any, config: AppConfig, read: Callable[[], str], out: TextIO,
+                 err: TextIO | None = None, strict: bool = False, autosave: bool = True):
         self.engine, self.config, self.read, self.out = engine, config, read, out
+        self.err = err if err is not None else out
+        self.strict = strict
+        self.failed = False
         self.system = config.system or None
         self.session = engine.new_session(system=self.system)
+        self.autosave_on = autosave
+        self.saver = self._new_saver()
+
+    def _new_saver(self) -> Autosaver | None:
+        if not self.autosave_on:
+            return None
+        return Autosaver(self.config.transcripts_dir, self.system or "", on_error=self._autosave_failed)
+
+    def _autosave_failed(self, message: str) -> None:
+        self.autosave_on = False  # not again after /new: the data dir is still unwritable
+        self.say(f"! warning: {message}")
+
+    def _close_saver(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
 
     def say(self, text: str = "") -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
+        """A line for the user that is not an answer (stderr in scripts)."""
+        self.err.write(text + "\n")
+        self.err.flush()
+
+    def error(self, text: str) -> None:
+        """One error line; in scripts the exit status becomes 1."""
+        self.failed = True
+        self.say(f"! {text}")
 
     def params(self):
         from engine.sampling import SamplingParams
@@ -131,15 +206,19 @@ class PlainChat:
 
     def run(self) -> int:
         """Read and handle lines until /quit or end of input; returns the exit status."""
-        while True:
-            try:
-                if not self.handle(self.read()):
-                    return 0
-            except KeyboardInterrupt:  # at the prompt, or between prompts
-                self.say("^C (Ctrl-D or /quit to leave)")
-            except EOFError:
-                self.say()
-                return 0
+        try:
+            while True:
+                try:
+                    if not self.handle(self.read()):
+                        break
+                except KeyboardInterrupt:  # at the prompt, or between prompts
+                    self.say("^C (Ctrl-D or /quit to leave)")
+                except EOFError:
+                    self.say()
+                    break
+        finally:
+            self._close_saver()
+        return 1 if self.strict and self.failed else 0
 
     def handle(self, line: str) -> bool:
         """One input line: a message or a slash command. False means leave."""
@@ -147,16 +226,18 @@ class PlainChat:
             return True
         if not is_command(line):
             text = line[1:] if line.startswith("//") else line
-            self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel))
+            self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel),
+                        user=text)
             return True
         try:
             return self.command(parse(line))
         except Exception as err:  # a refused command is one line, never a traceback
-            self.say(f"! {err}")
+            self.error(str(err))
             return True
 
-    def answer(self, start: Callable[[threading.Event], Any]) -> None:
-        """Run one turn, streaming its text; Ctrl-C stops it."""
+    def answer(self, start: Callable[[threading.Event], Any], user: str | None = None) -> bool:
+        """Run one turn, streaming its text (answer to `out`, thinking to `err`); Ctrl-C stops it.
+        `user` is the new message (None: /regen). Returns whether the turn finished."""
         from engine.events import EngineFailure, TextDelta, TurnFinished
 
         cancel = threading.Event()
@@ -165,24 +246,38 @@ class PlainChat:
             try:
                 events = start(cancel)
             except ValueError as err:
-                self.say(f"! {err}")
-                return
+                self.error(str(err))
+                return False
+            if user is not None and self.saver is not None:
+                self.saver.user(user)
             for ev in events:
                 if isinstance(ev, TextDelta):
+                    stream = self.err if ev.channel == "thinking" else self.out
                     if ev.channel != channel:
                         if channel is not None:
-                            self.out.write("\n")
-                        self.out.write("(thinking) " if ev.channel == "thinking" else "")
+                            (self.err if channel == "thinking" else self.out).write("\n")
+                        stream.write("(thinking) " if ev.channel == "thinking" else "")
                         channel = ev.channel
-                    self.out.write(ev.text)
-                    self.out.flush()
+                    stream.write(ev.text)
+                    stream.flush()
                 elif isinstance(ev, TurnFinished):
-                    self.say()
+                    (self.err if channel == "thinking" else self.out).write("\n")
+                    self.out.flush()
                     if ev.stats.finish_reason == "cancelled":
                         self.say("(answer stopped)")
                     self.say(turn_line(ev.stats))
+                    if self.saver is not None:
+                        self.saver.assistant(ChatMessage("assistant", ev.content, ev.reasoning,
+                                                         ev.stats.finish_reason), replace=user is None)
+                    return True
                 elif isinstance(ev, EngineFailure):
-                    self.say(f"\n! {ev.message}")
+                    if channel == "answer":
+                        self.out.write("\n")
+                    self.error(ev.message)
+                    if user is not None and self.saver is not None:
+                        self.saver.undo()  # the engine left the session as it was before the turn
+                    return False
+        return False
 
     def command(self, cmd: Command) -> bool:
         """Execute a slash command; False means leave."""
@@ -193,16 +288,20 @@ class PlainChat:
             self.say("\n".join(line + ("  (TUI only)" if line.split()[0][1:] in TUI_ONLY else "")
                                for line in help_lines()))
         elif name in TUI_ONLY:
-            self.say(f"! /{name} is not available in --plain mode; use the TUI (dsv4-chat)")
+            self.error(f"/{name} is not available in --plain mode; use the TUI (dsv4-chat)")
         elif name == "new":
+            self._close_saver()
             self.session = eng.new_session(system=self.system)
+            self.saver = self._new_saver()
             self.say("new conversation")
         elif name == "system":
             if not args:
                 self.say(f"system prompt: {self.system or '(none)'}")
             else:
+                self._close_saver()
                 self.system = args
                 self.session = eng.new_session(system=self.system)
+                self.saver = self._new_saver()
                 self.say("system prompt set — new conversation")
         elif name == "set":
             self._set(args)
@@ -221,9 +320,12 @@ class PlainChat:
         elif name == "undo":
             try:
                 eng.undo(self.session)
-                self.say(f"dropped the last question and answer (position {self.session.position})")
             except ValueError as err:
-                self.say(f"! {err}")
+                self.error(str(err))
+                return True
+            if self.saver is not None:
+                self.saver.undo()
+            self.say(f"dropped the last question and answer (position {self.session.position})")
         return True
 
     def _set(self, args) -> None:
@@ -235,9 +337,20 @@ class PlainChat:
         try:
             self.config = with_gen(self.config, **{args.key: args.value})
         except SettingsError as err:
-            self.say(f"! {err}")
+            self.error(str(err))
             return
         self.say(f"{args.key} = {args.value}")
+
+
+def progress_line(p: Any) -> str:
+    """One log line for a converter ConvertProgress (building the demo) or an engine LoadProgress."""
+    from converter.convert import ConvertProgress
+
+    if isinstance(p, ConvertProgress):
+        share = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
+        return f"converting: {share:.0%} of {_gib(p.bytes_total)}" + (f" · {p.current}" if p.current else "")
+    line = p.phase + (f": {p.done}/{p.total} {p.unit}".rstrip() if p.total else "")
+    return line + (f" · {p.message}" if p.message else "")
 
 
 def load_engine(config: AppConfig, log: TextIO):
@@ -246,7 +359,7 @@ def load_engine(config: AppConfig, log: TextIO):
     from app.wizard import WizardError, find_model
 
     def progress(p) -> None:
-        log.write(f"{p.phase}: {getattr(p, 'done', '')}/{getattr(p, 'total', '')} {getattr(p, 'unit', '')}\n")
+        log.write(progress_line(p) + "\n")
         log.flush()
 
     if config.demo:
@@ -264,24 +377,59 @@ def load_engine(config: AppConfig, log: TextIO):
     return RealBackend().load_engine(model_dir, config, progress)
 
 
-def main(config: AppConfig, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    """Entry point of `dsv4-chat --plain` (called by app.__main__)."""
+def _open(config: AppConfig, log: TextIO):
+    """The loaded engine, or (None, status) after one line on `log`."""
     try:
-        engine = load_engine(config, sys.stderr)
+        return load_engine(config, log), 0
     except SystemExit as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        print(exc, file=log)
     except Exception as exc:  # a model that cannot be loaded: one line, no traceback
-        print(f"dsv4-chat: cannot load the model: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        print(f"dsv4-chat: cannot load the model: {exc}", file=log)
+    return None, 2
+
+
+def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+    """Entry point of `dsv4-chat --plain` (called by app.__main__); streams default to sys's."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    engine, status = _open(config, stderr)
+    if engine is None:
+        return status
     try:
-        if stdin.isatty() and stdout.isatty():
-            read = terminal_reader(config.data_dir / "plain_history")
-        else:
-            read = stream_reader(stdin, stdout)
+        terminal = stdin.isatty() and stdout.isatty()
+        info_out = stdout if terminal else stderr
+
+        def warn(text: str) -> None:
+            info_out.write(f"! warning: {text}\n")
+            info_out.flush()
+
+        read = (terminal_reader(config.data_dir / "plain_history", warn) if terminal
+                else stream_reader(stdin, stderr))
         info = engine.info
-        stdout.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · {info.get('numerics')}"
-                     " · /help for commands, Ctrl-D to leave\n")
-        return PlainChat(engine, config, read, stdout).run()
+        info_out.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · "
+                       f"{info.get('numerics')} · /help for commands, Ctrl-D to leave\n")
+        return PlainChat(engine, config, read, stdout, info_out, strict=not terminal).run()
+    finally:
+        engine.close()
+
+
+def run_once(config: AppConfig, prompt: str, stdin: TextIO | None = None, stdout: TextIO | None = None,
+             stderr: TextIO | None = None) -> int:
+    """`dsv4-chat run PROMPT`: the answer on stdout, statistics on stderr; 0, 1 if the turn
+    failed, 2 if there is no prompt or no model. An empty PROMPT reads it from stdin (not a
+    terminal). Nothing is autosaved: the answer is the output."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if not prompt.strip() and not stdin.isatty():
+        prompt = stdin.read()
+    if not prompt.strip():
+        print("dsv4-chat run: no prompt: give it as an argument or on stdin", file=stderr)
+        return 2
+    engine, status = _open(config, stderr)
+    if engine is None:
+        return status
+    try:
+        chat = PlainChat(engine, config, lambda: "", stdout, stderr, strict=True, autosave=False)
+        done = chat.answer(lambda cancel: engine.generate(chat.session, prompt.strip(), chat.params(), cancel))
+        return 0 if done and not chat.failed else 1
     finally:
         engine.close()

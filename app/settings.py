@@ -22,11 +22,16 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     system = ""
 
 Every key may also come from the environment as `DSV4_<KEY>` (upper case, e.g.
-`DSV4_CACHE_GB=20`, `DSV4_TEMPERATURE=0.2`); `DSV4_CONFIG` names the settings file.
+`DSV4_CACHE_GB=20`, `DSV4_TEMPERATURE=0.2`); `DSV4_CONFIG` names the settings file (which must
+exist, like `--config`). Every value is type-checked (TOML and flag values by their type,
+environment text by parsing); a bad one is one `SettingsError` line naming the source, the
+setting, the value and the expected type. Budgets and sizes must be finite and > 0. A `DSV4_*`
+variable that is no setting is ignored with a warning (`AppConfig.warnings`).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -75,6 +80,7 @@ class AppConfig:
     max_seq_len: int = 4096
     system: str = ""
     gen: GenParams = field(default_factory=GenParams)
+    warnings: tuple[str, ...] = ()  # one line each, for stderr (e.g. an unknown DSV4_* variable)
 
     @property
     def models_dir(self) -> Path:
@@ -89,59 +95,101 @@ class AppConfig:
         return self.data_dir / "saved"
 
 
-def _to_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true/false, got {text!r}")
+class _Key:
+    """How one setting is read: its type (checked on TOML and flag values, parsed from environment
+    text) and an optional range/choice check on the typed value."""
 
+    def __init__(self, kind: str, check: Callable[[Any], str | None] | None = None) -> None:
+        self.kind = kind  # "bool", "int", "number", "text" or "path"
+        self.check = check
 
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def check(text: str) -> str:
-        if text not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
-        return text
+    @property
+    def expected(self) -> str:
+        return {"bool": "true or false", "int": "an integer", "number": "a number",
+                "text": "a string", "path": "a path (string)"}[self.kind]
 
-    return check
+    def from_text(self, text: str) -> Any:
+        """The value of an environment variable's text (ValueError names the expected type)."""
+        try:
+            if self.kind == "bool":
+                low = text.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            if self.kind == "int":
+                return int(text)
+            if self.kind == "number":
+                return float(text)
+        except ValueError:
+            expected = "true/false" if self.kind == "bool" else self.expected
+            raise ValueError(f"expected {expected}, got {text!r}") from None
+        return Path(text).expanduser() if self.kind == "path" else text
 
+    def from_value(self, value: Any) -> Any:
+        """A TOML or flag value as this setting's type (ValueError names value and type)."""
+        kind = self.kind
+        ok = {"bool": isinstance(value, bool),
+              "int": isinstance(value, int) and not isinstance(value, bool),
+              "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "text": isinstance(value, str),
+              "path": isinstance(value, (str, Path))}[kind]
+        if not ok:
+            raise ValueError(f"expected {self.expected}, got {value!r} ({_type_name(value)})")
+        if kind == "number":
+            return float(value)
+        return Path(value).expanduser() if kind == "path" else value
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def check(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise ValueError(f"must be > 0, got {text}")
+    def validate(self, value: Any) -> Any:
+        problem = self.check(value) if self.check is not None else None
+        if problem:
+            raise ValueError(problem)
         return value
 
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            dict: "a table", list: "an array", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _choice(*allowed: str) -> Callable[[Any], str | None]:
+    def check(value: str) -> str | None:
+        return None if value in allowed else f"expected one of {', '.join(allowed)}, got {value!r}"
+
     return check
 
 
-def _path(text: str) -> Path:
-    return Path(text).expanduser()
+def _positive(value: float) -> str | None:
+    """Budgets and sizes: finite and > 0 (NaN and inf refused)."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"must be a finite number > 0, got {value}"
+    return None if value > 0 else f"must be > 0, got {value}"
 
 
-# Settable keys: name -> converter from text (environment) or TOML value (via str()).
-_KEYS: dict[str, Callable[[str], Any]] = {
-    "model": _path,
-    "data_dir": _path,
-    "demo": _to_bool,
-    "cache_gb": _positive(float),
-    "numerics": _choice("native", "exact"),
-    "device": _choice("cpu", "cuda"),
-    "backend": _choice("torch", "tilelang"),
-    "cuda_graphs": _to_bool,
-    "cache_policy": str,
-    "io_threads": _positive(int),
-    "max_seq_len": _positive(int),
-    "system": str,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "max_tokens": _positive(int),
-    "think": _to_bool,
+# Settable keys: name -> how it is read and checked.
+_KEYS: dict[str, _Key] = {
+    "model": _Key("path"),
+    "data_dir": _Key("path"),
+    "demo": _Key("bool"),
+    "cache_gb": _Key("number", _positive),
+    "numerics": _Key("text", _choice("native", "exact")),
+    "device": _Key("text", _choice("cpu", "cuda")),
+    "backend": _Key("text", _choice("torch", "tilelang")),
+    "cuda_graphs": _Key("bool"),
+    "cache_policy": _Key("text"),
+    "io_threads": _Key("int", _positive),
+    "max_seq_len": _Key("int", _positive),
+    "system": _Key("text"),
+    "temperature": _Key("number"),
+    "top_p": _Key("number"),
+    "top_k": _Key("int"),
+    "max_tokens": _Key("int", _positive),
+    "think": _Key("bool"),
 }
 _GEN_KEYS = {f.name for f in fields(GenParams)}
+# DSV4_* variables that are not settings but are read by dsv4-chat.
+_ENV_NOT_SETTINGS = ("DSV4_CONFIG",)
 
 
 def default_config_file() -> Path:
@@ -153,12 +201,14 @@ def default_data_dir() -> Path:
 
 
 def _convert(key: str, raw: Any, source: str) -> Any:
+    """`raw` (environment text when `source` is one, else a TOML/flag value) as setting `key`."""
     if key not in _KEYS:
         known = ", ".join(sorted(_KEYS))
         raise SettingsError(f"{source}: unknown setting {key!r} (known: {known})")
-    text = str(raw).lower() if isinstance(raw, bool) else str(raw)
+    spec = _KEYS[key]
     try:
-        return _KEYS[key](text)
+        value = spec.from_text(raw) if source.startswith("environment ") else spec.from_value(raw)
+        return spec.validate(value)
     except ValueError as err:
         raise SettingsError(f"{source}: bad value for {key!r}: {err}") from None
 
@@ -172,6 +222,8 @@ def read_file_settings(path: Path) -> dict[str, Any]:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as err:
         raise SettingsError(f"{path}: not valid TOML ({err}); fix or delete the file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SettingsError(f"{path}: cannot read the settings file ({err})") from None
     flat = dict(data)
     gen = flat.pop("generation", {})
     if not isinstance(gen, dict):
@@ -180,14 +232,21 @@ def read_file_settings(path: Path) -> dict[str, Any]:
     return {key: _convert(key, value, str(path)) for key, value in flat.items()}
 
 
-def read_env_settings(env: Mapping[str, str]) -> dict[str, Any]:
-    """Settings from `DSV4_<KEY>` environment variables (DSV4_CONFIG is not a setting)."""
-    out = {}
-    for name, value in env.items():
-        if name.startswith("DSV4_") and name != "DSV4_CONFIG":
-            key = name[len("DSV4_") :].lower()
-            out[key] = _convert(key, value, f"environment {name}")
-    return out
+def read_env_settings(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Settings from `DSV4_<KEY>` environment variables, and one warning per `DSV4_*` variable
+    that is no setting (ignored: another tool may own it). DSV4_CONFIG names the file."""
+    out, warnings = {}, []
+    for name, value in sorted(env.items()):
+        if not name.startswith("DSV4_") or name in _ENV_NOT_SETTINGS:
+            continue
+        key = name[len("DSV4_"):].lower()
+        if key not in _KEYS:
+            near = difflib.get_close_matches(key, list(_KEYS), n=1)
+            hint = f"; did you mean DSV4_{near[0].upper()}?" if near else ""
+            warnings.append(f"warning: environment {name} is not a dsv4-chat setting (ignored{hint})")
+            continue
+        out[key] = _convert(key, value, f"environment {name}")
+    return out, warnings
 
 
 def build_config(
@@ -196,10 +255,16 @@ def build_config(
     """Merge the sources: flags (None = not given) > env > file > defaults; validate."""
     if config_file is None:
         env_file = env.get("DSV4_CONFIG")
-        config_file = _path(env_file) if env_file else default_config_file()
+        if env_file:
+            config_file = Path(env_file).expanduser()
+            if not config_file.is_file():
+                raise SettingsError(f"DSV4_CONFIG {config_file}: no such file")
+        else:
+            config_file = default_config_file()
     merged: dict[str, Any] = {"data_dir": default_data_dir()}
     merged.update(read_file_settings(config_file))
-    merged.update(read_env_settings(env))
+    env_settings, warnings = read_env_settings(env)
+    merged.update(env_settings)
     merged.update({k: _convert(k, v, f"--{k.replace('_', '-')}")
                    for k, v in flags.items() if v is not None and k != "plain"})
     gen = GenParams(**{k: merged.pop(k) for k in list(merged) if k in _GEN_KEYS})
@@ -207,7 +272,8 @@ def build_config(
     if problem:
         raise SettingsError(f"generation settings: {problem}")
     return AppConfig(
-        config_file=config_file, plain=bool(flags.get("plain")), gen=gen, **merged
+        config_file=config_file, plain=bool(flags.get("plain")), gen=gen,
+        warnings=tuple(warnings), **merged
     )
 
 

@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
 
 def env_for(tmp_path: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env.update(DSV4_CONFIG=str(tmp_path / "none.toml"), DSV4_DATA_DIR=str(tmp_path / "data"),
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), DSV4_DATA_DIR=str(tmp_path / "data"),
                DSV4_TEMPERATURE="0", DSV4_MAX_TOKENS="4", TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1",
                PYTHONPATH=str(ROOT), **extra)
     return env
@@ -186,3 +186,21 @@ def test_engine_generate_cli(ckpt, tmp_path):
                           "--prompt", "x"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env=env_for(tmp_path))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_unwritable_history_file_on_a_terminal(ckpt, tmp_path):
+    """One warning, then the chat works with an in-memory history: no traceback per line."""
+    (tmp_path / "data" / "plain_history").mkdir(parents=True)  # the history file cannot be opened
+    term = Terminal(["-m", "app", "--plain", "--model", str(ckpt), "--numerics", "exact"], env_for(tmp_path))
+    try:
+        term.expect(r"! warning: input history is kept in memory only: cannot use \S+plain_history")
+        term.expect(r"/help for commands")
+        term.enter("Hello there", TURN.pattern)
+        term.expect(r">>>")
+        term.send("\x1b[A")  # Up: the in-memory history holds the last line
+        term.expect(r"Hello there")
+        term.send("\x15/quit\r")  # Ctrl-U clears the line
+        assert term.proc.wait(30) == 0
+        assert "Traceback" not in term.text and term.text.count("input history is kept in memory") == 1
+    finally:
+        term.close()

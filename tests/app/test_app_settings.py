@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,6 @@ def test_argv_missing_config_file(tmp_path):
     ({"DSV4_CACHE_GB": "-1"}, "must be > 0"),
     ({"DSV4_NUMERICS": "fast"}, "expected one of native, exact"),
     ({"DSV4_THINK": "perhaps"}, "expected true/false"),
-    ({"DSV4_COLOUR": "red"}, "unknown setting 'colour'"),
     ({"DSV4_TOP_P": "1.5"}, "top_p must be in (0, 1]"),
 ])
 def test_bad_environment_values(tmp_path, env, fragment):
@@ -153,3 +153,115 @@ def test_main_reports_bad_settings_in_one_line(capsys, tmp_path, toml_file):
     assert main(["--cache-gb", "-1", "--config", str(toml_file)]) == 2
     assert capsys.readouterr().err == (
         "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got -1.0\n")
+
+
+def test_unknown_dsv4_variables_are_warned_about_not_fatal(tmp_path):
+    cfg = build_config({}, {"DSV4_COLOUR": "red", "DSV4_DEBUG": "1", "DSV4_CACHEGB": "3",
+                            "DSV4_TEMPERATURE": "0.1"}, tmp_path / "absent.toml")
+    assert cfg.gen.temperature == 0.1
+    assert cfg.warnings == (
+        "warning: environment DSV4_CACHEGB is not a dsv4-chat setting (ignored; did you mean DSV4_CACHE_GB?)",
+        "warning: environment DSV4_COLOUR is not a dsv4-chat setting (ignored)",
+        "warning: environment DSV4_DEBUG is not a dsv4-chat setting (ignored)")
+
+
+def test_dsv4_debug_does_not_stop_startup(monkeypatch, capsys, tmp_path):
+    """main goes on past the warning (here to `run`'s own check of its prompt)."""
+    monkeypatch.setenv("DSV4_DEBUG", "1")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["run"]) == 2
+    assert capsys.readouterr().err == (
+        "dsv4-chat: warning: environment DSV4_DEBUG is not a dsv4-chat setting (ignored)\n"
+        "dsv4-chat run: no prompt: give it as an argument or on stdin\n")
+
+
+def test_missing_config_file_is_named_from_every_source(capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(SettingsError) as info:
+        build_config({}, {"DSV4_CONFIG": str(missing)})
+    assert str(info.value) == f"DSV4_CONFIG {missing}: no such file"
+    monkeypatch.setenv("DSV4_CONFIG", str(missing))
+    assert main([]) == 2
+    assert capsys.readouterr().err == f"dsv4-chat: DSV4_CONFIG {missing}: no such file\n"
+    monkeypatch.delenv("DSV4_CONFIG")
+    assert main(["--config", str(missing)]) == 2
+    assert capsys.readouterr().err == f"dsv4-chat: --config {missing}: no such file\n"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('cache_gb = "10"', "bad value for 'cache_gb': expected a number, got '10' (a string)"),
+    ("cache_gb = nan", "bad value for 'cache_gb': must be a finite number > 0, got nan"),
+    ("cache_gb = inf", "bad value for 'cache_gb': must be a finite number > 0, got inf"),
+    ("cache_gb = 0", "bad value for 'cache_gb': must be > 0, got 0.0"),
+    ("cache_gb = true", "bad value for 'cache_gb': expected a number, got True (a boolean)"),
+    ("io_threads = 2.5", "bad value for 'io_threads': expected an integer, got 2.5 (a number)"),
+    ("max_seq_len = -4", "bad value for 'max_seq_len': must be > 0, got -4"),
+    ("numerics = 1", "bad value for 'numerics': expected a string, got 1 (an integer)"),
+    ("cuda_graphs = 1", "bad value for 'cuda_graphs': expected true or false, got 1 (an integer)"),
+    ("model = [1]", "bad value for 'model': expected a path (string), got [1] (an array)"),
+    ('[generation]\ntemperature = "hot"', "bad value for 'temperature': expected a number, got 'hot' (a string)"),
+    ("[generation]\nmax_tokens = 10.0", "bad value for 'max_tokens': expected an integer, got 10.0 (a number)"),
+    ('[generation]\nthink = "yes"', "bad value for 'think': expected true or false, got 'yes' (a string)"),
+    ("[generation]\nsystem = {a = 1}", "bad value for 'system': expected a string, got {'a': 1} (a table)"),
+])
+def test_file_values_are_type_checked(tmp_path, line, message):
+    path = tmp_path / "config.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(SettingsError) as info:
+        build_config({}, {}, path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DSV4_CACHE_GB": "nan"}, "must be a finite number > 0, got nan"),
+    ({"DSV4_CACHE_GB": "inf"}, "must be a finite number > 0, got inf"),
+    ({"DSV4_CACHE_GB": "0"}, "must be > 0, got 0.0"),
+    ({"DSV4_IO_THREADS": "2.5"}, "expected an integer, got '2.5'"),
+    ({"DSV4_MAX_TOKENS": "many"}, "expected an integer, got 'many'"),
+    ({"DSV4_TEMPERATURE": "hot"}, "expected a number, got 'hot'"),
+])
+def test_environment_values_are_type_checked(tmp_path, env, message):
+    (name, value), = env.items()
+    key = name[5:].lower()
+    with pytest.raises(SettingsError) as info:
+        build_config({}, env, tmp_path / "absent.toml")
+    assert str(info.value) == f"environment {name}: bad value for {key!r}: {message}"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--cache-gb", "nan"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be a finite number > 0, got nan"),
+    (["--cache-gb", "inf"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be a finite number > 0, got inf"),
+    (["--cache-gb", "0"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got 0.0"),
+    (["--cache-gb", "-1"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got -1.0"),
+    (["--max-tokens", "0"], "dsv4-chat: --max-tokens: bad value for 'max_tokens': must be > 0, got 0"),
+    (["--temperature", "nan"], "dsv4-chat: generation settings: temperature must be in [0, 2], got nan"),
+    (["run", "--cache-gb", "inf", "hi"],
+     "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be a finite number > 0, got inf"),
+])
+def test_bad_flags_refused_at_parse_time_in_one_line(capsys, tmp_path, monkeypatch, argv, line):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--cache-gb", "lots"], "dsv4-chat: error: argument --cache-gb: invalid float value: 'lots' (see dsv4-chat --help)"),
+    (["--max-tokens", "1.5"], "dsv4-chat: error: argument --max-tokens: invalid int value: '1.5' (see dsv4-chat --help)"),
+])
+def test_flag_type_errors_are_one_line(capsys, argv, line):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_run_subcommand_and_generation_flags(toml_file):
+    cfg = config_from_args(["--config", str(toml_file), "--max-tokens", "7", "--temperature", "0",
+                            "--system", "be kind"], {})
+    assert (cfg.gen.max_tokens, cfg.gen.temperature, cfg.system) == (7, 0.0, "be kind")
+    assert cfg.gen.think and not cfg.plain  # the rest still from the file
+    # options before and after `run` both count; `run` is line mode
+    cfg = config_from_args(["--demo", "--max-tokens", "3", "run", "--temperature", "0.5",
+                            "--config", str(toml_file), "hello", "world"], {})
+    assert cfg.demo and cfg.plain and (cfg.gen.max_tokens, cfg.gen.temperature) == (3, 0.5)
