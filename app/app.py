@@ -18,7 +18,7 @@ from textual.timer import Timer
 from app import autosave, command_handlers
 from app.autosave import Autosaver
 from app.backend import Backend, RealBackend
-from app.commands import CommandError, is_command, parse
+from app.commands import Command, CommandError, is_command, parse
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
 from app.heap import HeapFreeze
@@ -31,7 +31,10 @@ from app.messages import (
     TokensReady,
     TurnDone,
 )
+from app.history import Past
+from app.palette import ChatCommands
 from app.screens.chat import ChatScreen
+from app.screens.load_failed import LoadFailedScreen
 from app.screens.progress import ProgressScreen
 from app.screens.resume import ResumeScreen
 from app.screens.stats import StatsScreen
@@ -40,7 +43,7 @@ from app.service import EngineService
 from app.settings import AppConfig
 from app.widgets.message import AssistantMessage, turn_footer
 from app.widgets.prompt import PromptInput
-from app.wizard import demo_dir, find_model
+from app.wizard import converted_models, demo_dir, find_model, forget_model, remember_model
 
 
 STATS_HZ = 5  # the panes redraw at most this often however fast steps come
@@ -52,6 +55,7 @@ class ChatApp(App):
 
     CSS_PATH = "chat.tcss"
     TITLE = "dsv4-chat"
+    COMMANDS = App.COMMANDS | {ChatCommands}
     BINDINGS = [
         Binding("escape", "cancel", "Stop", show=False),
         Binding("f2", "stats", "Stats", show=False),
@@ -82,12 +86,16 @@ class ChatApp(App):
 
     async def on_mount(self) -> None:
         await self.push_screen(self.chat)
-        if self.config.demo:
-            self.build_demo()
-        elif (model := find_model(self.config)) is not None:
+        model = None if self.config.demo else find_model(self.config)
+        if self.config.demo or (model is not None and self.is_demo(model)):
+            self.build_demo()  # (re)built if missing or from an older build; else returned at once
+        elif model is not None:
             self.load_model(model)
         else:
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
+
+    def is_demo(self, model_dir: Path) -> bool:
+        return model_dir.resolve() == demo_dir(self.config).resolve()
 
     def _wizard_choice(self, choice: str | None) -> None:
         if choice == "convert":
@@ -118,9 +126,21 @@ class ChatApp(App):
             self.load_model(path)
 
     def load_model(self, model_dir: Path) -> None:
+        """Load `model_dir` (closing the current engine first, for a switch); once ready, the
+        current conversation continues on it."""
         self.model_dir = model_dir
         self.chat.phase.show_phase("loading", str(model_dir))
         self.service.load(model_dir)
+
+    def _load_failed_choice(self, choice: str | None) -> None:
+        if choice == "wizard":
+            self.push_screen(WizardScreen(self.config), self._wizard_choice)
+        elif choice == "demo":
+            self.build_demo()
+        elif choice and choice != "quit":
+            self.load_model(Path(choice))
+        else:
+            self.exit()
 
     @property
     def ui_alive(self) -> bool:
@@ -138,7 +158,9 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         info = event.info
-        demo = bool(info.get("demo")) or self.model_dir == demo_dir(self.config)
+        if self.model_dir is not None:
+            remember_model(self.config, self.model_dir)  # the next start opens it again
+        demo = bool(info.get("demo")) or (self.model_dir is not None and self.is_demo(self.model_dir))
         graphs = "CUDA graphs" if info.get("decode") == "CUDA graphs" else None
         self.sub_title = " · ".join(
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
@@ -152,8 +174,9 @@ class ChatApp(App):
             await self.note(DEMO_NOTICE)
         self._after_session.append("ready — type a message; /help lists the commands")
         found = autosave.find_unfinished(self.config.transcripts_dir) if self._offer_resume else None
-        if found is None:
-            self.service.start_session(self.conversation.system)
+        self._offer_resume = False  # only at start-up, not after a model switch
+        if found is None:  # a switched model continues the conversation shown
+            self.service.start_session(self.conversation.system, self.conversation.messages)
         else:
             self.push_screen(ResumeScreen(found), lambda yes: self._resume(found, bool(yes)))
 
@@ -170,6 +193,24 @@ class ChatApp(App):
         conv = found.conversation.settled()
         self.run_worker(self.show_conversation(conv, f"resumed ({conv.turns} turn(s))"),
                         name="show-resumed")
+
+    async def switch_model(self, name: str) -> None:
+        """`/model NAME` (also from the command palette)."""
+        await command_handlers.run(self, Command("model", name))
+
+    async def reopen(self, past: Past) -> None:
+        """Continue a past (autosaved) conversation in its own transcript file."""
+        if self.autosave.path is not None and past.path.resolve() == self.autosave.path.resolve():
+            await self.note("that conversation is the one open now")
+            return
+        if not await self.require_idle():
+            return
+        self.autosave.close()  # the current one stays in the history
+        conv = past.conversation.settled()
+        self.autosave = Autosaver(past.path.parent, conv.system, path=past.path)
+        if past.conversation.pending_prompt():
+            self.autosave.undo()  # the file then holds what is shown
+        await self.show_conversation(conv, f"reopened “{past.title()}” ({conv.turns} turn(s))")
 
     async def show_conversation(self, conv: Conversation, note: str) -> None:
         """Display `conv` and start an engine session that continues it; `note` once ready."""
@@ -285,8 +326,14 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         if event.job == "load":
-            self.chat.phase.show_phase("failed")
+            self.chat.phase.show_phase("failed", "/model NAME, or restart with --demo")
             await self.note(f"could not load the model from {self.model_dir}: {event.message}", True)
+            if self.model_dir is not None:
+                forget_model(self.config, self.model_dir)  # the next start does not pick it again
+            others = [p for p in converted_models(self.config)
+                      if p != self.model_dir and not self.is_demo(p)]
+            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others),
+                             self._load_failed_choice)
             return
         await self._flush_text()
         self._show_latest_stats()

@@ -38,6 +38,13 @@ from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.stats import StepStats
 
 
+def user_message(err: BaseException) -> str:
+    """An exception as one line for the user: its message, without the class name (the class
+    only when the message is empty); the lines of a multi-line message are joined."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text or type(err).__name__
+
+
 class ServiceBusy(RuntimeError):
     """An engine job is running; the message says which."""
 
@@ -89,7 +96,7 @@ class EngineService:
             try:
                 work()
             except Exception as err:  # shown to the user as one line, never a traceback
-                self._post(EngineError(label, f"{type(err).__name__}: {err}"))
+                self._post(EngineError(label, user_message(err)))
             finally:
                 done.set()
 
@@ -127,7 +134,13 @@ class EngineService:
     # ---- loading and sessions -------------------------------------------------------------
 
     def load(self, model_dir: Path) -> None:
+        """Load `model_dir`; a loaded engine is closed first (a model switch)."""
+
         def work() -> None:
+            with self._handoff:
+                old, self.engine, self.session = self.engine, None, None
+            if old is not None:
+                old.close()
             engine = self._backend.load_engine(
                 model_dir, self._config, lambda p: self._post(LoadProgressed(p))
             )

@@ -263,15 +263,18 @@ class FakeBackend(RealBackend):
     sampling params and messages are the real ones)."""
 
     def __init__(self, engine: FakeEngine | None = None, problems: dict[str, list[str]] | None = None,
-                 convert_delay: float = 0.0) -> None:
+                 convert_delay: float = 0.0, fail_load: dict[str, str] | None = None) -> None:
         self.engine = engine or FakeEngine()
         self.loaded: list[Path] = []
+        self.fail_load = fail_load or {}  # model dir (str) -> the load error's message
         self.problems = problems or {}
         self.convert_delay = convert_delay
 
     def load_engine(self, model_dir: Path, config, progress) -> FakeEngine:
         for i in range(3):
             progress(LoadProgress("loading", i + 1, 3, "layers"))
+        if str(model_dir) in self.fail_load:
+            raise RuntimeError(self.fail_load[str(model_dir)])
         self.loaded.append(model_dir)
         return self.engine
 
