@@ -44,6 +44,10 @@ class Autosaver:
             self.directory.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.path = self.directory / f"{stamp}-{os.getpid()}.jsonl"
+            n = 1
+            while self.path.exists():  # a second conversation begun within the same second
+                self.path = self.directory / f"{stamp}-{os.getpid()}-{n}.jsonl"
+                n += 1
             self._write({"type": "start", "version": TRANSCRIPT_VERSION,
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "system": self.system})
         self._write(record)
