@@ -14,6 +14,7 @@ from pathlib import Path
 from textual.app import App
 from textual.binding import Binding
 from textual.timer import Timer
+from textual.widgets import TextArea
 
 from app import autosave, command_handlers
 from app.autosave import Autosaver
@@ -46,6 +47,7 @@ from app.widgets.prompt import PromptInput
 from app.wizard import converted_models, demo_dir, find_model, forget_model, remember_model
 
 
+QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this many seconds quits
 STATS_HZ = 5  # the panes redraw at most this often however fast steps come
 TEXT_HZ = 10  # streamed text is appended to the transcript at most this often
 
@@ -59,6 +61,7 @@ class ChatApp(App):
     BINDINGS = [
         Binding("escape", "cancel", "Stop", show=False),
         Binding("f2", "stats", "Stats", show=False),
+        Binding("ctrl+c", "interrupt", "Stop/Quit", show=False, priority=True),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -81,6 +84,7 @@ class ChatApp(App):
         self._text_shown = 0.0
         self._stats_shown = 0.0  # time.monotonic() of the last stats render
         self.heap = HeapFreeze()
+        self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -364,6 +368,23 @@ class ChatApp(App):
     def action_cancel(self) -> None:
         if self.service.cancel():
             self.notify("stopping…", timeout=2)
+
+    def action_interrupt(self) -> None:
+        """Ctrl+C: copy a selection in the prompt; else stop the answer being written; else
+        (or pressed again within QUIT_WINDOW_S) quit — as in llama-cli and ollama."""
+        focused = self.focused
+        if isinstance(focused, TextArea) and focused.selected_text:
+            focused.action_copy()
+            return
+        now = time.monotonic()
+        again = now - self._interrupted_at < QUIT_WINDOW_S
+        self._interrupted_at = now
+        if self.service.cancel():
+            self.notify("stopping the answer — Ctrl+C again quits", timeout=QUIT_WINDOW_S)
+        elif again:
+            self.exit()
+        else:
+            self.notify("press Ctrl+C again (or Ctrl+Q) to quit", timeout=QUIT_WINDOW_S)
 
     async def action_stats(self) -> None:
         await command_handlers.run(self, parse("/stats"))
