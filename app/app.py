@@ -42,7 +42,7 @@ from app.screens.stats import StatsScreen
 from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
 from app.service import EngineService
 from app.settings import AppConfig
-from app.widgets.message import AssistantMessage, turn_footer
+from app.widgets.message import AssistantMessage, empty_answer_notice, turn_footer
 from app.widgets.prompt import PromptInput
 from app.wizard import converted_models, demo_dir, find_model, forget_model, remember_model
 
@@ -85,6 +85,7 @@ class ChatApp(App):
         self._stats_shown = 0.0  # time.monotonic() of the last stats render
         self.heap = HeapFreeze()
         self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
+        self.decode_mode = "eager"  # "graphs" when the engine replays CUDA graphs (Engine.info)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -169,7 +170,8 @@ class ChatApp(App):
         self.sub_title = " · ".join(
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
                              info.get("numerics"), graphs) if x)
-        self.chat.phase.show_phase("ready")
+        self.decode_mode = "graphs" if info.get("decode") == "CUDA graphs" else "eager"
+        self.chat.phase.show_phase("ready", self.decode_mode)
         self.heap.freeze()  # the engine and UI are built: keep full GC passes short (app/heap.py)
         self._show_latest_stats()
         if info.get("decode_note"):
@@ -244,6 +246,7 @@ class ChatApp(App):
             return
         await self.chat.transcript.add_user(text)
         self._answer = await self.chat.transcript.add_assistant()
+        self._answer.start_waiting()
         self.conversation.messages.append(ChatMessage("user", text))
         self.autosave.user(text)
         self.service.send(text, self.gen)
@@ -301,7 +304,10 @@ class ChatApp(App):
         stats, recent = self.service.take_stats()
         if stats is None or not self.ui_alive:
             return
-        self.chat.show_stats(stats, recent)
+        idle = None  # mid-turn (or loading): the steps' own phase and position
+        if self.service.busy not in ("turn", "regen") and self.service.ready:
+            idle = (self.decode_mode, self.service.session.position)
+        self.chat.show_stats(stats, recent, idle)
         if isinstance(self.screen, StatsScreen):
             self.screen.update_stats(stats)
 
@@ -319,7 +325,9 @@ class ChatApp(App):
         await self._flush_text()
         self._show_latest_stats()
         if self._answer is not None and self.ui_alive:
-            await self._answer.finish(turn_footer(event.stats), event.content)
+            notice = empty_answer_notice(event.content, event.reasoning, event.stats.finish_reason,
+                                         self.gen.max_tokens)
+            await self._answer.finish(turn_footer(event.stats), event.content, notice)
             self._answer = None
 
     async def on_engine_error(self, event: EngineError) -> None:
@@ -398,6 +406,7 @@ class ChatApp(App):
         if last is not None:
             await last.remove()
         self._answer = await self.chat.transcript.add_assistant()
+        self._answer.start_waiting()
 
     def exit(self, *args, **kwargs) -> None:
         """Stop a running answer first, so its end is recorded before the app closes."""

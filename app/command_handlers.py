@@ -285,4 +285,5 @@ async def done(app: ChatApp, label: str, result: Any) -> None:
         await app.note("removed the last question and answer")
     elif label == "stats":
         stats, contents = result
-        await app.push_screen(StatsScreen(stats, contents, app.service.info))
+        await app.push_screen(StatsScreen(app.service.with_turn_rate(stats), contents,
+                                          app.service.info))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -68,6 +69,7 @@ class EngineService:
         self._latest: StepStats | None = None
         self._recent: deque[StepStats] = deque(maxlen=history)
         self._stats_pending = False
+        self._turn_rate: float | None = None  # the last turn's tok/s (TurnStats), see with_turn_rate
         self._text: list[tuple[str, str]] = []  # (channel, text), consecutive channels merged
         self._text_pending = False
         self._closing = False
@@ -190,6 +192,9 @@ class EngineService:
             elif isinstance(ev, StepUpdate):
                 self._publish(ev.stats, step=True)
             elif isinstance(ev, TurnFinished):
+                self._turn_rate = ev.stats.tok_per_s
+                if self.latest_stats is not None:
+                    self._publish(self.latest_stats)  # (now with the turn's rate)
                 self.unhandled_turn = TurnDone(ev.stats, ev.reasoning, ev.content, regenerated)
                 self._post(self.unhandled_turn)
                 return
@@ -231,8 +236,18 @@ class EngineService:
             self._text_pending = False
             return out
 
+    def with_turn_rate(self, stats: StepStats) -> StepStats:
+        """`stats` with the last turn's tok/s in place of the engine's recent-window rate, so that
+        between turns every readout (the turn footer, the Throughput pane, /stats) shows one
+        figure: decode steps / decode time of the last turn. Unchanged before the first turn."""
+        rate = self._turn_rate
+        return stats if rate is None else replace(stats, tok_per_s=rate)
+
     def _publish(self, stats: StepStats, step: bool = False) -> None:
-        """Make `stats` the newest snapshot; `step` snapshots also join the recent history."""
+        """Make `stats` the newest snapshot; `step` snapshots (live, mid-turn) also join the
+        recent history; the others carry the last turn's rate (`with_turn_rate`)."""
+        if not step:
+            stats = self.with_turn_rate(stats)
         with self._lock:
             self._latest = stats
             if step:

@@ -7,7 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Header, Static
 
-from app.widgets.panes import CachePane, HitRatePane, MemoryPane, Pane, PhaseLabel, ThroughputPane
+from app.widgets.panes import STEP_PHASES, CachePane, HitRatePane, MemoryPane, Pane, PhaseLabel, ThroughputPane
 from app.widgets.prompt import HINT, PromptInput
 from app.widgets.transcript import Transcript
 from engine.stats import StepStats
@@ -50,8 +50,14 @@ class ChatScreen(Screen):
     def phase(self) -> PhaseLabel:
         return self.query_one(PhaseLabel)
 
-    def show_stats(self, stats: StepStats, recent: list[StepStats]) -> None:
-        self.phase.show(stats, recent)
+    def show_stats(self, stats: StepStats, recent: list[StepStats],
+                   idle: tuple[str, int] | None = None) -> None:
+        """Fill the panes and the status label: the step's phase ("graph replay" reads
+        "graphs") and position, or between turns `idle` = (decode mode, session position)."""
+        if idle is None:
+            self.phase.show_phase(STEP_PHASES.get(stats.phase, stats.phase), f"pos {stats.position}")
+        else:
+            self.phase.show_phase(f"ready · {idle[0]}", f"pos {idle[1]}")
         for pane in self.query(Pane):
             pane.show(stats, recent)
 
