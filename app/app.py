@@ -61,6 +61,7 @@ class ChatApp(App):
     BINDINGS = [
         Binding("escape", "cancel", "Stop", show=False),
         Binding("f2", "stats", "Stats", show=False),
+        Binding("f3", "toggle_panes", "Panes", show=False),
         Binding("ctrl+c", "interrupt", "Stop/Quit", show=False, priority=True),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -134,7 +135,7 @@ class ChatApp(App):
         """Load `model_dir` (closing the current engine first, for a switch); once ready, the
         current conversation continues on it."""
         self.model_dir = model_dir
-        self.chat.phase.show_phase("loading", str(model_dir))
+        self.chat.show_phase("loading", str(model_dir))
         self.service.load(model_dir)
 
     def _load_failed_choice(self, choice: str | None) -> None:
@@ -156,7 +157,7 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         p = event.progress
-        self.chat.phase.show_phase(p.phase, f"{p.done}/{p.total} {p.unit}".strip())
+        self.chat.show_phase(p.phase, f"{p.done}/{p.total} {p.unit}".strip())
 
     async def on_engine_ready(self, event: EngineReady) -> None:
         self.service.finished()
@@ -171,7 +172,7 @@ class ChatApp(App):
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
                              info.get("numerics"), graphs) if x)
         self.decode_mode = "graphs" if info.get("decode") == "CUDA graphs" else "eager"
-        self.chat.phase.show_phase("ready", self.decode_mode)
+        self.chat.show_phase("ready", self.decode_mode)
         self.heap.freeze()  # the engine and UI are built: keep full GC passes short (app/heap.py)
         self._show_latest_stats()
         if info.get("decode_note"):
@@ -338,7 +339,7 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         if event.job == "load":
-            self.chat.phase.show_phase("failed", "/model NAME, or restart with --demo")
+            self.chat.show_phase("failed", "/model NAME, or restart with --demo")
             await self.note(f"could not load the model from {self.model_dir}: {event.message}", True)
             if self.model_dir is not None:
                 forget_model(self.config, self.model_dir)  # the next start does not pick it again
@@ -393,6 +394,10 @@ class ChatApp(App):
             self.exit()
         else:
             self.notify("press Ctrl+C again (or Ctrl+Q) to quit", timeout=QUIT_WINDOW_S)
+
+    def action_toggle_panes(self) -> None:
+        if self.screen is self.chat:
+            self.chat.toggle_panes()
 
     async def action_stats(self) -> None:
         await command_handlers.run(self, parse("/stats"))

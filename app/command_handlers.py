@@ -23,6 +23,9 @@ from app.wizard import DEMO_NAME, converted_models, is_converted, resolve_model
 if TYPE_CHECKING:
     from app.app import ChatApp
 
+KEYS_HELP = ("keys: Esc or Ctrl+C stop the answer · Ctrl+C twice or Ctrl+Q quit · F2 statistics · "
+             "F3 show/hide the panes · Ctrl+P past conversations and models")
+
 Handler = Callable[["ChatApp", Any], Awaitable[None]]
 
 
@@ -32,7 +35,7 @@ def _keys(keys: Any) -> str:
 
 
 async def cmd_help(app: ChatApp, args: None) -> None:
-    await app.note("commands:\n" + "\n".join(help_lines()))
+    await app.note("commands:\n" + "\n".join(help_lines()) + "\n" + KEYS_HELP)
 
 
 async def _restart(app: ChatApp, conv: Conversation, note: str) -> None:

@@ -29,8 +29,8 @@ class LoadFailedScreen(ModalScreen[str]):
         with Vertical(id="load-failed-box", classes="dialog"):
             yield Static(f"Could not load {self._model_dir}", classes="dialog-title")
             yield Static(f"✗ {self._message}", id="load-failed-why")
-            yield Static("Convert a checkpoint or try the demo model"
-                         + (", or open another converted model:" if self._others else "."))
+            yield Static(("Open another converted model, c" if self._others else "C")
+                         + "onvert a checkpoint with the wizard, or try the demo model.")
             if self._others:
                 with Horizontal(classes="buttons"):
                     for i, path in enumerate(self._others):

@@ -52,3 +52,25 @@ def test_ctrl_c_when_idle_warns_once_then_quits(config):
             await wait_for(pilot, lambda: not app.is_running, what="the app to exit")
 
     asyncio.run(go())
+
+
+def test_panes_start_hidden_below_110_columns_and_f3_toggles_them(config):
+    async def go(size, shown_first: bool):
+        app = ChatApp(config, FakeBackend(FakeEngine()))
+        async with app.run_test(size=size) as pilot:
+            await wait_idle(pilot, app)
+            side, status = app.chat.query_one("#side"), app.chat.query_one("#status-line")
+            assert app.chat.panes_shown is shown_first and status.display is not shown_first
+            if not shown_first:  # the chat keeps the width; the one-line status has the figures
+                assert app.chat.query_one("#chat-col").size.width == size[0]
+                assert str(status.content).startswith("● ready · graphs · pos 0 · 0.0 tok/s · cache")
+            await pilot.press("f3")
+            await pilot.pause()
+            assert app.chat.panes_shown is not shown_first and side.display is not shown_first
+            assert status.display is shown_first
+            await pilot.resize_terminal(200, 50)  # F3's choice holds at any width
+            await pilot.pause()
+            assert app.chat.panes_shown is not shown_first
+
+    asyncio.run(go((80, 24), shown_first=False))
+    asyncio.run(go((120, 40), shown_first=True))
