@@ -141,7 +141,8 @@ def test_error_lines_have_no_exception_class_names(config):
     async def go():
         app = ChatApp(replace(config, model=None, demo=True), Broken())
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen)
+                           and app.screen.query("#job-line"), what="the progress screen")
             line = app.screen.query_one("#job-line")
             await wait_for(pilot, lambda: "✗" in str(line.content))
             assert str(line.content) == "✗ Numpy is not available"
@@ -159,7 +160,8 @@ def test_the_resume_dialog_counts_what_it_restores(config):
     async def go():
         app = ChatApp(config, FakeBackend())
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, ResumeScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, ResumeScreen)
+                           and app.screen.query("#resume-what"), what="the dialog's text")
             what = str(app.screen.query_one("#resume-what").content)
             assert what.startswith("1 turn(s) and an unanswered question (put back into the "
                                    "prompt), starting “q1”")

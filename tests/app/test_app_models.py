@@ -47,7 +47,8 @@ def test_a_failed_load_offers_the_demo_then_the_demo_is_remembered(config):
         app = ChatApp(cfg, backend)
         async with app.run_test(size=SIZE) as pilot:
             if expect_failure:
-                await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen))
+                await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen)
+                               and app.screen.query("#load-failed-why"), what="the dialog")
                 text = screen_text(app)
                 assert why in text and "RuntimeError" not in text
                 assert "Wizard (w)" in text and "Demo model (d)" in text
@@ -71,7 +72,8 @@ def test_a_failed_load_offers_another_model_and_the_wizard(config):
     async def go(press: str):
         app = ChatApp(replace(cfg, model=broken), backend)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen)
+                           and app.screen.query("#load-failed-why"), what="the dialog")
             if press == "other":
                 await pilot.click("#model-0")
                 await wait_idle(pilot, app)

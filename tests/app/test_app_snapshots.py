@@ -124,7 +124,8 @@ def test_load_failed_80x24(snap_compare):
     app = ChatApp(replace(config, model=broken), FakeBackend(fail_load={str(broken): why}))
 
     async def run_before(pilot) -> None:
-        await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen)
+                       and app.screen.query("#load-failed-why"), what="the dialog")
         await pilot.pause()
 
     try:
