@@ -124,3 +124,31 @@ def test_model_command_lists_and_switches(config):
             assert last_model(config) == beta.resolve()
 
     asyncio.run(go())
+
+
+def test_the_wizard_refuses_a_logits_only_checkpoint(config, tmp_path):
+    """The wizard's live validation (the real check, not the fake's) names the tokenizer
+    problem and keeps Convert disabled."""
+    from app.screens.wizard import SourceScreen
+
+    small = write_checkpoint(tmp_path / "small", tiny_config(1), SynthOptions(n_shards=2))
+
+    class RealCheck(FakeBackend):
+        def check_source(self, path):
+            return check_source(path)
+
+    async def go():
+        app = ChatApp(replace(config, model=None), RealCheck())
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, WizardScreen))
+            await pilot.press("c")
+            await wait_for(pilot, lambda: isinstance(app.screen, SourceScreen)
+                           and app.screen.query("#source-problems"), what="the source screen")
+            app.screen.query_one("#source-path").value = str(small)
+            problems = app.screen.query_one("#source-problems")
+            await wait_for(pilot, lambda: "✗" in str(problems.content)
+                           and "enter a directory" not in str(problems.content), timeout=20)
+            assert f"✗ {TOKENIZER_LINE}" in str(problems.content)
+            assert app.screen.query_one("#start").disabled
+
+    asyncio.run(go())
