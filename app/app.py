@@ -164,8 +164,9 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         info = event.info
-        if self.model_dir is not None:
-            remember_model(self.config, self.model_dir)  # the next start opens it again
+        problem = None if self.model_dir is None else remember_model(self.config, self.model_dir)
+        if problem:  # (the next start opens it again, else)
+            await self.note(problem, error=True)
         demo = bool(info.get("demo")) or (self.model_dir is not None and self.is_demo(self.model_dir))
         graphs = "CUDA graphs" if info.get("decode") == "CUDA graphs" else None
         self.sub_title = " · ".join(

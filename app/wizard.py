@@ -60,16 +60,24 @@ def last_model(config: AppConfig) -> Path | None:
     return path if path is not None and is_converted(path) else None
 
 
-def remember_model(config: AppConfig, path: Path) -> None:
-    """Make `path` the model the next start opens (the demo included)."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    (config.data_dir / LAST_MODEL).write_text(f"{path.resolve()}\n", encoding="utf-8")
+def remember_model(config: AppConfig, path: Path) -> str | None:
+    """Make `path` the model the next start opens (the demo included); a one-line problem if
+    the data dir cannot be written (the app then just starts as before), else None."""
+    try:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        (config.data_dir / LAST_MODEL).write_text(f"{path.resolve()}\n", encoding="utf-8")
+    except OSError as err:
+        return f"cannot remember the model in {config.data_dir}: {err.strerror or err}"
+    return None
 
 
 def forget_model(config: AppConfig, path: Path) -> None:
     """Stop opening `path` at start-up (it failed to load)."""
     if last_model(config) == path.resolve():
-        (config.data_dir / LAST_MODEL).unlink(missing_ok=True)
+        try:
+            (config.data_dir / LAST_MODEL).unlink(missing_ok=True)
+        except OSError:
+            pass  # then the next start offers the same choices again
 
 
 def find_model(config: AppConfig) -> Path | None:
