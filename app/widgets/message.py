@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.timer import Timer
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -50,6 +51,7 @@ class AssistantMessage(Vertical):
         self._footer = footer
         self._streams: dict[str, MarkdownStream] = {}
         self._waiting_since: float | None = None
+        self._spinner: Timer | None = None
 
     def compose(self) -> ComposeResult:
         if self.reasoning_text:
@@ -63,7 +65,7 @@ class AssistantMessage(Vertical):
         """Show a spinner and the seconds waited until the first token (or the end) arrives."""
         self._waiting_since = time.monotonic()
         self._tick()
-        self.set_interval(1 / SPINNER_HZ, self._tick, name="first-token-spinner")
+        self._spinner = self.set_interval(1 / SPINNER_HZ, self._tick, name="first-token-spinner")
 
     @property
     def waiting(self) -> bool:
@@ -80,6 +82,9 @@ class AssistantMessage(Vertical):
         waiting.display = True
 
     def _stop_waiting(self) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()
+            self._spinner = None
         if self._waiting_since is not None:
             self._waiting_since = None
             self._tick()

@@ -96,7 +96,7 @@ async def _spinner(pilot, app, engine):
     assert re.search(r"\d+\.\d s$", text)
     answer = app._answer
     await wait_for(pilot, lambda: answer.answer_text, what="the first token")
-    assert not answer.waiting and not waiting.display
+    assert not answer.waiting and not waiting.display and answer._spinner is None  # timer stopped
     await wait_idle(pilot, app)
 
 test_a_spinner_waits_for_the_first_token = with_app(_spinner, FakeEngine(first_token_delay=0.8))
