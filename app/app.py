@@ -14,11 +14,12 @@ from pathlib import Path
 from textual.app import App
 from textual.binding import Binding
 from textual.timer import Timer
+from textual.widgets import TextArea
 
 from app import autosave, command_handlers
 from app.autosave import Autosaver
 from app.backend import Backend, RealBackend
-from app.commands import CommandError, is_command, parse
+from app.commands import Command, CommandError, is_command, parse
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
 from app.heap import HeapFreeze
@@ -31,18 +32,22 @@ from app.messages import (
     TokensReady,
     TurnDone,
 )
+from app.history import Past
+from app.palette import ChatCommands
 from app.screens.chat import ChatScreen
+from app.screens.load_failed import LoadFailedScreen
 from app.screens.progress import ProgressScreen
 from app.screens.resume import ResumeScreen
 from app.screens.stats import StatsScreen
 from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
 from app.service import EngineService
 from app.settings import AppConfig
-from app.widgets.message import AssistantMessage, turn_footer
+from app.widgets.message import AssistantMessage, empty_answer_notice, turn_footer
 from app.widgets.prompt import PromptInput
-from app.wizard import demo_dir, find_model
+from app.wizard import converted_models, demo_dir, find_model, forget_model, remember_model
 
 
+QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this many seconds quits
 STATS_HZ = 5  # the panes redraw at most this often however fast steps come
 TEXT_HZ = 10  # streamed text is appended to the transcript at most this often
 
@@ -52,9 +57,12 @@ class ChatApp(App):
 
     CSS_PATH = "chat.tcss"
     TITLE = "dsv4-chat"
+    COMMANDS = App.COMMANDS | {ChatCommands}
     BINDINGS = [
         Binding("escape", "cancel", "Stop", show=False),
         Binding("f2", "stats", "Stats", show=False),
+        Binding("f3", "toggle_panes", "Panes", show=False),
+        Binding("ctrl+c", "interrupt", "Stop/Quit", show=False, priority=True),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -77,17 +85,23 @@ class ChatApp(App):
         self._text_shown = 0.0
         self._stats_shown = 0.0  # time.monotonic() of the last stats render
         self.heap = HeapFreeze()
+        self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
+        self.decode_mode = "eager"  # "graphs" when the engine replays CUDA graphs (Engine.info)
 
     # ---- start-up -------------------------------------------------------------------------
 
     async def on_mount(self) -> None:
         await self.push_screen(self.chat)
-        if self.config.demo:
-            self.build_demo()
-        elif (model := find_model(self.config)) is not None:
+        model = None if self.config.demo else find_model(self.config)
+        if self.config.demo or (model is not None and self.is_demo(model)):
+            self.build_demo()  # (re)built if missing or from an older build; else returned at once
+        elif model is not None:
             self.load_model(model)
         else:
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
+
+    def is_demo(self, model_dir: Path) -> bool:
+        return model_dir.resolve() == demo_dir(self.config).resolve()
 
     def _wizard_choice(self, choice: str | None) -> None:
         if choice == "convert":
@@ -118,9 +132,21 @@ class ChatApp(App):
             self.load_model(path)
 
     def load_model(self, model_dir: Path) -> None:
+        """Load `model_dir` (closing the current engine first, for a switch); once ready, the
+        current conversation continues on it."""
         self.model_dir = model_dir
-        self.chat.phase.show_phase("loading", str(model_dir))
+        self.chat.show_phase("loading", str(model_dir))
         self.service.load(model_dir)
+
+    def _load_failed_choice(self, choice: str | None) -> None:
+        if choice == "wizard":
+            self.push_screen(WizardScreen(self.config), self._wizard_choice)
+        elif choice == "demo":
+            self.build_demo()
+        elif choice and choice != "quit":
+            self.load_model(Path(choice))
+        else:
+            self.exit()
 
     @property
     def ui_alive(self) -> bool:
@@ -131,19 +157,23 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         p = event.progress
-        self.chat.phase.show_phase(p.phase, f"{p.done}/{p.total} {p.unit}".strip())
+        self.chat.show_phase(p.phase, f"{p.done}/{p.total} {p.unit}".strip())
 
     async def on_engine_ready(self, event: EngineReady) -> None:
         self.service.finished()
         if not self.ui_alive:
             return
         info = event.info
-        demo = bool(info.get("demo")) or self.model_dir == demo_dir(self.config)
+        problem = None if self.model_dir is None else remember_model(self.config, self.model_dir)
+        if problem:  # (the next start opens it again, else)
+            await self.note(problem, error=True)
+        demo = bool(info.get("demo")) or (self.model_dir is not None and self.is_demo(self.model_dir))
         graphs = "CUDA graphs" if info.get("decode") == "CUDA graphs" else None
         self.sub_title = " · ".join(
             str(x) for x in (info.get("model", self.model_dir), info.get("device"),
                              info.get("numerics"), graphs) if x)
-        self.chat.phase.show_phase("ready")
+        self.decode_mode = "graphs" if info.get("decode") == "CUDA graphs" else "eager"
+        self.chat.show_phase("ready", self.decode_mode)
         self.heap.freeze()  # the engine and UI are built: keep full GC passes short (app/heap.py)
         self._show_latest_stats()
         if info.get("decode_note"):
@@ -152,8 +182,9 @@ class ChatApp(App):
             await self.note(DEMO_NOTICE)
         self._after_session.append("ready — type a message; /help lists the commands")
         found = autosave.find_unfinished(self.config.transcripts_dir) if self._offer_resume else None
-        if found is None:
-            self.service.start_session(self.conversation.system)
+        self._offer_resume = False  # only at start-up, not after a model switch
+        if found is None:  # a switched model continues the conversation shown
+            self.service.start_session(self.conversation.system, self.conversation.messages)
         else:
             self.push_screen(ResumeScreen(found), lambda yes: self._resume(found, bool(yes)))
 
@@ -171,6 +202,24 @@ class ChatApp(App):
         conv = found.conversation.settled()
         self.run_worker(self.show_conversation(conv, f"resumed ({conv.turns} turn(s))"),
                         name="show-resumed")
+
+    async def switch_model(self, name: str) -> None:
+        """`/model NAME` (also from the command palette)."""
+        await command_handlers.run(self, Command("model", name))
+
+    async def reopen(self, past: Past) -> None:
+        """Continue a past (autosaved) conversation in its own transcript file."""
+        if self.autosave.path is not None and past.path.resolve() == self.autosave.path.resolve():
+            await self.note("that conversation is the one open now")
+            return
+        if not await self.require_idle():
+            return
+        self.autosave.close()  # the current one stays in the history
+        conv = past.conversation.settled()
+        self.autosave = Autosaver(past.path.parent, conv.system, path=past.path, on_error=self.autosave_failed)
+        if past.conversation.pending_prompt():
+            self.autosave.undo()  # the file then holds what is shown
+        await self.show_conversation(conv, f"reopened “{past.title()}” ({conv.turns} turn(s))")
 
     async def show_conversation(self, conv: Conversation, note: str) -> None:
         """Display `conv` and start an engine session that continues it; `note` once ready."""
@@ -204,6 +253,7 @@ class ChatApp(App):
             return
         await self.chat.transcript.add_user(text)
         self._answer = await self.chat.transcript.add_assistant()
+        self._answer.start_waiting()
         self.conversation.messages.append(ChatMessage("user", text))
         self.autosave.user(text)
         self.service.send(text, self.gen)
@@ -261,7 +311,10 @@ class ChatApp(App):
         stats, recent = self.service.take_stats()
         if stats is None or not self.ui_alive:
             return
-        self.chat.show_stats(stats, recent)
+        idle = None  # mid-turn (or loading): the steps' own phase and position
+        if self.service.busy not in ("turn", "regen") and self.service.ready:
+            idle = (self.decode_mode, self.service.session.position)
+        self.chat.show_stats(stats, recent, idle)
         if isinstance(self.screen, StatsScreen):
             self.screen.update_stats(stats)
 
@@ -279,7 +332,9 @@ class ChatApp(App):
         await self._flush_text()
         self._show_latest_stats()
         if self._answer is not None and self.ui_alive:
-            await self._answer.finish(turn_footer(event.stats), event.content)
+            notice = empty_answer_notice(event.content, event.reasoning, event.stats.finish_reason,
+                                         self.gen.max_tokens)
+            await self._answer.finish(turn_footer(event.stats), event.content, notice)
             self._answer = None
 
     async def on_engine_error(self, event: EngineError) -> None:
@@ -290,8 +345,14 @@ class ChatApp(App):
         if not self.ui_alive:
             return
         if event.job == "load":
-            self.chat.phase.show_phase("failed")
+            self.chat.show_phase("failed", "/model NAME, or restart with --demo")
             await self.note(f"could not load the model from {self.model_dir}: {event.message}", True)
+            if self.model_dir is not None:
+                forget_model(self.config, self.model_dir)  # the next start does not pick it again
+            others = [p for p in converted_models(self.config)
+                      if p != self.model_dir and not self.is_demo(p)]
+            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others),
+                             self._load_failed_choice)
             return
         await self._flush_text()
         self._show_latest_stats()
@@ -323,6 +384,27 @@ class ChatApp(App):
         if self.service.cancel():
             self.notify("stopping…", timeout=2)
 
+    def action_interrupt(self) -> None:
+        """Ctrl+C: copy a selection in the prompt; else stop the answer being written; else
+        (or pressed again within QUIT_WINDOW_S) quit — as in llama-cli and ollama."""
+        focused = self.focused
+        if isinstance(focused, TextArea) and focused.selected_text:
+            focused.action_copy()
+            return
+        now = time.monotonic()
+        again = now - self._interrupted_at < QUIT_WINDOW_S
+        self._interrupted_at = now
+        if self.service.cancel():
+            self.notify("stopping the answer — Ctrl+C again quits", timeout=QUIT_WINDOW_S)
+        elif again:
+            self.exit()
+        else:
+            self.notify("press Ctrl+C again (or Ctrl+Q) to quit", timeout=QUIT_WINDOW_S)
+
+    def action_toggle_panes(self) -> None:
+        if self.screen is self.chat:
+            self.chat.toggle_panes()
+
     async def action_stats(self) -> None:
         await command_handlers.run(self, parse("/stats"))
 
@@ -335,6 +417,7 @@ class ChatApp(App):
         if last is not None:
             await last.remove()
         self._answer = await self.chat.transcript.add_assistant()
+        self._answer.start_waiting()
 
     def exit(self, *args, **kwargs) -> None:
         """Stop a running answer first, so its end is recorded before the app closes."""

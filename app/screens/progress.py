@@ -13,6 +13,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, ProgressBar, Static
 
 from app.messages import ConvertProgressed, ModelFailed, ModelReady
+from app.service import user_message
 from app.widgets.bars import fmt_bytes
 
 JobFn = Callable[[Callable[[Any], None], threading.Event], Path]
@@ -77,7 +78,7 @@ class ProgressScreen(Screen[Path | None]):
             path = self._job(lambda p: self.post_message(ConvertProgressed(p)), self._cancel)
         except Exception as err:  # the converter raises ConvertCancelled when cancelled
             if not self._cancel.is_set():
-                self.post_message(ModelFailed(f"{type(err).__name__}: {err}"))
+                self.post_message(ModelFailed(user_message(err)))
                 return
         if self._cancel.is_set():
             self.post_message(ModelFailed("cancelled — run it again to resume", True))

@@ -9,6 +9,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
 from app.autosave import Unfinished
+from app.conversation import Conversation
+
+
+def describe(conv: Conversation) -> str:
+    """What resuming restores: the answered turns, and a question put back into the prompt."""
+    text = f"{conv.settled().turns} turn(s)"
+    if conv.pending_prompt():
+        text += " and an unanswered question (put back into the prompt)"
+    return text
 
 
 class ResumeScreen(ModalScreen[bool]):
@@ -26,8 +35,8 @@ class ResumeScreen(ModalScreen[bool]):
         preview = first if len(first) <= 60 else first[:57] + "…"
         with Vertical(id="resume-box", classes="dialog"):
             yield Static("The last conversation was not closed cleanly.", classes="dialog-title")
-            yield Static(f"{conv.turns} turn(s), starting “{preview}”\n"
-                         f"saved in {self._unfinished.path}")
+            yield Static(describe(conv) + f", starting “{preview}”\n"
+                         f"saved in {self._unfinished.path}", id="resume-what")
             with Horizontal(classes="buttons"):
                 yield Button("Resume it (y)", id="resume", variant="primary")
                 yield Button("Start new (n)", id="new")

@@ -35,8 +35,8 @@ class WizardScreen(Screen[str]):
             yield Static("Welcome to dsv4-chat", classes="dialog-title")
             yield Static(
                 f"No converted model was found in {self._config.models_dir}.\n\n"
-                "Convert a downloaded DeepSeek-V4-Flash checkpoint (the Hugging Face directory\n"
-                "with config.json and *.safetensors) into the streaming layout — about the\n"
+                "Convert a downloaded DeepSeek-V4-Flash checkpoint (the Hugging Face directory "
+                "with config.json and *.safetensors) into the streaming layout — about the "
                 "checkpoint's size on disk, resumable — or try the demo model.\n"
             )
             yield Static(DEMO_NOTICE, classes="demo-notice")

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.timer import Timer
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
+
+
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+SPINNER_HZ = 10
 
 
 class UserMessage(Static):
@@ -44,12 +50,44 @@ class AssistantMessage(Vertical):
         self.reasoning_text = reasoning
         self._footer = footer
         self._streams: dict[str, MarkdownStream] = {}
+        self._waiting_since: float | None = None
+        self._spinner: Timer | None = None
 
     def compose(self) -> ComposeResult:
         if self.reasoning_text:
             yield self._thinking_box(self.reasoning_text, "Thinking")
+        yield Static("", classes="waiting")
         yield Markdown(self.answer_text, classes="answer")
+        yield Static("", classes="answer-notice")
         yield Static(self._footer, classes="turn-footer")
+
+    def start_waiting(self) -> None:
+        """Show a spinner and the seconds waited until the first token (or the end) arrives."""
+        self._waiting_since = time.monotonic()
+        self._tick()
+        self._spinner = self.set_interval(1 / SPINNER_HZ, self._tick, name="first-token-spinner")
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting_since is not None
+
+    def _tick(self) -> None:
+        waiting = self.query_one(".waiting", Static)
+        if self._waiting_since is None:
+            waiting.display = False
+            return
+        waited = time.monotonic() - self._waiting_since
+        frame = SPINNER[int(waited * SPINNER_HZ) % len(SPINNER)]
+        waiting.update(f"{frame} waiting for the first token… {waited:.1f} s")
+        waiting.display = True
+
+    def _stop_waiting(self) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()
+            self._spinner = None
+        if self._waiting_since is not None:
+            self._waiting_since = None
+            self._tick()
 
     def on_mount(self) -> None:
         self.border_title = "assistant"
@@ -60,6 +98,7 @@ class AssistantMessage(Vertical):
 
     async def append(self, text: str, channel: str) -> None:
         """Append a decoded fragment to the thinking or answer part."""
+        self._stop_waiting()
         if channel == "thinking":
             self.reasoning_text += text
             if not self.query(Collapsible):
@@ -76,8 +115,10 @@ class AssistantMessage(Vertical):
             stream = self._streams[channel] = Markdown.get_stream(target)
         await stream.write(text)
 
-    async def finish(self, footer: str, content: str | None = None) -> None:
-        """Stop streaming and show the turn summary; `content` replaces the text if it differs."""
+    async def finish(self, footer: str, content: str | None = None, notice: str = "") -> None:
+        """Stop streaming and show the turn summary; `content` replaces the text if it differs;
+        `notice` says why the answer is empty (the thinking box is then opened)."""
+        self._stop_waiting()
         for stream in self._streams.values():
             await stream.stop()
         self._streams.clear()
@@ -86,7 +127,27 @@ class AssistantMessage(Vertical):
         if content is not None and content != self.answer_text:
             self.answer_text = content
             await self.query_one(".answer", Markdown).update(content)
+        if notice:
+            shown = self.query_one(".answer-notice", Static)
+            shown.update(notice)
+            shown.display = True
+            if self.query(Collapsible):
+                self.query_one(Collapsible).collapsed = False
         self.query_one(".turn-footer", Static).update(footer)
+
+
+def empty_answer_notice(content: str, reasoning: str, finish: str, max_tokens: int) -> str:
+    """Why an answer is empty ("" when it is not, or no reason applies)."""
+    if content.strip():
+        return ""
+    if finish == "max_tokens" and reasoning:
+        return (f"no answer: all {max_tokens} tokens of max_tokens went to thinking (shown "
+                "above) — /set max_tokens N to allow more, or /set think off")
+    if finish == "max_tokens":
+        return f"no answer: max_tokens ({max_tokens}) was reached before any text"
+    if finish == "cancelled":
+        return "stopped before the answer began"
+    return ""
 
 
 def turn_footer(stats: Any) -> str:

@@ -14,6 +14,7 @@ from textual.widgets import Sparkline, Static
 from app.widgets.bars import bar, fmt_bytes, fmt_pct, heat_row, part_colour, stacked_bar
 from engine.stats import StepStats
 
+STEP_PHASES = {"graph replay": "graphs"}  # the status label's words for engine step phases
 BAR_WIDTH = 34
 HEAT_WIDTH = 44  # one cell per layer up to 44 layers (the real model has 43)
 
@@ -125,14 +126,13 @@ class ThroughputPane(Pane):
 
 
 class PhaseLabel(Static):
-    """The engine phase (loading · warm-up · graph capture · graph replay · eager) and position."""
+    """The status: the engine phase (loading · warm-up · graph capture · graphs · eager, or
+    "ready · graphs|eager" when idle) and the position."""
 
     def show_phase(self, phase: str, detail: str = "") -> None:
-        text = Text("● ", style="green" if phase in ("graph replay", "eager", "ready") else "yellow")
+        good = phase in ("graphs", "graph replay", "eager") or phase.startswith("ready")
+        text = Text("● ", style="green" if good else "yellow")
         text.append(phase, style="bold")
         if detail:
             text.append(f" · {detail}")
         self.update(text, layout=False)  # always one line
-
-    def show(self, stats: StepStats, recent: list[StepStats]) -> None:
-        self.show_phase(stats.phase, f"pos {stats.position}")

@@ -9,7 +9,7 @@ from textual.widgets import TextArea
 
 from app.commands import complete
 
-HINT = "Enter send · Ctrl+J newline · ↑↓ history · Esc stop · F2 stats · /help"
+HINT = "Enter send · Ctrl+J newline · ↑↓ history · Esc stop · F3 panes · /help"  # fits 80 columns
 
 
 class PromptInput(TextArea):

@@ -41,11 +41,14 @@ class FakeEngine:
     """Deterministic stand-in for engine.engine.Engine (same methods, same event types)."""
 
     def __init__(self, answer: str = ANSWER, thinking: str = THINKING, step_delay: float = 0.0,
+                 first_token_delay: float = 0.0, graphs: bool = True,
                  n_layers: int = 4, n_experts: int = 16, capacity_entries: int = 24,
                  expert_bytes: int = 8 * 2**20, top_k: int = 2) -> None:
         self.answer = answer
         self.thinking = thinking
         self.step_delay = step_delay
+        self.first_token_delay = first_token_delay  # prefill time before the first token
+        self.graphs = graphs  # Engine.info's decode mode ("CUDA graphs" or "eager")
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
         self.capacity_entries = capacity_entries
         self.expert_bytes = expert_bytes
@@ -71,7 +74,8 @@ class FakeEngine:
     @property
     def info(self) -> dict:
         return {"model": "fake-dsv4", "n_layers": self.n_layers, "n_experts": self.n_experts,
-                "demo": False, "device": "cpu", "numerics": "exact"}
+                "demo": False, "device": "cpu", "numerics": "exact",
+                "decode": "CUDA graphs" if self.graphs else "eager"}
 
     def new_session(self, system: str | None = None, history: list[Message] = ()) -> FakeSession:
         return FakeSession(system, list(history), sum(len(m.content.split()) for m in history))
@@ -107,6 +111,8 @@ class FakeEngine:
         prompt_tokens = len(text.split()) + 4
         self._ttft = None
         yield StepUpdate(self._step_stats(prompt_tokens, "eager"))
+        if self.first_token_delay:
+            time.sleep(self.first_token_delay)
         deltas = [(w, "thinking") for w in self._words(self.thinking)] if params.thinking else []
         deltas += [(w, "answer") for w in self._words(answer)]
         reasoning, content, finish, n = "", "", "max_tokens", 0
@@ -118,6 +124,7 @@ class FakeEngine:
                 break
             if self.step_delay:
                 time.sleep(self.step_delay)
+            step = "graph replay" if self.graphs else "eager"
             n += 1
             if self._ttft is None:
                 self._ttft = 0.25
@@ -126,7 +133,7 @@ class FakeEngine:
             else:
                 content += piece
             yield TextDelta(piece, channel)
-            yield StepUpdate(self._step_stats(1, "graph replay"))
+            yield StepUpdate(self._step_stats(1, step))
         else:
             finish = "eos"
         if replace:  # regenerate: the new answer takes the old one's place
@@ -135,7 +142,7 @@ class FakeEngine:
         sess.position = self._position
         elapsed = time.monotonic() - t0
         stats = TurnStats(prompt_tokens=prompt_tokens, completion_tokens=n, prefill_s=0.01,
-                          decode_s=elapsed, ttft_s=0.25, tok_per_s=self._tok_per_s(),
+                          decode_s=elapsed, ttft_s=0.25, tok_per_s=10.0 + n / 10,  # not a step rate
                           finish_reason=finish, cache=self._snapshot())
         yield TurnFinished(stats, reasoning, content)
 
@@ -263,15 +270,18 @@ class FakeBackend(RealBackend):
     sampling params and messages are the real ones)."""
 
     def __init__(self, engine: FakeEngine | None = None, problems: dict[str, list[str]] | None = None,
-                 convert_delay: float = 0.0) -> None:
+                 convert_delay: float = 0.0, fail_load: dict[str, str] | None = None) -> None:
         self.engine = engine or FakeEngine()
         self.loaded: list[Path] = []
+        self.fail_load = fail_load or {}  # model dir (str) -> the load error's message
         self.problems = problems or {}
         self.convert_delay = convert_delay
 
     def load_engine(self, model_dir: Path, config, progress) -> FakeEngine:
         for i in range(3):
             progress(LoadProgress("loading", i + 1, 3, "layers"))
+        if str(model_dir) in self.fail_load:
+            raise RuntimeError(self.fail_load[str(model_dir)])
         self.loaded.append(model_dir)
         return self.engine
 

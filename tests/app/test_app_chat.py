@@ -122,7 +122,7 @@ def test_panes_format_known_numbers(config):
             tp = app.chat.query_one(ThroughputPane).plain()
             assert "42.5 tok/s · TTFT 1.50 s" in tp
             assert "step 10.0 ms: attn 1.0 · moe 2.0" in tp and "expert wait 3.0 · other 4.0" in tp
-            assert str(app.chat.phase.content) == "● graph replay · pos 321"
+            assert str(app.chat.phase.content) == "● graphs · pos 321"  # (issue 28: "graphs")
             replayed = StepStats("graph replay", 1, 322, StepTiming(expert_wait_ms=0.5, graph_ms=3.25), 42.5, 1.5,
                                  stats.cache, stats.memory)
             app.chat.show_stats(replayed, [replayed])

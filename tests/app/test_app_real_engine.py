@@ -13,7 +13,7 @@ from app.demo import ensure_demo_model
 from app.settings import AppConfig, GenParams
 from app.widgets.bars import fmt_bytes
 from app.widgets.message import AssistantMessage, NoteMessage
-from app.widgets.panes import CachePane
+from app.widgets.panes import CachePane, ThroughputPane
 
 SIZE = (120, 45)
 
@@ -46,6 +46,12 @@ def test_chat_on_the_demo_model(demo_data):
             assert answer.role == "assistant" and answer.finish == "max_tokens"
             assert app.chat.transcript.query(AssistantMessage).last().answer_text == answer.content
             assert [m.content for m in app.service.session.messages] == ["Hello", answer.content]
+            position = app.service.session.position  # the status label: decode mode, position
+            assert position > 0 and str(app.chat.phase.content) == f"● ready · eager · pos {position}"
+            footer = str(app.chat.transcript.query(AssistantMessage).last()
+                         .query_one(".turn-footer").content)
+            rate = f"{app.service.latest_stats.tok_per_s:.1f} tok/s"
+            assert rate in footer and rate in app.chat.query_one(ThroughputPane).plain()
             c = app.service.latest_stats.cache
             pane = app.chat.query_one(CachePane)
             assert f"entries {c.entries} / {c.capacity_entries} · pinned 0" in pane.plain()
@@ -57,6 +63,8 @@ def test_chat_on_the_demo_model(demo_data):
             await type_and_send(pilot, app, "/undo")
             assert app.conversation.messages == [] and app.service.session.messages == []
             await wait_idle(pilot, app)
+            await type_and_send(pilot, app, "/new")
+            assert str(app.chat.phase.content) == "● ready · eager · pos 0"
         assert app.service.engine is None  # closed on exit
 
     asyncio.run(go())

@@ -90,7 +90,7 @@ async def _bad_args(pilot, app, engine):
         ("/pin 3-4", "bad expert '3-4': write LAYER:EXPERT, e.g. 3:17"),
         ("/frobnicate", "unknown command /frobnicate — /help lists them"),
         ("/set temperature warm", "temperature must be a number, got 'warm'"),
-        ("/pin 9:99", "pin failed: ValueError: no expert 9:99 (layers 0-3, experts 0-15)"),
+        ("/pin 9:99", "pin failed: no expert 9:99 (layers 0-3, experts 0-15)"),
         ("/load nothing-here", "no saved conversation 'nothing-here' (nothing saved yet (/save NAME))"),
         ("/save a/b", "bad name 'a/b': use letters, digits, '_', '.', '-' (e.g. /save my-chat)"),
         ("/regen", "nothing to regenerate yet"),
@@ -138,6 +138,7 @@ async def _save_new_load_export(pilot, app, engine):
     assert [m.content for m in app.service.session.messages] == ["first question", ANSWER]
     assert last_note(app).text == "loaded 'keep' (1 turn(s))"
     out = app.config.data_dir / "export" / "chat.md"
+    out.parent.mkdir(parents=True)  # (a missing directory needs --force: test_export_asks_first)
     await type_and_send(pilot, app, f"/export {out}")
     assert last_note(app).text == f"exported 1 turn(s) to {out}"
     assert "## User\n\nfirst question" in out.read_text()

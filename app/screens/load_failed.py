@@ -1,0 +1,51 @@
+"""A model failed to load: say why and offer a way on (the wizard, the demo, another model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Static
+
+MAX_OTHERS = 4  # other converted models offered as buttons
+
+
+class LoadFailedScreen(ModalScreen[str]):
+    """Dismisses with "wizard", "demo", "quit", or the path (str) of another model to load."""
+
+    BINDINGS = [Binding("w", "choose('wizard')", "Wizard"), Binding("d", "choose('demo')", "Demo"),
+                Binding("q,escape", "choose('quit')", "Quit")]
+
+    def __init__(self, model_dir: Path | None, message: str, others: list[Path]) -> None:
+        super().__init__()
+        self._model_dir = model_dir
+        self._message = message
+        self._others = others[:MAX_OTHERS]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="load-failed-box", classes="dialog"):
+            yield Static(f"Could not load {self._model_dir}", classes="dialog-title")
+            yield Static(f"✗ {self._message}", id="load-failed-why")
+            yield Static(("Open another converted model, c" if self._others else "C")
+                         + "onvert a checkpoint with the wizard, or try the demo model.")
+            if self._others:
+                with Horizontal(classes="buttons"):
+                    for i, path in enumerate(self._others):
+                        yield Button(path.name, id=f"model-{i}", variant="primary")
+            with Horizontal(classes="buttons"):
+                yield Button("Wizard (w)", id="wizard")
+                yield Button("Demo model (d)", id="demo")
+                yield Button("Quit (q)", id="quit")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        bid = str(event.button.id)
+        if bid.startswith("model-"):
+            self.dismiss(str(self._others[int(bid.removeprefix("model-"))]))
+        else:
+            self.dismiss(bid)
+
+    def action_choose(self, choice: str) -> None:
+        self.dismiss(choice)
