@@ -7,6 +7,13 @@ is written under `<name>.tmp`, fsynced, hashed piece by piece on the way, and re
 complete; its manifest entry then goes to `.dsv4-convert.json`. A rerun with the same source
 (resume, the default) re-verifies the files listed there and writes only what is missing, and
 `manifest.json` is written last: the output is byte-identical however often it was interrupted.
+
+Resume trusts an earlier output file only if the source it came from is unchanged: the manifest's
+"source" records each shard's size, the sha256 of its header and its modification time
+(`shard_fingerprints`), and a copied file (config, tokenizer) is compared by content. An output
+file read from a shard that differs in any of these is converted again, and a notice says which
+shard changed and how. (A shard edited in place with its size, header and modification time
+restored is not detected: `--no-resume` converts everything again.)
 """
 
 from __future__ import annotations
@@ -96,10 +103,53 @@ def _plan(index: TensorIndex, args: ModelArgs, record: layout.RecordLayout) -> l
     return plan
 
 
+def _shard_fingerprint(path: Path) -> dict:
+    """{"header_sha256", "mtime_ns"} of one source shard (reads only its header)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = head + f.read(n)
+        mtime = os.fstat(f.fileno()).st_mtime_ns
+    return {"header_sha256": hashlib.sha256(header).hexdigest(), "mtime_ns": mtime}
+
+
 def _fingerprint(root: Path, index: TensorIndex) -> dict:
     raw = (root / INDEX_NAME).read_bytes()
     return {"index_sha256": hashlib.sha256(raw).hexdigest(), "total_size": index.total_bytes(),
-            "shards": [{"name": f.name, "size": f.stat().st_size} for f in index.files()]}
+            "shards": [{"name": f.name, "size": f.stat().st_size} for f in index.files()],
+            "shard_fingerprints": {f.name: _shard_fingerprint(f) for f in index.files()}}
+
+
+def _dependencies(plan: list[_OutFile]) -> dict[str, set[str]]:
+    """Output file name -> names of the source shards its bytes are read from."""
+    deps = {}
+    for f in plan:
+        infos = list(f.sources.values()) + [t for fields in (f.experts or []) for t in fields]
+        deps[f.name] = {t.file.name for t in infos}
+    return deps
+
+
+def _changed_shards(old: dict, new: dict) -> dict[str, list[str]]:
+    """Source shard name -> how it differs from the earlier run's fingerprint `old`."""
+    old_sizes = {s.get("name"): s.get("size") for s in old.get("shards", []) if isinstance(s, dict)}
+    old_fps = old.get("shard_fingerprints")
+    old_fps = old_fps if isinstance(old_fps, dict) else {}
+    changed = {}
+    for shard in new["shards"]:
+        name, fp = shard["name"], old_fps.get(shard["name"])
+        why = []
+        if old_sizes.get(name) != shard["size"]:
+            why.append("size")
+        if not isinstance(fp, dict):
+            why.append("no fingerprint recorded by the earlier run")
+        else:
+            if fp.get("header_sha256") != new["shard_fingerprints"][name]["header_sha256"]:
+                why.append("header")
+            if fp.get("mtime_ns") != new["shard_fingerprints"][name]["mtime_ns"]:
+                why.append("modification time")
+        if why:
+            changed[name] = why
+    return changed
 
 
 def _source_config(root: Path) -> dict:
@@ -249,17 +299,39 @@ class _Converter:
         return {"size": len(data), "checksum": "sha256:" + hashlib.sha256(data).hexdigest()}
 
 
-def _load_previous(out: Path, fingerprint: dict, sizes: dict[str, int]) -> dict[str, dict]:
-    """File entries of an earlier run with the same source and plan (manifest or state file)."""
+def _load_previous(out: Path, src: Path, fingerprint: dict, sizes: dict[str, int],
+                   deps: dict[str, set[str]], notice: Callable[[str], None]) -> dict[str, dict]:
+    """File entries of an earlier run (manifest or state file) that came from the same source and
+    plan; `notice` is told why any others are converted again."""
     for name in (layout.MANIFEST, layout.STATE):
         try:
             doc = json.loads((out / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if (isinstance(doc, dict) and doc.get("version") == layout.VERSION
-                and doc.get("source") == fingerprint and isinstance(doc.get("files"), dict)):
-            return {k: v for k, v in doc["files"].items()
-                    if isinstance(v, dict) and (k not in sizes or v.get("size") == sizes[k])}
+        if not (isinstance(doc, dict) and doc.get("version") == layout.VERSION
+                and isinstance(doc.get("source"), dict) and isinstance(doc.get("files"), dict)):
+            continue
+        old = doc["source"]
+        if (old.get("index_sha256"), old.get("total_size")) != (fingerprint["index_sha256"],
+                                                                fingerprint["total_size"]):
+            notice(f"the source's {INDEX_NAME} differs from the one {out} was converted from: "
+                   "converting everything again")
+            return {}
+        files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+        for k in sorted(set(files) - set(deps)):  # copied files: compared by content (small)
+            if (src / k).is_file() and layout.sha256_file(src / k) != files[k].get("checksum"):
+                notice(f"source file {k} changed since the earlier conversion: copying it again")
+                files.pop(k)
+        files = {k: v for k, v in files.items() if k not in sizes or v.get("size") == sizes[k]}
+        changed = _changed_shards(old, fingerprint)
+        for shard, why in sorted(changed.items()):
+            stale = sorted(k for k in files if shard in deps.get(k, ()))
+            if stale:
+                notice(f"source shard {shard} changed since the earlier conversion ({', '.join(why)}): "
+                       f"converting {', '.join(stale)} again")
+            for k in stale:
+                files.pop(k)
+        return files
     return {}
 
 
@@ -273,14 +345,16 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
 
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
             cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
-            disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None) -> Path:
+            disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None,
+            notice: Callable[[str], None] | None = None) -> Path:
     """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v2); returns out_dir.
 
     Raises preflight.PreflightError (nothing written) when the source or destination is unfit,
     ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards
     earlier output in `out_dir` first. `verify=True` re-reads the result against the manifest.
-    `disk_free(path) -> bytes` replaces the free-space query and `fault_hook(point)` is called at
-    named points of the write path (both for tests).
+    `notice(line)` receives what the user should know but is no failure (e.g. why earlier output
+    is converted again). `disk_free(path) -> bytes` replaces the free-space query and
+    `fault_hook(point)` is called at named points of the write path (both for tests).
     """
     src, out = Path(hf_dir), Path(out_dir)
     problems = preflight.check_source(src)
@@ -296,7 +370,8 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
     copies = [n for n in layout.COPIED_FILES if (src / n).is_file()]
     fingerprint = _fingerprint(src, index)
     sizes = {f.name: f.size for f in plan} | {n: (src / n).stat().st_size for n in copies}
-    previous = _load_previous(out, fingerprint, sizes) if resume else {}
+    notes = notice or (lambda line: None)
+    previous = _load_previous(out, src, fingerprint, sizes, _dependencies(plan), notes) if resume else {}
     needed = sum(s for n, s in sizes.items() if n not in previous) + (1 << 20)
     problems = preflight.check_destination(out, needed, src, disk_free)
     if problems:
@@ -400,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--hf and --out are required (or --upgrade DIR)")
     show = _printer(sys.stderr)
     t0 = time.monotonic()
-    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify),
+    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify,
+                                       notice=lambda line: print(f"dsv4-convert: {line}", file=sys.stderr)),
                        ConvertError)
     if status:
         return status

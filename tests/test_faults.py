@@ -50,3 +50,68 @@ def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, cap
     err = capsys.readouterr().err
     assert message in err and str(src_copy / "config.json") in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- resume integrity
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(root.iterdir())}
+
+
+def _poke(path: Path, offset: int, value: int) -> int:
+    """Set one byte in place; returns the old value."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value]))
+    return old
+
+
+def _offset(root: Path, name: str) -> tuple[Path, int]:
+    from engine.checkpoint import TensorIndex
+
+    with TensorIndex.open(root) as idx:
+        info = idx.info(name)
+        return info.file, info.offset
+
+
+SCALE = "layers.2.ffn.experts.3.w1.scale"  # an e8m0 scale: 0xFF is NaN
+
+
+def test_resume_converts_again_what_came_from_a_changed_shard(src_copy, tmp_path):
+    shard, at = _offset(src_copy, SCALE)
+    good = _poke(shard, at, 0xFF)  # a corrupt source...
+    out = convert(src_copy, tmp_path / "pack")
+    _poke(shard, at, good)  # ...repaired (e.g. downloaded again)
+    notes: list[str] = []
+    written: list[str] = []
+    convert(src_copy, out, notice=notes.append,
+            fault_hook=lambda p: written.append(p[6:]) if p.startswith("begin:") else None)
+    fresh = convert(src_copy, tmp_path / "fresh", resume=False)
+    assert tree_bytes(out) == tree_bytes(fresh)  # the stale corrupt output is not kept
+    (note,) = notes
+    assert f"source shard {shard.name} changed since the earlier conversion (modification time)" in note
+    assert "layer_02.safetensors" in note
+    assert "layer_02.safetensors" in written
+    listed = note.split(": converting ")[1].removesuffix(" again").split(", ")
+    assert sorted(written) == listed and len(written) < 7  # only the files read from that shard
+
+
+def test_resume_copies_a_changed_tokenizer_again(src_copy, tmp_path):
+    out = convert(src_copy, tmp_path / "pack")
+    (src_copy / "generation_config.json").write_text('{"bos_token_id": 0, "eos_token_id": 1}\n')
+    notes: list[str] = []
+    convert(src_copy, out, notice=notes.append)
+    assert notes == ["source file generation_config.json changed since the earlier conversion: copying "
+                     "it again"]
+    assert (out / "generation_config.json").read_bytes() == (src_copy / "generation_config.json").read_bytes()
+
+
+def test_resume_of_an_unchanged_source_says_nothing_and_rewrites_nothing(source, tmp_path):
+    out = convert(source, tmp_path / "pack")
+    notes: list[str] = []
+    written: list[str] = []
+    convert(source, out, notice=notes.append,
+            fault_hook=lambda p: written.append(p) if p.startswith("begin:") else None)
+    assert notes == [] and written == []
