@@ -19,15 +19,17 @@ restored is not detected: `--no-resume` converts everything again.)
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,6 +44,42 @@ CHUNK = 1 << 23  # bytes per read/write when copying a resident tensor
 
 class ConvertError(Exception):
     """The conversion failed; the message says why and what to do."""
+
+
+class _IOFailure(Exception):
+    """An OSError while doing `op` on `path`; `convert` turns it into a ConvertError with the fix."""
+
+    def __init__(self, op: str, path: Path, error: OSError):
+        super().__init__(op, path, error)
+        self.op, self.path, self.error = op, path, error
+
+
+@contextmanager
+def _io(op: str, path: Path) -> Iterator[None]:
+    """Raise an OSError inside as an _IOFailure naming the operation and the file."""
+    try:
+        yield
+    except OSError as e:
+        raise _IOFailure(op, path, e) from e
+
+
+def _io_message(failure: _IOFailure, out: Path, remaining: int, free: int | None) -> str:
+    """One line: the operation, the file, what happened and the fix (the rerun resumes)."""
+    e, where = failure.error, f"{failure.op} {failure.path}"
+    again = "run the same command again: it resumes"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        now = "" if free is None else f"; {free / 1e9:.2f} GB are free now"
+        return (f"{where}: no space left on the device: free {remaining / 1e9:.2f} GB at {out} (what "
+                f"the rest of the conversion writes{now}) and {again}")
+    what = e.strerror or str(e)
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    what += f" ({code})" if code else ""
+    if failure.op == "reading" and e.errno not in (errno.EACCES, errno.EPERM):
+        return (f"{where}: {what}: the source file cannot be read; check the disk (dmesg) or download "
+                f"that file again, then {again}")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where}: {what}: make {failure.path.parent} writable (or choose another --out) and {again}"
+    return f"{where}: {what}: check the disk (dmesg, free space) and {again}"
 
 
 class ConvertCancelled(ConvertError):
@@ -220,9 +258,16 @@ class _Converter:
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            with _io("opening", path):
+                self._fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self._fds[path]
+
+    def _read(self, t: TensorInfo, buf: memoryview, offset: int) -> None:
+        """Fill buf from t's shard at `offset` (an absolute file offset)."""
+        fd = self._fd(t.file)
+        with _io("reading", t.file):
+            _pread_exact(fd, buf, offset, t.name)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -238,25 +283,28 @@ class _Converter:
         """Write one safetensors output file (temp + fsync + rename); returns its entry."""
         tmp, final = self.out / (f.name + ".tmp"), self.out / f.name
         self.meter.status(f"writing {f.name}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with _io("creating", tmp):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            hasher = layout.PieceHasher(f.header)
-            _write_all(fd, memoryview(f.header))
-            self.hook(f"begin:{f.name}")
-            for spec in f.specs:
-                if f.experts is not None and spec is f.specs[0]:
-                    self._write_records(fd, f, record, hasher)
-                else:
-                    hasher.add_tensor(spec.name, self._copy(fd, f.sources[spec.name]))
-                    self.hook(f"tensor:{f.name}:{spec.name}")
-            os.fsync(fd)
+            with _io("writing", tmp):
+                hasher = layout.PieceHasher(f.header)
+                _write_all(fd, memoryview(f.header))
+                self.hook(f"begin:{f.name}")
+                for spec in f.specs:
+                    if f.experts is not None and spec is f.specs[0]:
+                        self._write_records(fd, f, record, hasher)
+                    else:
+                        hasher.add_tensor(spec.name, self._copy(fd, f.sources[spec.name]))
+                        self.hook(f"tensor:{f.name}:{spec.name}")
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
         self.hook(f"written:{f.name}")
-        replace_durably(tmp, final)
+        with _io("renaming", tmp):
+            replace_durably(tmp, final)
         self.hook(f"renamed:{f.name}")
         return hasher.finish(f.size)
 
@@ -267,8 +315,7 @@ class _Converter:
         for e, sources in enumerate(f.experts):
             self._check_cancel()
             for field, t in zip(record.fields.values(), sources):
-                _pread_exact(self._fd(t.file), buf[field.offset:field.offset + field.nbytes],
-                             t.offset, t.name)
+                self._read(t, buf[field.offset:field.offset + field.nbytes], t.offset)
             record.to_record_order(view)
             hasher.add_record(hashlib.sha256(buf).digest())
             _write_all(fd, buf)
@@ -283,7 +330,7 @@ class _Converter:
         while pos < t.nbytes:
             self._check_cancel()
             k = min(len(buf), t.nbytes - pos)
-            _pread_exact(self._fd(t.file), buf[:k], t.offset + pos, t.name)
+            self._read(t, buf[:k], t.offset + pos)
             h.update(buf[:k])
             _write_all(fd, buf[:k])
             pos += k
@@ -292,9 +339,16 @@ class _Converter:
 
     def copy_file(self, name: str) -> dict:
         tmp, final = self.out / (name + ".tmp"), self.out / name
-        data = (self.src / name).read_bytes()
-        tmp.write_bytes(data)
-        replace_durably(tmp, final)
+        with _io("reading", self.src / name):
+            data = (self.src / name).read_bytes()
+        try:
+            with _io("writing", tmp):
+                tmp.write_bytes(data)
+        except _IOFailure:
+            tmp.unlink(missing_ok=True)
+            raise
+        with _io("renaming", tmp):
+            replace_durably(tmp, final)
         self.meter.add(len(data))
         return {"size": len(data), "checksum": "sha256:" + hashlib.sha256(data).hexdigest()}
 
@@ -339,8 +393,57 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
     doc = {"format": layout.FORMAT, "version": layout.VERSION, "source": fingerprint,
            "files": entries}
     tmp = out / (layout.STATE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    replace_durably(tmp, out / layout.STATE)
+    with _io("writing", tmp):
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        replace_durably(tmp, out / layout.STATE)
+
+
+def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
+                   record: layout.RecordLayout, plan: list[_OutFile], copies: list[str],
+                   sizes: dict[str, int], fingerprint: dict, previous: dict[str, dict],
+                   entries: dict[str, dict], meter: "_Meter", cancel: threading.Event | None,
+                   fault_hook: FaultHook | None) -> None:
+    """Write (or keep, verified) every planned file into `entries`, then the manifest."""
+    with _io("creating", out):
+        out.mkdir(parents=True, exist_ok=True)
+    if previous:
+        _save_state(out, fingerprint, previous)  # the dir reads as unfinished from here on
+    for f in sorted(out.iterdir()):
+        if layout.is_own_file(f.name) and (f.name.endswith(".tmp") or f.name == layout.MANIFEST
+                                           or (not previous and f.name != layout.STATE)):
+            with _io("removing", f):
+                f.unlink()
+    if not previous:
+        with _io("removing", out / layout.STATE):
+            (out / layout.STATE).unlink(missing_ok=True)
+
+    run = _Converter(src, out, meter, cancel, fault_hook)
+    try:
+        for item in plan + copies:
+            name = item if isinstance(item, str) else item.name
+            payload = sizes[name] - (0 if isinstance(item, str) else len(item.header))
+            if name in previous:
+                meter.status(f"checking {name}")
+                if check_file(out / name, previous[name], lambda n: None) is None:
+                    entries[name] = previous[name]
+                    meter.add(payload, worked=False)
+                    continue
+            run._check_cancel()
+            entries[name] = run.copy_file(item) if isinstance(item, str) else run.write(item, record)
+            _save_state(out, fingerprint, entries | {k: v for k, v in previous.items()
+                                                     if k not in entries and k in sizes})
+            run.hook(f"saved:{name}")
+    finally:
+        run.close()
+    manifest = layout.Manifest(_source_config(src), fingerprint, record, args.n_routed_experts,
+                               tuple(layout.units_for(args)), entries)
+    run.hook("manifest")
+    tmp = out / (layout.MANIFEST + ".tmp")
+    with _io("writing", tmp):
+        tmp.write_text(manifest.dumps(), encoding="utf-8")
+        replace_durably(tmp, out / layout.MANIFEST)
+    with _io("removing", out / layout.STATE):
+        (out / layout.STATE).unlink(missing_ok=True)
 
 
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
@@ -377,45 +480,21 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
     if problems:
         raise preflight.PreflightError(problems)
 
-    out.mkdir(parents=True, exist_ok=True)
-    if previous:
-        _save_state(out, fingerprint, previous)  # the dir reads as unfinished from here on
-    for f in sorted(out.iterdir()):
-        if layout.is_own_file(f.name) and (f.name.endswith(".tmp") or f.name == layout.MANIFEST
-                                           or (not previous and f.name != layout.STATE)):
-            f.unlink()
-    if not previous:
-        (out / layout.STATE).unlink(missing_ok=True)
-
+    entries: dict[str, dict] = {}
     meter = _Meter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
                    progress)
-    run = _Converter(src, out, meter, cancel, fault_hook)
-    entries: dict[str, dict] = {}
     try:
-        for item in plan + copies:
-            name = item if isinstance(item, str) else item.name
-            payload = sizes[name] - (0 if isinstance(item, str) else len(item.header))
-            if name in previous:
-                meter.status(f"checking {name}")
-                if check_file(out / name, previous[name], lambda n: None) is None:
-                    entries[name] = previous[name]
-                    meter.add(payload, worked=False)
-                    continue
-            run._check_cancel()
-            entries[name] = run.copy_file(item) if isinstance(item, str) else run.write(item, record)
-            _save_state(out, fingerprint, entries | {k: v for k, v in previous.items()
-                                                     if k not in entries and k in sizes})
-            run.hook(f"saved:{name}")
+        _convert_files(src, out, args, index, record, plan, copies, sizes, fingerprint, previous,
+                       entries, meter, cancel, fault_hook)
+    except _IOFailure as failure:
+        remaining = sum(n for k, n in sizes.items() if k not in entries) + (1 << 20)
+        try:
+            free = (disk_free or preflight.free_bytes)(out)
+        except OSError:
+            free = None
+        raise ConvertError(_io_message(failure, out, remaining, free)) from None
     finally:
-        run.close()
         index.close()
-    manifest = layout.Manifest(_source_config(src), fingerprint, record, args.n_routed_experts,
-                               tuple(layout.units_for(args)), entries)
-    run.hook("manifest")
-    tmp = out / (layout.MANIFEST + ".tmp")
-    tmp.write_text(manifest.dumps(), encoding="utf-8")
-    replace_durably(tmp, out / layout.MANIFEST)
-    (out / layout.STATE).unlink(missing_ok=True)
     meter.status("done")
     if verify:
         meter.status("verifying")

@@ -5,6 +5,7 @@ status, and nothing is lost (converter/, engine/__main__.py, engine/logits.py)."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -115,3 +116,54 @@ def test_resume_of_an_unchanged_source_says_nothing_and_rewrites_nothing(source,
     convert(source, out, notice=notes.append,
             fault_hook=lambda p: written.append(p) if p.startswith("begin:") else None)
     assert notes == [] and written == []
+
+
+# ----------------------------------------------------------------------------- I/O errors
+
+def test_enospc_while_writing_names_the_file_the_space_and_that_a_rerun_resumes(source, tmp_path, capsys):
+    import errno
+
+    from converter.convert import ConvertError
+
+    fresh = convert(source, tmp_path / "fresh")
+    sizes = {k: v["size"] for k, v in json.loads((fresh / "manifest.json").read_text())["files"].items()}
+
+    def full(point: str) -> None:
+        if point == "record:layer_02.safetensors:3":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "pack"
+    with pytest.raises(ConvertError) as err:
+        convert(source, out, fault_hook=full, disk_free=lambda p: 10**12)
+    done = {"global.safetensors", "layer_00.safetensors", "layer_01.safetensors"}
+    remaining = sum(n for k, n in sizes.items() if k not in done) + (1 << 20)
+    assert str(err.value) == (
+        f"writing {out / 'layer_02.safetensors.tmp'}: no space left on the device: free "
+        f"{remaining / 1e9:.2f} GB at {out} (what the rest of the conversion writes; 1000.00 GB are free "
+        "now) and run the same command again: it resumes")
+    assert not (out / "layer_02.safetensors.tmp").exists()  # the torn file is gone
+    written: list[str] = []
+    convert(source, out, fault_hook=lambda p: written.append(p[6:]) if p.startswith("begin:") else None)
+    assert written[0] == "layer_02.safetensors" and tree_bytes(out) == tree_bytes(fresh)
+
+
+def test_io_errors_name_operation_file_and_fix(source, tmp_path):
+    import errno
+
+    from converter.convert import ConvertError
+
+    def failing(code: int, at: str):
+        def hook(point: str) -> None:
+            if point == at:
+                raise OSError(code, os.strerror(code))
+        return hook
+
+    out = tmp_path / "pack"
+    with pytest.raises(ConvertError, match=r"^writing .*global.safetensors.tmp: Input/output error \(EIO\): "
+                                           r"check the disk \(dmesg, free space\) and run the same command "
+                                           r"again: it resumes$"):
+        convert(source, out, fault_hook=failing(errno.EIO, "begin:global.safetensors"))
+    with pytest.raises(ConvertError, match=rf"^writing {out / 'layer_00.safetensors.tmp'}: Permission denied "
+                                           rf"\(EACCES\): make {out} writable \(or choose another --out\) and run "
+                                           "the same command again: it resumes$"):
+        convert(source, out, fault_hook=failing(errno.EACCES, "tensor:layer_00.safetensors:layers.0.attn_norm.weight"))
