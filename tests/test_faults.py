@@ -167,3 +167,53 @@ def test_io_errors_name_operation_file_and_fix(source, tmp_path):
                                            rf"\(EACCES\): make {out} writable \(or choose another --out\) and run "
                                            "the same command again: it resumes$"):
         convert(source, out, fault_hook=failing(errno.EACCES, "tensor:layer_00.safetensors:layers.0.attn_norm.weight"))
+
+
+# ----------------------------------------------------------------------------- non-finite logits
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory) -> Path:
+    """A tiny checkpoint the engine can chat with (the real tokenizer's vocabulary)."""
+    return write_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", tiny_config(vocab_size=129280),
+                            SynthOptions(seed=0))
+
+
+@pytest.fixture(scope="module")
+def nan_pack(chat_ckpt, tmp_path_factory) -> Path:
+    """chat_ckpt with one element of the final norm's weight NaN, converted (and verified: the
+    corruption is in the source, so the converted files match their manifest)."""
+    src = Path(shutil.copytree(chat_ckpt, tmp_path_factory.mktemp("nan") / "src"))
+    shard, at = _offset(src, "norm.weight")
+    _poke(shard, at, 0xC0)  # bf16 0x7FC0 = NaN (little endian: low byte first)
+    _poke(shard, at + 1, 0x7F)
+    return convert(src, tmp_path_factory.mktemp("nanpack") / "pack", verify=True)
+
+
+def test_non_finite_logits_stop_the_turn_with_the_cause(nan_pack):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import EngineFailure, TurnFinished
+    from engine.sampling import SamplingParams
+
+    engine = Engine.load(nan_pack, EngineConfig(numerics="exact"))
+    try:
+        session = engine.new_session()
+        events = list(engine.generate(session, "hello", SamplingParams(temperature=0.0, max_tokens=4)))
+        assert not any(isinstance(e, TurnFinished) for e in events)
+        (failure,) = [e for e in events if isinstance(e, EngineFailure)]
+        assert "the logits after 0 generated tokens are not finite (NaN or inf)" in failure.message
+        assert f"dsv4-convert --verify {nan_pack}" in failure.message
+        assert session.messages == []  # the turn left the conversation as it was
+    finally:
+        engine.close()
+
+
+def test_generate_cli_exits_1_on_non_finite_logits(nan_pack, capsys):
+    from engine.__main__ import main
+
+    rc = main(["generate", "--ckpt", str(nan_pack), "--prompt", "hello", "--max-tokens", "4",
+               "--temperature", "0", "--numerics", "exact"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == ""
+    assert "error: the turn failed: CorruptModelError: the logits after 0 generated tokens are not finite" in err
+    assert f"dsv4-convert --verify {nan_pack}" in err and "Traceback" not in err
