@@ -449,18 +449,19 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
             cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
             disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None,
-            notice: Callable[[str], None] | None = None) -> Path:
+            notice: Callable[[str], None] | None = None, check_tokenizer: bool = False) -> Path:
     """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v2); returns out_dir.
 
     Raises preflight.PreflightError (nothing written) when the source or destination is unfit,
     ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards
     earlier output in `out_dir` first. `verify=True` re-reads the result against the manifest.
-    `notice(line)` receives what the user should know but is no failure (e.g. why earlier output
+    `check_tokenizer=True` refuses a tokenizer.json with more tokens than vocab_size
+    (preflight.check_tokenizer; dsv4-convert does, unless --logits-only). `notice(line)` receives what the user should know but is no failure (e.g. why earlier output
     is converted again). `disk_free(path) -> bytes` replaces the free-space query and
     `fault_hook(point)` is called at named points of the write path (both for tests).
     """
     src, out = Path(hf_dir), Path(out_dir)
-    problems = preflight.check_source(src)
+    problems = preflight.check_source(src, tokenizer=check_tokenizer)
     if problems:
         raise preflight.PreflightError(problems)
     args = ModelArgs.from_dir(src)
@@ -536,32 +537,77 @@ def _printer(stream) -> ProgressFn:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4-convert", description=(
         "Convert an official DeepSeek-V4-Flash checkpoint into the streaming expert-pack layout "
-        "(lossless, resumable)."))
+        "(lossless, resumable); --verify DIR checks a converted model."))
     ap.add_argument("--hf", help="downloaded checkpoint directory (config.json, "
                     "model.safetensors.index.json, model-*.safetensors)")
     ap.add_argument("--out", help="output directory (new, or an earlier output)")
-    ap.add_argument("--verify", action="store_true", help="re-read the output against the manifest")
+    ap.add_argument("--verify", nargs="?", const=True, default=False, metavar="DIR",
+                    help="with --hf/--out: re-read the output against the manifest; alone: check the "
+                    "converted model in DIR and name every corrupt file, tensor and expert record")
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="keep verified files of an earlier run (default); --no-resume starts over")
+    ap.add_argument("--logits-only", action="store_true", help="accept a tokenizer larger than the "
+                    "model's vocabulary (the output serves python -m engine.logits, not chat)")
     ap.add_argument("--upgrade", metavar="DIR", help="rewrite a model converted by an older version "
                     "(layout 1) in place, without the download; resumable")
     a = ap.parse_args(argv)
+    if isinstance(a.verify, str):
+        if a.hf or a.out or a.upgrade is not None:
+            ap.error("--verify DIR checks a converted model and takes no --hf, --out or --upgrade "
+                     "(to convert and verify, put --verify after --hf and --out, without a directory)")
+        return _verify_main(a.verify)
     if a.upgrade is not None:
         if a.hf or a.out:
             ap.error("--upgrade DIR takes no --hf or --out")
         return _upgrade_main(a.upgrade, a.verify)
     if not (a.hf and a.out):
-        ap.error("--hf and --out are required (or --upgrade DIR)")
+        ap.error("--hf and --out are required (or --upgrade DIR, or --verify DIR)")
     show = _printer(sys.stderr)
     t0 = time.monotonic()
     out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify,
-                                       notice=lambda line: print(f"dsv4-convert: {line}", file=sys.stderr)),
+                                       notice=lambda line: print(f"dsv4-convert: {line}", file=sys.stderr),
+                                       check_tokenizer=not a.logits_only),
                        ConvertError)
     if status:
         return status
     size = sum(e["size"] for e in json.loads((out / layout.MANIFEST).read_text())["files"].values())
     print(f"\nconverted {a.hf} -> {out}: {size / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s"
           + (", verified" if a.verify else ""), file=sys.stderr)
+    return 0
+
+
+def _verify_main(path: str) -> int:
+    """`dsv4-convert --verify DIR`: 0 intact, 1 corrupt (each problem on its own line, with the
+    fix), 2 when DIR is no converted model."""
+    root = Path(path)
+    try:
+        manifest = layout.parse_manifest(json.loads((root / layout.MANIFEST).read_text(encoding="utf-8")),
+                                         str(root / layout.MANIFEST))
+    except FileNotFoundError:
+        hint = (": the conversion did not finish; run dsv4-convert --hf SRC --out DIR again to complete it"
+                if root.is_dir() and any(root.glob("*.safetensors*")) else
+                ": not a converted model (dsv4-convert --hf SRC --out DIR makes one)")
+        print(f"dsv4-convert: {root} has no {layout.MANIFEST}{hint}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, layout.LayoutError) as e:
+        print(f"dsv4-convert: {root / layout.MANIFEST} is unreadable ({e}); convert the checkpoint "
+              "again", file=sys.stderr)
+        return 2
+    total = sum(int(e.get("size", 0)) for e in manifest.files.values())
+    meter = _Meter(total, _printer(sys.stderr))
+    meter.status(f"verifying {root}")
+    problems = verify_dir(root, meter.add)
+    meter.status("done")
+    if problems:
+        print(f"\ndsv4-convert: {root}: {len(problems)} of {len(manifest.files)} files are corrupt:",
+              file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        print("  fix: run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the "
+              "corrupt files", file=sys.stderr)
+        return 1
+    print(f"\ndsv4-convert: {root}: OK, {len(manifest.files)} files ({total / 1e9:.3f} GB) match the "
+          "manifest", file=sys.stderr)
     return 0
 
 

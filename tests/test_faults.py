@@ -217,3 +217,48 @@ def test_generate_cli_exits_1_on_non_finite_logits(nan_pack, capsys):
     assert rc == 1 and out == ""
     assert "error: the turn failed: CorruptModelError: the logits after 0 generated tokens are not finite" in err
     assert f"dsv4-convert --verify {nan_pack}" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- dsv4-convert --verify
+
+def test_verify_cli_names_a_zeroed_expert_record(source, tmp_path, capsys):
+    from converter import layout
+    from engine.checkpoint import TensorIndex
+
+    out = convert(source, tmp_path / "pack")
+    assert convert_mod.main(["--verify", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"dsv4-convert: {out}: OK, 11 files" in err and "match the manifest" in err
+    record = layout.read_manifest(out).record.record_bytes
+    with TensorIndex.open(out) as idx:
+        at = idx.info("layers.1.ffn.experts").offset + 5 * record
+    with open(out / "layer_01.safetensors", "r+b") as f:  # zeroed in place: the size is unchanged
+        f.seek(at)
+        f.write(bytes(record))
+    layout.read_manifest(out)  # the sizes still match: only the checksums see it
+    assert convert_mod.main(["--verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"dsv4-convert: {out}: 1 of 11 files are corrupt:" in err
+    assert "layer_01.safetensors: routed expert 5 of layers.1" in err
+    assert "run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the corrupt files" in err
+    (out / "manifest.json").unlink()
+    assert convert_mod.main(["--verify", str(out)]) == 2
+    assert "has no manifest.json: the conversion did not finish" in capsys.readouterr().err
+    assert convert_mod.main(["--verify", str(tmp_path / "nope")]) == 2
+    assert "not a converted model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        convert_mod.main(["--verify", str(out), "--hf", str(source)])
+    assert exit_.value.code == 2
+    assert "--verify DIR checks a converted model and takes no --hf" in capsys.readouterr().err
+
+
+def test_convert_refuses_a_tokenizer_larger_than_the_vocabulary(source, tmp_path, capsys):
+    """issue 28 item 2: the tiny synthetic checkpoint carries the real 129,280-token tokenizer."""
+    out = tmp_path / "pack"
+    assert convert_mod.main(["--hf", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{source / 'tokenizer.json'} has 129,280 tokens but the model's vocab_size is 512: a model "
+            "converted with it cannot chat") in err
+    assert "--logits-only" in err and "Traceback" not in err and not out.exists()
+    assert convert_mod.main(["--hf", str(source), "--out", str(out), "--logits-only"]) == 0
+    assert (out / "manifest.json").is_file()
