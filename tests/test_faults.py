@@ -262,3 +262,47 @@ def test_convert_refuses_a_tokenizer_larger_than_the_vocabulary(source, tmp_path
     assert "--logits-only" in err and "Traceback" not in err and not out.exists()
     assert convert_mod.main(["--hf", str(source), "--out", str(out), "--logits-only"]) == 0
     assert (out / "manifest.json").is_file()
+
+
+# ----------------------------------------------------------------------------- python -m engine generate
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--cache-gb", "nan", "argument --cache-gb: expected a number of GB above 0, got 'nan'"),
+    ("--cache-gb", "inf", "argument --cache-gb: expected a number of GB above 0, got 'inf'"),
+    ("--cache-gb", "0", "argument --cache-gb: expected a number of GB above 0, got '0'"),
+    ("--cache-gb", "-1", "argument --cache-gb: expected a number of GB above 0, got '-1'"),
+    ("--max-seq-len", "0", "argument --max-seq-len: expected a whole number above 0, got '0'"),
+    ("--device", "gpu0", "argument --device: 'gpu0' is not a device (cpu, cuda or cuda:N)"),
+])
+def test_generate_refuses_bad_arguments_at_parse_time(chat_ckpt, capsys, flag, value, message):
+    from engine.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--ckpt", str(chat_ckpt), "--prompt", "hi", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == f"python -m engine generate: error: {message} (--help lists the options)\n"
+
+
+def test_generate_refuses_a_context_above_the_models(chat_ckpt, nan_pack, capsys):
+    from engine.__main__ import main
+
+    for ckpt in (chat_ckpt, nan_pack):  # official layout (config.json) and converted (manifest)
+        assert main(["generate", "--ckpt", str(ckpt), "--prompt", "hi", "--max-seq-len", "1048577"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ")
+        assert ("--max-seq-len 1,048,577 is outside 1..1,048,576, the model's longest context "
+                "(max_position_embeddings)") in err
+
+
+def test_generate_on_cuda_without_a_gpu_is_one_line(chat_ckpt, capsys):
+    import torch
+
+    from engine.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--ckpt", str(chat_ckpt), "--prompt", "hi", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'cuda': this machine has no usable CUDA GPU" in err
+    assert err.count("\n") == 1
