@@ -306,3 +306,21 @@ def test_generate_on_cuda_without_a_gpu_is_one_line(chat_ckpt, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "'cuda': this machine has no usable CUDA GPU" in err
     assert err.count("\n") == 1
+
+
+def test_loading_a_model_with_a_wrong_config_type_is_one_line(nan_pack, tmp_path, capsys):
+    """The engine reads a converted model's config from its manifest: the same checks apply."""
+    from engine.__main__ import main
+    from engine.config import ConfigError
+    from engine.weights import open_model
+
+    pack = Path(shutil.copytree(nan_pack, tmp_path / "pack"))
+    doc = json.loads((pack / "manifest.json").read_text())
+    doc["config"]["num_hidden_layers"] = None
+    (pack / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=r"manifest.json: field 'num_hidden_layers' is null, expected an "
+                                          r"integer"):
+        open_model(pack)
+    assert main(["generate", "--ckpt", str(pack), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "field 'num_hidden_layers' is null, expected an integer" in err
