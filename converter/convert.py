@@ -456,9 +456,11 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
     ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards
     earlier output in `out_dir` first. `verify=True` re-reads the result against the manifest.
     `check_tokenizer=True` refuses a tokenizer.json with more tokens than vocab_size
-    (preflight.check_tokenizer; dsv4-convert does, unless --logits-only). `notice(line)` receives what the user should know but is no failure (e.g. why earlier output
-    is converted again). `disk_free(path) -> bytes` replaces the free-space query and
-    `fault_hook(point)` is called at named points of the write path (both for tests).
+    (preflight.check_tokenizer; dsv4-convert does, unless --logits-only). `notice(line)` receives
+    what the user should know but is no failure (e.g. why earlier output is converted again).
+    `disk_free(path) -> bytes` replaces the free-space query and `fault_hook(point)` is called at
+    named points of the write path (both for tests). An OSError becomes a ConvertError naming the
+    operation, the file and the fix (for a full disk: how many GB to free; a rerun resumes).
     """
     src, out = Path(hf_dir), Path(out_dir)
     problems = preflight.check_source(src, tokenizer=check_tokenizer)
