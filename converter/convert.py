@@ -209,7 +209,8 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
             raise ConvertError(f"{what}: source file ended early at byte {offset + done}; the "
-                               "shard changed since the preflight check (download it again)")
+                               "shard changed since the preflight check: download it again, then run "
+                               "the same command again: it resumes")
         done += n
 
 
@@ -267,7 +268,7 @@ class _Converter:
         """Fill buf from t's shard at `offset` (an absolute file offset)."""
         fd = self._fd(t.file)
         with _io("reading", t.file):
-            _pread_exact(fd, buf, offset, t.name)
+            _pread_exact(fd, buf, offset, f"reading {t.name} from {t.file}")
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -324,3 +324,19 @@ def test_loading_a_model_with_a_wrong_config_type_is_one_line(nan_pack, tmp_path
     assert main(["generate", "--ckpt", str(pack), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "field 'num_hidden_layers' is null, expected an integer" in err
+
+
+def test_a_source_shard_truncated_during_conversion_is_named(src_copy, tmp_path):
+    from converter.convert import ConvertError
+
+    shard, _ = _offset(src_copy, "layers.1.attn_norm.weight")
+
+    def truncate(point: str) -> None:
+        if point == "begin:layer_01.safetensors":
+            with open(shard, "r+b") as f:
+                f.truncate(4096)
+
+    with pytest.raises(ConvertError, match=rf"^reading layers\.1\.\S+ from {shard}: source file ended early at "
+                                           r"byte \d+; the shard changed since the preflight check: download "
+                                           r"it again, then run the same command again: it resumes$"):
+        convert(src_copy, tmp_path / "pack", fault_hook=truncate)
