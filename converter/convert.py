@@ -7,20 +7,29 @@ is written under `<name>.tmp`, fsynced, hashed piece by piece on the way, and re
 complete; its manifest entry then goes to `.dsv4-convert.json`. A rerun with the same source
 (resume, the default) re-verifies the files listed there and writes only what is missing, and
 `manifest.json` is written last: the output is byte-identical however often it was interrupted.
+
+Resume trusts an earlier output file only if the source it came from is unchanged: the manifest's
+"source" records each shard's size, the sha256 of its header and its modification time
+(`shard_fingerprints`), and a copied file (config, tokenizer) is compared by content. An output
+file read from a shard that differs in any of these is converted again, and a notice says which
+shard changed and how. (A shard edited in place with its size, header and modification time
+restored is not detected: `--no-resume` converts everything again.)
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -35,6 +44,42 @@ CHUNK = 1 << 23  # bytes per read/write when copying a resident tensor
 
 class ConvertError(Exception):
     """The conversion failed; the message says why and what to do."""
+
+
+class _IOFailure(Exception):
+    """An OSError while doing `op` on `path`; `convert` turns it into a ConvertError with the fix."""
+
+    def __init__(self, op: str, path: Path, error: OSError):
+        super().__init__(op, path, error)
+        self.op, self.path, self.error = op, path, error
+
+
+@contextmanager
+def _io(op: str, path: Path) -> Iterator[None]:
+    """Raise an OSError inside as an _IOFailure naming the operation and the file."""
+    try:
+        yield
+    except OSError as e:
+        raise _IOFailure(op, path, e) from e
+
+
+def _io_message(failure: _IOFailure, out: Path, remaining: int, free: int | None) -> str:
+    """One line: the operation, the file, what happened and the fix (the rerun resumes)."""
+    e, where = failure.error, f"{failure.op} {failure.path}"
+    again = "run the same command again: it resumes"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        now = "" if free is None else f"; {free / 1e9:.2f} GB are free now"
+        return (f"{where}: no space left on the device: free {remaining / 1e9:.2f} GB at {out} (what "
+                f"the rest of the conversion writes{now}) and {again}")
+    what = e.strerror or str(e)
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    what += f" ({code})" if code else ""
+    if failure.op == "reading" and e.errno not in (errno.EACCES, errno.EPERM):
+        return (f"{where}: {what}: the source file cannot be read; check the disk (dmesg) or download "
+                f"that file again, then {again}")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where}: {what}: make {failure.path.parent} writable (or choose another --out) and {again}"
+    return f"{where}: {what}: check the disk (dmesg, free space) and {again}"
 
 
 class ConvertCancelled(ConvertError):
@@ -96,10 +141,53 @@ def _plan(index: TensorIndex, args: ModelArgs, record: layout.RecordLayout) -> l
     return plan
 
 
+def _shard_fingerprint(path: Path) -> dict:
+    """{"header_sha256", "mtime_ns"} of one source shard (reads only its header)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = head + f.read(n)
+        mtime = os.fstat(f.fileno()).st_mtime_ns
+    return {"header_sha256": hashlib.sha256(header).hexdigest(), "mtime_ns": mtime}
+
+
 def _fingerprint(root: Path, index: TensorIndex) -> dict:
     raw = (root / INDEX_NAME).read_bytes()
     return {"index_sha256": hashlib.sha256(raw).hexdigest(), "total_size": index.total_bytes(),
-            "shards": [{"name": f.name, "size": f.stat().st_size} for f in index.files()]}
+            "shards": [{"name": f.name, "size": f.stat().st_size} for f in index.files()],
+            "shard_fingerprints": {f.name: _shard_fingerprint(f) for f in index.files()}}
+
+
+def _dependencies(plan: list[_OutFile]) -> dict[str, set[str]]:
+    """Output file name -> names of the source shards its bytes are read from."""
+    deps = {}
+    for f in plan:
+        infos = list(f.sources.values()) + [t for fields in (f.experts or []) for t in fields]
+        deps[f.name] = {t.file.name for t in infos}
+    return deps
+
+
+def _changed_shards(old: dict, new: dict) -> dict[str, list[str]]:
+    """Source shard name -> how it differs from the earlier run's fingerprint `old`."""
+    old_sizes = {s.get("name"): s.get("size") for s in old.get("shards", []) if isinstance(s, dict)}
+    old_fps = old.get("shard_fingerprints")
+    old_fps = old_fps if isinstance(old_fps, dict) else {}
+    changed = {}
+    for shard in new["shards"]:
+        name, fp = shard["name"], old_fps.get(shard["name"])
+        why = []
+        if old_sizes.get(name) != shard["size"]:
+            why.append("size")
+        if not isinstance(fp, dict):
+            why.append("no fingerprint recorded by the earlier run")
+        else:
+            if fp.get("header_sha256") != new["shard_fingerprints"][name]["header_sha256"]:
+                why.append("header")
+            if fp.get("mtime_ns") != new["shard_fingerprints"][name]["mtime_ns"]:
+                why.append("modification time")
+        if why:
+            changed[name] = why
+    return changed
 
 
 def _source_config(root: Path) -> dict:
@@ -121,7 +209,8 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n == 0:
             raise ConvertError(f"{what}: source file ended early at byte {offset + done}; the "
-                               "shard changed since the preflight check (download it again)")
+                               "shard changed since the preflight check: download it again, then run "
+                               "the same command again: it resumes")
         done += n
 
 
@@ -170,9 +259,16 @@ class _Converter:
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            with _io("opening", path):
+                self._fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self._fds[path]
+
+    def _read(self, t: TensorInfo, buf: memoryview, offset: int) -> None:
+        """Fill buf from t's shard at `offset` (an absolute file offset)."""
+        fd = self._fd(t.file)
+        with _io("reading", t.file):
+            _pread_exact(fd, buf, offset, f"reading {t.name} from {t.file}")
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -188,25 +284,28 @@ class _Converter:
         """Write one safetensors output file (temp + fsync + rename); returns its entry."""
         tmp, final = self.out / (f.name + ".tmp"), self.out / f.name
         self.meter.status(f"writing {f.name}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with _io("creating", tmp):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            hasher = layout.PieceHasher(f.header)
-            _write_all(fd, memoryview(f.header))
-            self.hook(f"begin:{f.name}")
-            for spec in f.specs:
-                if f.experts is not None and spec is f.specs[0]:
-                    self._write_records(fd, f, record, hasher)
-                else:
-                    hasher.add_tensor(spec.name, self._copy(fd, f.sources[spec.name]))
-                    self.hook(f"tensor:{f.name}:{spec.name}")
-            os.fsync(fd)
+            with _io("writing", tmp):
+                hasher = layout.PieceHasher(f.header)
+                _write_all(fd, memoryview(f.header))
+                self.hook(f"begin:{f.name}")
+                for spec in f.specs:
+                    if f.experts is not None and spec is f.specs[0]:
+                        self._write_records(fd, f, record, hasher)
+                    else:
+                        hasher.add_tensor(spec.name, self._copy(fd, f.sources[spec.name]))
+                        self.hook(f"tensor:{f.name}:{spec.name}")
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
         self.hook(f"written:{f.name}")
-        replace_durably(tmp, final)
+        with _io("renaming", tmp):
+            replace_durably(tmp, final)
         self.hook(f"renamed:{f.name}")
         return hasher.finish(f.size)
 
@@ -217,8 +316,7 @@ class _Converter:
         for e, sources in enumerate(f.experts):
             self._check_cancel()
             for field, t in zip(record.fields.values(), sources):
-                _pread_exact(self._fd(t.file), buf[field.offset:field.offset + field.nbytes],
-                             t.offset, t.name)
+                self._read(t, buf[field.offset:field.offset + field.nbytes], t.offset)
             record.to_record_order(view)
             hasher.add_record(hashlib.sha256(buf).digest())
             _write_all(fd, buf)
@@ -233,7 +331,7 @@ class _Converter:
         while pos < t.nbytes:
             self._check_cancel()
             k = min(len(buf), t.nbytes - pos)
-            _pread_exact(self._fd(t.file), buf[:k], t.offset + pos, t.name)
+            self._read(t, buf[:k], t.offset + pos)
             h.update(buf[:k])
             _write_all(fd, buf[:k])
             pos += k
@@ -242,24 +340,53 @@ class _Converter:
 
     def copy_file(self, name: str) -> dict:
         tmp, final = self.out / (name + ".tmp"), self.out / name
-        data = (self.src / name).read_bytes()
-        tmp.write_bytes(data)
-        replace_durably(tmp, final)
+        with _io("reading", self.src / name):
+            data = (self.src / name).read_bytes()
+        try:
+            with _io("writing", tmp):
+                tmp.write_bytes(data)
+        except _IOFailure:
+            tmp.unlink(missing_ok=True)
+            raise
+        with _io("renaming", tmp):
+            replace_durably(tmp, final)
         self.meter.add(len(data))
         return {"size": len(data), "checksum": "sha256:" + hashlib.sha256(data).hexdigest()}
 
 
-def _load_previous(out: Path, fingerprint: dict, sizes: dict[str, int]) -> dict[str, dict]:
-    """File entries of an earlier run with the same source and plan (manifest or state file)."""
+def _load_previous(out: Path, src: Path, fingerprint: dict, sizes: dict[str, int],
+                   deps: dict[str, set[str]], notice: Callable[[str], None]) -> dict[str, dict]:
+    """File entries of an earlier run (manifest or state file) that came from the same source and
+    plan; `notice` is told why any others are converted again."""
     for name in (layout.MANIFEST, layout.STATE):
         try:
             doc = json.loads((out / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if (isinstance(doc, dict) and doc.get("version") == layout.VERSION
-                and doc.get("source") == fingerprint and isinstance(doc.get("files"), dict)):
-            return {k: v for k, v in doc["files"].items()
-                    if isinstance(v, dict) and (k not in sizes or v.get("size") == sizes[k])}
+        if not (isinstance(doc, dict) and doc.get("version") == layout.VERSION
+                and isinstance(doc.get("source"), dict) and isinstance(doc.get("files"), dict)):
+            continue
+        old = doc["source"]
+        if (old.get("index_sha256"), old.get("total_size")) != (fingerprint["index_sha256"],
+                                                                fingerprint["total_size"]):
+            notice(f"the source's {INDEX_NAME} differs from the one {out} was converted from: "
+                   "converting everything again")
+            return {}
+        files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+        for k in sorted(set(files) - set(deps)):  # copied files: compared by content (small)
+            if (src / k).is_file() and layout.sha256_file(src / k) != files[k].get("checksum"):
+                notice(f"source file {k} changed since the earlier conversion: copying it again")
+                files.pop(k)
+        files = {k: v for k, v in files.items() if k not in sizes or v.get("size") == sizes[k]}
+        changed = _changed_shards(old, fingerprint)
+        for shard, why in sorted(changed.items()):
+            stale = sorted(k for k in files if shard in deps.get(k, ()))
+            if stale:
+                notice(f"source shard {shard} changed since the earlier conversion ({', '.join(why)}): "
+                       f"converting {', '.join(stale)} again")
+            for k in stale:
+                files.pop(k)
+        return files
     return {}
 
 
@@ -267,55 +394,31 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
     doc = {"format": layout.FORMAT, "version": layout.VERSION, "source": fingerprint,
            "files": entries}
     tmp = out / (layout.STATE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    replace_durably(tmp, out / layout.STATE)
+    with _io("writing", tmp):
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        replace_durably(tmp, out / layout.STATE)
 
 
-def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
-            cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
-            disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None) -> Path:
-    """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v2); returns out_dir.
-
-    Raises preflight.PreflightError (nothing written) when the source or destination is unfit,
-    ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards
-    earlier output in `out_dir` first. `verify=True` re-reads the result against the manifest.
-    `disk_free(path) -> bytes` replaces the free-space query and `fault_hook(point)` is called at
-    named points of the write path (both for tests).
-    """
-    src, out = Path(hf_dir), Path(out_dir)
-    problems = preflight.check_source(src)
-    if problems:
-        raise preflight.PreflightError(problems)
-    args = ModelArgs.from_dir(src)
-    try:
-        index = TensorIndex.open(src)
-    except CheckpointError as e:
-        raise preflight.PreflightError([str(e)]) from None
-    record = layout.RecordLayout.from_args(args)
-    plan = _plan(index, args, record)
-    copies = [n for n in layout.COPIED_FILES if (src / n).is_file()]
-    fingerprint = _fingerprint(src, index)
-    sizes = {f.name: f.size for f in plan} | {n: (src / n).stat().st_size for n in copies}
-    previous = _load_previous(out, fingerprint, sizes) if resume else {}
-    needed = sum(s for n, s in sizes.items() if n not in previous) + (1 << 20)
-    problems = preflight.check_destination(out, needed, src, disk_free)
-    if problems:
-        raise preflight.PreflightError(problems)
-
-    out.mkdir(parents=True, exist_ok=True)
+def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
+                   record: layout.RecordLayout, plan: list[_OutFile], copies: list[str],
+                   sizes: dict[str, int], fingerprint: dict, previous: dict[str, dict],
+                   entries: dict[str, dict], meter: "_Meter", cancel: threading.Event | None,
+                   fault_hook: FaultHook | None) -> None:
+    """Write (or keep, verified) every planned file into `entries`, then the manifest."""
+    with _io("creating", out):
+        out.mkdir(parents=True, exist_ok=True)
     if previous:
         _save_state(out, fingerprint, previous)  # the dir reads as unfinished from here on
     for f in sorted(out.iterdir()):
         if layout.is_own_file(f.name) and (f.name.endswith(".tmp") or f.name == layout.MANIFEST
                                            or (not previous and f.name != layout.STATE)):
-            f.unlink()
+            with _io("removing", f):
+                f.unlink()
     if not previous:
-        (out / layout.STATE).unlink(missing_ok=True)
+        with _io("removing", out / layout.STATE):
+            (out / layout.STATE).unlink(missing_ok=True)
 
-    meter = _Meter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
-                   progress)
     run = _Converter(src, out, meter, cancel, fault_hook)
-    entries: dict[str, dict] = {}
     try:
         for item in plan + copies:
             name = item if isinstance(item, str) else item.name
@@ -333,14 +436,69 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
             run.hook(f"saved:{name}")
     finally:
         run.close()
-        index.close()
     manifest = layout.Manifest(_source_config(src), fingerprint, record, args.n_routed_experts,
                                tuple(layout.units_for(args)), entries)
     run.hook("manifest")
     tmp = out / (layout.MANIFEST + ".tmp")
-    tmp.write_text(manifest.dumps(), encoding="utf-8")
-    replace_durably(tmp, out / layout.MANIFEST)
-    (out / layout.STATE).unlink(missing_ok=True)
+    with _io("writing", tmp):
+        tmp.write_text(manifest.dumps(), encoding="utf-8")
+        replace_durably(tmp, out / layout.MANIFEST)
+    with _io("removing", out / layout.STATE):
+        (out / layout.STATE).unlink(missing_ok=True)
+
+
+def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
+            cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
+            disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None,
+            notice: Callable[[str], None] | None = None, check_tokenizer: bool = False) -> Path:
+    """Convert the HF checkpoint `hf_dir` into `out_dir` (layout v2); returns out_dir.
+
+    Raises preflight.PreflightError (nothing written) when the source or destination is unfit,
+    ConvertCancelled when `cancel` is set, ConvertError on failures. `resume=False` discards
+    earlier output in `out_dir` first. `verify=True` re-reads the result against the manifest.
+    `check_tokenizer=True` refuses a tokenizer.json with more tokens than vocab_size
+    (preflight.check_tokenizer; dsv4-convert does, unless --logits-only). `notice(line)` receives
+    what the user should know but is no failure (e.g. why earlier output is converted again).
+    `disk_free(path) -> bytes` replaces the free-space query and `fault_hook(point)` is called at
+    named points of the write path (both for tests). An OSError becomes a ConvertError naming the
+    operation, the file and the fix (for a full disk: how many GB to free; a rerun resumes).
+    """
+    src, out = Path(hf_dir), Path(out_dir)
+    problems = preflight.check_source(src, tokenizer=check_tokenizer)
+    if problems:
+        raise preflight.PreflightError(problems)
+    args = ModelArgs.from_dir(src)
+    try:
+        index = TensorIndex.open(src)
+    except CheckpointError as e:
+        raise preflight.PreflightError([str(e)]) from None
+    record = layout.RecordLayout.from_args(args)
+    plan = _plan(index, args, record)
+    copies = [n for n in layout.COPIED_FILES if (src / n).is_file()]
+    fingerprint = _fingerprint(src, index)
+    sizes = {f.name: f.size for f in plan} | {n: (src / n).stat().st_size for n in copies}
+    notes = notice or (lambda line: None)
+    previous = _load_previous(out, src, fingerprint, sizes, _dependencies(plan), notes) if resume else {}
+    needed = sum(s for n, s in sizes.items() if n not in previous) + (1 << 20)
+    problems = preflight.check_destination(out, needed, src, disk_free)
+    if problems:
+        raise preflight.PreflightError(problems)
+
+    entries: dict[str, dict] = {}
+    meter = _Meter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
+                   progress)
+    try:
+        _convert_files(src, out, args, index, record, plan, copies, sizes, fingerprint, previous,
+                       entries, meter, cancel, fault_hook)
+    except _IOFailure as failure:
+        remaining = sum(n for k, n in sizes.items() if k not in entries) + (1 << 20)
+        try:
+            free = (disk_free or preflight.free_bytes)(out)
+        except OSError:
+            free = None
+        raise ConvertError(_io_message(failure, out, remaining, free)) from None
+    finally:
+        index.close()
     meter.status("done")
     if verify:
         meter.status("verifying")
@@ -382,31 +540,77 @@ def _printer(stream) -> ProgressFn:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4-convert", description=(
         "Convert an official DeepSeek-V4-Flash checkpoint into the streaming expert-pack layout "
-        "(lossless, resumable)."))
+        "(lossless, resumable); --verify DIR checks a converted model."))
     ap.add_argument("--hf", help="downloaded checkpoint directory (config.json, "
                     "model.safetensors.index.json, model-*.safetensors)")
     ap.add_argument("--out", help="output directory (new, or an earlier output)")
-    ap.add_argument("--verify", action="store_true", help="re-read the output against the manifest")
+    ap.add_argument("--verify", nargs="?", const=True, default=False, metavar="DIR",
+                    help="with --hf/--out: re-read the output against the manifest; alone: check the "
+                    "converted model in DIR and name every corrupt file, tensor and expert record")
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="keep verified files of an earlier run (default); --no-resume starts over")
+    ap.add_argument("--logits-only", action="store_true", help="accept a tokenizer larger than the "
+                    "model's vocabulary (the output serves python -m engine.logits, not chat)")
     ap.add_argument("--upgrade", metavar="DIR", help="rewrite a model converted by an older version "
                     "(layout 1) in place, without the download; resumable")
     a = ap.parse_args(argv)
+    if isinstance(a.verify, str):
+        if a.hf or a.out or a.upgrade is not None:
+            ap.error("--verify DIR checks a converted model and takes no --hf, --out or --upgrade "
+                     "(to convert and verify, put --verify after --hf and --out, without a directory)")
+        return _verify_main(a.verify)
     if a.upgrade is not None:
         if a.hf or a.out:
             ap.error("--upgrade DIR takes no --hf or --out")
         return _upgrade_main(a.upgrade, a.verify)
     if not (a.hf and a.out):
-        ap.error("--hf and --out are required (or --upgrade DIR)")
+        ap.error("--hf and --out are required (or --upgrade DIR, or --verify DIR)")
     show = _printer(sys.stderr)
     t0 = time.monotonic()
-    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify),
+    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify,
+                                       notice=lambda line: print(f"dsv4-convert: {line}", file=sys.stderr),
+                                       check_tokenizer=not a.logits_only),
                        ConvertError)
     if status:
         return status
     size = sum(e["size"] for e in json.loads((out / layout.MANIFEST).read_text())["files"].values())
     print(f"\nconverted {a.hf} -> {out}: {size / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s"
           + (", verified" if a.verify else ""), file=sys.stderr)
+    return 0
+
+
+def _verify_main(path: str) -> int:
+    """`dsv4-convert --verify DIR`: 0 intact, 1 corrupt (each problem on its own line, with the
+    fix), 2 when DIR is no converted model."""
+    root = Path(path)
+    try:
+        manifest = layout.parse_manifest(json.loads((root / layout.MANIFEST).read_text(encoding="utf-8")),
+                                         str(root / layout.MANIFEST))
+    except FileNotFoundError:
+        hint = (": the conversion did not finish; run dsv4-convert --hf SRC --out DIR again to complete it"
+                if root.is_dir() and any(root.glob("*.safetensors*")) else
+                ": not a converted model (dsv4-convert --hf SRC --out DIR makes one)")
+        print(f"dsv4-convert: {root} has no {layout.MANIFEST}{hint}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, layout.LayoutError) as e:
+        print(f"dsv4-convert: {root / layout.MANIFEST} is unreadable ({e}); convert the checkpoint "
+              "again", file=sys.stderr)
+        return 2
+    total = sum(int(e.get("size", 0)) for e in manifest.files.values())
+    meter = _Meter(total, _printer(sys.stderr))
+    meter.status(f"verifying {root}")
+    problems = verify_dir(root, meter.add)
+    meter.status("done")
+    if problems:
+        print(f"\ndsv4-convert: {root}: {len(problems)} of {len(manifest.files)} files are corrupt:",
+              file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        print("  fix: run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the "
+              "corrupt files", file=sys.stderr)
+        return 1
+    print(f"\ndsv4-convert: {root}: OK, {len(manifest.files)} files ({total / 1e9:.3f} GB) match the "
+          "manifest", file=sys.stderr)
     return 0
 
 

@@ -4,7 +4,8 @@ A directory holding
   * `manifest.json` (written last: a directory without it is an unfinished conversion):
         {"format": "dsv4-expert-pack", "version": 2,
          "config": {the HF config.json of the source},
-         "source": {"index_sha256": hex, "total_size": int, "shards": [{"name", "size"}, ...]},
+         "source": {"index_sha256": hex, "total_size": int, "shards": [{"name", "size"}, ...],
+                    "shard_fingerprints": {name: {"header_sha256": hex, "mtime_ns": int}}},
          "experts": {"record_bytes": R, "alignment": 4096, "count": E,
                      "fields": {"w1.weight": {"offset", "nbytes", "dtype", "shape"}, "w1.scale": ..,
                                 "w3.weight": .., "w3.scale": .., "w2.weight": .., "w2.scale": ..},

@@ -2,8 +2,9 @@
 
 `check_source(path)` returns human-readable problems (empty = the source can be converted):
 config validation (`ModelArgs`), the index, every shard it names present and exactly the size
-its header describes, and every tensor's dtype and shape against spec §B.3 (as implied by the
-config). `check_destination` checks the output directory and the free disk space.
+its header describes, every tensor's dtype and shape against spec §B.3 (as implied by the
+config) and, unless told not to, that the tokenizer fits the model's vocabulary
+(`check_tokenizer`). `check_destination` checks the output directory and the free disk space.
 """
 
 from __future__ import annotations
@@ -91,8 +92,29 @@ def source_shapes(root: Path, problems: list[str]) -> dict[str, tuple[str, tuple
     return found
 
 
-def check_source(path: str | os.PathLike) -> list[str]:
-    """Problems that would stop converting the HF checkpoint at `path` (empty list = OK)."""
+def check_tokenizer(root: Path, args: ModelArgs) -> list[str]:
+    """A problem if `root/tokenizer.json` has more tokens than the model's vocab_size (a model
+    that could not chat: the engine refuses to load it), or cannot be read; [] otherwise."""
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        return []
+    from tokenizers import Tokenizer  # the engine's tokenizer library (engine/chat.py)
+
+    try:
+        n = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the library raises its own exception type for a malformed file
+        return [f"{path} is not a readable tokenizer ({e}); download it again"]
+    if n > args.vocab_size:
+        return [f"{path} has {n:,} tokens but the model's vocab_size is {args.vocab_size:,}: a model "
+                "converted with it cannot chat (the engine refuses to load it); put the tokenizer that "
+                "belongs to this checkpoint next to it, or convert with --logits-only for the logits "
+                "tools (python -m engine.logits) only"]
+    return []
+
+
+def check_source(path: str | os.PathLike, tokenizer: bool = True) -> list[str]:
+    """Problems that would stop converting the HF checkpoint at `path` (empty list = OK);
+    `tokenizer=False` leaves out `check_tokenizer` (a model for the logits tools only)."""
     root = Path(path)
     if not root.is_dir():
         return [f"{root} is not a directory; point at the downloaded DeepSeek-V4-Flash checkpoint "
@@ -120,6 +142,8 @@ def check_source(path: str | os.PathLike) -> list[str]:
     if bad:
         problems.append(_listed(f"{len(bad)} tensors have the wrong dtype or shape for this config "
                                 "(spec §B.3)", bad))
+    if tokenizer:
+        problems += check_tokenizer(root, args)
     return problems
 
 

@@ -7,14 +7,17 @@ status 0 on success, 1 if the turn failed, 2 on bad arguments or an unusable mod
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
+from pathlib import Path
 
+from engine import cli_args
 from engine.reproducible import pin_cpu_math
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine", description="DeepSeek-V4-Flash engine tools")
+    p = cli_args.Parser(prog="python -m engine", description="DeepSeek-V4-Flash engine tools")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer one prompt")
     g.add_argument("--ckpt", required=True, help="model directory (converted or official layout)")
@@ -27,10 +30,23 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--think", action="store_true", help="thinking mode")
     g.add_argument("--numerics", choices=("native", "exact"), default="native")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--cache-gb", type=float, default=None, help="expert cache budget (converted layout)")
-    g.add_argument("--max-seq-len", type=int, default=4096)
+    g.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--cache-gb", type=cli_args.positive_gb, default=None,
+                   help="expert cache budget in GB, above 0 (converted layout)")
+    g.add_argument("--max-seq-len", type=cli_args.positive_int, default=4096,
+                   help="context limit in tokens, at most the model's max_position_embeddings")
     return p
+
+
+def _model_args(path: Path):
+    """The ModelArgs of a model directory (a converted one's manifest, else its config.json);
+    raises ConfigError (or OSError/ValueError for an unreadable manifest)."""
+    from engine.config import ModelArgs
+
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        return ModelArgs.from_dict(json.loads(manifest.read_text(encoding="utf-8"))["config"], str(manifest))
+    return ModelArgs.from_dir(path)
 
 
 def generate(a: argparse.Namespace) -> int:
@@ -47,6 +63,16 @@ def generate(a: argparse.Namespace) -> int:
     except (SamplingError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        model = _model_args(Path(a.ckpt))
+    except (ConfigError, OSError, ValueError, KeyError, TypeError):
+        model = None  # an unusable directory: Engine.load names the problem
+    if model is not None:
+        try:
+            model.check_seq_len(a.max_seq_len, "--max-seq-len")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         engine = Engine.load(a.ckpt, config)
     except Exception as exc:  # unusable model directory: one line

@@ -9,6 +9,7 @@ DeepSeek-V4-Flash's architecture (§A.4): other checkpoints sharing `model_type`
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -73,11 +74,19 @@ class ModelArgs:
     n_mtp_layers: int = 1
     bos_token_id: int = 0
     eos_token_id: int = 1
+    max_position_embeddings: int = 1048576  # the longest context the model supports (§A.1)
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "ModelArgs":
-        """Build from an HF-style or official config dict, then validate (§A.4)."""
+        """Build from an HF-style or official config dict, then validate (§A.4).
+
+        Every field is type-checked first: an int field takes a JSON integer only (not 512.0, not
+        "512", not true), a float field a finite JSON number, a str field a string; a wrong type
+        raises ConfigError naming the key, the value and the expected type. An HF-style config
+        (one that uses HF key names) must name its `model_type`; the official
+        `inference/config.json` has none."""
+        _check_types(cfg, source)
         _refuse_other_models(cfg, source)
         values: dict = {}
         names = {f.name for f in fields(cls)}
@@ -96,12 +105,10 @@ class ModelArgs:
         if "compress_rope_theta" not in cfg:
             raise ConfigError(f"{source}: field 'compress_rope_theta' is missing (expected 160000); it must come "
                               "from the checkpoint, never from a library default (spec §E.5, §E.8)")
-        values["compress_ratios"] = tuple(int(r) for r in cfg["compress_ratios"])
+        values["compress_ratios"] = tuple(cfg["compress_ratios"])
+        values = {k: float(v) if _FIELD_TYPES[k] is float else v for k, v in values.items()}
         _check_quantization(cfg, source)
-        try:
-            args = cls(**values)
-        except TypeError as exc:  # pragma: no cover - dataclass field errors
-            raise ConfigError(f"{source}: {exc}") from None
+        args = cls(**values)
         args.validate(source)
         return args
 
@@ -157,6 +164,20 @@ class ModelArgs:
                             ("num_attention_heads*head_dim/o_groups", self.n_heads * self.head_dim // self.o_groups)):
             need(value % 128 == 0, f"'{name}' ({value}) must be a multiple of 128 (FP8 block size)")
         need(self.window_size > 0, f"'sliding_window' must be positive, got {self.window_size}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                     "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
+                     "moe_inter_dim", "original_seq_len", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(value > 0, f"'{_CONFIG_KEYS.get(name, name)}' must be positive, got {value}")
+        need(0 <= self.bos_token_id < self.vocab_size and 0 <= self.eos_token_id < self.vocab_size,
+             f"'bos_token_id' ({self.bos_token_id}) and 'eos_token_id' ({self.eos_token_id}) must be "
+             f"token ids below vocab_size ({self.vocab_size})")
+
+    def check_seq_len(self, max_seq_len: int, source: str = "max_seq_len") -> None:
+        """Raise ConfigError unless a context of `max_seq_len` tokens fits this model."""
+        if not 0 < max_seq_len <= self.max_position_embeddings:
+            raise ConfigError(f"{source} {max_seq_len:,} is outside 1..{self.max_position_embeddings:,}, "
+                              "the model's longest context (max_position_embeddings): choose a value in it")
 
     # ------------------------------------------------------------------------------ derived
     @property
@@ -174,6 +195,73 @@ class ModelArgs:
         """Bytes of one routed expert on disk: 3 FP4 matrices (two codes a byte) + e8m0 1×32 scales."""
         inter, dim = self.moe_inter_dim, self.dim
         return 3 * (inter * dim // 2 + inter * dim // 32)
+
+
+_FIELD_TYPES: dict[str, type] = {f.name: (tuple if f.name == "compress_ratios" else
+                                         {"int": int, "float": float, "str": str}[str(f.type)])
+                                  for f in fields(ModelArgs)}
+_CONFIG_KEYS = {v: k for k, v in _HF_KEYS.items()}  # ModelArgs field -> HF key (for messages)
+_ROPE_KEYS = {"factor": float, "original_max_position_embeddings": int, "beta_fast": float,
+              "beta_slow": float}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _shown(value: object) -> str:
+    """The JSON text of a value and, unless it is null, its JSON type: '"16" (a string)'."""
+    return "null" if value is None else f"{json.dumps(value)} ({_json_type(value)})"
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _check_value(value: object, want: type, key: str, source: str) -> None:
+    if want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif want is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        raise ConfigError(f"{source}: field '{key}' is {_shown(value)}, expected "
+                          f"{_TYPE_NAMES[want]}" + (" (a whole number without a decimal point)"
+                                                    if want is int and isinstance(value, float) else "")
+                          + ": fix config.json or download it again")
+
+
+def _check_types(cfg: dict, source: str) -> None:
+    """ConfigError on the first config key whose JSON type does not fit its ModelArgs field."""
+    if "model_type" in cfg or any(key in cfg for key in _HF_KEYS):  # HF-style: names its model
+        if "model_type" not in cfg:
+            raise ConfigError(f"{source}: field 'model_type' is missing, expected \"deepseek_v4\"; this "
+                              "config.json is incomplete: download it again")
+        _check_value(cfg["model_type"], str, "model_type", source)
+    for key, value in cfg.items():
+        target = _HF_KEYS.get(key, key)
+        if target == "compress_ratios":
+            if not isinstance(value, list):
+                raise ConfigError(f"{source}: field 'compress_ratios' is {_shown(value)}, "
+                                  "expected a list of integers (0, 4 or 128), one "
+                                  "per layer plus one for the MTP block: fix config.json or download it again")
+            for i, r in enumerate(value):
+                _check_value(r, int, f"compress_ratios[{i}]", source)
+        elif target in _FIELD_TYPES:
+            _check_value(value, _FIELD_TYPES[target], key, source)
+    rope = cfg.get("rope_scaling")
+    if rope is not None:
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: field 'rope_scaling' is {_shown(rope)}, "
+                              "expected an object: fix config.json or download it again")
+        for key, want in _ROPE_KEYS.items():
+            if key in rope:
+                _check_value(rope[key], want, f"rope_scaling.{key}", source)
+    q = cfg.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise ConfigError(f"{source}: field 'quantization_config' is {_shown(q)}, "
+                          "expected an object: fix config.json or download it again")
 
 
 def _refuse_other_models(cfg: dict, source: str) -> None:

@@ -62,6 +62,19 @@ def plan_memory(path: str | Path, config: EngineConfig) -> MemoryPlan:
     return make_plan(model_footprint(path), config, probe_machine(config.device))
 
 
+class CorruptModelError(EngineError):
+    """The model computed non-finite logits: its weights are most likely corrupt."""
+
+
+def _non_finite(path: Path, converted: bool, generated: int) -> str:
+    check = (f"check it with `dsv4-convert --verify {path}`; if that finds nothing, the checkpoint it was "
+             "converted from is damaged: download it again and run dsv4-convert again (it converts "
+             "what changed)") if converted else (
+             f"the checkpoint at {path} is damaged: download it again")
+    return (f"the logits after {generated} generated tokens are not finite (NaN or inf): the model's "
+            f"weights are most likely corrupt; {check}")
+
+
 def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):
     """engine.weights.ModelFiles for `path`: a converted directory (manifest.json) streams its
     experts through a cache of plan.cache bytes on config.device; an official checkpoint keeps every
@@ -340,9 +353,12 @@ class Engine:
             while not cancel.is_set():
                 chosen = sampler(logits)  # queued after the step that writes `logits`
                 last = len(completion) + 1 >= max_new  # this token ends the turn, whatever it is
-                value = self.runtime.read(chosen)  # its copy to the host starts first
+                # its copy to the host starts first; -1 if the logits row is not finite (same copy)
+                value = self.runtime.read(torch.where(torch.isfinite(logits).all(), chosen, -1))
                 ran, ahead = ahead, (None if last else self.runtime.launch(work.state, chosen.reshape(1)))
                 token = value()  # the one host transfer per token: `ran` has run by now
+                if token < 0:
+                    raise CorruptModelError(_non_finite(self.files.path, self.files.converted, len(completion)))
                 completion.append(token)
                 if ahead is not None:
                     work.ids.append(token)

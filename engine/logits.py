@@ -10,15 +10,15 @@ at a time — and writes the tensor `logits` [S, vocab] float32 for every positi
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from engine import cli_args
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
+from engine.experts.cache import ExpertCacheError
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.reproducible import pin_cpu_math
@@ -42,27 +42,29 @@ def run_sequence(model: Transformer, experts, ids: torch.Tensor, decode_from: in
     return logits, {f"experts.{layer}": torch.cat(v).contiguous() for layer, v in chosen.items()}
 
 
-def _parse_ids(text: str) -> torch.Tensor:
+def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise SystemExit(f"error: --ids must be comma-separated integers, got {text!r}") from None
     if not ids:
         raise SystemExit("error: --ids is empty")
-    return torch.tensor(ids, dtype=torch.long)
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
     pin_cpu_math()  # before any model work (engine/reproducible.py)
-    p = argparse.ArgumentParser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
+    p = cli_args.Parser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="official checkpoint or converted directory")
     p.add_argument("--ids", required=True, help="comma-separated token ids")
     p.add_argument("--numerics", choices=("exact", "native"), default="exact")
     p.add_argument("--decode-from", type=int, default=None, help="prefill K ids, then decode one at a time")
-    p.add_argument("--cache-gb", type=float, default=None, help="expert cache budget (converted dirs)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache-gb", type=cli_args.positive_gb, default=None,
+                   help="expert cache budget in GB, above 0 (converted dirs)")
+    p.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--backend", choices=("torch", "tilelang"), default="torch")
-    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--out", type=cli_args.output_file, required=True,
+                   help="output .safetensors file (its folder must exist)")
     a = p.parse_args(argv)
     ids = _parse_ids(a.ids)
     from engine.weights import open_model
@@ -70,23 +72,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cache = None if a.cache_gb is None else int(a.cache_gb * 2**30)
         files = open_model(a.ckpt, cache_bytes=cache)
-    except (CheckpointError, ConfigError, OSError) as exc:
+    except (CheckpointError, ConfigError, ExpertCacheError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        if int(ids.max()) >= files.args.vocab_size or int(ids.min()) < 0:
-            print(f"error: token ids must be in 0..{files.args.vocab_size - 1}", file=sys.stderr)
+        bad = [i for i in ids if not 0 <= i < files.args.vocab_size]
+        if bad:
+            print(f"error: token ids must be in 0..{files.args.vocab_size - 1}, got {bad[0]}", file=sys.stderr)
             return 2
+        ids = torch.tensor(ids, dtype=torch.long)
         device = torch.device(a.device)
         numerics = Numerics.named(a.numerics, make_backend(a.backend, device))
         model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
         logits, experts = run_sequence(model, files.experts, ids.to(device), a.decode_from)
     finally:
         files.close()
-    out = Path(a.out)
+    out = a.out
     tmp = out.with_name(out.name + ".tmp")
-    save_file({"logits": logits, "ids": ids, **experts}, str(tmp))
-    tmp.replace(out)
+    try:
+        save_file({"logits": logits, "ids": ids, **experts}, str(tmp))
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"error: writing {out}: {exc.strerror or exc}; free space or choose another --out and run "
+              "again", file=sys.stderr)
+        return 1
     print(f"wrote {out}: logits {tuple(logits.shape)}")
     return 0
 

@@ -87,3 +87,52 @@ def test_engine_config_validation():
     with pytest.raises(ConfigError, match="cache_policy"):
         EngineConfig(cache_policy="fifo")
     assert EngineConfig().numerics == "native"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"n_routed_experts": "16"}, "field 'n_routed_experts' is \"16\" (a string), expected an integer"),
+    ({"hidden_size": "128"}, "field 'hidden_size' is \"128\" (a string), expected an integer"),
+    ({"num_hidden_layers": None}, "field 'num_hidden_layers' is null, expected an integer"),
+    ({"compress_ratios": None}, "field 'compress_ratios' is null, expected a list of integers"),
+    ({"compress_ratios": [0, 0, "4", 128, 4, 0]}, "field 'compress_ratios[2]' is \"4\" (a string)"),
+    ({"vocab_size": 512.0}, "field 'vocab_size' is 512.0 (a number), expected an integer (a whole number"),
+    ({"hc_mult": True}, "field 'hc_mult' is true (a boolean), expected an integer"),
+    ({"rms_norm_eps": "1e-6"}, "field 'rms_norm_eps' is \"1e-6\" (a string), expected a number"),
+    ({"scoring_func": 3}, "field 'scoring_func' is 3 (an integer), expected a string"),
+    ({"rope_scaling": {"factor": None}}, "field 'rope_scaling.factor' is null, expected a number"),
+    ({"rope_scaling": [16]}, "field 'rope_scaling' is [16] (a list), expected an object"),
+    ({"model_type": None}, "field 'model_type' is null, expected a string"),
+    ({"vocab_size": 0}, "'vocab_size' must be positive, got 0"),
+    ({"eos_token_id": 512}, "'eos_token_id' (512) must be token ids below vocab_size (512)"),
+])
+def test_wrong_json_types_name_field_value_and_type(change, message):
+    cfg = tiny_config()
+    cfg.update(change)
+    with pytest.raises(ConfigError) as err:
+        ModelArgs.from_dict(cfg, "ckpt/config.json")
+    assert str(err.value).startswith("ckpt/config.json: ")
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_model_type_is_refused_in_an_hf_config():
+    cfg = tiny_config()
+    del cfg["model_type"]
+    with pytest.raises(ConfigError, match="field 'model_type' is missing, expected \"deepseek_v4\""):
+        ModelArgs.from_dict(cfg, "ckpt/config.json")
+
+
+def test_numbers_are_kept_as_their_field_types():
+    a = ModelArgs.from_dict(tiny_config(rope_theta=10000, routed_scaling_factor=2))
+    assert type(a.rope_theta) is float and a.rope_theta == 10000.0 and a.route_scale == 2.0
+    assert a.max_position_embeddings == 1048576 and type(a.vocab_size) is int
+
+
+def test_check_seq_len_against_the_model():
+    a = ModelArgs.from_dict(tiny_config(max_position_embeddings=4096))
+    a.check_seq_len(4096)
+    with pytest.raises(ConfigError, match=r"--max-seq-len 4,097 is outside 1..4,096, the model's longest "
+                                          r"context \(max_position_embeddings\)"):
+        a.check_seq_len(4097, "--max-seq-len")
+    with pytest.raises(ConfigError, match="is outside"):
+        a.check_seq_len(0)

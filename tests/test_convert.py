@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, models
 
 from converter import convert as convert_mod
 from converter import layout, mapping
@@ -32,8 +33,13 @@ from kernels import reference as ref
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(),
+    """The tiny checkpoint with a tokenizer that fits its 512-token vocabulary (dsv4-convert
+    refuses the real 129,280-token one for it: preflight.check_tokenizer)."""
+    root = write_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", tiny_config(),
                             SynthOptions(seed=0, n_shards=2))
+    small = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    small.save(str(root / "tokenizer.json"))
+    return root
 
 
 @pytest.fixture(scope="module")

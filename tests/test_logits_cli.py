@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -58,3 +59,39 @@ def test_bad_input_is_a_message_not_a_traceback(tiny_ckpt, tmp_path):
                         "--out", str(tmp_path / "y")], capture_output=True, text=True)
     assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "0", "-1", "lots"])
+def test_cache_gb_refused_at_parse_time_in_one_line(tiny_ckpt, tmp_path, capsys, budget):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tiny_ckpt), "--ids", "1,2", "--cache-gb", budget, "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("python -m engine.logits: error: argument --cache-gb: expected a number of GB")
+    assert repr(budget) in err
+
+
+def test_huge_token_id_missing_out_folder_and_absent_gpu_are_one_line(tiny_ckpt, tmp_path, capsys):
+    assert main(["--ckpt", str(tiny_ckpt), "--ids", f"1,{10**30}", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == f"error: token ids must be in 0..511, got {10**30}\n"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tiny_ckpt), "--ids", "1", "--out", str(tmp_path / "no" / "x.safetensors")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert f"argument --out: the folder '{tmp_path / 'no'}' does not exist; create it" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tiny_ckpt), "--ids", "1", "--device", "tpu", "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and "argument --device: 'tpu'" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tiny_ckpt), "--ids", "1", "--device", "cuda", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "argument --device: 'cuda': this machine has no usable CUDA GPU" in err and "--device cpu" in err
+
+
+def test_cache_gb_nan_in_a_subprocess_is_no_traceback(tiny_ckpt, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "engine.logits", "--ckpt", str(tiny_ckpt), "--ids", "1",
+                        "--cache-gb", "nan", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1

@@ -1,0 +1,69 @@
+"""Argument checks shared by the engine's command lines (`python -m engine`, `python -m
+engine.logits`): each bad value becomes one `prog: error: ...` line and exit status 2, at parse
+time where the value alone decides, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (the usage stays available with --help)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def positive_gb(text: str) -> float:
+    """A cache budget in GB: a finite number above 0 (not nan, inf, 0 or negative)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of GB above 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def device(text: str) -> str:
+    """A torch device this machine has: cpu, or cuda / cuda:N with a CUDA GPU present."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has no usable CUDA GPU "
+                                             "(torch.cuda.is_available() is false); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} "
+                                             "CUDA GPU(s), numbered from 0")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text!r}: the engine runs on cpu or cuda")
+    return text
+
+
+def output_file(text: str) -> Path:
+    """A file path whose folder exists (the file itself is created or replaced)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {str(path.absolute().parent)!r} does not exist; "
+                                         "create it or choose another path")
+    return path
