@@ -31,8 +31,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--think", action="store_true", help="thinking mode")
     g.add_argument("--numerics", choices=("native", "exact"), default="native")
     g.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--cache-gb", type=cli_args.positive_gb, default=None,
-                   help="expert cache budget in GB, above 0 (converted layout)")
+    cli_args.add_memory_args(g)
     g.add_argument("--max-seq-len", type=cli_args.positive_int, default=4096,
                    help="context limit in tokens, at most the model's max_position_embeddings")
     return p
@@ -53,13 +52,14 @@ def generate(a: argparse.Namespace) -> int:
     from engine.config import ConfigError, EngineConfig
     from engine.engine import Engine
     from engine.events import EngineFailure, TextDelta, TurnFinished
+    from engine.memory_plan import MemoryPlanError
     from engine.sampling import SamplingError, SamplingParams
 
     try:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 max_tokens=a.max_tokens, seed=a.seed, thinking=a.think)
         config = EngineConfig(device=a.device, numerics=a.numerics, max_seq_len=a.max_seq_len,
-                              cache_bytes=None if a.cache_gb is None else int(a.cache_gb * 2**30))
+                              **cli_args.memory_bytes(a))
     except (SamplingError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -75,9 +75,13 @@ def generate(a: argparse.Namespace) -> int:
             return 2
     try:
         engine = Engine.load(a.ckpt, config)
+    except MemoryPlanError as exc:  # does not fit: the numbers and the fix
+        print(f"error: cannot load {a.ckpt}: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # unusable model directory: one line
         print(f"error: cannot load {a.ckpt}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    print("\n".join(engine.plan.lines()), file=sys.stderr)
     status = 1
     try:
         session = engine.new_session(system=a.system)

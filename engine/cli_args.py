@@ -67,3 +67,19 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"the folder {str(path.absolute().parent)!r} does not exist; "
                                          "create it or choose another path")
     return path
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """--cache-gb and --memory-gb, as every entry point spells them (engine/memory_plan.py)."""
+    p.add_argument("--cache-gb", type=positive_gb, default=None,
+                   help="expert cache budget in GiB (converted layout); default: what the memory plan leaves")
+    p.add_argument("--memory-gb", type=positive_gb, default=None,
+                   help="cap on the whole memory plan in GiB (weights, state, workspace, expert cache); "
+                        "default: the device's free memory (unified memory: 90 %% of the machine)")
+
+
+def memory_bytes(a: argparse.Namespace) -> dict[str, int | None]:
+    """EngineConfig's cache_bytes and memory_bytes from the parsed --cache-gb / --memory-gb."""
+    gib = 2**30
+    return {"cache_bytes": None if a.cache_gb is None else int(a.cache_gb * gib),
+            "memory_bytes": None if a.memory_gb is None else int(a.memory_gb * gib)}

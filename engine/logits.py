@@ -59,20 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ids", required=True, help="comma-separated token ids")
     p.add_argument("--numerics", choices=("exact", "native"), default="exact")
     p.add_argument("--decode-from", type=int, default=None, help="prefill K ids, then decode one at a time")
-    p.add_argument("--cache-gb", type=cli_args.positive_gb, default=None,
-                   help="expert cache budget in GB, above 0 (converted dirs)")
+    cli_args.add_memory_args(p)
     p.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--backend", choices=("torch", "tilelang"), default="torch")
     p.add_argument("--out", type=cli_args.output_file, required=True,
                    help="output .safetensors file (its folder must exist)")
     a = p.parse_args(argv)
     ids = _parse_ids(a.ids)
+    from engine.config import EngineConfig
+    from engine.engine import plan_memory
+    from engine.memory_plan import MemoryPlanError
     from engine.weights import open_model
 
     try:
-        cache = None if a.cache_gb is None else int(a.cache_gb * 2**30)
-        files = open_model(a.ckpt, cache_bytes=cache)
-    except (CheckpointError, ConfigError, ExpertCacheError, OSError) as exc:
+        plan = plan_memory(a.ckpt, EngineConfig(device=a.device, numerics=a.numerics, **cli_args.memory_bytes(a)))
+        files = open_model(a.ckpt, cache_bytes=plan.cache)
+    except (CheckpointError, ConfigError, ExpertCacheError, MemoryPlanError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
