@@ -64,7 +64,7 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
     import tilelang.language as T
 
     from kernels import pdl
-    from kernels.act_quant import UNGUARDED, compile_kernel
+    from kernels.toolkit import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
     load, fold = _stream_macros(T, threads, unroll)
@@ -97,7 +97,7 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
     import tilelang.language as T
 
     from kernels import pdl
-    from kernels.act_quant import UNGUARDED, compile_kernel
+    from kernels.toolkit import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
     load, fold = _stream_macros(T, threads, unroll)
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.ceilings needs a CUDA GPU")
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.fp4_mma1 import mma1_tile
     from kernels.fp4_moe import gemv_tile
 

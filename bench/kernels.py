@@ -189,7 +189,7 @@ def sparse_split_rows(dev) -> list[tuple[str, int, float, bool]]:
     """Decode's sparse attention (one query, 64 heads of 512) at K = 128 (window only) and 640
     (window + 512 selected) rows: its two launches apart and together, at every (rows per block,
     K splits) pair below, to choose the tiles from."""
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.sparse_attention import combine_kernel, partial_kernel
 
     arch, h, d, scale = cuda_arch(dev), 64, 512, 512 ** -0.5
@@ -256,7 +256,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
     kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles` and, at one
     row, the one-token tensor-core kernel (kernels/fp4_mma1.py) at `mma1_tiles`, to choose the
     kernel and its tiles from."""
-    from kernels.act_quant import act_quant, cuda_arch
+    from kernels.act_quant import act_quant
+    from kernels.toolkit import cuda_arch
     from kernels.fp4_mma import fp4_mma_kernel
     from kernels.fp4_mma1 import fp4_mma1_kernel
     from kernels.fp4_mma1 import splits as mma1_splits

@@ -25,7 +25,7 @@ Scales are read as words: the record's scale block must start 4-byte aligned (`s
 GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
 architecture. It did not meet the hope above: at its best tile it was 2-3 % faster than the
 CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
-main limit. That limit was TileLang's bounds guards (kernels/act_quant.py's UNGUARDED): without
+main limit. That limit was TileLang's bounds guards (kernels/toolkit.py's UNGUARDED): without
 them the CUDA-core kernel is the faster one at one row (decode's six experts' w1+w3: 19.84 us
 against 23.29 here), and this kernel serves MMA_MIN_M to 8 rows, where the CUDA-core kernel's
 per-row arithmetic grows (w1+w3 at 4 rows 31.15 us against 47.87, at 8 rows 34.54 against 103.25).
@@ -36,7 +36,7 @@ import functools
 import torch
 
 from kernels import lowbit, pdl
-from kernels.act_quant import KernelInputError, compile_kernel
+from kernels.toolkit import KernelInputError, compile_kernel
 
 MAX_M = 8  # the MMA's n: tokens per launch
 GROUPS_PER_STEP = 4  # scale groups per loop step: one 128-channel activation block

@@ -44,13 +44,13 @@ per load, `scale_vector`), then keeps its weight words `depth` 128-channel block
 an SM, the occupancy the tiles were timed at.
 
 Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma.supports).
-Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/act_quant.UNGUARDED).
+Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/toolkit.UNGUARDED).
 """
 
 import functools
 
 from kernels import fp4_mma, lowbit, pdl
-from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
 
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs

@@ -31,8 +31,9 @@ import functools
 import torch
 
 from kernels import fp4_mma, fp4_mma1, lowbit, pdl
-from kernels.act_quant import (_TORCH_TO_TL, UNGUARDED, KernelInputError, act_quant, compile_kernel, cuda_arch,
-                               pad_rows_to_bucket, tile_params)
+from kernels.act_quant import act_quant
+from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch,
+                             pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.fp8_gemm import _gemv_rows, as_words
 from kernels.swiglu_quant import swiglu_quant
@@ -202,17 +203,17 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
         if m == 1 and arch in fp4_mma1.MMA1_ARCHS and fp4_mma1.supports(k, tuple(s_offs), sb.shape[1]):
             tiles, ksplit, depth = fp4_mma1.mma1_tile(k)
             kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs), tiles,
-                                              ksplit, _TORCH_TO_TL[out_dtype], arch, table is not None, early, depth)
+                                              ksplit, TORCH_TO_TL[out_dtype], arch, table is not None, early, depth)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         elif (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
                 and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):
             kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                            *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
+                                            *fp4_mma.mma_tile(k), TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         else:
             gemvs = g * len(w_offs) if m == 1 else 1  # see TILE_PARAMS
             kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                     *gemv_tile(n, arch, gemvs), _TORCH_TO_TL[out_dtype], arch, table is not None)
+                                     *gemv_tile(n, arch, gemvs), TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 

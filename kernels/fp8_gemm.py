@@ -17,7 +17,7 @@ bf16 output (spec §B.4).
 
 Results equal the reference up to fp32 summation order (measured in tests/test_kernels_gpu.py).
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10) is not.
-TileLang is imported lazily (see kernels/act_quant.py).
+TileLang is imported lazily (see kernels/toolkit.py).
 """
 
 import functools
@@ -25,8 +25,9 @@ import functools
 import torch
 
 from kernels import fp8_mma1, lowbit, pdl
-from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
-                               pad_rows_to_bucket, tile_params)
+from kernels.act_quant import act_quant
+from kernels.toolkit import (KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket,
+                             tile_params)
 
 GEMV_MAX_M = 16
 # GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps

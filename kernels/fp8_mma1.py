@@ -30,15 +30,15 @@ written while kernels run, are loaded before the kernel waits for its predecesso
 activations after.
 
 Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tiles per
-shape: `mma1_tile`. Compiled without TileLang's bounds guards (kernels/act_quant.UNGUARDED): rows
+shape: `mma1_tile`. Compiled without TileLang's bounds guards (kernels/toolkit.UNGUARDED): rows
 past n are clamped on load and skipped on store, and K is whole 128-channel blocks.
-TileLang is imported lazily (see kernels/act_quant.py).
+TileLang is imported lazily (see kernels/toolkit.py).
 """
 
 import functools
 
 from kernels import lowbit, pdl
-from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
 
 SOURCE = r"""
 // One e4m3 word (4 channels) of rows gi and gi + 8 into a tile's D: one MMA whose k positions

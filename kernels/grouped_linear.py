@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kernels import lowbit, pdl
-from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
 from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
                               gemv_tile, scale_bytes, store_rows_macro, weight_steps_macro)
 

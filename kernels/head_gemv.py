@@ -14,7 +14,7 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
 from kernels.fp8_gemm import DEFAULT_TILE, GEMV_MAX_M, TILE_PARAMS, _gemv_rows
 
 _VEC = 8  # bf16 weights per lane per step (one 16-byte load)

@@ -40,7 +40,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
@@ -198,7 +198,7 @@ def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
 
 
 def _check_streams(streams: torch.Tensor) -> None:
-    if streams.dim() != 3 or streams.dtype not in _TORCH_TO_TL:
+    if streams.dim() != 3 or streams.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"mHC kernels take streams [S, n, D] in bf16, fp16 or fp32, got "
                                f"{streams.dtype} {tuple(streams.shape)}")
 
@@ -218,7 +218,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         raise KernelInputError(f"hc_pre: n·D = {nd} is not a multiple of the {chunk}-channel chunk")
     check_n(n)
     x3 = streams.contiguous()
-    dt = _TORCH_TO_TL[streams.dtype]
+    dt = TORCH_TO_TL[streams.dtype]
     partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
@@ -239,7 +239,7 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
                                f"{tuple(comb.shape)} do not fit streams {tuple(streams.shape)}")
     y = torch.empty_like(streams, memory_format=torch.contiguous_format)
     if s:
-        hc_post_kernel(n, d, _TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
+        hc_post_kernel(n, d, TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), y)
     return y

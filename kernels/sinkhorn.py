@@ -19,7 +19,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}
 DEFAULT_TILE = {"threads": 128}

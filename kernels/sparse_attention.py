@@ -25,7 +25,7 @@ import math
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
 from kernels.rope import rope_angle, rotate_pair
 
 # decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,

@@ -114,7 +114,8 @@ def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, early, gen):
 def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
     """The decode shapes (their tiles): weights loaded before the PDL wait give the same output,
     bit for bit, as each step loading its own (the same products in the same order)."""
-    from kernels.act_quant import act_quant, cuda_arch
+    from kernels.act_quant import act_quant
+    from kernels.toolkit import cuda_arch
     from kernels.fp8_gemm import as_words, fp8_gemv_kernel, gemv_tile, scale_bytes
     arch = cuda_arch(torch.device(DEV))
     x = activations(1, k, gen)
@@ -171,7 +172,7 @@ def test_fp8_gemm_keeps_leading_dims(gen):
 
 
 def test_fp8_gemm_rejects_mismatched_scale(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.fp8_gemm import fp8_gemm
     w, s = fp8_weight(256, 256, gen)
     with pytest.raises(KernelInputError, match="scale shape"):
@@ -210,7 +211,7 @@ def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
 
 
 def test_grouped_linear_rejects_mismatched_groups(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.grouped_linear import grouped_linear
     w, s = fp8_weight(256, 256, gen)
     with pytest.raises(KernelInputError, match="row groups"):
@@ -257,7 +258,7 @@ def test_compressor_project_every_tile(rows, warps, ksplit, gen):
 
 
 def test_compressor_project_rejects_mismatched_weight(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.compressor_project import compressor_project
     bufs = [torch.zeros(4, 64, device=DEV) for _ in range(2)]
     with pytest.raises(KernelInputError, match="w \\[2C, K\\]"):
@@ -591,10 +592,11 @@ def test_head_logits_matches_reference(m, v, d, gen):
 @pytest.mark.parametrize("shape,block", [((1, 448), 64), ((3, 448), 64), ((1, 2, 448), 64), ((5, 256), 128)])
 def test_qdq8_matches_reference_exactly(shape, block, gen):
     """The KV-storage rounding through the TileLang quantiser: the reference's bits exactly."""
-    from kernels.act_quant import qdq8
+    from kernels.act_quant import act_quant
     full = (torch.randn(*shape[:-1], shape[-1] + 64, generator=gen, device=DEV) * 3).to(torch.bfloat16)
     x = full[..., :shape[-1]]  # a non-contiguous column slice
-    assert torch.equal(qdq8(x, block), ref.qdq8(x, block))
+    got = ref.act_dequant(*act_quant(x, block), block).to(x.dtype)  # dequantisation is exact
+    assert torch.equal(got, ref.qdq8(x, block))
 
 
 # ------------------------------------------------------------------------------- rms_norm
@@ -682,7 +684,7 @@ def test_hc_post_matches_reference(s, n, d, dtype, gen):
 
 
 def test_mhc_rejects_bad_shapes(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.mhc import hc_post, hc_pre
     streams = torch.randn(1, 4, 4096, device=DEV).to(torch.bfloat16)
     fn, scale, base = mhc_params(4, 4096, gen)
@@ -761,7 +763,7 @@ def test_norm_rope_writes_buffer_rows_in_place(shape, rows, gen):
     """With out/rows the kernel writes token s to out[rows[s]] (the KV window row), bitwise what
     it returns without them, and leaves every other row as it was (the last case: the reference
     path, a row too wide for one CTA)."""
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.norm_rope import norm_rope
     d = shape[-1]
     inv_freq = ref.rope_inv_freq(64, 10000.0).to(DEV)
@@ -800,7 +802,7 @@ def test_rms_norm_quant_matches_reference(shape, weighted, gen):
 
 def test_rms_norm_quant_rejects_partial_blocks():
     """A width that is not a whole number of 128-channel FP8 blocks is refused by name."""
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.rms_norm_quant import rms_norm_quant
     with pytest.raises(KernelInputError, match="blocks of 128"):
         rms_norm_quant(torch.zeros(2, 200, dtype=torch.bfloat16, device=DEV), None, 1e-6)

@@ -26,7 +26,7 @@ def _weights(n: int, k: int, count: int, gen: torch.Generator):
 @pytest.mark.parametrize("early", [False, True])
 def test_decode_kernels_wait_for_their_predecessor(early):
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.fp8_gemm import fp8_gemv_kernel
     arch = cuda_arch(torch.device(DEV))
     src = fp8_gemv_kernel(1, 512, 4096, 1, 4, 4, arch, early).get_kernel_source()
@@ -46,7 +46,7 @@ def test_decode_kernels_wait_for_their_predecessor(early):
 
 def test_fp8_mma1_reads_only_weights_before_the_wait():
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.fp8_mma1 import fp8_mma1_kernel
     arch = cuda_arch(torch.device(DEV))
     if not pdl.enabled(arch):
