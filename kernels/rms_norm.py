@@ -21,7 +21,7 @@ DEFAULT_TILE = {"per_thread": 32, "max_threads": 512}
 MAX_DIM = 16384  # mHC's flattened streams (4 × 4096)
 
 
-def _layout(d: int, arch: tuple[int, int]) -> tuple[int, int]:
+def row_layout(d: int, arch: tuple[int, int]) -> tuple[int, int]:
     """(threads, rows per CTA) for rows of d values."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
     threads = 128
@@ -35,7 +35,7 @@ def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype); W is read only when `weighted`."""
     import tilelang.language as T
 
-    threads, rb = _layout(d, arch)
+    threads, rb = row_layout(d, arch)
     rows = T.dynamic("rows")
     inv_d = T.float32(1.0 / d)  # torch's mean multiplies the sum by the fp32 1/N
 

@@ -19,7 +19,7 @@ import torch
 
 from kernels import pdl, reference as ref
 from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
-from kernels.rms_norm import MAX_DIM, _layout
+from kernels.rms_norm import MAX_DIM, row_layout
 
 
 @functools.cache
@@ -27,7 +27,7 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype, Q [rows, d] e4m3, S [rows, d/128] fp32)."""
     import tilelang.language as T
 
-    threads, rb = _layout(d, arch)
+    threads, rb = row_layout(d, arch)
     nb = d // 128
     rows = T.dynamic("rows")
     inv_d = T.float32(1.0 / d)

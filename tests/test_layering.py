@@ -92,3 +92,16 @@ def test_every_name_imported_from_kernels_exists():
             except (ImportError, AttributeError) as e:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {module}{'.' + name if name else ''} ({e!r})")
     assert not problems, "\n".join(problems)
+
+
+def test_no_private_kernel_name_is_imported_from_another_file():
+    """A `_name` of a kernels module is that module's own: no other file imports it."""
+    problems = []
+    for package in ("app", "bench", "converter", "engine", "kernels", "tests"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] == "kernels"):
+                    problems += [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                                 for a in node.names if a.name.startswith("_")]
+    assert not problems, "\n".join(problems)
