@@ -110,7 +110,7 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes
     (`dense_only`: up to the dense weights' rows, without the FP4 and attention sweeps)."""
     from kernels.act_quant import act_quant
-    from kernels.fp4_moe import _grouped_gemv, fp4_gemm, fp4_gemm_grouped
+    from kernels.fp4_moe import grouped_gemv, fp4_gemm, fp4_gemm_grouped
     from kernels.fp8_gemm import dequant_fp8_bf16, fp8_gemm, fp8_gemm_quantized
     from kernels.grouped_linear import grouped_linear
     from kernels.sparse_attention import sparse_attention
@@ -165,7 +165,7 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     arena2 = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     q, sq = act_quant(xg[:1].unsqueeze(1), 128)
     for early in (False, True):  # the engine's decode launches it early (engine/moe.py)
-        t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
+        t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: grouped_gemv(
             q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16,
             early=early))
         rows.append((f"fp4 w1+w3 6 experts, one launch{' early' if early else ''} {n}x{k}",
@@ -263,7 +263,7 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
     from kernels.fp4_mma1 import splits as mma1_splits
     from kernels.fp4_mma1 import supports as mma1_supports
     from kernels.fp4_moe import fp4_gemv_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
 
     arch = cuda_arch(dev)
     per = n * k // 2 + n * k // 32  # one weight's codes and scales

@@ -35,7 +35,7 @@ from kernels.act_quant import act_quant
 from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch,
                              pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
-from kernels.fp8_gemm import _gemv_rows, as_words
+from kernels.gemv import as_words, gemv_rows
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
@@ -147,7 +147,7 @@ def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
     """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`, where one
     launch runs `gemvs` such GEMVs side by side (groups times parts)."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    return _gemv_rows(n * gemvs, p), p["warps"]
+    return gemv_rows(n * gemvs, p), p["warps"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -185,9 +185,9 @@ def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: 
                                f"{tuple(table.shape)}")
 
 
-def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
-                  s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
-                  table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
+def grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
+                 s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
+                 table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
     """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
     all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N].
     With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0).
@@ -232,7 +232,7 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     if x3.shape[1] > GEMV_MAX_M:
         raise KernelInputError(f"fp4_gemm_grouped takes at most {GEMV_MAX_M} rows per group, got {x3.shape[1]}")
     q, s = act_quant(x3, 128)
-    y = _grouped_gemv(q, s, w_arena, (w_off,), s_arena, (s_off,), n, k, slots, torch.bfloat16)[0]
+    y = grouped_gemv(q, s, w_arena, (w_off,), s_arena, (s_off,), n, k, slots, torch.bfloat16)[0]
     return y[:, 0] if squeeze else y
 
 
@@ -287,9 +287,9 @@ def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fie
     slots = slots.to(torch.int32 if table is None else torch.int64)
     inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
-    gu = _grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
+    gu = grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
                        (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
                        early)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
-    return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
+    return grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
                          dim, inter, slots, torch.float32, table, True)[0, :, 0]

@@ -99,7 +99,8 @@ def test_fp8_gemm_matches_reference(m, n, k, gen):
                                                    (4, 4, 1, False)])
 def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, early, gen):
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, scale_bytes
+    from kernels.fp8_gemm import fp8_gemv_kernel
+    from kernels.gemv import as_words, scale_bytes
     m, n, k = 2, 640, 1536  # K = 3 steps of 512 channels: a ksplit of 2 or more leaves steps out of range
     x = activations(m, k, gen)
     w, s = fp8_weight(n, k, gen)
@@ -116,7 +117,8 @@ def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
     bit for bit, as each step loading its own (the same products in the same order)."""
     from kernels.act_quant import act_quant
     from kernels.toolkit import cuda_arch
-    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, gemv_tile, scale_bytes
+    from kernels.fp8_gemm import fp8_gemv_kernel, gemv_tile
+    from kernels.gemv import as_words, scale_bytes
     arch = cuda_arch(torch.device(DEV))
     x = activations(1, k, gen)
     w, s = fp8_weight(n, k, gen)
@@ -134,7 +136,7 @@ def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
 def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
     """The one-token tensor-core GEMV at odd row counts (partial tiles), K splits and depths."""
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.gemv import as_words, scale_bytes
     from kernels.fp8_mma1 import fp8_mma1_kernel
     x = activations(1, k, gen)
     w, s = fp8_weight(n, k, gen)
@@ -149,7 +151,7 @@ def test_fp8_mma1_extreme_codes_and_scales(gen):
     """Every e4m3 magnitude (subnormals, 448) against every activation code, with the smallest and
     largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.gemv import as_words, scale_bytes
     from kernels.fp8_mma1 import fp8_mma1_kernel, mma1_tile
     n, k = 256, 1024
     codes = torch.arange(256, dtype=torch.uint8, device=DEV)
@@ -199,7 +201,7 @@ def test_grouped_linear_matches_reference(m, groups, r, k, gen):
 
 @pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (4, 4, 1), (1, 8, 8), (2, 4, 2)])
 def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
-    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.gemv import as_words, scale_bytes
     from kernels.grouped_linear import grouped_gemv_kernel
     m, groups, r, k = 2, 4, 256, 1536
     x = activations(m, groups * k, gen)
@@ -347,7 +349,7 @@ def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
     activations, bf16 and fp32 (bf16-rounded) outputs."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     inter, dim = 256, 384
     data, fields, expert = _arena(4, inter, dim, gen)
     slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
@@ -377,7 +379,7 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
     match the reference and the CUDA-core kernel (the same exact products summed in another order)."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     data, fields, expert = _arena(5, inter, dim, gen)
     slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
     table = torch.tensor([3, 1, 4, -1, 0, 2], dtype=torch.int32, device=DEV)  # expert id -> slot
@@ -411,7 +413,7 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     """The tensor-core GEMV (kernels/fp4_mma.py) on its own (`_two_part_gemv`): rows that are not a
     whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps."""
     from kernels.fp4_mma import fp4_mma_kernel, mma_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
@@ -431,7 +433,7 @@ def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, de
     before or after the wait on the predecessor, all first or `depth` blocks ahead of the sums, rows
     that are not a whole tile, K split over 1 to 8 warps."""
     from kernels.fp4_mma1 import fp4_mma1_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
