@@ -33,8 +33,6 @@ per-row arithmetic grows (w1+w3 at 4 rows 31.15 us against 47.87, at 8 rows 34.5
 
 import functools
 
-import torch
-
 from kernels import lowbit, pdl
 from kernels.toolkit import KernelInputError, compile_kernel
 
@@ -73,21 +71,6 @@ __device__ __forceinline__ void dsv4_fp4_mma_group(int w0, int w1, const unsigne
       : "r"(h0[2]), "r"(h1[2]), "r"(h0[3]), "r"(h1[3]), "r"(a[2]), "r"(a[3]));
 }
 """
-
-def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., 2W] of e4m3 codes (two words = 8 channels) -> fp32 [..., 8W] in channel
-    order (values times 2^-8), through SOURCE's `dsv4_e4m3x8_to_f16x2` moves in torch: pair p of
-    a word pair holds channels (p, p + 4), low half first."""
-    w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (-1, 2))  # [.., W, (channels 0-3, 4-7)]
-    lo, hi = w[..., 0], w[..., 1]
-    pairs = []
-    for p in range(4):
-        b = (((lo >> (8 * p)) & 0xFF) << 8) | (((hi >> (8 * p)) & 0xFF) << 24)  # __byte_perm: bytes 1 and 3
-        bits = ((b >> 1) & 0x3F803F80) | (b & 0x80008000)
-        pairs.append(torch.stack((bits & 0xFFFF, bits >> 16), dim=-1))  # [.., W, 2 halves]
-    h = torch.stack(pairs, dim=-2).to(torch.int16).view(torch.float16).float()  # [.., W, 4 pairs, 2 halves]
-    return h.transpose(-1, -2).flatten(-3)  # channel 4 * half + pair
-
 
 MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches to this kernel (sm_121: untested)
 # Launches of fewer rows go to the CUDA-core kernel. H200, decode's six experts' w1+w3 (w2):

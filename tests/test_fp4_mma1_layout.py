@@ -8,9 +8,9 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp4_mma import decode_e4m3_pairs
 from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, scale_vector, supports
-from test_fp4_mma_layout import _mma, _pairs
+
+from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -28,7 +28,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
             for i in range(blocks // ksplit):
                 kb = warp * (blocks // ksplit) + i
                 # the CTA's B pairs of group qg: words 2w, 2w + 1 of the group's eight
-                act = [[_pairs(decode_e4m3_pairs(qwords[32 * kb + 8 * qg + 2 * wd:32 * kb + 8 * qg + 2 * wd + 2])
+                act = [[word_pairs(decode_e4m3_pairs(qwords[32 * kb + 8 * qg + 2 * wd:32 * kb + 8 * qg + 2 * wd + 2])
                                .double()) for wd in range(4)] for qg in range(4)]
                 zero = torch.zeros(4, 2, dtype=torch.float64)
                 b = [act[lane % 4] if lane // 4 == lane % 4 else [zero] * 4 for lane in range(32)]
@@ -39,10 +39,10 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                         for lane in range(32):
                             rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
                             col = 16 * kb + 4 * (lane % 4) + wd
-                            h.append([_pairs(lowbit.decode_e2m1_words(words[r, col:col + 1]).double()) for r in rows])
-                        d += _mma([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
+                            h.append([word_pairs(decode_e2m1_words(words[r, col:col + 1]).double()) for r in rows])
+                        d += mma_m16n8k16([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
                                   [[b[i][wd][0], b[i][wd][1]] for i in range(32)])
-                        d += _mma([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
+                        d += mma_m16n8k16([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
                                   [[b[i][wd][2], b[i][wd][3]] for i in range(32)])
                     assert not d[:, 4:].any()  # columns 4..7: no group
                     for lane in range(32):

@@ -10,13 +10,14 @@ import torch
 from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp8_mma1 import BLOCKS_PER_WARP, MAX_K, mma1_tile
-from test_fp4_mma_layout import _mma
+
+from kernel_sim import decode_e4m3_words, mma_m16n8k16
 
 
 def _word_pairs(word: torch.Tensor) -> list:
     """One e4m3 word -> its two fp16x2 pairs as the kernel forms them (`dsv4_e4m3x4_to_f16x2`):
     [(channel 0, channel 2), (channel 1, channel 3)], values times 2^-8."""
-    c = lowbit.decode_e4m3_words(word.view(1)).double()  # [4] in channel order
+    c = decode_e4m3_words(word.view(1)).double()  # [4] in channel order
     return [(c[0], c[2]), (c[1], c[3])]
 
 
@@ -48,7 +49,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                                 h0, h1 = (_word_pairs(words[r, col]) for r in rows)
                                 a_regs.append([h0[0], h1[0], h0[1], h1[1]])
                                 b_regs.append(_word_pairs(qwords[col]))  # every lane: its own activations
-                            d += _mma(a_regs, b_regs)
+                            d += mma_m16n8k16(a_regs, b_regs)
                     assert torch.equal(d, d[:, :1].expand(16, 8))  # every column holds the row sums
                     byte = int(ws[min(row0 + 16 * t, n - 1) // 128, kb])
                     scale = 2.0 ** (byte - 127 + 2 * lowbit.E4M3_SHIFT) * sa[kb].item()
