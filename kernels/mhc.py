@@ -9,8 +9,8 @@ runs two per layer. Here it is two launches:
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
-   warp runs the Sinkhorn projection of the comb logits z[2n:] (`kernels.sinkhorn`'s warp
-   macro, the standalone kernel's code) while the others collapse x = Σ_j pre_j · stream_j
+   warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
+   macro) while the others collapse x = Σ_j pre_j · stream_j
    (streams' dtype), 8 channels per thread and step.
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot

@@ -569,12 +569,48 @@ def test_tilelang_backend_has_every_kernel():
     assert b.missing == []
 
 
+def sinkhorn_alone(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """kernels/sinkhorn.py's warp macro alone, in a one-launch kernel: logits [S, n, n] fp32 on
+    CUDA -> [S, n, n]. A warp holds 32 // (n·n) tokens' matrices, one lane per element; the lanes
+    left over run on a copy of the last token."""
+    import tilelang.language as T
+
+    from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
+    from kernels.toolkit import compile_kernel, cuda_arch
+
+    n = logits.shape[-1]
+    check_n(n)
+    threads, nn = 128, n * n
+    per_warp = WARP // nn
+    per_cta = per_warp * (threads // WARP)  # tokens per CTA
+    tokens = T.dynamic("tokens")
+    steps = sinkhorn_macro(T, n, iters, eps)
+
+    @T.prim_func
+    def sinkhorn_main(L: T.Tensor((tokens, nn), "float32"), M: T.Tensor((tokens, nn), "float32")):
+        with T.Kernel(T.ceildiv(tokens, per_cta), threads=threads) as bx:
+            tx = T.get_thread_binding(0)
+            v = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            lane = tx % WARP
+            e = lane % nn  # element: row e // n, column e % n
+            mine = bx * per_cta + (tx // WARP) * per_warp + lane // nn  # this lane's token
+            t = T.min(mine, tokens - 1)  # every lane runs the shuffles
+            v[0] = L[t, e]
+            steps(v, acc, lane - e, e)
+            if lane < per_warp * nn and mine < tokens:
+                M[t, e] = v[0]
+
+    flat = logits.reshape(-1, nn).contiguous()
+    out = torch.empty_like(flat)
+    compile_kernel(sinkhorn_main, cuda_arch(logits.device))(flat, out)
+    return out.view(logits.shape)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_sinkhorn_kernel_matches_reference(tokens):
-    from kernels.sinkhorn import sinkhorn
-
     logits = torch.randn(tokens, 4, 4, device="cuda") * 3
-    got = sinkhorn(logits, 20, 1e-6)
+    got = sinkhorn_alone(logits, 20, 1e-6)
     want = ref.sinkhorn(logits, 20, 1e-6)
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-5
