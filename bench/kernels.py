@@ -251,15 +251,15 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                   mma_tiles=MMA_TILES, mma1_tiles=MMA1_TILES) -> list[tuple[str, int, float, bool]]:
     """Decode's routed w1+w3 launch (two parts of `arena`'s records, m activation rows shared by
     the g experts) and its w2 launch (N = k, K = n, m rows per expert, fp32 out): the CUDA-core
-    kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles` and, at one
-    row, the one-token tensor-core kernel (kernels/fp4_mma1.py) at `mma1_tiles`, to choose the
+    kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma_few_tokens.py) at `mma_tiles` and, at one
+    row, the one-token tensor-core kernel (kernels/fp4_mma_one_token.py) at `mma1_tiles`, to choose the
     kernel and its tiles from."""
     from kernels.act_quant import act_quant
     from kernels.toolkit import cuda_arch
-    from kernels.fp4_mma import fp4_mma_kernel
-    from kernels.fp4_mma1 import fp4_mma1_kernel
-    from kernels.fp4_mma1 import splits as mma1_splits
-    from kernels.fp4_mma1 import supports as mma1_supports
+    from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel
+    from kernels.fp4_mma_one_token import fp4_mma_one_token_kernel
+    from kernels.fp4_mma_one_token import splits as mma1_splits
+    from kernels.fp4_mma_one_token import supports as mma1_supports
     from kernels.fp4_moe import fp4_gemv_kernel
     from kernels.gemv import as_words
 
@@ -283,7 +283,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                 as_words(qa), sa, as_words(ar), ar, s, y))
             rows.append((f"fp4 {name} {g}x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
         for tiles, ksplit in mma_tiles:  # the tensor-core kernel
-            kernel = fp4_mma_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch)
+            kernel = fp4_mma_few_tokens_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
+                                               arch)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
@@ -291,8 +292,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             early, depth = (*opts, False, 0)[:2]
             if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
                 continue
-            kernel = fp4_mma1_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
-                                     False, early, depth)
+            kernel = fp4_mma_one_token_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
+                                              arch, False, early, depth)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             label = (" early" if early else "") + (f" depth {depth}" if depth else "")

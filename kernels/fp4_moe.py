@@ -18,9 +18,9 @@ arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed by
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
-kernels/fp4_mma.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
+kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
-where kernels/fp4_mma1.py lists it.
+where kernels/fp4_mma_one_token.py lists it.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (GB10, FP4 tensor
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from kernels import fp4_mma, fp4_mma1, lowbit, pdl
+from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_quant
 from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch,
                              pad_rows_to_bucket, tile_params)
@@ -43,7 +43,7 @@ GEMV_MAX_M = 16
 # group and part (H200, bench.kernels' sweep, the kernel compiled without bounds guards: decode's
 # six experts' w1+w3, N 2048, 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2, N 4096, 11.01
 # vs 12.37); with more tokens per row (rows x tokens accumulators), one group's (w1+w3 at 8
-# tokens: 103.25 us at 2 x 4 vs 157.44 at 4 x 4; those go to kernels/fp4_mma.py on sm_90).
+# tokens: 103.25 us at 2 x 4 vs 157.44 at 4 x 4; those go to kernels/fp4_mma_few_tokens.py on sm_90).
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
@@ -92,8 +92,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
         af = T.alloc_local((2 * _VEC,), "float32")
         acc = T.alloc_local((rows, m), "float32")
         ga = T.min(g, agroups - 1)
-        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_p = fp4_mma.part_offset(part, list(s_off))
+        w_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_p = fp4_mma_few_tokens.part_offset(part, list(s_off))
         T.clear(acc)
         for ko in loop(steps):
             k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
@@ -192,7 +192,7 @@ def grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs
     all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N].
     With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0).
     `early`: the kernel may read slots, ids and weights before its predecessor completes (see
-    kernels/fp4_mma1.py; the kernel launched just before must not write them)."""
+    kernels/fp4_mma_one_token.py; the kernel launched just before must not write them)."""
     g, m = slots.shape[0], q.shape[1]
     wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
     _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g, table)
@@ -200,15 +200,16 @@ def grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs
     if g:
         arch = cuda_arch(q.device)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
-        if m == 1 and arch in fp4_mma1.MMA1_ARCHS and fp4_mma1.supports(k, tuple(s_offs), sb.shape[1]):
-            tiles, ksplit, depth = fp4_mma1.mma1_tile(k)
-            kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs), tiles,
-                                              ksplit, TORCH_TO_TL[out_dtype], arch, table is not None, early, depth)
+        one, few = fp4_mma_one_token, fp4_mma_few_tokens
+        if m == 1 and arch in one.MMA_ARCHS and one.supports(k, tuple(s_offs), sb.shape[1]):
+            tiles, ksplit, depth = one.mma_tile(k)
+            kernel = one.fp4_mma_one_token_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                                  tiles, ksplit, TORCH_TO_TL[out_dtype], arch, table is not None,
+                                                  early, depth)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
-        elif (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
-                and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):
-            kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                            *fp4_mma.mma_tile(k), TORCH_TO_TL[out_dtype], arch, table is not None)
+        elif arch in few.MMA_ARCHS and m >= few.MMA_MIN_M and few.supports(m, k, tuple(s_offs), sb.shape[1]):
+            kernel = few.fp4_mma_few_tokens_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                                   *few.mma_tile(k), TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         else:
             gemvs = g * len(w_offs) if m == 1 else 1  # see TILE_PARAMS

@@ -3,7 +3,7 @@
 y = act_quant(x) · W^T with W [N, K] e4m3 and 128×128 e8m0 block scales, fp32 accumulation,
 bf16 output (spec §B.4).
 
-* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma1.py (same contract).
+* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma_one_token.py (same contract).
 * Decode (M <= GEMV_MAX_M rows): a weight-streaming GEMV. Each warp owns `rows` output rows;
   each lane reads 16 contiguous weight bytes (4 int32 words) per row per step (a warp covers 512
   channels of a row, coalesced), decodes them and the activation codes with integer bit moves
@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from kernels import fp8_mma1, lowbit, pdl
+from kernels import fp8_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_quant
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
@@ -165,9 +165,9 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
         return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
-    tile = fp8_mma1.mma1_tile(n, k) if m == 1 and arch in fp8_mma1.MMA1_ARCHS else None
+    tile = fp8_mma_one_token.mma_tile(n, k) if m == 1 and arch in fp8_mma_one_token.MMA_ARCHS else None
     if tile is not None:  # one token: the tensor-core GEMV
-        fp8_mma1.fp8_mma1_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
+        fp8_mma_one_token.fp8_mma_one_token_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
                                                      scale_bytes(w_scale), y)
         return y
     fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),

@@ -24,7 +24,7 @@ ordinary full ordering, so a PDL kernel after a torch kernel waits as before.
 
 Rules each kernel keeps (else a race):
 * nothing before `begin` reads a buffer any kernel writes, and nothing before it writes. The one
-  exception (kernels/fp4_mma1.py's `early`): a buffer that only kernels before the predecessor
+  exception (kernels/fp4_mma_one_token.py's `early`): a buffer that only kernels before the predecessor
   write (the slot table, the expert ids), read past L1 -- this grid starts only once every CTA of
   its predecessor has passed that predecessor's own `begin`, so every earlier kernel has completed;
 * every thread of every CTA runs `begin` unconditionally, so no grid can complete before its

@@ -1,7 +1,7 @@
 """CPU replays of the GPU kernels' bit moves and MMA fragments, for the layout tests.
 
 `decode_e4m3_words`, `decode_e2m1_words` and `decode_e4m3_pairs` perform the moves of
-kernels/lowbit.py's and kernels/fp4_mma.py's CUDA `SOURCE` in torch; `mma_m16n8k16` is one
+kernels/lowbit.py's and kernels/fp4_mma_few_tokens.py's CUDA `SOURCE` in torch; `mma_m16n8k16` is one
 m16n8k16 MMA assembled from every lane's fragment registers (the PTX fragment layout).
 """
 
@@ -15,7 +15,8 @@ def _halves(bits: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e4m3_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] of e4m3 codes -> fp32 [..., 4W] (values times 2^-8): kernels/lowbit.py SOURCE's moves in torch."""
+    """int32 words [..., W] of e4m3 codes -> fp32 [..., 4W] (values times 2^-8): the moves of
+    kernels/lowbit.py's SOURCE in torch."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     even = _halves(((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8))  # channels 0, 2
     odd = _halves(((w >> 1) & 0x3F803F80) | (w & 0x80008000))  # channels 1, 3
@@ -40,8 +41,8 @@ def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
 
 def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
     """int32 words [..., 2W] of e4m3 codes (two words = 8 channels) -> fp32 [..., 8W] in channel
-    order (values times 2^-8), through kernels/fp4_mma.py SOURCE's `dsv4_e4m3x8_to_f16x2` moves in torch: pair p of
-    a word pair holds channels (p, p + 4), low half first."""
+    order (values times 2^-8), through the moves of `dsv4_e4m3x8_to_f16x2` (kernels/fp4_mma_few_tokens.py's
+    SOURCE) in torch: pair p of a word pair holds channels (p, p + 4), low half first."""
     w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (-1, 2))  # [.., W, (channels 0-3, 4-7)]
     lo, hi = w[..., 0], w[..., 1]
     pairs = []

@@ -137,12 +137,12 @@ def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
     """The one-token tensor-core GEMV at odd row counts (partial tiles), K splits and depths."""
     from kernels.act_quant import act_quant
     from kernels.gemv import as_words, scale_bytes
-    from kernels.fp8_mma1 import fp8_mma1_kernel
+    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel
     x = activations(1, k, gen)
     w, s = fp8_weight(n, k, gen)
     q, sa = act_quant(x, 128)
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    fp8_mma1_kernel(n, k, tiles, ksplit, depth, torch.cuda.get_device_capability())(
+    fp8_mma_one_token_kernel(n, k, tiles, ksplit, depth, torch.cuda.get_device_capability())(
         as_words(q), sa, as_words(w), scale_bytes(s), y)
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s)) < 4e-3
 
@@ -152,7 +152,7 @@ def test_fp8_mma1_extreme_codes_and_scales(gen):
     largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
     from kernels.act_quant import act_quant
     from kernels.gemv import as_words, scale_bytes
-    from kernels.fp8_mma1 import fp8_mma1_kernel, mma1_tile
+    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel, mma_tile
     n, k = 256, 1024
     codes = torch.arange(256, dtype=torch.uint8, device=DEV)
     codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
@@ -161,7 +161,7 @@ def test_fp8_mma1_extreme_codes_and_scales(gen):
     x = (torch.randn(1, k, generator=gen, device=DEV) * 2.0 ** 12).to(torch.bfloat16)
     q, sa = act_quant(x, 128)
     y = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
-    fp8_mma1_kernel(n, k, *mma1_tile(n, k), torch.cuda.get_device_capability())(
+    fp8_mma_one_token_kernel(n, k, *mma_tile(n, k), torch.cuda.get_device_capability())(
         as_words(q), sa, as_words(w), scale_bytes(s.view(torch.float8_e8m0fnu)), y)
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s.view(torch.float8_e8m0fnu))) < 4e-3
 
@@ -410,16 +410,16 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
 @pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
                                                 (8, 200, 1024, True), (2, 48, 256, False)])
 def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
-    """The tensor-core GEMV (kernels/fp4_mma.py) on its own (`_two_part_gemv`): rows that are not a
+    """The tensor-core GEMV (kernels/fp4_mma_few_tokens.py) on its own (`_two_part_gemv`): rows that are not a
     whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps."""
-    from kernels.fp4_mma import fp4_mma_kernel, mma_tile
+    from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel, mma_tile
     from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
         tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
-        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
-                       arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
+        fp4_mma_few_tokens_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
+                                  tl_dtype, arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(m, inter, dim, lookup, gen, launch)
 
 
@@ -429,16 +429,16 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     (72, 384, 2, 3, True, False, 0), (2048, 4096, 2, 4, True, True, 3), (4096, 2048, 2, 2, True, True, 3),
     (2048, 4096, 2, 1, True, True, 4), (200, 1024, 1, 2, True, False, 3), (72, 384, 2, 1, False, True, 2)])
 def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
-    """The one-token tensor-core GEMV (kernels/fp4_mma1.py, `_two_part_gemv`): slots and weights read
+    """The one-token tensor-core GEMV (kernels/fp4_mma_one_token.py, `_two_part_gemv`): slots and weights read
     before or after the wait on the predecessor, all first or `depth` blocks ahead of the sums, rows
     that are not a whole tile, K split over 1 to 8 warps."""
-    from kernels.fp4_mma1 import fp4_mma1_kernel
+    from kernels.fp4_mma_one_token import fp4_mma_one_token_kernel
     from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
-        kernel = fp4_mma1_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
-                                 tl_dtype, arch, lookup, early, depth)
+        kernel = fp4_mma_one_token_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
+                                          tl_dtype, arch, lookup, early, depth)
         kernel(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(1, inter, dim, lookup, gen, launch)
 

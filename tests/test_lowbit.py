@@ -43,7 +43,7 @@ def test_decoded_dot_with_scale_matches_dequantised_product():
 
 
 def test_every_e4m3_code_decodes_into_the_mma_pairs():
-    # kernels/fp4_mma.py's activation pairs (p, p + 4): every code in every byte position
+    # kernels/fp4_mma_few_tokens.py's activation pairs (p, p + 4): every code in every byte position
     codes = torch.arange(256, dtype=torch.uint8).repeat(8)  # 512 words = 256 word pairs
     got = decode_e4m3_pairs(codes.view(torch.int32))
     want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -lowbit.E4M3_SHIFT

@@ -112,9 +112,9 @@ def warp_sums_macro(T, tiles: int, ksplit: int):
 
 
 @functools.cache
-def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
-                   s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                   lookup: bool = False):
+def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
+                              s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
+                              lookup: bool = False):
     """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
     `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
     that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
@@ -123,8 +123,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
 
     blocks = k // 128
     if not supports(m, k, s_off, s_stride) or blocks % ksplit:
-        raise KernelInputError(f"fp4_mma_kernel: m={m}, k={k}, ksplit={ksplit}, scale offsets {s_off} / stride "
-                               f"{s_stride} unsupported (see fp4_mma.supports; ksplit must divide K/128)")
+        raise KernelInputError(f"fp4_mma_few_tokens_kernel: m={m}, k={k}, ksplit={ksplit}, scale offsets {s_off} / "
+                               f"stride {s_stride} unsupported (see `supports`; ksplit must divide K/128)")
     kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
     parts = len(w_off)
     cta_rows = 16 * tiles

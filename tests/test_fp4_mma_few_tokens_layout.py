@@ -1,4 +1,4 @@
-"""kernels/fp4_mma.py's data layout, replayed on the CPU: every lane's words, fragments, scales and
+"""kernels/fp4_mma_few_tokens.py's data layout, replayed on the CPU: every lane's words, fragments, scales and
 outputs as the kernel indexes them, the two MMAs of a scale group done as matrix products from the
 PTX m16n8k16 fragment layout (TileLang's cuda/intrinsics/layout/mma_layout.py agrees), against
 the reference FP4 GEMM. It checks the layout's logic (which channel sits at which k position in A
@@ -9,7 +9,7 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp4_mma import GROUPS_PER_STEP, mma_tile
+from kernels.fp4_mma_few_tokens import GROUPS_PER_STEP, mma_tile
 
 from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
 

@@ -1,4 +1,4 @@
-"""kernels/fp4_mma1.py's data layout, replayed on the CPU: each lane's group words, the zeroed B
+"""kernels/fp4_mma_one_token.py's data layout, replayed on the CPU: each lane's group words, the zeroed B
 columns, the eight MMAs of a 128-channel block (PTX m16n8k16 fragments, as in
 tests/test_fp4_mma_layout.py), the scale each D column takes and the lanes that sum a row,
 against the reference FP4 GEMM. It checks the layout's logic, not the GPU code itself."""
@@ -8,7 +8,7 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, scale_vector, supports
+from kernels.fp4_mma_one_token import MAX_BLOCKS, mma_tile, scale_vector, supports
 
 from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
 
@@ -77,13 +77,13 @@ def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
 
 
 def test_mma1_tile_keeps_a_warps_blocks_in_registers():
-    assert mma1_tile(4096) == (2, 4, 4) and mma1_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
-    assert mma1_tile(7168) == (2, 7, 4) and mma1_tile(384) == (2, 1, 4) and mma1_tile(256) == (2, 2, 2)
+    assert mma_tile(4096) == (2, 4, 4) and mma_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
+    assert mma_tile(7168) == (2, 7, 4) and mma_tile(384) == (2, 1, 4) and mma_tile(256) == (2, 2, 2)
     for k in range(128, 16384, 128):
-        tile = mma1_tile(k)
+        tile = mma_tile(k)
         if tile is not None:
             assert (k // 128) % tile[1] == 0 and k // 128 // tile[1] <= MAX_BLOCKS
-    assert mma1_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
+    assert mma_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
     assert not supports(4096, (2,), 4096)  # scales must start 4-byte aligned
 
 

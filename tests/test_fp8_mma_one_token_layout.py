@@ -1,15 +1,15 @@
-"""kernels/fp8_mma1.py's data layout, replayed on the CPU: each lane's 16-byte loads of rows gi and
+"""kernels/fp8_mma_one_token.py's data layout, replayed on the CPU: each lane's 16-byte loads of rows gi and
 gi + 8, the fp16x2 pairs a word becomes, the eight MMAs of a 128-channel block (PTX m16n8k16
 fragments, as in tests/test_fp4_mma_layout.py) with every lane's B holding its own activations,
 the block scales each tile takes and the lanes that store a row, against the reference FP8 GEMM.
-It checks the layout's logic, not the GPU code itself; plus `mma1_tile`'s rules."""
+It checks the layout's logic, not the GPU code itself; plus `mma_tile`'s rules."""
 
 import pytest
 import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp8_mma1 import BLOCKS_PER_WARP, MAX_K, mma1_tile
+from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile
 
 from kernel_sim import decode_e4m3_words, mma_m16n8k16
 
@@ -87,13 +87,13 @@ def test_mma1_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
 
 def test_mma1_tile_rules():
     # the engine's decode shapes: 6-8 MB weights load everything before the wait, larger ones 2 ahead
-    assert mma1_tile(1536, 4096) == (1, 8, 0)  # wq_a|wkv: too few rows for 2-tile CTAs
-    assert mma1_tile(8192, 1024) == (2, 2, 0) and mma1_tile(4096, 2048) == (2, 4, 0)
-    assert mma1_tile(4096, 4096) == (2, 8, 2) and mma1_tile(32768, 1024) == (2, 2, 2)
-    assert mma1_tile(4096, 8192) is None  # wo_b: the CUDA-core GEMV
-    assert mma1_tile(200, 384) == (1, 1, 0) and mma1_tile(64, 100) is None
+    assert mma_tile(1536, 4096) == (1, 8, 0)  # wq_a|wkv: too few rows for 2-tile CTAs
+    assert mma_tile(8192, 1024) == (2, 2, 0) and mma_tile(4096, 2048) == (2, 4, 0)
+    assert mma_tile(4096, 4096) == (2, 8, 2) and mma_tile(32768, 1024) == (2, 2, 2)
+    assert mma_tile(4096, 8192) is None  # wo_b: the CUDA-core GEMV
+    assert mma_tile(200, 384) == (1, 1, 0) and mma_tile(64, 100) is None
     for k in range(128, MAX_K + 1, 128):
-        tiles, ksplit, depth = mma1_tile(4096, k)
+        tiles, ksplit, depth = mma_tile(4096, k)
         blocks = k // 128
         assert blocks % ksplit == 0 and blocks // ksplit <= BLOCKS_PER_WARP and ksplit <= 32
         assert all(blocks % s or blocks // s > BLOCKS_PER_WARP for s in range(1, ksplit))  # the fewest warps
