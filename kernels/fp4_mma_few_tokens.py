@@ -1,11 +1,9 @@
 """FP4 routed-expert GEMV on the tensor cores (sm_80+ `mma.sync` m16n8k16, fp16 in, fp32 out).
 
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` (same arguments, same outputs) for at
-most 8 activation rows. Why: the CUDA-core kernel widens every weight channel to fp32 before
-its FMA, and at decode shapes those per-channel instructions, presumably, not memory, bound it
-(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp).
-Here the decoded fp16 codes go straight into the tensor cores, which multiply exactly and sum in
-fp32.
+most 8 activation rows. The CUDA-core kernel widens every weight channel to fp32 before its FMA
+and keeps rows x tokens accumulators; here the decoded fp16 codes go straight into the tensor
+cores, which multiply exactly and sum in fp32.
 
 Data layout (a CTA = `tiles` tiles of 16 weight rows, its `ksplit` warps each summing a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -23,12 +21,9 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
 
 Scales are read as words: the record's scale block must start 4-byte aligned (`supports`).
 GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
-architecture. It did not meet the hope above: at its best tile it was 2-3 % faster than the
-CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
-main limit. That limit was TileLang's bounds guards (kernels/toolkit.py's UNGUARDED): without
-them the CUDA-core kernel is the faster one at one row (decode's six experts' w1+w3: 19.84 us
-against 23.29 here), and this kernel serves MMA_MIN_M to 8 rows, where the CUDA-core kernel's
-per-row arithmetic grows (w1+w3 at 4 rows 31.15 us against 47.87, at 8 rows 34.54 against 103.25).
+architecture, for MMA_MIN_M to 8 rows, where the CUDA-core kernel's per-row arithmetic grows
+(H200, decode's six experts' w1+w3 at 8 rows: 34.54 us against 103.25; the other measurements
+are in docs/performance-log.md).
 """
 
 import functools
@@ -73,8 +68,8 @@ __device__ __forceinline__ void dsv4_fp4_mma_group(int w0, int w1, const unsigne
 """
 
 MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches to this kernel (sm_121: untested)
-# Launches of fewer rows go to the CUDA-core kernel. H200, decode's six experts' w1+w3 (w2):
-# 1 row 19.84 (11.01) us there against 23.29 (12.41) here; 2 rows 30.85 (15.21) against 29.47 (15.28).
+# Launches of fewer rows go to the CUDA-core kernel (H200, decode's six experts' w1+w3 at one row:
+# 19.84 us there against 23.29 here).
 MMA_MIN_M = 2
 
 
@@ -211,9 +206,8 @@ def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tupl
 
 def mma_tile(k: int) -> tuple[int, int]:
     """(tiles of 16 rows per CTA, ksplit warps) for K channels: 2 tiles and up to 4 warps, each
-    summing at least two whole 128-channel blocks; ksplit divides K/128. H200 (bench.kernels,
-    decode's 6 experts): w1+w3 24.08 us at 2 tiles x 4 warps vs 27.10 at 1 x 8 and 24.57 for the
-    CUDA-core kernel's best tile; w2 12.43 us vs 15.90 and 12.79."""
+    summing at least two whole 128-channel blocks; ksplit divides K/128 (H200, decode's six
+    experts' w1+w3: 24.08 us at 2 tiles x 4 warps against 27.10 at 1 x 8)."""
     blocks, ksplit = k // 128, 4
     while ksplit > 1 and (blocks % ksplit or blocks < 2 * ksplit):
         ksplit //= 2

@@ -2,24 +2,13 @@
 
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` at m = 1 (same tensors, same outputs).
 The CUDA-core kernel spends about four instructions per weight (decode, fp32 widening, FMA; its
-sm_90a SASS); here a weight costs its decode alone (about half the instructions): the tensor
-cores multiply the fp16 codes exactly and sum in fp32. kernels/fp4_mma_few_tokens.py does the same for 2-8
-tokens, but must give the four lanes of a quad the same scale group, so each lane reads 4-byte
-words; here each lane reads a whole group (16 bytes). H200 (bench.kernels, graphed chains): at
-48 experts' w1+w3 per launch (428 MB) 80.4 % of the copy bandwidth against 75.8 % for the
-CUDA-core kernel. At decode's 6 experts (54 MB) the difference shrinks, and both fall well short
-of a plain streaming read of that size (bench.ceilings: 100-102 %), at first because their sums
-waited on all their loads: `depth` (below) lets the sums start as the first blocks land, 18.91 us
-here against 19.63 with every load issued first and 19.80 for the CUDA-core kernel, in one run.
-The kernel's own issue rate is what remains: the same grid and loads with the sums replaced by an
-XOR take 14.48 (w1+w3) and 7.81 us (w2), and on L2-resident weights the whole kernel still takes
-16.2 and 8.2 us. Hence fewer instructions per block (16-byte B loads, no D clears, scale words
-in vectors: 2 304 per warp instead of 2 448 in the sm_90a SASS of decode's w1+w3), a register cap
-and retuned depths: w1+w3 18.08-18.18 us (69.7-70.0 % of the copy bandwidth), w2 9.45-9.49
-(66.7-67.0 %), against 19.04-19.21 and 9.74 for the kernel before them, same run. Then the
-codes' record order (kernels/reference.py; 9 instead of 11 decode instructions per word, 2 048
-per warp at w1+w3): w2 8.84-8.90 us (71.4-71.8 %) against 9.32-9.36 in one run, 8.68-8.91 in the
-next; w1+w3 unchanged (17.94-18.01 against 17.88-18.00).
+sm_90a SASS); here a weight costs its decode alone: the tensor cores multiply the fp16 codes
+exactly and sum in fp32. kernels/fp4_mma_few_tokens.py does the same for 2-8 tokens, but must give
+the four lanes of a quad the same scale group, so each lane reads 4-byte words; here each lane
+reads a whole group (16 bytes). At decode's six experts the kernel's instruction issue, not
+memory, is the limit, hence the few instructions per block described below (H200: w1+w3 in
+18.08-18.18 us against 19.04-19.21 for the version before those cuts, same run). The measurements
+behind each choice: docs/performance-log.md.
 
 Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -90,14 +79,8 @@ def mma_tile(k: int) -> tuple[int, int, int] | None:
     a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
     one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
     activations within 33 KB), loads kept DEPTH blocks ahead (DEPTH_2_WARPS for two warps).
-    H200 (decode's 6 experts, early, same-run sets): w1+w3 (K 4096) at 2 x 4 17.96-17.99 us at
-    depth 4 against 18.48-18.50 at 3, 18.15-18.67 at 6, 18.69-19.33 at 5, 22.2-22.5 at 8; w2 (K 2048)
-    at 2 x 2 9.02-9.28 us at depth 2 (two runs) against 9.63-9.69 at 3 and 10.05-10.06 at 4 (the
-    first run), 9.50-9.61 at 1 (the second). A cap of 16 warps per SM was slower for both (w2
-    11.4-11.5 us). 2 x 4 for w2, 1-tile CTAs, one warp per K range, and weights staged in shared
-    memory by cp.async were all slower. With record-order
-    codes (one run, three repeats): w1+w3 18.07-18.13 us at depth 4, 17.70-18.15 at 3, 18.11-18.51
-    at 5; w2 8.68-8.91 at 2, 8.92-9.17 at 3, 9.34-9.61 at 1."""
+    DEPTH and DEPTH_2_WARPS are the fastest of a sweep (H200, decode's six experts: w1+w3 17.96-17.99
+    us at depth 4 against 18.48-18.50 at 3; the rest in docs/performance-log.md)."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
             return 2, ksplit, DEPTH_2_WARPS if ksplit == 2 else DEPTH

@@ -40,10 +40,9 @@ from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
 # Rows per warp shrink (gemv_tile) until the launch has >= 256 CTAs: at one token, counting every
-# group and part (H200, bench.kernels' sweep, the kernel compiled without bounds guards: decode's
-# six experts' w1+w3, N 2048, 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2, N 4096, 11.01
-# vs 12.37); with more tokens per row (rows x tokens accumulators), one group's (w1+w3 at 8
-# tokens: 103.25 us at 2 x 4 vs 157.44 at 4 x 4; those go to kernels/fp4_mma_few_tokens.py on sm_90).
+# group and part (H200, decode's six experts' w1+w3: 19.84 us at 4 rows x 4 warps against 21.27
+# at 2 x 4); with more tokens per row (rows x tokens accumulators), one group's (sm_90 sends those
+# to kernels/fp4_mma_few_tokens.py). The sweep: docs/performance-log.md.
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},

@@ -52,12 +52,9 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
 
     `early` (with PDL): each lane loads the weight words of its first `early_steps` steps before
     the kernel waits for its predecessor (kernels/pdl.py), so they overlap that kernel's tail; the
-    L2 prefetch of the CTA's rows is then left out where those steps are all of them. H200, one
-    token, graphed chains (3 repeats; us, each step loading its own words -> early): wo_b 4096 x
-    8192 10.97-11.03 -> 9.66-9.78, 4096 x 2048 5.01-5.02 -> 3.91-3.95, 1536 x 4096 3.98-4.04 ->
-    3.22-3.52; slower for 32768 x 1024 (10.34-10.42 -> 11.12-11.35), 8192 x 1024 and 4096 x 4096
-    (+0.1-0.2). One token at K <= 4096 now goes to the tensor-core kernel; more tokens were not
-    timed."""
+    L2 prefetch of the CTA's rows is then left out where those steps are all of them (H200, one
+    token: wo_b 4096 x 8192 9.66-9.78 us early against 10.97-11.03; other shapes in
+    docs/performance-log.md, 2026-12-01)."""
     import tilelang.language as T
 
     kb, nb, kw = k // 128, (n + 127) // 128, k // 4

@@ -21,13 +21,8 @@ HCPost (`hc_post_kernel`): one thread per (stream k, channel d): new = post_k ·
 comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into the streams'
 dtype: one launch instead of ~5.
 
-Tried and not adopted (H200, 2026-12-01): `hc_gate` going on to the sub-block's RMSNorm + FP8
-quantisation of x (one CTA per token: x kept in registers, shuffle sums), which removes the
-`rms_norm_quant` launch after each HCPre of a decode step (155 -> 146 kernels per token at 4
-layers). The 4-layer decode step stayed at 0.90 ms/token (same run, same checkpoint, against 0.90
-without it), and the pair timed 9.38 us per call in a chain against 7.52 + 1.72 us for hc_pre and
-rms_norm_quant apart: the normalisation's serial work moved into the gate's CTA, and the launch
-it saved was already hidden by PDL.
+`hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
+(the decode step did not move; docs/performance-log.md, 2026-12-01).
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
 scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
