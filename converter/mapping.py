@@ -1,4 +1,4 @@
-"""One table: official tensor name -> where it goes in the converted layout (DESIGN §3).
+"""One table: official tensor name -> where it goes in the converted layout (the pack: engine/pack.py).
 
 Roles:
   * global    `embed.weight`, `head.weight`, `norm.weight`, `hc_head_*` -> global.safetensors

@@ -1,4 +1,4 @@
-"""The converted "expert pack" layout, version 2 (DESIGN §3): the engine's input format, written
+"""The converted "expert pack" layout, version 2: the engine's input format, written
 by converter/convert.py. On-disk contract:
 
 A directory holding

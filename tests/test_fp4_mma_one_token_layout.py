@@ -64,7 +64,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
 
 
 @pytest.mark.parametrize("n,k,tiles,ksplit", [(40, 512, 1, 2), (32, 256, 2, 1), (24, 384, 2, 3)])
-def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
+def test_one_token_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
     ws = torch.randint(117, 131, (n, k // 32), generator=gen, dtype=torch.uint8)
@@ -76,7 +76,7 @@ def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
     assert ((got - exact).abs() <= 1e-9 * got.abs().max()).all()  # exact products, fp64 sums here
 
 
-def test_mma1_tile_keeps_a_warps_blocks_in_registers():
+def test_one_token_tile_keeps_a_warps_blocks_in_registers():
     assert mma_tile(4096) == (2, 4, 4) and mma_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
     assert mma_tile(7168) == (2, 7, 4) and mma_tile(384) == (2, 1, 4) and mma_tile(256) == (2, 2, 2)
     for k in range(128, 16384, 128):

@@ -70,7 +70,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
 
 
 @pytest.mark.parametrize("n,k,tiles,ksplit", [(40, 512, 1, 2), (24, 384, 2, 3), (136, 256, 2, 1)])
-def test_mma1_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
+def test_one_token_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs
@@ -85,7 +85,7 @@ def test_mma1_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
     assert ((got - exact).abs() <= 1e-9 * exact.abs().max()).all()  # exact products, fp64 sums here
 
 
-def test_mma1_tile_rules():
+def test_one_token_tile_rules():
     # the engine's decode shapes: 6-8 MB weights load everything before the wait, larger ones 2 ahead
     assert mma_tile(1536, 4096) == (1, 8, 0)  # wq_a|wkv: too few rows for 2-tile CTAs
     assert mma_tile(8192, 1024) == (2, 2, 0) and mma_tile(4096, 2048) == (2, 4, 0)

@@ -133,7 +133,7 @@ def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
 @pytest.mark.parametrize("n,k,tiles,ksplit,depth", [(200, 384, 1, 1, 0), (200, 384, 2, 3, 1), (130, 1024, 2, 2, 1),
                                                     (1536, 4096, 1, 8, 2), (1536, 4096, 2, 4, 4), (4096, 2048, 2, 4, 0),
                                                     (4096, 8192, 2, 8, 4)])
-def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
+def test_fp8_mma_one_token_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
     """The one-token tensor-core GEMV at odd row counts (partial tiles), K splits and depths."""
     from kernels.act_quant import act_quant
     from kernels.gemv import as_words, scale_bytes
@@ -147,7 +147,7 @@ def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s)) < 4e-3
 
 
-def test_fp8_mma1_extreme_codes_and_scales(gen):
+def test_fp8_mma_one_token_extreme_codes_and_scales(gen):
     """Every e4m3 magnitude (subnormals, 448) against every activation code, with the smallest and
     largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
     from kernels.act_quant import act_quant
@@ -428,7 +428,7 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     (2048, 4096, 2, 8, False, True, 0), (200, 1024, 2, 8, True, False, 0), (48, 256, 1, 1, False, True, 0),
     (72, 384, 2, 3, True, False, 0), (2048, 4096, 2, 4, True, True, 3), (4096, 2048, 2, 2, True, True, 3),
     (2048, 4096, 2, 1, True, True, 4), (200, 1024, 1, 2, True, False, 3), (72, 384, 2, 1, False, True, 2)])
-def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
+def test_fp4_mma_one_token_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
     """The one-token tensor-core GEMV (kernels/fp4_mma_one_token.py, `_two_part_gemv`): slots and weights read
     before or after the wait on the predecessor, all first or `depth` blocks ahead of the sums, rows
     that are not a whole tile, K split over 1 to 8 warps."""

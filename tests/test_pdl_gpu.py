@@ -44,7 +44,7 @@ def test_decode_kernels_wait_for_their_predecessor(early):
         assert src[:wait].count("W + ") == src.count("W + ")  # no weight load left after the wait
 
 
-def test_fp8_mma1_reads_only_weights_before_the_wait():
+def test_fp8_mma_one_token_reads_only_weights_before_the_wait():
     from kernels import pdl
     from kernels.toolkit import cuda_arch
     from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel
