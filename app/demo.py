@@ -52,7 +52,7 @@ def outdated(converted: Path) -> bool:
     """Whether a converted directory's manifest names another layout version than this build's
     converter writes (a demo built by an older build: rebuilt, it is only a few MB)."""
     try:
-        from converter.layout import VERSION
+        from engine.pack import VERSION
         return json.loads((converted / MANIFEST).read_text(encoding="utf-8")).get("version") != VERSION
     except ImportError:  # no converter: nothing to rebuild with
         return False

@@ -59,12 +59,12 @@ def read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, int], ea
     """A streaming read of `words` int32 (a multiple of 4·threads·unroll): every thread loads
     `unroll` 16-byte vectors (all issued before their XOR), and writes nothing unless the XOR of
     its words is a sentinel, so the loads cannot be dropped. The best a read-only launch of that
-    size can do, for the kernels' figures to be set against. `early`: PDL as fp4_mma1's early
+    size can do, for the kernels' figures to be set against. `early`: PDL as fp4_mma_one_token's early
     (loads issued before the wait on the kernel before); else no PDL, as torch's kernels."""
     import tilelang.language as T
 
     from kernels import pdl
-    from kernels.act_quant import UNGUARDED, compile_kernel
+    from kernels.toolkit import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
     load, fold = _stream_macros(T, threads, unroll)
@@ -97,7 +97,7 @@ def chained_read_kernel(words: int, threads: int, unroll: int, arch: tuple[int, 
     import tilelang.language as T
 
     from kernels import pdl
-    from kernels.act_quant import UNGUARDED, compile_kernel
+    from kernels.toolkit import UNGUARDED, compile_kernel
 
     per_cta = threads * unroll  # 16-byte vectors
     load, fold = _stream_macros(T, threads, unroll)
@@ -136,8 +136,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench.ceilings needs a CUDA GPU")
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
-    from kernels.fp4_mma1 import mma1_tile
+    from kernels.toolkit import cuda_arch
+    from kernels.fp4_mma_one_token import mma_tile
     from kernels.fp4_moe import gemv_tile
 
     dev = torch.device("cuda")
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
         return
     n, k = 2048, 4096
     arena = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
-    tiles, ksplit, depth = mma1_tile(k)  # w1+w3's tile, w2 timed at it too (each row names its tile)
+    tiles, ksplit, depth = mma_tile(k)  # w1+w3's tile, w2 timed at it too (each row names its tile)
     for g in EXPERTS:  # both kernels at decode's one-token tiles: w1+w3 of g experts, then w2
         for name, nbytes, t, _ in fp4_tile_rows(dev, arena, n, k, g, 1, [gemv_tile(n, arch, 2 * g)], [],
                                                 [(tiles, ksplit, True, depth)]):

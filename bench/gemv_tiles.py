@@ -74,7 +74,8 @@ def precompile(specs, jobs: int) -> None:
 
 def sweep_fp8(dev, arch) -> list[tuple[str, int, float, bool]]:
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, gemv_tile, scale_bytes
+    from kernels.fp8_gemm import fp8_gemv_kernel, gemv_tile
+    from kernels.gemv import as_words, scale_bytes
 
     rows = []
     for name, n, k in FP8_SHAPES:
@@ -95,7 +96,7 @@ def sweep_fp8(dev, arch) -> list[tuple[str, int, float, bool]]:
 def sweep_fp4(dev, arch) -> list[tuple[str, int, float, bool]]:
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
 
     rows = []
     for name, n, k in FP4_SHAPES:

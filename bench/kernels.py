@@ -110,7 +110,7 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     """(name, bytes per call, seconds per call, graphed) for every kernel at decode shapes
     (`dense_only`: up to the dense weights' rows, without the FP4 and attention sweeps)."""
     from kernels.act_quant import act_quant
-    from kernels.fp4_moe import _grouped_gemv, fp4_gemm, fp4_gemm_grouped
+    from kernels.fp4_moe import grouped_gemv, fp4_gemm, fp4_gemm_grouped
     from kernels.fp8_gemm import dequant_fp8_bf16, fp8_gemm, fp8_gemm_quantized
     from kernels.grouped_linear import grouped_linear
     from kernels.sparse_attention import sparse_attention
@@ -165,7 +165,7 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     arena2 = fp4_arena(64, 2 * n, k, dev)  # records: w1|w3 weights, then their scales
     q, sq = act_quant(xg[:1].unsqueeze(1), 128)
     for early in (False, True):  # the engine's decode launches it early (engine/moe.py)
-        t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: _grouped_gemv(
+        t, graphed = time_rotating(slot_sets(64, g, dev), lambda s: grouped_gemv(
             q, sq, arena2, (0, n * k // 2), arena2, (n * k, n * k + n * k // 32), n, k, s, torch.bfloat16,
             early=early))
         rows.append((f"fp4 w1+w3 6 experts, one launch{' early' if early else ''} {n}x{k}",
@@ -189,7 +189,7 @@ def sparse_split_rows(dev) -> list[tuple[str, int, float, bool]]:
     """Decode's sparse attention (one query, 64 heads of 512) at K = 128 (window only) and 640
     (window + 512 selected) rows: its two launches apart and together, at every (rows per block,
     K splits) pair below, to choose the tiles from."""
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.sparse_attention import combine_kernel, partial_kernel
 
     arch, h, d, scale = cuda_arch(dev), 64, 512, 512 ** -0.5
@@ -217,11 +217,10 @@ def sparse_split_rows(dev) -> list[tuple[str, int, float, bool]]:
 
 def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     """The small ops every layer runs, at decode shapes (one token, n = 4 streams of D = 4096,
-    bf16): mHC pre (mix + gate, Sinkhorn folded in), mHC post, the standalone Sinkhorn, the
-    RMSNorm + FP8 quantisation. They are latency-bound; the bytes are what they must move."""
+    bf16): mHC pre (mix + gate, Sinkhorn folded in), mHC post, the RMSNorm + FP8
+    quantisation. They are latency-bound; the bytes are what they must move."""
     from kernels.mhc import hc_post, hc_pre
     from kernels.rms_norm_quant import rms_norm_quant
-    from kernels.sinkhorn import sinkhorn
 
     n, d, cols = 4, 4096, 24
     streams = torch.randn(1, n, d, device=dev).to(torch.bfloat16)
@@ -233,7 +232,6 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     cases = [(f"hc_pre S=1 n={n} D={d} (2 launches)", 4 * cols * n * d + 2 * 2 * n * d + 2 * d,
               lambda: hc_pre(streams, fn, scale, base, n, 20, 1e-6, 1e-6)),
              (f"hc_post S=1 n={n} D={d}", 2 * 2 * n * d + 2 * d, lambda: hc_post(out, streams, post, comb)),
-             (f"sinkhorn S=1 n={n} 20 iterations", 2 * 4 * n * n, lambda: sinkhorn(comb, 20, 1e-6)),
              (f"rms_norm_quant 1x{d}", 2 * d + 4 * d + 2 * d + d + d // 32, lambda: rms_norm_quant(x, w, 1e-6))]
     rows = []
     for name, nbytes, call in cases:
@@ -253,16 +251,17 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                   mma_tiles=MMA_TILES, mma1_tiles=MMA1_TILES) -> list[tuple[str, int, float, bool]]:
     """Decode's routed w1+w3 launch (two parts of `arena`'s records, m activation rows shared by
     the g experts) and its w2 launch (N = k, K = n, m rows per expert, fp32 out): the CUDA-core
-    kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma.py) at `mma_tiles` and, at one
-    row, the one-token tensor-core kernel (kernels/fp4_mma1.py) at `mma1_tiles`, to choose the
+    kernel at `cuda_tiles`, the tensor-core kernel (kernels/fp4_mma_few_tokens.py) at `mma_tiles` and, at one
+    row, the one-token tensor-core kernel (kernels/fp4_mma_one_token.py) at `mma1_tiles`, to choose the
     kernel and its tiles from."""
-    from kernels.act_quant import act_quant, cuda_arch
-    from kernels.fp4_mma import fp4_mma_kernel
-    from kernels.fp4_mma1 import fp4_mma1_kernel
-    from kernels.fp4_mma1 import splits as mma1_splits
-    from kernels.fp4_mma1 import supports as mma1_supports
+    from kernels.act_quant import act_quant
+    from kernels.toolkit import cuda_arch
+    from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel
+    from kernels.fp4_mma_one_token import fp4_mma_one_token_kernel
+    from kernels.fp4_mma_one_token import splits as mma1_splits
+    from kernels.fp4_mma_one_token import supports as mma1_supports
     from kernels.fp4_moe import fp4_gemv_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
 
     arch = cuda_arch(dev)
     per = n * k // 2 + n * k // 32  # one weight's codes and scales
@@ -284,7 +283,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                 as_words(qa), sa, as_words(ar), ar, s, y))
             rows.append((f"fp4 {name} {g}x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
         for tiles, ksplit in mma_tiles:  # the tensor-core kernel
-            kernel = fp4_mma_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch)
+            kernel = fp4_mma_few_tokens_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
+                                               arch)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
@@ -292,8 +292,8 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             early, depth = (*opts, False, 0)[:2]
             if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
                 continue
-            kernel = fp4_mma1_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out, arch,
-                                     False, early, depth)
+            kernel = fp4_mma_one_token_kernel(nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
+                                              arch, False, early, depth)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             label = (" early" if early else "") + (f" depth {depth}" if depth else "")

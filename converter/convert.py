@@ -33,9 +33,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from converter import layout, mapping, preflight
+from converter import mapping, preflight
 from converter.stwriter import TensorSpec, aligned_first, build_header
 from converter.verify import check_file, verify as verify_dir
+from engine import pack as layout
 from engine.checkpoint import INDEX_NAME, CheckpointError, TensorIndex, TensorInfo
 from engine.config import ModelArgs
 

@@ -1,4 +1,4 @@
-"""One table: official tensor name -> where it goes in the converted layout (DESIGN §3).
+"""One table: official tensor name -> where it goes in the converted layout (the pack: engine/pack.py).
 
 Roles:
   * global    `embed.weight`, `head.weight`, `norm.weight`, `hc_head_*` -> global.safetensors
@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass
 
 from engine.config import ModelArgs
-from kernels.reference import EXPERT_FIELDS
+from engine.pack import GLOBAL_FILE, expert_fields, unit_file
+# The pack's other names, used beside this table by converter/convert.py (mapping.units, ...):
+from engine.pack import MTP_FILE, experts_tensor, layer_file, unit_prefix, units  # noqa: F401
 
-GLOBAL_FILE = "global.safetensors"
-MTP_FILE = "mtp.safetensors"
 GLOBAL_NAMES = ("embed.weight", "head.weight", "norm.weight",
                 "hc_head_fn", "hc_head_base", "hc_head_scale")
 
@@ -51,28 +51,6 @@ class Target:
         return self.expert is not None
 
 
-def layer_file(layer: int) -> str:
-    return f"layer_{layer:02d}.safetensors"
-
-
-def units(args: ModelArgs) -> list[int]:
-    """Units that have routed experts: decoder layers, then the MTP block (unit n_layers)."""
-    return list(range(args.n_layers + args.n_mtp_layers))
-
-
-def unit_prefix(unit: int, args: ModelArgs) -> str:
-    return "mtp.0" if unit == args.n_layers else f"layers.{unit}"
-
-
-def unit_file(unit: int, args: ModelArgs) -> str:
-    return MTP_FILE if unit == args.n_layers else layer_file(unit)
-
-
-def experts_tensor(unit: int, args: ModelArgs) -> str:
-    """Name of the packed uint8 [n_routed_experts, record_bytes] tensor of a unit."""
-    return f"{unit_prefix(unit, args)}.ffn.experts"
-
-
 def classify(name: str, args: ModelArgs) -> Target:
     """Place one official tensor name; raises MappingError for a name of no known role."""
     if name in GLOBAL_NAMES:
@@ -94,16 +72,6 @@ def classify(name: str, args: ModelArgs) -> Target:
         raise MappingError(f"tensor {name!r}: expert {expert} >= n_routed_experts "
                            f"({args.n_routed_experts})")
     return Target(unit_file(unit, args), unit, expert, e.group(2))
-
-
-def expert_fields(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The six tensors of one routed expert, in record order: field -> (dtype, shape) (§B.3)."""
-    d, i = args.dim, args.moe_inter_dim
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for w, (rows, cols) in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i))):
-        out[f"{w}.weight"] = ("I8", (rows, cols // 2))  # packed fp4, two codes a byte
-        out[f"{w}.scale"] = ("F8_E8M0", (rows, cols // 32))  # one e8m0 scale per 32 inputs
-    return {f: out[f] for f in EXPERT_FIELDS}
 
 
 def expected_inventory(args: ModelArgs) -> Inventory:

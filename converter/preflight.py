@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from converter import layout, mapping
+from converter import mapping
+from engine import pack as layout
 from engine.checkpoint import INDEX_NAME, CheckpointError, read_header
 from engine.config import ConfigError, ModelArgs
 

@@ -1,5 +1,5 @@
 """`dsv4-convert --upgrade DIR`: a version-1 expert pack rewritten as the current version in place,
-without the source checkpoint (converter/layout.py; version 2 stores the FP4 expert weights'
+without the source checkpoint (engine/pack.py; version 2 stores the FP4 expert weights'
 codes in record order, nothing else differs).
 
 Only the files holding routed experts change. Each is rewritten to `<name>.tmp` in one pass, piece
@@ -22,8 +22,8 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from converter import layout
 from converter.convert import replace_durably
+from engine import pack as layout
 from engine.checkpoint import CheckpointError, read_header
 
 CHUNK = 1 << 23  # bytes per read of a resident tensor
@@ -71,7 +71,7 @@ def _upgrade_file(path: Path, entry: dict, record: layout.RecordLayout,
             hasher = layout.PieceHasher(bytes(header))
             dst.write(header)
             buf = memoryview(bytearray(max(CHUNK, record.record_bytes)))
-            at = len(header)  # the pieces follow one another (converter/layout.py)
+            at = len(header)  # the pieces follow one another (engine/pack.py)
             for t in sorted(tensors, key=lambda t: t.offset):
                 if t.offset != at:
                     raise UpgradeError(f"{name}: tensor {t.name} starts at byte {t.offset}, not {at}; "

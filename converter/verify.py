@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from converter import layout
+from engine import pack as layout
 
 CHUNK = 1 << 23
 

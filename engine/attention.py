@@ -246,10 +246,8 @@ class Attention:
         else:  # (the block scales stack only when wq_a's rows fill whole 128-row blocks)
             self.wq_a, self.wkv = FP8Linear(*wq_a, numerics), FP8Linear(*wkv, numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
-        # Tried (H200, 2026-12-01): wq_b and the indexer's wq_b, both reading c, as one GEMV over
-        # stacked rows. 13.47 us (74.1 % of copy) against 10.07 + 3.61 apart, graphed decode step
-        # unchanged (0.90 ms/token): not adopted. (Engine.generate's median step was 1.05-1.17 ms
-        # with it against 0.94-1.00, but on main alone it ranged 0.94-1.27 ms between runs.)
+        # wq_b and the indexer's wq_b (both read c) as one GEMV: measured and not adopted, the
+        # graphed decode step did not move (docs/performance-log.md, 2026-12-01).
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
         self.kv_norm = get(f"{prefix}.kv_norm.weight").float()
         self.wo_a = GroupedOutProj(get(f"{prefix}.wo_a.weight"), get(f"{prefix}.wo_a.scale"), args.o_groups,

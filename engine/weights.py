@@ -4,7 +4,7 @@ Two layouts are understood:
 * an official HF checkpoint (config.json + model.safetensors.index.json + shards): every
   tensor is read zero-copy from the shards' mmaps, except that a routed expert's FP4 weights are
   copied into record order each time the expert is used (engine.moe.ResidentExperts);
-* a converted "expert pack" directory (manifest.json; see converter/layout.py): resident
+* a converted "expert pack" directory (manifest.json; see engine/pack.py): resident
   tensors keep their official names; routed experts are streamed (engine/experts).
 """
 
@@ -65,12 +65,12 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
-    from converter.layout import LayoutError, read_manifest
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
     from engine.experts.prefetch import IOPool
     from engine.experts.provider import StreamingExperts
     from engine.experts.store import ExpertStore
+    from engine.pack import LayoutError, read_manifest
 
     path = Path(path)
     try:

@@ -11,8 +11,8 @@ tested, sm_121 (GB10) untested.
 """
 
 from kernels import pdl
-from kernels.act_quant import tile_params
-from kernels.fp8_gemm import store_rows_macro
+from kernels.gemv import store_rows_macro
+from kernels.toolkit import tile_params
 
 VEC = 8  # bf16 weights per lane per step (one 16-byte load)
 TILE_PARAMS = {

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from kernels import reference as ref
-from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch
 from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16

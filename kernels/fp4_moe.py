@@ -18,9 +18,9 @@ arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed by
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
-kernels/fp4_mma.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
+kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
-where kernels/fp4_mma1.py lists it.
+where kernels/fp4_mma_one_token.py lists it.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (GB10, FP4 tensor
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
@@ -30,19 +30,19 @@ import functools
 
 import torch
 
-from kernels import fp4_mma, fp4_mma1, lowbit, pdl
-from kernels.act_quant import (_TORCH_TO_TL, UNGUARDED, KernelInputError, act_quant, compile_kernel, cuda_arch,
-                               pad_rows_to_bucket, tile_params)
+from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
+from kernels.act_quant import act_quant
+from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch,
+                             pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
-from kernels.fp8_gemm import _gemv_rows, as_words
+from kernels.gemv import as_words, gemv_rows
 from kernels.swiglu_quant import swiglu_quant
 
 GEMV_MAX_M = 16
 # Rows per warp shrink (gemv_tile) until the launch has >= 256 CTAs: at one token, counting every
-# group and part (H200, bench.kernels' sweep, the kernel compiled without bounds guards: decode's
-# six experts' w1+w3, N 2048, 19.84 us at 4 rows x 4 warps vs 21.27 at 2 x 4; w2, N 4096, 11.01
-# vs 12.37); with more tokens per row (rows x tokens accumulators), one group's (w1+w3 at 8
-# tokens: 103.25 us at 2 x 4 vs 157.44 at 4 x 4; those go to kernels/fp4_mma.py on sm_90).
+# group and part (H200, decode's six experts' w1+w3: 19.84 us at 4 rows x 4 warps against 21.27
+# at 2 x 4); with more tokens per row (rows x tokens accumulators), one group's (sm_90 sends those
+# to kernels/fp4_mma_few_tokens.py). The sweep: docs/performance-log.md.
 TILE_PARAMS = {
     (9, 0): {"rows": 4, "warps": 4},
     (12, 1): {"rows": 2, "warps": 4},
@@ -91,8 +91,8 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
         af = T.alloc_local((2 * _VEC,), "float32")
         acc = T.alloc_local((rows, m), "float32")
         ga = T.min(g, agroups - 1)
-        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
-        s_off_p = fp4_mma.part_offset(part, list(s_off))
+        w_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        s_off_p = fp4_mma_few_tokens.part_offset(part, list(s_off))
         T.clear(acc)
         for ko in loop(steps):
             k0 = ko * kstep + lane * 2 * _VEC  # this lane's 32 channels = 16 bytes = 4 words
@@ -146,7 +146,7 @@ def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
     """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`, where one
     launch runs `gemvs` such GEMVs side by side (groups times parts)."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    return _gemv_rows(n * gemvs, p), p["warps"]
+    return gemv_rows(n * gemvs, p), p["warps"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -184,14 +184,14 @@ def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: 
                                f"{tuple(table.shape)}")
 
 
-def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
-                  s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
-                  table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
+def grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_offs: tuple, s_arena: torch.Tensor,
+                 s_offs: tuple, n: int, k: int, slots: torch.Tensor, out_dtype: torch.dtype,
+                 table: torch.Tensor | None = None, early: bool = False) -> torch.Tensor:
     """The grouped GEMV on quantised activations q [A, M, K] e4m3, s [A, M, K/128] (A = G, or 1 for
     all groups) over the parts (w_offs[p], s_offs[p]) of each slot's arena rows -> [P, G, M, N].
     With `table` [E] int32, `slots` are expert ids (int64) and group g reads slot max(table[id], 0).
     `early`: the kernel may read slots, ids and weights before its predecessor completes (see
-    kernels/fp4_mma1.py; the kernel launched just before must not write them)."""
+    kernels/fp4_mma_one_token.py; the kernel launched just before must not write them)."""
     g, m = slots.shape[0], q.shape[1]
     wb, sb = _as_bytes(w_arena), _as_bytes(s_arena)
     _check_arena(wb, w_offs, sb, s_offs, n, k, slots, g, table)
@@ -199,20 +199,21 @@ def _grouped_gemv(q: torch.Tensor, s: torch.Tensor, w_arena: torch.Tensor, w_off
     if g:
         arch = cuda_arch(q.device)
         where = (slots,) if table is None else (table.contiguous(), slots.contiguous())
-        if m == 1 and arch in fp4_mma1.MMA1_ARCHS and fp4_mma1.supports(k, tuple(s_offs), sb.shape[1]):
-            tiles, ksplit, depth = fp4_mma1.mma1_tile(k)
-            kernel = fp4_mma1.fp4_mma1_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs), tiles,
-                                              ksplit, _TORCH_TO_TL[out_dtype], arch, table is not None, early, depth)
+        one, few = fp4_mma_one_token, fp4_mma_few_tokens
+        if m == 1 and arch in one.MMA_ARCHS and one.supports(k, tuple(s_offs), sb.shape[1]):
+            tiles, ksplit, depth = one.mma_tile(k)
+            kernel = one.fp4_mma_one_token_kernel(n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                                  tiles, ksplit, TORCH_TO_TL[out_dtype], arch, table is not None,
+                                                  early, depth)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
-        elif (arch in fp4_mma.MMA_ARCHS and m >= fp4_mma.MMA_MIN_M
-                and fp4_mma.supports(m, k, tuple(s_offs), sb.shape[1])):
-            kernel = fp4_mma.fp4_mma_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                            *fp4_mma.mma_tile(k), _TORCH_TO_TL[out_dtype], arch, table is not None)
+        elif arch in few.MMA_ARCHS and m >= few.MMA_MIN_M and few.supports(m, k, tuple(s_offs), sb.shape[1]):
+            kernel = few.fp4_mma_few_tokens_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
+                                                   *few.mma_tile(k), TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), as_words(sb), *where, y)
         else:
             gemvs = g * len(w_offs) if m == 1 else 1  # see TILE_PARAMS
             kernel = fp4_gemv_kernel(m, n, k, wb.shape[1], tuple(w_offs), sb.shape[1], tuple(s_offs),
-                                     *gemv_tile(n, arch, gemvs), _TORCH_TO_TL[out_dtype], arch, table is not None)
+                                     *gemv_tile(n, arch, gemvs), TORCH_TO_TL[out_dtype], arch, table is not None)
             kernel(as_words(q), s, as_words(wb), sb, *where, y)
     return y
 
@@ -231,7 +232,7 @@ def fp4_gemm_grouped(x: torch.Tensor, w_arena: torch.Tensor, w_off: int, s_arena
     if x3.shape[1] > GEMV_MAX_M:
         raise KernelInputError(f"fp4_gemm_grouped takes at most {GEMV_MAX_M} rows per group, got {x3.shape[1]}")
     q, s = act_quant(x3, 128)
-    y = _grouped_gemv(q, s, w_arena, (w_off,), s_arena, (s_off,), n, k, slots, torch.bfloat16)[0]
+    y = grouped_gemv(q, s, w_arena, (w_off,), s_arena, (s_off,), n, k, slots, torch.bfloat16)[0]
     return y[:, 0] if squeeze else y
 
 
@@ -286,9 +287,9 @@ def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fie
     slots = slots.to(torch.int32 if table is None else torch.int64)
     inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
-    gu = _grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
+    gu = grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
                        (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
                        early)  # [2, G, 1, inter]
     q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
-    return _grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
+    return grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
                          dim, inter, slots, torch.float32, table, True)[0, :, 0]

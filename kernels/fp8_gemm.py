@@ -3,7 +3,7 @@
 y = act_quant(x) · W^T with W [N, K] e4m3 and 128×128 e8m0 block scales, fp32 accumulation,
 bf16 output (spec §B.4).
 
-* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma1.py (same contract).
+* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma_one_token.py (same contract).
 * Decode (M <= GEMV_MAX_M rows): a weight-streaming GEMV. Each warp owns `rows` output rows;
   each lane reads 16 contiguous weight bytes (4 int32 words) per row per step (a warp covers 512
   channels of a row, coalesced), decodes them and the activation codes with integer bit moves
@@ -17,16 +17,18 @@ bf16 output (spec §B.4).
 
 Results equal the reference up to fp32 summation order (measured in tests/test_kernels_gpu.py).
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10) is not.
-TileLang is imported lazily (see kernels/act_quant.py).
+TileLang is imported lazily (see kernels/toolkit.py).
 """
 
 import functools
 
 import torch
 
-from kernels import fp8_mma1, lowbit, pdl
-from kernels.act_quant import (KernelInputError, act_quant, aligned16, compile_kernel, cuda_arch,
-                               pad_rows_to_bucket, tile_params)
+from kernels import fp8_mma_one_token, lowbit, pdl
+from kernels.act_quant import act_quant
+from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
+                          weight_slots, weight_steps_macro)
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, pad_rows_to_bucket, tile_params
 
 GEMV_MAX_M = 16
 # GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps
@@ -36,15 +38,6 @@ TILE_PARAMS = {
     (12, 1): {"rows": 2, "warps": 4, "min_ctas": 192},
 }
 DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 256}
-_VEC = 16  # fp8 weight bytes per lane per step (one 16-byte load)
-
-
-def _gemv_rows(n: int, p: dict) -> int:
-    """Rows per warp: fewer for small N so that the grid still covers the GPU."""
-    rows = p["rows"]
-    while rows > 1 and n // (rows * p["warps"]) < 256:
-        rows //= 2
-    return rows
 
 
 @functools.cache
@@ -59,12 +52,9 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
 
     `early` (with PDL): each lane loads the weight words of its first `early_steps` steps before
     the kernel waits for its predecessor (kernels/pdl.py), so they overlap that kernel's tail; the
-    L2 prefetch of the CTA's rows is then left out where those steps are all of them. H200, one
-    token, graphed chains (3 repeats; us, each step loading its own words -> early): wo_b 4096 x
-    8192 10.97-11.03 -> 9.66-9.78, 4096 x 2048 5.01-5.02 -> 3.91-3.95, 1536 x 4096 3.98-4.04 ->
-    3.22-3.52; slower for 32768 x 1024 (10.34-10.42 -> 11.12-11.35), 8192 x 1024 and 4096 x 4096
-    (+0.1-0.2). One token at K <= 4096 now goes to the tensor-core kernel; more tokens were not
-    timed."""
+    L2 prefetch of the CTA's rows is then left out where those steps are all of them (H200, one
+    token: wo_b 4096 x 8192 9.66-9.78 us early against 10.97-11.03; other shapes in
+    docs/performance-log.md, 2026-12-01)."""
     import tilelang.language as T
 
     kb, nb, kw = k // 128, (n + 127) // 128, k // 4
@@ -75,7 +65,7 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     @T.macro
     def step(k0, wq, s, first, Q, SA, SW, aq, af, acc):
         for i in T.unroll(m):
-            for v in T.vectorized(_VEC // 4):
+            for v in T.vectorized(VEC // 4):
                 aq[v] = Q[i, k0 // 4 + v]
             lowbit.e4m3x16_to_f32(T, aq[0], af[0])
             for r in T.unroll(rows):
@@ -95,9 +85,9 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
             lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((weight_slots(k, ksplit, ahead), rows, _VEC // 4), "int32")
-            aq = T.alloc_local((_VEC // 4,), "int32")
-            af = T.alloc_local((_VEC,), "float32")
+            wq = T.alloc_local((weight_slots(k, ksplit, ahead), rows, VEC // 4), "int32")
+            aq = T.alloc_local((VEC // 4,), "int32")
+            af = T.alloc_local((VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
             first = bn * cta_rows + (warp // ksplit) * rows  # this warp's first row
@@ -112,125 +102,15 @@ def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, 
     return compile_kernel(fp8_gemv, arch)
 
 
-UNROLL_MAX_STEPS = 16  # a warp's K loop is unrolled up to this many steps (else a serial loop)
-EARLY_WORDS = 32  # weight words per lane that `early_steps` may hold in registers before the PDL wait
-
-
-def split_steps(k: int, ksplit: int) -> int:
-    """Steps (32 lanes × 16 weight bytes of each row) of one warp's K range."""
-    steps = -(-k // (32 * _VEC))
-    return -(-steps // ksplit)
-
-
-def early_steps(k: int, rows: int, ksplit: int) -> int:
-    """Steps of a warp's K range whose weight words each lane loads before the PDL wait: as many as
-    EARLY_WORDS registers hold (at least one), none where the K loop is not unrolled."""
-    per = split_steps(k, ksplit)
-    return 0 if per > UNROLL_MAX_STEPS else min(per, max(1, EARLY_WORDS // (rows * _VEC // 4)))
-
-
-def weight_slots(k: int, ksplit: int, ahead: int) -> int:
-    """Steps whose weight words a lane's `wq` holds for `weight_steps_macro` (one per step when
-    loading `ahead`, else one reused)."""
-    return split_steps(k, ksplit) if ahead else 1
-
-
-def weight_steps_macro(T, n: int, k: int, rows: int, ksplit: int, step, ahead: int = 0):
-    """TileLang macros `(preload(W, wq, lane, warp, first), steps(W, wq, lane, warp, first, *args))`:
-    the K loop of a row-per-warp FP8 GEMV. A warp's K range is range warp % ksplit of `ksplit`
-    contiguous ones; at each of its steps that starts below k, a lane loads its 16 weight bytes of
-    rows first.. (clamped to n - 1) of W [n, k/4] int32 into wq [weight_slots, rows, 4] and runs
-    `step(k0, wq, s, first, *args)` (a macro; k0 = the lane's first channel of the step, wq[s] its
-    words), which reads the activations and accumulates.
-
-    `ahead` (0 or `early_steps`): `preload` loads the first `ahead` steps (into slots 0..ahead-1)
-    and `steps` loads step i + ahead at step i, so the caller may run `preload` before its PDL
-    wait (weights only). At 0, `preload` is empty and each step loads its own words."""
-    kstep = 32 * _VEC
-    per = split_steps(k, ksplit)
-    loop = T.unroll if per <= UNROLL_MAX_STEPS else T.serial
-    if ahead and per > UNROLL_MAX_STEPS:
-        raise KernelInputError(f"weight_steps_macro: {per} steps per warp cannot be loaded ahead (at most "
-                               f"{UNROLL_MAX_STEPS})")
-
-    @T.macro
-    def load(W, wq, lane, warp, first, ko, s):
-        k0 = ((warp % ksplit) * per + ko) * kstep + lane * _VEC
-        if k0 < k:
-            for r in T.unroll(rows):
-                for v in T.vectorized(_VEC // 4):
-                    wq[s, r, v] = W[T.min(first + r, n - 1), k0 // 4 + v]
-
-    @T.macro
-    def preload(W, wq, lane, warp, first):
-        for ko in T.unroll(ahead):
-            load(W, wq, lane, warp, first, ko, ko)
-
-    @T.macro
-    def weight_steps(W, wq, lane, warp, first, *args):
-        for ko in loop(per):
-            k0 = ((warp % ksplit) * per + ko) * kstep + lane * _VEC
-            if ahead:
-                if ko + ahead < per:  # after unrolling, a constant test
-                    load(W, wq, lane, warp, first, ko + ahead, ko + ahead)
-                if k0 < k:
-                    step(k0, wq, ko, first, *args)
-            else:
-                if k0 < k:
-                    load(W, wq, lane, warp, first, ko, 0)
-                    step(k0, wq, 0, first, *args)
-
-    return preload, weight_steps
-
-
-def store_rows_macro(T, m: int, n: int, rows: int, ksplit: int, put=None):
-    """A TileLang macro `store(acc, red, lane, warp, first, *outs)` ending a row-per-warp GEMV.
-
-    Each warp holds fp32 partial sums acc [rows, m] (one per lane) of rows first..first+rows-1
-    over its K range: it sums them over its lanes, the `ksplit` warps of a row group meet in
-    shared `red` [ksplit, rows * warps / ksplit, m] and are added in warp order (deterministic),
-    and `put(*outs, i, row, total)` (a macro) stores each total of a row below n; by default
-    outs = (Y,) and Y [m, n] bf16 receives it. Every thread of the CTA must run it (a barrier).
-    """
-    if put is None:
-        @T.macro
-        def put(Y, i, row, total):
-            Y[i, row] = T.Cast("bfloat16", total)
-
-    @T.macro
-    def store(acc, red, lane, warp, first, *outs):
-        for r in T.unroll(rows):
-            for i in T.unroll(m):
-                total = T.warp_reduce_sum(acc[r, i])
-                if lane == 0:
-                    red[warp % ksplit, (warp // ksplit) * rows + r, i] = total
-        T.sync_threads()
-        for r in T.unroll(rows):
-            for i in T.unroll(m):
-                if lane == 0 and warp % ksplit == 0 and first + r < n:
-                    acc[r, i] = red[0, (warp // ksplit) * rows + r, i]
-                    for j in T.unroll(1, ksplit):
-                        acc[r, i] += red[j, (warp // ksplit) * rows + r, i]
-                    put(*outs, i, first + r, acc[r, i])
-
-    return store
-
-
 def gemv_tile(n: int, k: int, arch: tuple[int, int]) -> tuple[int, int, int]:
     """(rows per warp, warps per CTA, K split) of the FP8 GEMV for an [n, k] weight on `arch`."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps = _gemv_rows(n, p), p["warps"]
+    rows, warps = gemv_rows(n, p), p["warps"]
     ksplit = 1  # split K between the warps of a CTA while the grid is small and each keeps a full step
     while (ksplit < warps and -(-n // (rows * warps // ksplit)) < p["min_ctas"]
-           and k // (2 * ksplit) >= 32 * _VEC):
+           and k // (2 * ksplit) >= 32 * VEC):
         ksplit *= 2
     return rows, warps, ksplit
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of byte codes (last dim a multiple of 4 bytes) as int32 words on a 16-byte aligned
-    base, which the kernels' 16-byte loads need (a misaligned view is copied)."""
-    return aligned16(t).view(torch.uint8).view(torch.int32)
 
 
 def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -246,11 +126,6 @@ def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
                                f"{((n + 127) // 128, k // 128)} for weight [{n}, {k}]")
     if not (x.device == w.device == w_scale.device):
         raise KernelInputError("fp8_gemm: x, weight and scale must be on one device")
-
-
-def scale_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """e8m0 scales (float8_e8m0fnu or uint8) as contiguous uint8 bytes."""
-    return scale.contiguous().view(torch.uint8)
 
 
 def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -287,9 +162,9 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
         return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
-    tile = fp8_mma1.mma1_tile(n, k) if m == 1 and arch in fp8_mma1.MMA1_ARCHS else None
+    tile = fp8_mma_one_token.mma_tile(n, k) if m == 1 and arch in fp8_mma_one_token.MMA_ARCHS else None
     if tile is not None:  # one token: the tensor-core GEMV
-        fp8_mma1.fp8_mma1_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
+        fp8_mma_one_token.fp8_mma_one_token_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
                                                      scale_bytes(w_scale), y)
         return y
     fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),

@@ -24,9 +24,9 @@ import functools
 import torch
 
 from kernels import lowbit, pdl
-from kernels.act_quant import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
-from kernels.fp8_gemm import (GEMV_MAX_M, _VEC, as_words, check_fp8_weight, dequant_fp8_bf16,
-                              gemv_tile, scale_bytes, store_rows_macro, weight_steps_macro)
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
+from kernels.fp8_gemm import GEMV_MAX_M, check_fp8_weight, dequant_fp8_bf16, gemv_tile
+from kernels.gemv import VEC, as_words, scale_bytes, store_rows_macro, weight_steps_macro
 
 
 @functools.cache
@@ -45,9 +45,9 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
     def step(k0, wq, s, first, X, SW, x0, xb, af, acc):
         for i in T.unroll(m):
             for h in T.unroll(2):  # 16 bf16 = two 16-byte loads
-                for v in T.vectorized(_VEC // 2):
-                    xb[h * (_VEC // 2) + v] = X[i, x0 + k0 + h * (_VEC // 2) + v]
-            for v in T.unroll(_VEC):
+                for v in T.vectorized(VEC // 2):
+                    xb[h * (VEC // 2) + v] = X[i, x0 + k0 + h * (VEC // 2) + v]
+            for v in T.unroll(VEC):
                 af[v] = T.Cast("float32", xb[v])
             for r in T.unroll(rows):
                 # the weight codes decode to value * 2^-8: the block scale takes 2^8
@@ -63,9 +63,9 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
             lowbit.import_source(T, pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
-            wq = T.alloc_local((1, rows, _VEC // 4), "int32")
-            xb = T.alloc_local((_VEC,), "bfloat16")
-            af = T.alloc_local((_VEC,), "float32")
+            wq = T.alloc_local((1, rows, VEC // 4), "int32")
+            xb = T.alloc_local((VEC,), "bfloat16")
+            af = T.alloc_local((VEC,), "float32")
             acc = T.alloc_local((rows, m), "float32")
             red = T.alloc_shared((ksplit, cta_rows, m), "float32")
             if lane == 0 and warp == 0:  # the CTA's rows: one range

@@ -35,7 +35,7 @@ import math
 import torch
 
 from kernels import pdl
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -109,7 +109,7 @@ def hadamard_qdq4_kernel(d: int, block: int, dtype: str, arch: tuple[int, int]):
 def hadamard_qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x [..., D] (bf16/fp16/fp32 on CUDA) -> qdq4(hadamard(x), block), x's dtype and shape, as
     `reference.hadamard_qdq4`."""
-    if x.dtype not in _TORCH_TO_TL:
+    if x.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"hadamard_qdq4 takes bf16, fp16 or fp32 input, got {x.dtype}")
     if x.dim() == 0:
         raise KernelInputError("hadamard_qdq4 needs at least one dimension, got a 0-d tensor")
@@ -122,5 +122,5 @@ def hadamard_qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     x2 = x.contiguous().reshape(-1, d)  # [rows, D]
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        hadamard_qdq4_kernel(d, int(block), _TORCH_TO_TL[x.dtype], arch)(x2, y)
+        hadamard_qdq4_kernel(d, int(block), TORCH_TO_TL[x.dtype], arch)(x2, y)
     return y.reshape(x.shape)

@@ -14,8 +14,9 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
-from kernels.fp8_gemm import DEFAULT_TILE, GEMV_MAX_M, TILE_PARAMS, _gemv_rows
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.fp8_gemm import DEFAULT_TILE, GEMV_MAX_M, TILE_PARAMS
+from kernels.gemv import gemv_rows
 
 _VEC = 8  # bf16 weights per lane per step (one 16-byte load)
 
@@ -26,7 +27,7 @@ def head_gemv_kernel(m: int, n: int, k: int, arch: tuple[int, int]):
     import tilelang.language as T
 
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    rows, warps = _gemv_rows(n, p), p["warps"]
+    rows, warps = gemv_rows(n, p), p["warps"]
     kstep = 32 * _VEC
     steps = (k + kstep - 1) // kstep
     loop = T.unroll if steps <= 16 else T.serial

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"block_t": 64, "threads": 128}, (12, 1): {"block_t": 64, "threads": 128}}
 DEFAULT_TILE = {"block_t": 64, "threads": 128}

@@ -21,12 +21,10 @@ block scales:
 
 `SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
 `T.import_source`, called through the helpers below), and the one fp16 MMA that the tensor-core
-GEMVs (kernels/fp4_mma1.py, kernels/fp8_mma1.py) feed the decoded words to. `decode_e4m3_words`
-and `decode_e2m1_words` perform the same bit moves in torch, so the CPU tests pin the layout
-(tests/test_lowbit.py: every code) and the GPU tests the kernels against the reference.
+GEMVs (kernels/fp4_mma_one_token.py, kernels/fp8_mma_one_token.py) feed the decoded words to. tests/kernel_sim.py
+performs the same bit moves in torch, so the CPU tests pin the layout (tests/test_lowbit.py: every
+code) and the GPU tests the kernels against the reference.
 """
-
-import torch
 
 E4M3_SHIFT = 8  # the fp16 that an e4m3 code becomes is its value times 2^-E4M3_SHIFT
 E2M1_SHIFT = 14  # the fp16 that an e2m1 code becomes is its value times 2^-E2M1_SHIFT
@@ -136,33 +134,3 @@ def dot_e4m3x16(T, words, acts):
 def dot_e2m1x32(T, words, acts):
     """fp32 expression: sum over 32 channels of acts[c] times e2m1 code c of words[0..3], times 2^-14."""
     return T.call_extern("float32", "dsv4_dot_e2m1x32", T.address_of(words), T.address_of(acts))
-
-
-def _halves(bits: torch.Tensor) -> torch.Tensor:
-    """uint32 words held in int64 [..] -> their two fp16 halves as fp32 [.., 2] (low half first)."""
-    h = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)  # [.., 2] 16-bit patterns
-    return h.to(torch.int16).view(torch.float16).float()  # int16 keeps the low 16 bits
-
-
-def decode_e4m3_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] of e4m3 codes -> fp32 [..., 4W] (values times 2^-8): SOURCE's moves in torch."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    even = _halves(((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8))  # channels 0, 2
-    odd = _halves(((w >> 1) & 0x3F803F80) | (w & 0x80008000))  # channels 1, 3
-    return torch.stack((even, odd), dim=-1).flatten(-3)  # [.., W, half, even/odd] -> [.., 4W]
-
-
-def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """__byte_perm(v, 0, ..): byte `lo` of v to byte 1, byte `hi` to byte 3, zeros elsewhere."""
-    return (((v >> (8 * lo)) & 0xFF) << 8) | (((v >> (8 * hi)) & 0xFF) << 24)
-
-
-def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., W] of e2m1 codes (record order) -> fp32 [..., 8W] (values times 2^-14):
-    SOURCE's moves in torch."""
-    x = words.to(torch.int64) & 0xFFFFFFFF
-    ev = x & 0x8E8E8E8E  # channels 0, 2, 4, 6
-    od = ((x >> 3) & 0x0E0E0E0E) | ((x << 7) & 0x80808080)  # channels 1, 3, 5, 7
-    pairs = [_byte_perm_hi(ev, 0, 2), _byte_perm_hi(od, 0, 2), _byte_perm_hi(ev, 1, 3), _byte_perm_hi(od, 1, 3)]
-    h = torch.stack([_halves(p) for p in pairs], dim=-2)  # [.., W, 4 pairs, 2 halves]: channel 4 * half + pair
-    return h.transpose(-1, -2).flatten(-3)

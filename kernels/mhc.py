@@ -9,8 +9,8 @@ runs two per layer. Here it is two launches:
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
-   warp runs the Sinkhorn projection of the comb logits z[2n:] (`kernels.sinkhorn`'s warp
-   macro, the standalone kernel's code) while the others collapse x = Σ_j pre_j · stream_j
+   warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
+   macro) while the others collapse x = Σ_j pre_j · stream_j
    (streams' dtype), 8 channels per thread and step.
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
@@ -21,13 +21,8 @@ HCPost (`hc_post_kernel`): one thread per (stream k, channel d): new = post_k ·
 comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into the streams'
 dtype: one launch instead of ~5.
 
-Tried and not adopted (H200, 2026-12-01): `hc_gate` going on to the sub-block's RMSNorm + FP8
-quantisation of x (one CTA per token: x kept in registers, shuffle sums), which removes the
-`rms_norm_quant` launch after each HCPre of a decode step (155 -> 146 kernels per token at 4
-layers). The 4-layer decode step stayed at 0.90 ms/token (same run, same checkpoint, against 0.90
-without it), and the pair timed 9.38 us per call in a chain against 7.52 + 1.72 us for hc_pre and
-rms_norm_quant apart: the normalisation's serial work moved into the gate's CTA, and the launch
-it saved was already hidden by PDL.
+`hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
+(the decode step did not move; docs/performance-log.md, 2026-12-01).
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
 scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
@@ -40,7 +35,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
@@ -198,7 +193,7 @@ def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
 
 
 def _check_streams(streams: torch.Tensor) -> None:
-    if streams.dim() != 3 or streams.dtype not in _TORCH_TO_TL:
+    if streams.dim() != 3 or streams.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"mHC kernels take streams [S, n, D] in bf16, fp16 or fp32, got "
                                f"{streams.dtype} {tuple(streams.shape)}")
 
@@ -218,7 +213,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         raise KernelInputError(f"hc_pre: n·D = {nd} is not a multiple of the {chunk}-channel chunk")
     check_n(n)
     x3 = streams.contiguous()
-    dt = _TORCH_TO_TL[streams.dtype]
+    dt = TORCH_TO_TL[streams.dtype]
     partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
@@ -239,7 +234,7 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
                                f"{tuple(comb.shape)} do not fit streams {tuple(streams.shape)}")
     y = torch.empty_like(streams, memory_format=torch.contiguous_format)
     if s:
-        hc_post_kernel(n, d, _TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
+        hc_post_kernel(n, d, TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb.float().contiguous(), y)
     return y

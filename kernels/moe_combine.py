@@ -20,7 +20,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -62,13 +62,13 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) 
         raise KernelInputError(f"moe_combine: shared {tuple(shared.shape)} does not fit routed "
                                f"{tuple(routed.shape)} (want {(n, d)})")
     for name, dt in (("routed", routed.dtype), ("shared", shared.dtype), ("out", dtype)):
-        if dt not in _TORCH_TO_TL:
+        if dt not in TORCH_TO_TL:
             raise KernelInputError(f"moe_combine: {name} dtype must be bf16, fp16 or fp32, got {dt}")
     arch = cuda_arch(routed.device)
     if shared.device != routed.device:
         raise KernelInputError(f"moe_combine: routed on {routed.device}, shared on {shared.device}")
     y = torch.empty(n, d, dtype=dtype, device=routed.device)
     if n and d:
-        moe_combine_kernel(k, d, _TORCH_TO_TL[routed.dtype], _TORCH_TO_TL[shared.dtype], _TORCH_TO_TL[dtype], arch)(
+        moe_combine_kernel(k, d, TORCH_TO_TL[routed.dtype], TORCH_TO_TL[shared.dtype], TORCH_TO_TL[dtype], arch)(
             routed.contiguous(), shared.contiguous(), y)
     return y

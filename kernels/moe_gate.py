@@ -27,8 +27,8 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, fp32_call,
-                               tile_params)
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, fp32_call,
+                             tile_params)
 
 # GEMV: warps per CTA (K split), most 128-channel steps per warp, token tile; select: most threads.
 TILE_PARAMS = {(9, 0): {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256},
@@ -150,7 +150,7 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
              hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D], weight [E, D] fp32, bias [E] or None (then hash_ids [N, k] integer) ->
     (idx [N, k] int64, w [N, k] fp32), as `reference.moe_gate`."""
-    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in _TORCH_TO_TL
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.dtype not in TORCH_TO_TL
             or weight.dtype != torch.float32):
         raise KernelInputError(f"moe_gate needs x [N, D] bf16/fp16/fp32 and weight [E, D] fp32, got {x.dtype} "
                                f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
@@ -178,7 +178,7 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
         warps = min(steps, max(p["warps"], -(-steps // p["max_steps"])))
         mt = min(p["tokens"], 1 << (n - 1).bit_length())
         logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
-        gate_gemv_kernel(e, d, mt, warps, _TORCH_TO_TL[x.dtype], arch)(aligned16(x), aligned16(weight), logits)
+        gate_gemv_kernel(e, d, mt, warps, TORCH_TO_TL[x.dtype], arch)(aligned16(x), aligned16(weight), logits)
     threads = min(p["threads"], max(32, 1 << (e - 1).bit_length()))
     b = bias.float().contiguous() if bias is not None else logits.new_empty(e)  # dummy: not read
     h = hash_ids.to(torch.int64).contiguous() if bias is None else idx.new_empty(n, k)  # dummy: not read

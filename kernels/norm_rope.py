@@ -23,7 +23,8 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, pow2_scale_bits
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
+                             pow2_scale_bits)
 from kernels.rope import rope_angle, rotate_pair
 
 MAX_DIM = 1024
@@ -111,7 +112,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
     with `out` (a buffer [R, ..., D] of x's dtype) and `rows` [S] (int64, on the device), token s
     is written to out[rows[s]] in place instead and None returned."""
     s, d, half = x.shape[0], x.shape[-1], inv_freq.shape[-1]
-    if x.dtype not in _TORCH_TO_TL:
+    if x.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"norm_rope takes bf16, fp16 or fp32 input, got {x.dtype}")
     if weight is not None and tuple(weight.shape) != (d,):
         raise KernelInputError(f"norm_rope: weight shape {tuple(weight.shape)} != ({d},)")
@@ -131,7 +132,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
     if x3.numel():
         w = x3.new_empty(d, dtype=torch.float32) if weight is None else weight.float().contiguous()
         kernel = norm_rope_kernel(x3.shape[1], d, half, weight is not None, float(eps), int(round_lead),
-                                  _TORCH_TO_TL[x.dtype], arch, out is not None)
+                                  TORCH_TO_TL[x.dtype], arch, out is not None)
         where = () if out is None else (rows.to(torch.int64).contiguous(),)
         kernel(x3, w, positions.to(torch.int64), inv_freq.float().contiguous(), *where, y)
     return y.reshape(x.shape) if out is None else None

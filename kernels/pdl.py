@@ -11,12 +11,9 @@ With PDL a kernel's CTAs start while its predecessor still runs:
    are visible) and only afterwards lets this kernel's own dependents launch
    (`griddepcontrol.launch_dependents`).
 
-Releasing before the wait was tried and measured (H200, 2026-12-01): every decode kernel released
-first, except the launch before an early reader (see the rules below, which that order needs).
-The chained read of bench.ceilings rose from 69.1 % to 83.6 % of the copy bandwidth at 8 MiB, but
-the 4-layer decode step did not move (bench.decode_engine, graph per step: 0.90 ms/token against
-0.89 in the same session; the profile's kernel time rose from 1.20 to 1.74 ms/token, kernels now
-waiting longer while resident). So `begin` keeps the one order that every kernel may use.
+Releasing before the wait lifts a chain of small reads (bench.ceilings) but did not move the
+decode step (H200, 0.90 against 0.89 ms/token; docs/performance-log.md, 2026-12-01), so `begin`
+keeps the one order that every kernel may use.
 
 TileLang launches every kernel that calls `T.pdl_sync()` with programmatic stream serialization
 (and drops `__restrict__` from its parameters); kernels without it, torch's included, keep the
@@ -24,7 +21,7 @@ ordinary full ordering, so a PDL kernel after a torch kernel waits as before.
 
 Rules each kernel keeps (else a race):
 * nothing before `begin` reads a buffer any kernel writes, and nothing before it writes. The one
-  exception (kernels/fp4_mma1.py's `early`): a buffer that only kernels before the predecessor
+  exception (kernels/fp4_mma_one_token.py's `early`): a buffer that only kernels before the predecessor
   write (the slot table, the expert ids), read past L1 -- this grid starts only once every CTA of
   its predecessor has passed that predecessor's own `begin`, so every earlier kernel has completed;
 * every thread of every CTA runs `begin` unconditionally, so no grid can complete before its
@@ -41,11 +38,9 @@ __device__ __forceinline__ void dsv4_prefetch_l2(const void* p, unsigned bytes) 
 """
 
 
-# A kernel prefetches its weight only when the whole weight is at most this large. On the H200
-# (bench.kernels, per call in a chain): with PDL and the prefetch, the GEMVs of 2-16 MB weights
-# took 0.3-1.4 us less than before PDL (the prefetch's own share was not measured apart); for the
-# 32 MB weights the prefetch cost 0.9-4.0 us against PDL without it (presumably a whole
-# multi-wave grid's bulk requests contending with its own loads).
+# A kernel prefetches its weight only when the whole weight is at most this large: for 32 MB
+# weights the prefetch cost 0.9-4.0 us per call on the H200 (presumably a whole multi-wave grid's
+# bulk requests contending with its own loads; docs/performance-log.md).
 PREFETCH_MAX_BYTES = 16 << 20
 
 

@@ -256,7 +256,7 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
             limit: float) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
-    (converter.layout.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
+    (engine.pack.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
     row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g]."""
     return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit)
 

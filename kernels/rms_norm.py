@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
 
 # values per thread and the largest CTA, per compute capability (sm_121: untested)
 TILE_PARAMS = {(9, 0): {"per_thread": 32, "max_threads": 512}, (12, 1): {"per_thread": 32, "max_threads": 512}}
@@ -21,7 +21,7 @@ DEFAULT_TILE = {"per_thread": 32, "max_threads": 512}
 MAX_DIM = 16384  # mHC's flattened streams (4 × 4096)
 
 
-def _layout(d: int, arch: tuple[int, int]) -> tuple[int, int]:
+def row_layout(d: int, arch: tuple[int, int]) -> tuple[int, int]:
     """(threads, rows per CTA) for rows of d values."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
     threads = 128
@@ -35,7 +35,7 @@ def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype); W is read only when `weighted`."""
     import tilelang.language as T
 
-    threads, rb = _layout(d, arch)
+    threads, rb = row_layout(d, arch)
     rows = T.dynamic("rows")
     inv_d = T.float32(1.0 / d)  # torch's mean multiplies the sum by the fp32 1/N
 
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """x [..., D] (bf16/fp16/fp32), weight [D] or None -> x's dtype and shape. Rows of other
     lengths than multiples of 128 up to MAX_DIM go to the reference."""
     d = x.shape[-1]
-    if x.dtype not in _TORCH_TO_TL:
+    if x.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"rms_norm takes bf16, fp16 or fp32 input, got {x.dtype}")
     if weight is not None and tuple(weight.shape) != (d,):
         raise KernelInputError(f"rms_norm: weight shape {tuple(weight.shape)} != ({d},)")
@@ -78,5 +78,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = torch.empty_like(x2)
     if x2.shape[0]:
         w = x2.new_empty(d, dtype=torch.float32) if weight is None else weight.float().contiguous()
-        rms_norm_kernel(d, _TORCH_TO_TL[x.dtype], weight is not None, float(eps), arch)(x2, w, y)
+        rms_norm_kernel(d, TORCH_TO_TL[x.dtype], weight is not None, float(eps), arch)(x2, w, y)
     return y.reshape(x.shape)

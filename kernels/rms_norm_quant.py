@@ -18,8 +18,8 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
-from kernels.rms_norm import MAX_DIM, _layout
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
+from kernels.rms_norm import MAX_DIM, row_layout
 
 
 @functools.cache
@@ -27,7 +27,7 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype, Q [rows, d] e4m3, S [rows, d/128] fp32)."""
     import tilelang.language as T
 
-    threads, rb = _layout(d, arch)
+    threads, rb = row_layout(d, arch)
     nb = d // 128
     rows = T.dynamic("rows")
     inv_d = T.float32(1.0 / d)
@@ -77,7 +77,7 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32), weight [K] or None -> (y, q, s), as `reference.rms_norm_quant`."""
-    if x.dim() != 2 or x.dtype not in _TORCH_TO_TL:
+    if x.dim() != 2 or x.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"rms_norm_quant takes x [M, K] in bf16, fp16 or fp32, got {x.dtype} {tuple(x.shape)}")
     m, d = x.shape
     if weight is not None and tuple(weight.shape) != (d,):
@@ -94,5 +94,5 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     s = torch.empty(m, d // 128, dtype=torch.float32, device=x.device)
     if m:
         w = x2.new_empty(d, dtype=torch.float32) if weight is None else weight.float().contiguous()
-        rms_norm_quant_kernel(d, _TORCH_TO_TL[x.dtype], weight is not None, float(eps), arch)(x2, w, y, q, s)
+        rms_norm_quant_kernel(d, TORCH_TO_TL[x.dtype], weight is not None, float(eps), arch)(x2, w, y, q, s)
     return y, q, s

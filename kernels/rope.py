@@ -21,7 +21,7 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import _TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -85,7 +85,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     `reference.rope`."""
     half = inv_freq.shape[-1]
     s, d = x.shape[0], x.shape[-1]
-    if x.dtype not in _TORCH_TO_TL:
+    if x.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"rope takes bf16, fp16 or fp32 input, got {x.dtype}")
     if d % 2 or 2 * half > d:
         raise KernelInputError(f"rope: {2 * half} rotary channels do not fit rows of {d}")
@@ -95,6 +95,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inver
     x3 = x.contiguous().reshape(s, -1, d)  # [S, H, D]: middle dims flattened into heads
     y = torch.empty_like(x3)
     if x3.numel():
-        rope_kernel(x3.shape[1], d, half, bool(inverse), _TORCH_TO_TL[x.dtype], arch)(
+        rope_kernel(x3.shape[1], d, half, bool(inverse), TORCH_TO_TL[x.dtype], arch)(
             x3, positions.to(torch.int64), inv_freq.float().contiguous(), y)
     return y.reshape(x.shape)

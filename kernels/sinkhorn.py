@@ -1,28 +1,17 @@
-"""mHC Sinkhorn projection on CUDA (TileLang); same contract as `reference.sinkhorn`.
+"""mHC's Sinkhorn projection as a TileLang warp macro; same contract as `reference.sinkhorn`.
 
-logits [S, n, n] fp32 -> [S, n, n]: row softmax + eps, column normalisation, then `iters - 1`
-rounds of row and column normalisation (spec §C.3 step 6). In torch this is ~120 tiny kernel
-launches per call (two calls per layer and token); here it is one launch. A matrix is held by
-n·n consecutive lanes of one warp (n ≤ 5), one element each, and its row and column sums are
-read with warp shuffles: no shared memory and no barriers in the ~2·iters dependent steps (a
-one-thread-per-token loop took ~21 µs per call on the H200; one thread per element with shared
-memory and two CTA barriers per step was the version before this one). Data layout: row-major
-n×n per token, contiguous [S, n·n].
-
-TileLang is imported lazily. The thread count per CTA is a per-architecture parameter; sm_90 is
-tested, sm_121 (GB10) untested. (No `from __future__ import annotations`: TileLang evaluates the
-kernel signature's annotations.)
+logits [n, n] fp32 per token -> row softmax + eps, column normalisation, then `iters - 1` rounds
+of row and column normalisation (spec §C.3 step 6). In torch this is ~120 tiny kernel launches
+per call; kernels/mhc.py's gate kernel runs `sinkhorn_macro` in one of its warps instead. A matrix
+is held by n·n consecutive lanes of one warp (n ≤ 5), one element each, and its row and column
+sums are read with warp shuffles: no shared memory and no barriers in the ~2·iters dependent steps
+(a one-thread-per-token loop took ~21 µs per call on the H200). Data layout: row-major n×n per
+token. tests/test_kernels_gpu.py runs the macro alone, in a one-launch kernel, against the
+reference.
 """
 
-import functools
+from kernels.toolkit import KernelInputError
 
-import torch
-
-from kernels import pdl
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
-
-TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}
-DEFAULT_TILE = {"threads": 128}
 WARP = 32
 MAX_N = 5  # n·n elements must fit one warp
 
@@ -72,50 +61,3 @@ def sinkhorn_macro(T, n: int, iters: int, eps: float):
             normalise(v, acc, col, n)
 
     return steps
-
-
-@functools.cache
-def sinkhorn_kernel(n: int, iters: int, eps: float, arch: tuple[int, int]):
-    """(L [S, n·n] fp32) -> M [S, n·n] fp32: a warp holds 32 // (n·n) tokens' matrices, one lane
-    per element (`sinkhorn_macro`); the lanes left over run on a copy of the last token."""
-    import tilelang.language as T
-
-    threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
-    nn = n * n
-    per_warp = WARP // nn
-    per_cta = per_warp * (threads // WARP)  # tokens per CTA
-    tokens = T.dynamic("tokens")
-    steps = sinkhorn_macro(T, n, iters, eps)
-
-    @T.prim_func
-    def sinkhorn_main(L: T.Tensor((tokens, nn), "float32"), M: T.Tensor((tokens, nn), "float32")):
-        with T.Kernel(T.ceildiv(tokens, per_cta), threads=threads) as bx:
-            tx = T.get_thread_binding(0)
-            v = T.alloc_local((1,), "float32")
-            acc = T.alloc_local((1,), "float32")
-            pdl.begin(T, arch)
-            lane = tx % WARP
-            e = lane % nn  # element: row e // n, column e % n
-            mine = bx * per_cta + (tx // WARP) * per_warp + lane // nn  # this lane's token
-            t = T.min(mine, tokens - 1)  # every lane runs the shuffles
-            v[0] = L[t, e]
-            steps(v, acc, lane - e, e)
-            if lane < per_warp * nn and mine < tokens:
-                M[t, e] = v[0]
-
-    return compile_kernel(sinkhorn_main, arch)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """logits [..., n, n] fp32 on CUDA -> doubly-stochastic projection, as reference.sinkhorn."""
-    n = logits.shape[-1]
-    if logits.shape[-2] != n or logits.dtype != torch.float32:
-        raise KernelInputError(f"sinkhorn needs fp32 [..., n, n] logits, got {logits.dtype} {tuple(logits.shape)}")
-    if iters < 1:
-        raise KernelInputError(f"sinkhorn needs iters >= 1, got {iters}")
-    check_n(n)
-    flat = logits.reshape(-1, n * n).contiguous()  # [S, n·n]
-    out = torch.empty_like(flat)
-    if flat.shape[0]:
-        sinkhorn_kernel(n, iters, float(eps), cuda_arch(logits.device))(flat, out)
-    return out.view(logits.shape)

@@ -20,13 +20,12 @@ shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is
 """
 
 import functools
-import math
 
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch, tile_params
 from kernels.rope import rope_angle, rotate_pair
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
 
 # decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,
 # one query, 64 heads): both launches 7.80 us at K = 640 with 32 rows x 32 splits vs 9.14 at

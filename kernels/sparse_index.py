@@ -12,7 +12,7 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.act_quant import KernelInputError, compile_kernel, cuda_arch
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch
 
 _THREADS = 256
 

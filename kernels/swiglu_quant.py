@@ -24,8 +24,8 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.act_quant import (_TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
-                               pow2_scale_bits, tile_params)
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
+                             pow2_scale_bits, tile_params)
 
 TILE_PARAMS = {(9, 0): {"warps": 2}, (12, 1): {"warps": 2}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"warps": 2}
@@ -89,7 +89,7 @@ def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
     if g.dim() != 2 or tuple(u.shape) != tuple(g.shape):
         raise KernelInputError(f"swiglu_quant needs g and u of one shape [M, I], got {tuple(g.shape)} and "
                                f"{tuple(u.shape)}")
-    if g.dtype not in _TORCH_TO_TL or u.dtype != g.dtype:
+    if g.dtype not in TORCH_TO_TL or u.dtype != g.dtype:
         raise KernelInputError(f"swiglu_quant takes g and u both bf16, fp16 or fp32, got {g.dtype} and {u.dtype}")
     m, inter = g.shape
     if block <= 0 or block % 32 or inter % block:
@@ -107,6 +107,6 @@ def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
         g2 = g if g.stride(1) == 1 else g.contiguous()  # strided rows are read in place
         u2 = u if u.stride(1) == 1 else u.contiguous()
         w = g.new_empty(m, dtype=torch.float32) if weights is None else weights.float().contiguous()
-        swiglu_quant_kernel(inter, block, float(limit), weights is not None, _TORCH_TO_TL[g.dtype], arch)(
+        swiglu_quant_kernel(inter, block, float(limit), weights is not None, TORCH_TO_TL[g.dtype], arch)(
             g2, u2, w, q, s)
     return q, s

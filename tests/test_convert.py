@@ -1,5 +1,5 @@
 """Conversion to the expert-pack layout: lossless round trip, alignment, checksums, verify,
-resume after kills, cancellation, preflight errors, CLI (converter/convert.py, layout.py)."""
+resume after kills, cancellation, preflight errors, CLI (converter/convert.py, engine/pack.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
 from converter import convert as convert_mod
-from converter import layout, mapping
+from converter import mapping
 from converter.convert import ConvertCancelled, ConvertProgress, convert
 from converter.preflight import PreflightError, check_source
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from converter.verify import main as verify_main
 from converter.verify import verify
+from engine import pack as layout
 from engine.checkpoint import CheckpointError, TensorIndex, read_header
 from engine.config import ModelArgs
 from engine.weights import open_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.act_quant import KernelInputError
+from kernels.toolkit import KernelInputError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

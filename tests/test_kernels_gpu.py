@@ -99,7 +99,8 @@ def test_fp8_gemm_matches_reference(m, n, k, gen):
                                                    (4, 4, 1, False)])
 def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, early, gen):
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, scale_bytes
+    from kernels.fp8_gemm import fp8_gemv_kernel
+    from kernels.gemv import as_words, scale_bytes
     m, n, k = 2, 640, 1536  # K = 3 steps of 512 channels: a ksplit of 2 or more leaves steps out of range
     x = activations(m, k, gen)
     w, s = fp8_weight(n, k, gen)
@@ -114,8 +115,10 @@ def test_fp8_gemv_every_tile_matches_reference(rows, warps, ksplit, early, gen):
 def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
     """The decode shapes (their tiles): weights loaded before the PDL wait give the same output,
     bit for bit, as each step loading its own (the same products in the same order)."""
-    from kernels.act_quant import act_quant, cuda_arch
-    from kernels.fp8_gemm import as_words, fp8_gemv_kernel, gemv_tile, scale_bytes
+    from kernels.act_quant import act_quant
+    from kernels.toolkit import cuda_arch
+    from kernels.fp8_gemm import fp8_gemv_kernel, gemv_tile
+    from kernels.gemv import as_words, scale_bytes
     arch = cuda_arch(torch.device(DEV))
     x = activations(1, k, gen)
     w, s = fp8_weight(n, k, gen)
@@ -130,26 +133,26 @@ def test_fp8_gemv_loading_ahead_changes_no_bit(n, k, gen):
 @pytest.mark.parametrize("n,k,tiles,ksplit,depth", [(200, 384, 1, 1, 0), (200, 384, 2, 3, 1), (130, 1024, 2, 2, 1),
                                                     (1536, 4096, 1, 8, 2), (1536, 4096, 2, 4, 4), (4096, 2048, 2, 4, 0),
                                                     (4096, 8192, 2, 8, 4)])
-def test_fp8_mma1_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
+def test_fp8_mma_one_token_every_tile_matches_reference(n, k, tiles, ksplit, depth, gen):
     """The one-token tensor-core GEMV at odd row counts (partial tiles), K splits and depths."""
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, scale_bytes
-    from kernels.fp8_mma1 import fp8_mma1_kernel
+    from kernels.gemv import as_words, scale_bytes
+    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel
     x = activations(1, k, gen)
     w, s = fp8_weight(n, k, gen)
     q, sa = act_quant(x, 128)
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    fp8_mma1_kernel(n, k, tiles, ksplit, depth, torch.cuda.get_device_capability())(
+    fp8_mma_one_token_kernel(n, k, tiles, ksplit, depth, torch.cuda.get_device_capability())(
         as_words(q), sa, as_words(w), scale_bytes(s), y)
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s)) < 4e-3
 
 
-def test_fp8_mma1_extreme_codes_and_scales(gen):
+def test_fp8_mma_one_token_extreme_codes_and_scales(gen):
     """Every e4m3 magnitude (subnormals, 448) against every activation code, with the smallest and
     largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
     from kernels.act_quant import act_quant
-    from kernels.fp8_gemm import as_words, scale_bytes
-    from kernels.fp8_mma1 import fp8_mma1_kernel, mma1_tile
+    from kernels.gemv import as_words, scale_bytes
+    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel, mma_tile
     n, k = 256, 1024
     codes = torch.arange(256, dtype=torch.uint8, device=DEV)
     codes = codes[(codes & 0x7F) != 0x7F]  # no NaN codes
@@ -158,7 +161,7 @@ def test_fp8_mma1_extreme_codes_and_scales(gen):
     x = (torch.randn(1, k, generator=gen, device=DEV) * 2.0 ** 12).to(torch.bfloat16)
     q, sa = act_quant(x, 128)
     y = torch.empty(1, n, dtype=torch.bfloat16, device=DEV)
-    fp8_mma1_kernel(n, k, *mma1_tile(n, k), torch.cuda.get_device_capability())(
+    fp8_mma_one_token_kernel(n, k, *mma_tile(n, k), torch.cuda.get_device_capability())(
         as_words(q), sa, as_words(w), scale_bytes(s.view(torch.float8_e8m0fnu)), y)
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s.view(torch.float8_e8m0fnu))) < 4e-3
 
@@ -171,7 +174,7 @@ def test_fp8_gemm_keeps_leading_dims(gen):
 
 
 def test_fp8_gemm_rejects_mismatched_scale(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.fp8_gemm import fp8_gemm
     w, s = fp8_weight(256, 256, gen)
     with pytest.raises(KernelInputError, match="scale shape"):
@@ -198,7 +201,7 @@ def test_grouped_linear_matches_reference(m, groups, r, k, gen):
 
 @pytest.mark.parametrize("rows,warps,ksplit", [(1, 4, 4), (2, 8, 2), (4, 4, 1), (1, 8, 8), (2, 4, 2)])
 def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
-    from kernels.fp8_gemm import as_words, scale_bytes
+    from kernels.gemv import as_words, scale_bytes
     from kernels.grouped_linear import grouped_gemv_kernel
     m, groups, r, k = 2, 4, 256, 1536
     x = activations(m, groups * k, gen)
@@ -210,7 +213,7 @@ def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
 
 
 def test_grouped_linear_rejects_mismatched_groups(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.grouped_linear import grouped_linear
     w, s = fp8_weight(256, 256, gen)
     with pytest.raises(KernelInputError, match="row groups"):
@@ -257,7 +260,7 @@ def test_compressor_project_every_tile(rows, warps, ksplit, gen):
 
 
 def test_compressor_project_rejects_mismatched_weight(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.compressor_project import compressor_project
     bufs = [torch.zeros(4, 64, device=DEV) for _ in range(2)]
     with pytest.raises(KernelInputError, match="w \\[2C, K\\]"):
@@ -346,7 +349,7 @@ def test_fp4_grouped_every_tile_matches_reference(rows, warps, gen):
     activations, bf16 and fp32 (bf16-rounded) outputs."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     inter, dim = 256, 384
     data, fields, expert = _arena(4, inter, dim, gen)
     slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
@@ -376,7 +379,7 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
     match the reference and the CUDA-core kernel (the same exact products summed in another order)."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_gemv_kernel, gemv_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.gemv import as_words
     data, fields, expert = _arena(5, inter, dim, gen)
     slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
     table = torch.tensor([3, 1, 4, -1, 0, 2], dtype=torch.int32, device=DEV)  # expert id -> slot
@@ -407,16 +410,16 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
 @pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
                                                 (8, 200, 1024, True), (2, 48, 256, False)])
 def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
-    """The tensor-core GEMV (kernels/fp4_mma.py) on its own (`_two_part_gemv`): rows that are not a
+    """The tensor-core GEMV (kernels/fp4_mma_few_tokens.py) on its own (`_two_part_gemv`): rows that are not a
     whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps."""
-    from kernels.fp4_mma import fp4_mma_kernel, mma_tile
-    from kernels.fp8_gemm import as_words
+    from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel, mma_tile
+    from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
         tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
-        fp4_mma_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit, tl_dtype,
-                       arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
+        fp4_mma_few_tokens_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
+                                  tl_dtype, arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(m, inter, dim, lookup, gen, launch)
 
 
@@ -425,17 +428,17 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     (2048, 4096, 2, 8, False, True, 0), (200, 1024, 2, 8, True, False, 0), (48, 256, 1, 1, False, True, 0),
     (72, 384, 2, 3, True, False, 0), (2048, 4096, 2, 4, True, True, 3), (4096, 2048, 2, 2, True, True, 3),
     (2048, 4096, 2, 1, True, True, 4), (200, 1024, 1, 2, True, False, 3), (72, 384, 2, 1, False, True, 2)])
-def test_fp4_mma1_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
-    """The one-token tensor-core GEMV (kernels/fp4_mma1.py, `_two_part_gemv`): slots and weights read
+def test_fp4_mma_one_token_matches_reference(inter, dim, tiles, ksplit, lookup, early, depth, gen):
+    """The one-token tensor-core GEMV (kernels/fp4_mma_one_token.py, `_two_part_gemv`): slots and weights read
     before or after the wait on the predecessor, all first or `depth` blocks ahead of the sums, rows
     that are not a whole tile, K split over 1 to 8 warps."""
-    from kernels.fp4_mma1 import fp4_mma1_kernel
-    from kernels.fp8_gemm import as_words
+    from kernels.fp4_mma_one_token import fp4_mma_one_token_kernel
+    from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
 
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
-        kernel = fp4_mma1_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
-                                 tl_dtype, arch, lookup, early, depth)
+        kernel = fp4_mma_one_token_kernel(inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
+                                          tl_dtype, arch, lookup, early, depth)
         kernel(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(1, inter, dim, lookup, gen, launch)
 
@@ -566,12 +569,48 @@ def test_tilelang_backend_has_every_kernel():
     assert b.missing == []
 
 
+def sinkhorn_alone(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """kernels/sinkhorn.py's warp macro alone, in a one-launch kernel: logits [S, n, n] fp32 on
+    CUDA -> [S, n, n]. A warp holds 32 // (n·n) tokens' matrices, one lane per element; the lanes
+    left over run on a copy of the last token."""
+    import tilelang.language as T
+
+    from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
+    from kernels.toolkit import compile_kernel, cuda_arch
+
+    n = logits.shape[-1]
+    check_n(n)
+    threads, nn = 128, n * n
+    per_warp = WARP // nn
+    per_cta = per_warp * (threads // WARP)  # tokens per CTA
+    tokens = T.dynamic("tokens")
+    steps = sinkhorn_macro(T, n, iters, eps)
+
+    @T.prim_func
+    def sinkhorn_main(L: T.Tensor((tokens, nn), "float32"), M: T.Tensor((tokens, nn), "float32")):
+        with T.Kernel(T.ceildiv(tokens, per_cta), threads=threads) as bx:
+            tx = T.get_thread_binding(0)
+            v = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            lane = tx % WARP
+            e = lane % nn  # element: row e // n, column e % n
+            mine = bx * per_cta + (tx // WARP) * per_warp + lane // nn  # this lane's token
+            t = T.min(mine, tokens - 1)  # every lane runs the shuffles
+            v[0] = L[t, e]
+            steps(v, acc, lane - e, e)
+            if lane < per_warp * nn and mine < tokens:
+                M[t, e] = v[0]
+
+    flat = logits.reshape(-1, nn).contiguous()
+    out = torch.empty_like(flat)
+    compile_kernel(sinkhorn_main, cuda_arch(logits.device))(flat, out)
+    return out.view(logits.shape)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_sinkhorn_kernel_matches_reference(tokens):
-    from kernels.sinkhorn import sinkhorn
-
     logits = torch.randn(tokens, 4, 4, device="cuda") * 3
-    got = sinkhorn(logits, 20, 1e-6)
+    got = sinkhorn_alone(logits, 20, 1e-6)
     want = ref.sinkhorn(logits, 20, 1e-6)
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-5
@@ -591,10 +630,11 @@ def test_head_logits_matches_reference(m, v, d, gen):
 @pytest.mark.parametrize("shape,block", [((1, 448), 64), ((3, 448), 64), ((1, 2, 448), 64), ((5, 256), 128)])
 def test_qdq8_matches_reference_exactly(shape, block, gen):
     """The KV-storage rounding through the TileLang quantiser: the reference's bits exactly."""
-    from kernels.act_quant import qdq8
+    from kernels.act_quant import act_quant
     full = (torch.randn(*shape[:-1], shape[-1] + 64, generator=gen, device=DEV) * 3).to(torch.bfloat16)
     x = full[..., :shape[-1]]  # a non-contiguous column slice
-    assert torch.equal(qdq8(x, block), ref.qdq8(x, block))
+    got = ref.act_dequant(*act_quant(x, block), block).to(x.dtype)  # dequantisation is exact
+    assert torch.equal(got, ref.qdq8(x, block))
 
 
 # ------------------------------------------------------------------------------- rms_norm
@@ -682,7 +722,7 @@ def test_hc_post_matches_reference(s, n, d, dtype, gen):
 
 
 def test_mhc_rejects_bad_shapes(gen):
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.mhc import hc_post, hc_pre
     streams = torch.randn(1, 4, 4096, device=DEV).to(torch.bfloat16)
     fn, scale, base = mhc_params(4, 4096, gen)
@@ -761,7 +801,7 @@ def test_norm_rope_writes_buffer_rows_in_place(shape, rows, gen):
     """With out/rows the kernel writes token s to out[rows[s]] (the KV window row), bitwise what
     it returns without them, and leaves every other row as it was (the last case: the reference
     path, a row too wide for one CTA)."""
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.norm_rope import norm_rope
     d = shape[-1]
     inv_freq = ref.rope_inv_freq(64, 10000.0).to(DEV)
@@ -800,7 +840,7 @@ def test_rms_norm_quant_matches_reference(shape, weighted, gen):
 
 def test_rms_norm_quant_rejects_partial_blocks():
     """A width that is not a whole number of 128-channel FP8 blocks is refused by name."""
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.rms_norm_quant import rms_norm_quant
     with pytest.raises(KernelInputError, match="blocks of 128"):
         rms_norm_quant(torch.zeros(2, 200, dtype=torch.bfloat16, device=DEV), None, 1e-6)

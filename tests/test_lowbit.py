@@ -5,10 +5,12 @@ import torch
 from kernels import lowbit
 from kernels import reference as ref
 
+from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, decode_e4m3_words
+
 
 def test_every_e4m3_code_decodes_to_its_value_times_2_pow_minus_8():
     codes = torch.arange(256, dtype=torch.uint8)  # 64 words, byte 0 of each word = lowest channel
-    got = lowbit.decode_e4m3_words(codes.view(torch.int32))
+    got = decode_e4m3_words(codes.view(torch.int32))
     want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -lowbit.E4M3_SHIFT
     finite = ~torch.isnan(want)
     assert finite.sum() == 254  # 0x7F and 0xFF are NaN in e4m3fn: never weights or activations
@@ -19,7 +21,7 @@ def test_every_e4m3_code_decodes_to_its_value_times_2_pow_minus_8():
 
 def test_every_e2m1_pair_decodes_to_its_values_times_2_pow_minus_14():
     codes = torch.arange(256, dtype=torch.uint8).repeat(4)  # every byte in every word position
-    got = lowbit.decode_e2m1_words(codes.view(torch.int32))
+    got = decode_e2m1_words(codes.view(torch.int32))
     want = ref.unpack_fp4(codes.view(torch.int8)).float() * 2.0 ** -lowbit.E2M1_SHIFT
     assert got.shape == want.shape == (2048,)
     assert torch.equal(got, want)
@@ -33,16 +35,15 @@ def test_decoded_dot_with_scale_matches_dequantised_product():
     a = torch.randint(0, 256, (32,), generator=gen, dtype=torch.uint8)
     a[a & 0x7F == 0x7F] = 0  # no NaN codes
     w = torch.randint(0, 256, (16,), generator=gen, dtype=torch.uint8)
-    af = lowbit.decode_e4m3_words(a.view(torch.int32)).double()
-    wf = lowbit.decode_e2m1_words(w.view(torch.int32)).double()
+    af = decode_e4m3_words(a.view(torch.int32)).double()
+    wf = decode_e2m1_words(w.view(torch.int32)).double()
     got = (af * wf).sum() * 2.0 ** (lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
     want = (a.view(torch.float8_e4m3fn).double() * ref.unpack_fp4(w.view(torch.int8)).double()).sum()
     assert got == want
 
 
 def test_every_e4m3_code_decodes_into_the_mma_pairs():
-    # kernels/fp4_mma.py's activation pairs (p, p + 4): every code in every byte position
-    from kernels.fp4_mma import decode_e4m3_pairs
+    # kernels/fp4_mma_few_tokens.py's activation pairs (p, p + 4): every code in every byte position
     codes = torch.arange(256, dtype=torch.uint8).repeat(8)  # 512 words = 256 word pairs
     got = decode_e4m3_pairs(codes.view(torch.int32))
     want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -lowbit.E4M3_SHIFT

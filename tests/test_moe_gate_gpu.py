@@ -162,7 +162,7 @@ def test_empty_batch():
 
 
 def test_rejects_bad_inputs():
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     x = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV)
     weight = torch.zeros(16, 256, device=DEV)
     bias = torch.zeros(16, device=DEV)

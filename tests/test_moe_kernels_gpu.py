@@ -92,7 +92,7 @@ def test_moe_combine_matches_reference_exactly(n, k, d, routed_dtype, shared_dty
 
 
 def test_swiglu_quant_rejects_bad_inputs():
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.swiglu_quant import swiglu_quant
     x = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV)
     w = torch.ones(2, device=DEV)
@@ -111,7 +111,7 @@ def test_swiglu_quant_rejects_bad_inputs():
 
 
 def test_moe_combine_rejects_bad_inputs():
-    from kernels.act_quant import KernelInputError
+    from kernels.toolkit import KernelInputError
     from kernels.moe_combine import moe_combine
     routed = torch.zeros(2, 6, 128, device=DEV)
     shared = torch.zeros(2, 128, dtype=torch.bfloat16, device=DEV)

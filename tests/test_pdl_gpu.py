@@ -26,7 +26,7 @@ def _weights(n: int, k: int, count: int, gen: torch.Generator):
 @pytest.mark.parametrize("early", [False, True])
 def test_decode_kernels_wait_for_their_predecessor(early):
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
+    from kernels.toolkit import cuda_arch
     from kernels.fp8_gemm import fp8_gemv_kernel
     arch = cuda_arch(torch.device(DEV))
     src = fp8_gemv_kernel(1, 512, 4096, 1, 4, 4, arch, early).get_kernel_source()
@@ -44,14 +44,14 @@ def test_decode_kernels_wait_for_their_predecessor(early):
         assert src[:wait].count("W + ") == src.count("W + ")  # no weight load left after the wait
 
 
-def test_fp8_mma1_reads_only_weights_before_the_wait():
+def test_fp8_mma_one_token_reads_only_weights_before_the_wait():
     from kernels import pdl
-    from kernels.act_quant import cuda_arch
-    from kernels.fp8_mma1 import fp8_mma1_kernel
+    from kernels.toolkit import cuda_arch
+    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel
     arch = cuda_arch(torch.device(DEV))
     if not pdl.enabled(arch):
         pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
-    src = fp8_mma1_kernel(4096, 2048, 2, 4, 2, arch).get_kernel_source()
+    src = fp8_mma_one_token_kernel(4096, 2048, 2, 4, 2, arch).get_kernel_source()
     wait = src.index("cudaGridDependencySynchronize();")
     assert max(src.index("W + "), src.index("SW[")) < wait < min(src.index("Q + "), src.index("SA["))
     assert src.count("Q + ") == src[wait:].count("Q + ")
@@ -115,7 +115,7 @@ def _routed_chain(ops, x, gate_w, bias, shared, norm_w, arena, fields, table, sy
 
 def test_early_expert_reads_in_a_graph_equal_the_chain_synchronised():
     """fp4_moe_quantized(early=True) reads its expert ids and weights before waiting on the kernel
-    ahead (kernels/fp4_mma1.py). With the ids written two launches before (as in the decode), a
+    ahead (kernels/fp4_mma_one_token.py). With the ids written two launches before (as in the decode), a
     graph replay, where PDL overlaps every link, equals the chain synchronised after every call."""
     from kernels.backend import TileLangBackend
     from test_kernels_gpu import _arena

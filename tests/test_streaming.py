@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter import layout
 from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
+from engine import pack as layout
 from engine.checkpoint import CheckpointError, TensorIndex
 from engine.experts.cache import CacheFullError
 from engine.experts.prefetch import IOPool

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter import layout
 from converter.convert import convert, main
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from converter.upgrade import UpgradeCancelled, UpgradeError, _upgrade_file, upgrade
 from converter.verify import verify
+from engine import pack as layout
 from engine.checkpoint import read_header
 from engine.weights import open_model
 

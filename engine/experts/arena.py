@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from converter.layout import RecordLayout
+from engine.pack import RecordLayout
 from engine.experts.store import aligned_empty
 from engine.moe import ExpertWeights
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from converter.layout import ALIGNMENT, Manifest
+from engine.pack import ALIGNMENT, Manifest
 from engine.checkpoint import read_header
 
 

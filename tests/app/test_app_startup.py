@@ -22,7 +22,7 @@ from app.screens.resume import ResumeScreen
 from app.screens.wizard import SourceScreen, WizardScreen
 from app.widgets.message import AssistantMessage, NoteMessage, UserMessage
 from app.wizard import WizardError, check_source, find_model, free_space_problem
-from converter import layout
+from engine import pack as layout
 from engine.events import LoadProgress
 
 SIZE = (120, 45)

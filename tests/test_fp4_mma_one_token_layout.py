@@ -1,4 +1,4 @@
-"""kernels/fp4_mma1.py's data layout, replayed on the CPU: each lane's group words, the zeroed B
+"""kernels/fp4_mma_one_token.py's data layout, replayed on the CPU: each lane's group words, the zeroed B
 columns, the eight MMAs of a 128-channel block (PTX m16n8k16 fragments, as in
 tests/test_fp4_mma_layout.py), the scale each D column takes and the lanes that sum a row,
 against the reference FP4 GEMM. It checks the layout's logic, not the GPU code itself."""
@@ -8,9 +8,9 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp4_mma import decode_e4m3_pairs
-from kernels.fp4_mma1 import MAX_BLOCKS, mma1_tile, scale_vector, supports
-from test_fp4_mma_layout import _mma, _pairs
+from kernels.fp4_mma_one_token import MAX_BLOCKS, mma_tile, scale_vector, supports
+
+from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -28,7 +28,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
             for i in range(blocks // ksplit):
                 kb = warp * (blocks // ksplit) + i
                 # the CTA's B pairs of group qg: words 2w, 2w + 1 of the group's eight
-                act = [[_pairs(decode_e4m3_pairs(qwords[32 * kb + 8 * qg + 2 * wd:32 * kb + 8 * qg + 2 * wd + 2])
+                act = [[word_pairs(decode_e4m3_pairs(qwords[32 * kb + 8 * qg + 2 * wd:32 * kb + 8 * qg + 2 * wd + 2])
                                .double()) for wd in range(4)] for qg in range(4)]
                 zero = torch.zeros(4, 2, dtype=torch.float64)
                 b = [act[lane % 4] if lane // 4 == lane % 4 else [zero] * 4 for lane in range(32)]
@@ -39,10 +39,10 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                         for lane in range(32):
                             rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
                             col = 16 * kb + 4 * (lane % 4) + wd
-                            h.append([_pairs(lowbit.decode_e2m1_words(words[r, col:col + 1]).double()) for r in rows])
-                        d += _mma([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
+                            h.append([word_pairs(decode_e2m1_words(words[r, col:col + 1]).double()) for r in rows])
+                        d += mma_m16n8k16([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
                                   [[b[i][wd][0], b[i][wd][1]] for i in range(32)])
-                        d += _mma([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
+                        d += mma_m16n8k16([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
                                   [[b[i][wd][2], b[i][wd][3]] for i in range(32)])
                     assert not d[:, 4:].any()  # columns 4..7: no group
                     for lane in range(32):
@@ -64,7 +64,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
 
 
 @pytest.mark.parametrize("n,k,tiles,ksplit", [(40, 512, 1, 2), (32, 256, 2, 1), (24, 384, 2, 3)])
-def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
+def test_one_token_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
     ws = torch.randint(117, 131, (n, k // 32), generator=gen, dtype=torch.uint8)
@@ -76,14 +76,14 @@ def test_mma1_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
     assert ((got - exact).abs() <= 1e-9 * got.abs().max()).all()  # exact products, fp64 sums here
 
 
-def test_mma1_tile_keeps_a_warps_blocks_in_registers():
-    assert mma1_tile(4096) == (2, 4, 4) and mma1_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
-    assert mma1_tile(7168) == (2, 7, 4) and mma1_tile(384) == (2, 1, 4) and mma1_tile(256) == (2, 2, 2)
+def test_one_token_tile_keeps_a_warps_blocks_in_registers():
+    assert mma_tile(4096) == (2, 4, 4) and mma_tile(2048) == (2, 2, 2)  # decode's w1+w3 and w2
+    assert mma_tile(7168) == (2, 7, 4) and mma_tile(384) == (2, 1, 4) and mma_tile(256) == (2, 2, 2)
     for k in range(128, 16384, 128):
-        tile = mma1_tile(k)
+        tile = mma_tile(k)
         if tile is not None:
             assert (k // 128) % tile[1] == 0 and k // 128 // tile[1] <= MAX_BLOCKS
-    assert mma1_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
+    assert mma_tile(17 * 128) is None and not supports(17 * 128, (0,), 4096)  # 17 blocks: no even split
     assert not supports(4096, (2,), 4096)  # scales must start 4-byte aligned
 
 

@@ -1,4 +1,4 @@
-"""kernels/fp4_mma.py's data layout, replayed on the CPU: every lane's words, fragments, scales and
+"""kernels/fp4_mma_few_tokens.py's data layout, replayed on the CPU: every lane's words, fragments, scales and
 outputs as the kernel indexes them, the two MMAs of a scale group done as matrix products from the
 PTX m16n8k16 fragment layout (TileLang's cuda/intrinsics/layout/mma_layout.py agrees), against
 the reference FP4 GEMM. It checks the layout's logic (which channel sits at which k position in A
@@ -9,29 +9,9 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp4_mma import GROUPS_PER_STEP, decode_e4m3_pairs, mma_tile
+from kernels.fp4_mma_few_tokens import GROUPS_PER_STEP, mma_tile
 
-
-def _pairs(channels: torch.Tensor) -> torch.Tensor:
-    """8 decoded channels -> the 4 fp16x2 pairs (p, p + 4) a word becomes: [4, 2]."""
-    return torch.stack((channels[:4], channels[4:]), dim=-1)
-
-
-def _mma(a_regs, b_regs) -> torch.Tensor:
-    """D [16, 8] of one m16n8k16 from every lane's registers: a_regs[lane] = 4 pairs
-    (a0a1, a2a3, a4a5, a6a7), b_regs[lane] = 2 pairs (b0b1, b2b3)."""
-    a = torch.zeros(16, 16, dtype=torch.float64)
-    b = torch.zeros(16, 8, dtype=torch.float64)
-    for lane in range(32):
-        gi, ti = lane // 4, lane % 4
-        for e in range(2):
-            a[gi, 2 * ti + e] = a_regs[lane][0][e]
-            a[gi + 8, 2 * ti + e] = a_regs[lane][1][e]
-            a[gi, 2 * ti + 8 + e] = a_regs[lane][2][e]
-            a[gi + 8, 2 * ti + 8 + e] = a_regs[lane][3][e]
-            b[2 * ti + e, gi] = b_regs[lane][0][e]
-            b[2 * ti + 8 + e, gi] = b_regs[lane][1][e]
-    return a @ b
+from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -54,17 +34,17 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                     for lane in range(32):
                         tok = min(lane // 4, m - 1)
                         aw = qwords[tok, 8 * group + 2 * (lane % 4): 8 * group + 2 * (lane % 4) + 2]
-                        ap.append(_pairs(decode_e4m3_pairs(aw).double()))
+                        ap.append(word_pairs(decode_e4m3_pairs(aw).double()))
                     for t in range(tiles):
                         h = []  # each lane's pairs of rows gi and gi + 8
                         for lane in range(32):
                             rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
-                            h.append([_pairs(lowbit.decode_e2m1_words(words[r, 4 * group + lane % 4:
+                            h.append([word_pairs(decode_e2m1_words(words[r, 4 * group + lane % 4:
                                                                            4 * group + lane % 4 + 1]).double())
                                       for r in rows])
-                        d = _mma([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
+                        d = mma_m16n8k16([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
                                  [[ap[i][0], ap[i][1]] for i in range(32)])
-                        d += _mma([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
+                        d += mma_m16n8k16([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
                                   [[ap[i][2], ap[i][3]] for i in range(32)])
                         for lane in range(32):
                             gi, ti = lane // 4, lane % 4

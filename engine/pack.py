@@ -1,4 +1,5 @@
-"""The converted "expert pack" layout, version 2 (DESIGN §3). On-disk contract:
+"""The converted "expert pack" layout, version 2: the engine's input format, written
+by converter/convert.py. On-disk contract:
 
 A directory holding
   * `manifest.json` (written last: a directory without it is an unfinished conversion):
@@ -48,10 +49,9 @@ from pathlib import Path
 
 import torch
 
-from converter import mapping
 from engine.checkpoint import DTYPES
 from engine.config import ModelArgs
-from kernels.reference import fp4_official_order, fp4_record_order
+from kernels.reference import EXPERT_FIELDS, fp4_official_order, fp4_record_order
 
 FORMAT = "dsv4-expert-pack"
 VERSION = 2  # 2: FP4 weights in record order
@@ -60,8 +60,47 @@ MANIFEST = "manifest.json"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
+GLOBAL_FILE = "global.safetensors"
+MTP_FILE = "mtp.safetensors"
+
+
 class LayoutError(Exception):
     """A converted directory or its manifest is missing, unfinished, corrupt or of another version."""
+
+
+# Names. A "unit" is a decoder layer index 0..n_layers-1, or n_layers for the MTP block (the layer
+# index the engine uses for `mtp.0`).
+
+def layer_file(layer: int) -> str:
+    return f"layer_{layer:02d}.safetensors"
+
+
+def units(args: ModelArgs) -> list[int]:
+    """Units that have routed experts: decoder layers, then the MTP block (unit n_layers)."""
+    return list(range(args.n_layers + args.n_mtp_layers))
+
+
+def unit_prefix(unit: int, args: ModelArgs) -> str:
+    return "mtp.0" if unit == args.n_layers else f"layers.{unit}"
+
+
+def unit_file(unit: int, args: ModelArgs) -> str:
+    return MTP_FILE if unit == args.n_layers else layer_file(unit)
+
+
+def experts_tensor(unit: int, args: ModelArgs) -> str:
+    """Name of the packed uint8 [n_routed_experts, record_bytes] tensor of a unit."""
+    return f"{unit_prefix(unit, args)}.ffn.experts"
+
+
+def expert_fields(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The six tensors of one routed expert, in record order: field -> (dtype, shape) (§B.3)."""
+    d, i = args.dim, args.moe_inter_dim
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for w, (rows, cols) in (("w1", (i, d)), ("w3", (i, d)), ("w2", (d, i))):
+        out[f"{w}.weight"] = ("I8", (rows, cols // 2))  # packed fp4, two codes a byte
+        out[f"{w}.scale"] = ("F8_E8M0", (rows, cols // 32))  # one e8m0 scale per 32 inputs
+    return {f: out[f] for f in EXPERT_FIELDS}
 
 
 def round_up(n: int, to: int) -> int:
@@ -87,13 +126,13 @@ class RecordLayout:
     """Where an expert's six tensors sit in its record, and the padded record size."""
 
     record_bytes: int
-    fields: dict[str, FieldLayout]  # in record order (mapping.EXPERT_FIELDS)
+    fields: dict[str, FieldLayout]  # in record order (EXPERT_FIELDS)
     alignment: int = ALIGNMENT
 
     @classmethod
     def from_args(cls, args: ModelArgs) -> "RecordLayout":
         fields, offset = {}, 0
-        for name, (dtype, shape) in mapping.expert_fields(args).items():
+        for name, (dtype, shape) in expert_fields(args).items():
             nbytes = _numel(shape) * DTYPES[dtype][0].itemsize
             fields[name] = FieldLayout(offset, nbytes, dtype, shape)
             offset += nbytes
@@ -117,9 +156,9 @@ class RecordLayout:
 
     def check(self) -> None:
         """Raise LayoutError unless the fields are the six expert tensors inside the record."""
-        if list(self.fields) != list(mapping.EXPERT_FIELDS):
+        if list(self.fields) != list(EXPERT_FIELDS):
             raise LayoutError(f"record fields are {list(self.fields)}, expected "
-                              f"{list(mapping.EXPERT_FIELDS)}")
+                              f"{list(EXPERT_FIELDS)}")
         if self.alignment != ALIGNMENT or self.record_bytes % ALIGNMENT:
             raise LayoutError(f"record_bytes {self.record_bytes} / alignment {self.alignment} "
                               f"must be multiples of {ALIGNMENT}")
@@ -170,8 +209,7 @@ class Unit:
 
 
 def units_for(args: ModelArgs) -> list[Unit]:
-    return [Unit(u, mapping.unit_file(u, args), mapping.experts_tensor(u, args))
-            for u in mapping.units(args)]
+    return [Unit(u, unit_file(u, args), experts_tensor(u, args)) for u in units(args)]
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,9 @@
 """FP4 routed-expert GEMV on the tensor cores (sm_80+ `mma.sync` m16n8k16, fp16 in, fp32 out).
 
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` (same arguments, same outputs) for at
-most 8 activation rows. Why: the CUDA-core kernel widens every weight channel to fp32 before
-its FMA, and at decode shapes those per-channel instructions, presumably, not memory, bound it
-(bench.kernels on the H200: 46-51 % of the copy bandwidth at every tile with 2-4 rows per warp).
-Here the decoded fp16 codes go straight into the tensor cores, which multiply exactly and sum in
-fp32.
+most 8 activation rows. The CUDA-core kernel widens every weight channel to fp32 before its FMA
+and keeps rows x tokens accumulators; here the decoded fp16 codes go straight into the tensor
+cores, which multiply exactly and sum in fp32.
 
 Data layout (a CTA = `tiles` tiles of 16 weight rows, its `ksplit` warps each summing a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -23,20 +21,15 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
 
 Scales are read as words: the record's scale block must start 4-byte aligned (`supports`).
 GPU-tested on the H200 (sm_90a); kernels/fp4_moe.py uses it only where `MMA_ARCHS` lists the
-architecture. It did not meet the hope above: at its best tile it was 2-3 % faster than the
-CUDA-core kernel's best (both at ~51 % of the copy bandwidth), so instruction issue was not the
-main limit. That limit was TileLang's bounds guards (kernels/act_quant.py's UNGUARDED): without
-them the CUDA-core kernel is the faster one at one row (decode's six experts' w1+w3: 19.84 us
-against 23.29 here), and this kernel serves MMA_MIN_M to 8 rows, where the CUDA-core kernel's
-per-row arithmetic grows (w1+w3 at 4 rows 31.15 us against 47.87, at 8 rows 34.54 against 103.25).
+architecture, for MMA_MIN_M to 8 rows, where the CUDA-core kernel's per-row arithmetic grows
+(H200, decode's six experts' w1+w3 at 8 rows: 34.54 us against 103.25; the other measurements
+are in docs/performance-log.md).
 """
 
 import functools
 
-import torch
-
 from kernels import lowbit, pdl
-from kernels.act_quant import KernelInputError, compile_kernel
+from kernels.toolkit import KernelInputError, compile_kernel
 
 MAX_M = 8  # the MMA's n: tokens per launch
 GROUPS_PER_STEP = 4  # scale groups per loop step: one 128-channel activation block
@@ -74,24 +67,9 @@ __device__ __forceinline__ void dsv4_fp4_mma_group(int w0, int w1, const unsigne
 }
 """
 
-def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., 2W] of e4m3 codes (two words = 8 channels) -> fp32 [..., 8W] in channel
-    order (values times 2^-8), through SOURCE's `dsv4_e4m3x8_to_f16x2` moves in torch: pair p of
-    a word pair holds channels (p, p + 4), low half first."""
-    w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (-1, 2))  # [.., W, (channels 0-3, 4-7)]
-    lo, hi = w[..., 0], w[..., 1]
-    pairs = []
-    for p in range(4):
-        b = (((lo >> (8 * p)) & 0xFF) << 8) | (((hi >> (8 * p)) & 0xFF) << 24)  # __byte_perm: bytes 1 and 3
-        bits = ((b >> 1) & 0x3F803F80) | (b & 0x80008000)
-        pairs.append(torch.stack((bits & 0xFFFF, bits >> 16), dim=-1))  # [.., W, 2 halves]
-    h = torch.stack(pairs, dim=-2).to(torch.int16).view(torch.float16).float()  # [.., W, 4 pairs, 2 halves]
-    return h.transpose(-1, -2).flatten(-3)  # channel 4 * half + pair
-
-
 MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches to this kernel (sm_121: untested)
-# Launches of fewer rows go to the CUDA-core kernel. H200, decode's six experts' w1+w3 (w2):
-# 1 row 19.84 (11.01) us there against 23.29 (12.41) here; 2 rows 30.85 (15.21) against 29.47 (15.28).
+# Launches of fewer rows go to the CUDA-core kernel (H200, decode's six experts' w1+w3 at one row:
+# 19.84 us there against 23.29 here).
 MMA_MIN_M = 2
 
 
@@ -129,9 +107,9 @@ def warp_sums_macro(T, tiles: int, ksplit: int):
 
 
 @functools.cache
-def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
-                   s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                   lookup: bool = False):
+def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
+                              s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
+                              lookup: bool = False):
     """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
     `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
     that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
@@ -140,8 +118,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
 
     blocks = k // 128
     if not supports(m, k, s_off, s_stride) or blocks % ksplit:
-        raise KernelInputError(f"fp4_mma_kernel: m={m}, k={k}, ksplit={ksplit}, scale offsets {s_off} / stride "
-                               f"{s_stride} unsupported (see fp4_mma.supports; ksplit must divide K/128)")
+        raise KernelInputError(f"fp4_mma_few_tokens_kernel: m={m}, k={k}, ksplit={ksplit}, scale offsets {s_off} / "
+                               f"stride {s_stride} unsupported (see `supports`; ksplit must divide K/128)")
     kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
     parts = len(w_off)
     cta_rows = 16 * tiles
@@ -228,9 +206,8 @@ def fp4_mma_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...]
 
 def mma_tile(k: int) -> tuple[int, int]:
     """(tiles of 16 rows per CTA, ksplit warps) for K channels: 2 tiles and up to 4 warps, each
-    summing at least two whole 128-channel blocks; ksplit divides K/128. H200 (bench.kernels,
-    decode's 6 experts): w1+w3 24.08 us at 2 tiles x 4 warps vs 27.10 at 1 x 8 and 24.57 for the
-    CUDA-core kernel's best tile; w2 12.43 us vs 15.90 and 12.79."""
+    summing at least two whole 128-channel blocks; ksplit divides K/128 (H200, decode's six
+    experts' w1+w3: 24.08 us at 2 tiles x 4 warps against 27.10 at 1 x 8)."""
     blocks, ksplit = k // 128, 4
     while ksplit > 1 and (blocks % ksplit or blocks < 2 * ksplit):
         ksplit //= 2

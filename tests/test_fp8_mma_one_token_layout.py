@@ -1,22 +1,23 @@
-"""kernels/fp8_mma1.py's data layout, replayed on the CPU: each lane's 16-byte loads of rows gi and
+"""kernels/fp8_mma_one_token.py's data layout, replayed on the CPU: each lane's 16-byte loads of rows gi and
 gi + 8, the fp16x2 pairs a word becomes, the eight MMAs of a 128-channel block (PTX m16n8k16
 fragments, as in tests/test_fp4_mma_layout.py) with every lane's B holding its own activations,
 the block scales each tile takes and the lanes that store a row, against the reference FP8 GEMM.
-It checks the layout's logic, not the GPU code itself; plus `mma1_tile`'s rules."""
+It checks the layout's logic, not the GPU code itself; plus `mma_tile`'s rules."""
 
 import pytest
 import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp8_mma1 import BLOCKS_PER_WARP, MAX_K, mma1_tile
-from test_fp4_mma_layout import _mma
+from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile
+
+from kernel_sim import decode_e4m3_words, mma_m16n8k16
 
 
 def _word_pairs(word: torch.Tensor) -> list:
     """One e4m3 word -> its two fp16x2 pairs as the kernel forms them (`dsv4_e4m3x4_to_f16x2`):
     [(channel 0, channel 2), (channel 1, channel 3)], values times 2^-8."""
-    c = lowbit.decode_e4m3_words(word.view(1)).double()  # [4] in channel order
+    c = decode_e4m3_words(word.view(1)).double()  # [4] in channel order
     return [(c[0], c[2]), (c[1], c[3])]
 
 
@@ -48,7 +49,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                                 h0, h1 = (_word_pairs(words[r, col]) for r in rows)
                                 a_regs.append([h0[0], h1[0], h0[1], h1[1]])
                                 b_regs.append(_word_pairs(qwords[col]))  # every lane: its own activations
-                            d += _mma(a_regs, b_regs)
+                            d += mma_m16n8k16(a_regs, b_regs)
                     assert torch.equal(d, d[:, :1].expand(16, 8))  # every column holds the row sums
                     byte = int(ws[min(row0 + 16 * t, n - 1) // 128, kb])
                     scale = 2.0 ** (byte - 127 + 2 * lowbit.E4M3_SHIFT) * sa[kb].item()
@@ -69,7 +70,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
 
 
 @pytest.mark.parametrize("n,k,tiles,ksplit", [(40, 512, 1, 2), (24, 384, 2, 3), (136, 256, 2, 1)])
-def test_mma1_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
+def test_one_token_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs
@@ -84,15 +85,15 @@ def test_mma1_layout_computes_the_fp8_gemm(n, k, tiles, ksplit):
     assert ((got - exact).abs() <= 1e-9 * exact.abs().max()).all()  # exact products, fp64 sums here
 
 
-def test_mma1_tile_rules():
+def test_one_token_tile_rules():
     # the engine's decode shapes: 6-8 MB weights load everything before the wait, larger ones 2 ahead
-    assert mma1_tile(1536, 4096) == (1, 8, 0)  # wq_a|wkv: too few rows for 2-tile CTAs
-    assert mma1_tile(8192, 1024) == (2, 2, 0) and mma1_tile(4096, 2048) == (2, 4, 0)
-    assert mma1_tile(4096, 4096) == (2, 8, 2) and mma1_tile(32768, 1024) == (2, 2, 2)
-    assert mma1_tile(4096, 8192) is None  # wo_b: the CUDA-core GEMV
-    assert mma1_tile(200, 384) == (1, 1, 0) and mma1_tile(64, 100) is None
+    assert mma_tile(1536, 4096) == (1, 8, 0)  # wq_a|wkv: too few rows for 2-tile CTAs
+    assert mma_tile(8192, 1024) == (2, 2, 0) and mma_tile(4096, 2048) == (2, 4, 0)
+    assert mma_tile(4096, 4096) == (2, 8, 2) and mma_tile(32768, 1024) == (2, 2, 2)
+    assert mma_tile(4096, 8192) is None  # wo_b: the CUDA-core GEMV
+    assert mma_tile(200, 384) == (1, 1, 0) and mma_tile(64, 100) is None
     for k in range(128, MAX_K + 1, 128):
-        tiles, ksplit, depth = mma1_tile(4096, k)
+        tiles, ksplit, depth = mma_tile(4096, k)
         blocks = k // 128
         assert blocks % ksplit == 0 and blocks // ksplit <= BLOCKS_PER_WARP and ksplit <= 32
         assert all(blocks % s or blocks // s > BLOCKS_PER_WARP for s in range(1, ksplit))  # the fewest warps

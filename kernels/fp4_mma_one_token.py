@@ -2,24 +2,13 @@
 
 The contract of kernels/fp4_moe.py's `fp4_gemv_kernel` at m = 1 (same tensors, same outputs).
 The CUDA-core kernel spends about four instructions per weight (decode, fp32 widening, FMA; its
-sm_90a SASS); here a weight costs its decode alone (about half the instructions): the tensor
-cores multiply the fp16 codes exactly and sum in fp32. kernels/fp4_mma.py does the same for 2-8
-tokens, but must give the four lanes of a quad the same scale group, so each lane reads 4-byte
-words; here each lane reads a whole group (16 bytes). H200 (bench.kernels, graphed chains): at
-48 experts' w1+w3 per launch (428 MB) 80.4 % of the copy bandwidth against 75.8 % for the
-CUDA-core kernel. At decode's 6 experts (54 MB) the difference shrinks, and both fall well short
-of a plain streaming read of that size (bench.ceilings: 100-102 %), at first because their sums
-waited on all their loads: `depth` (below) lets the sums start as the first blocks land, 18.91 us
-here against 19.63 with every load issued first and 19.80 for the CUDA-core kernel, in one run.
-The kernel's own issue rate is what remains: the same grid and loads with the sums replaced by an
-XOR take 14.48 (w1+w3) and 7.81 us (w2), and on L2-resident weights the whole kernel still takes
-16.2 and 8.2 us. Hence fewer instructions per block (16-byte B loads, no D clears, scale words
-in vectors: 2 304 per warp instead of 2 448 in the sm_90a SASS of decode's w1+w3), a register cap
-and retuned depths: w1+w3 18.08-18.18 us (69.7-70.0 % of the copy bandwidth), w2 9.45-9.49
-(66.7-67.0 %), against 19.04-19.21 and 9.74 for the kernel before them, same run. Then the
-codes' record order (kernels/reference.py; 9 instead of 11 decode instructions per word, 2 048
-per warp at w1+w3): w2 8.84-8.90 us (71.4-71.8 %) against 9.32-9.36 in one run, 8.68-8.91 in the
-next; w1+w3 unchanged (17.94-18.01 against 17.88-18.00).
+sm_90a SASS); here a weight costs its decode alone: the tensor cores multiply the fp16 codes
+exactly and sum in fp32. kernels/fp4_mma_few_tokens.py does the same for 2-8 tokens, but must give
+the four lanes of a quad the same scale group, so each lane reads 4-byte words; here each lane
+reads a whole group (16 bytes). At decode's six experts the kernel's instruction issue, not
+memory, is the limit, hence the few instructions per block described below (H200: w1+w3 in
+18.08-18.18 us against 19.04-19.21 for the version before those cuts, same run). The measurements
+behind each choice: docs/performance-log.md.
 
 Data layout (a CTA = one set of `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a
 contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -43,14 +32,14 @@ per load, `scale_vector`), then keeps its weight words `depth` 128-channel block
 (all before any arithmetic at depth 0). Registers are capped so that RESIDENT_WARPS warps fit on
 an SM, the occupancy the tiles were timed at.
 
-Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma.supports).
-Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/act_quant.UNGUARDED).
+Scales are read as words: the record's scale block must start 4-byte aligned (fp4_mma_few_tokens.supports).
+Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/toolkit.UNGUARDED).
 """
 
 import functools
 
-from kernels import fp4_mma, lowbit, pdl
-from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels import fp4_mma_few_tokens, lowbit, pdl
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
 
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
@@ -72,7 +61,7 @@ __device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned
 }
 """
 
-MMA1_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches here (sm_121: untested)
+MMA_ARCHS = ((9, 0),)  # where kernels/fp4_moe.py dispatches one-token launches here (sm_121: untested)
 
 
 MAX_BLOCKS = 8  # 128-channel blocks per warp: their weight words sit in registers (8 words per tile each)
@@ -85,19 +74,13 @@ DEPTH_2_WARPS = 2  # the same for CTAs of two warps (w2: K 2048)
 RESIDENT_WARPS = 12  # registers capped (168 per thread) so that this many warps fit on an SM
 
 
-def mma1_tile(k: int) -> tuple[int, int, int] | None:
+def mma_tile(k: int) -> tuple[int, int, int] | None:
     """(tiles of 16 rows per CTA, ksplit warps, depth) for K channels, or None where no split keeps
     a warp's K range within MAX_BLOCKS whole 128-channel blocks: 2 tiles, the warps that give each
     one 8 blocks, else the first of 4, 8, 16, 2, 1 that splits K (K <= 16384 keeps the shared
     activations within 33 KB), loads kept DEPTH blocks ahead (DEPTH_2_WARPS for two warps).
-    H200 (decode's 6 experts, early, same-run sets): w1+w3 (K 4096) at 2 x 4 17.96-17.99 us at
-    depth 4 against 18.48-18.50 at 3, 18.15-18.67 at 6, 18.69-19.33 at 5, 22.2-22.5 at 8; w2 (K 2048)
-    at 2 x 2 9.02-9.28 us at depth 2 (two runs) against 9.63-9.69 at 3 and 10.05-10.06 at 4 (the
-    first run), 9.50-9.61 at 1 (the second). A cap of 16 warps per SM was slower for both (w2
-    11.4-11.5 us). 2 x 4 for w2, 1-tile CTAs, one warp per K range, and weights staged in shared
-    memory by cp.async were all slower. With record-order
-    codes (one run, three repeats): w1+w3 18.07-18.13 us at depth 4, 17.70-18.15 at 3, 18.11-18.51
-    at 5; w2 8.68-8.91 at 2, 8.92-9.17 at 3, 9.34-9.61 at 1."""
+    DEPTH and DEPTH_2_WARPS are the fastest of a sweep (H200, decode's six experts: w1+w3 17.96-17.99
+    us at depth 4 against 18.48-18.50 at 3; the rest in docs/performance-log.md)."""
     for ksplit in (k // 128 // MAX_BLOCKS, 4, 8, 16, 2, 1):
         if ksplit >= 1 and splits(k, ksplit):
             return 2, ksplit, DEPTH_2_WARPS if ksplit == 2 else DEPTH
@@ -119,18 +102,19 @@ def splits(k: int, ksplit: int) -> bool:
 
 
 def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
-    """Whether this kernel takes a launch (at its `mma1_tile`): K whole 128-channel blocks that
-    warps can share, and 4-byte aligned scale blocks (fp4_mma.supports)."""
-    return fp4_mma.supports(1, k, s_off, s_stride) and mma1_tile(k) is not None
+    """Whether this kernel takes a launch (at its `mma_tile`): K whole 128-channel blocks that
+    warps can share, and 4-byte aligned scale blocks (fp4_mma_few_tokens.supports)."""
+    return fp4_mma_few_tokens.supports(1, k, s_off, s_stride) and mma_tile(k) is not None
 
 
 @functools.cache
-def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int, s_off: tuple[int, ...],
-                    tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int], lookup: bool = False,
-                    early: bool = False, depth: int = 0):
-    """Grouped one-token FP4 GEMV on the tensor cores: the tensors of kernels/fp4_mma.py's
-    `fp4_mma_kernel` at m = 1 (SWA as int32 words [Ss, s_stride/4]); a CTA owns `tiles` tiles of
-    16 rows and its `ksplit` warps each sum K/ksplit channels.
+def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
+                             s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
+                             lookup: bool = False, early: bool = False, depth: int = 0):
+    """Grouped one-token FP4 GEMV on the tensor cores: the tensors of
+    kernels/fp4_mma_few_tokens.py's `fp4_mma_few_tokens_kernel` at m = 1 (SWA as int32 words
+    [Ss, s_stride/4]); a CTA owns `tiles` tiles of 16 rows and its `ksplit` warps each sum
+    K/ksplit channels.
 
     `depth`: each warp issues the loads of its whole range's scale words and of its first `depth`
     blocks' weight words, then those of block i + depth before it sums block i (0: every load
@@ -144,9 +128,10 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     earlier kernel has completed)."""
     import tilelang.language as T
 
-    if not fp4_mma.supports(1, k, s_off, s_stride) or (k // 128) % ksplit:
-        raise KernelInputError(f"fp4_mma1_kernel: k={k}, ksplit={ksplit}, scale offsets {s_off} / stride {s_stride} "
-                               "unsupported (K whole 128-channel blocks shared evenly, scales 4-byte aligned)")
+    if not fp4_mma_few_tokens.supports(1, k, s_off, s_stride) or (k // 128) % ksplit:
+        raise KernelInputError(f"fp4_mma_one_token_kernel: k={k}, ksplit={ksplit}, scale offsets {s_off} / "
+                               f"stride {s_stride} unsupported (K whole 128-channel blocks shared evenly, scales "
+                               "4-byte aligned)")
     blocks = k // 128
     per = blocks // ksplit  # blocks per warp
     lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum
@@ -156,7 +141,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
     shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
-    warp_sums = fp4_mma.warp_sums_macro(T, tiles, ksplit)
+    warp_sums = fp4_mma_few_tokens.warp_sums_macro(T, tiles, ksplit)
 
     def index(buf, i, dtype: str):
         """buf[i]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
@@ -166,7 +151,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
     @T.macro
     def load_scales(SWA, sw, slot, warp, lane, row0, part):
         """Issue the loads of the scale words of the warp's whole K range, `vs` words each, into sw."""
-        s_off_w = fp4_mma.part_offset(part, [o // 4 for o in s_off])  # in int32 words
+        s_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in s_off])  # in int32 words
         for t in T.unroll(tiles):
             for h in T.unroll(2):
                 row = T.min(row0 + 16 * t + 8 * h + lane // 4, n - 1)
@@ -179,7 +164,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
         """Issue the loads of the warp's block i: weight words into ww[i]."""
         gi, ti = lane // 4, lane % 4
         kb = warp * per + i
-        w_off_w = fp4_mma.part_offset(part, [o // 4 for o in w_off])  # in int32 words
+        w_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in w_off])  # in int32 words
         for t in T.unroll(tiles):
             for h in T.unroll(2):
                 row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
@@ -188,7 +173,7 @@ def fp4_mma1_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_str
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
-        lowbit.import_source(T, fp4_mma.SOURCE, SOURCE)
+        lowbit.import_source(T, fp4_mma_few_tokens.SOURCE, SOURCE)
         if RESIDENT_WARPS // ksplit:
             T.annotate_min_blocks_per_sm(RESIDENT_WARPS // ksplit)
         lane = T.get_thread_binding(0)

@@ -5,10 +5,8 @@ Why: the CUDA-core GEMV spends about three instructions per weight (bit-move dec
 widening, FMA), and a warp's arithmetic runs after its weight loads arrive. Here a weight costs
 its decode alone: two fp16x2 words per four codes (kernels/lowbit.py's bit moves, exact, values
 times 2^-8), which the tensor cores multiply exactly and sum in fp32 (sm_90a SASS at the decode
-shapes' tiles: 0.08-0.10 instructions per weight byte and warp, against 0.17-0.25). H200, graphed
-chains (table at `mma1_tile`): the 4096 x 2048 and 4096 x 4096 weights (shared expert) take
-0.3-0.9 us less than the CUDA-core GEMV at its best, 32768 x 1024 0.2-0.3 us less, the 6-8 MB
-wq_a|wkv and indexer wq_b about the same; no shape was slower beyond the run's spread.
+shapes' tiles: 0.08-0.10 instructions per weight byte and warp, against 0.17-0.25). The timings
+per shape against the CUDA-core GEMV: docs/performance-log.md (2026-12-01).
 
 Data layout (a CTA = `tiles` tiles of 16 weight rows; its `ksplit` warps each sum a contiguous
 range of whole 128-channel blocks; lane = 4·gi + ti):
@@ -30,15 +28,15 @@ written while kernels run, are loaded before the kernel waits for its predecesso
 activations after.
 
 Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tiles per
-shape: `mma1_tile`. Compiled without TileLang's bounds guards (kernels/act_quant.UNGUARDED): rows
+shape: `mma_tile`. Compiled without TileLang's bounds guards (kernels/toolkit.UNGUARDED): rows
 past n are clamped on load and skipped on store, and K is whole 128-channel blocks.
-TileLang is imported lazily (see kernels/act_quant.py).
+TileLang is imported lazily (see kernels/toolkit.py).
 """
 
 import functools
 
 from kernels import lowbit, pdl
-from kernels.act_quant import UNGUARDED, KernelInputError, compile_kernel
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
 
 SOURCE = r"""
 // One e4m3 word (4 channels) of rows gi and gi + 8 into a tile's D: one MMA whose k positions
@@ -59,7 +57,7 @@ __device__ __forceinline__ void dsv4_fp8_mma_word(int w0, int w1, const unsigned
 }
 """
 
-MMA1_ARCHS = ((9, 0),)  # where kernels/fp8_gemm.py sends one-token launches here (sm_121: untested)
+MMA_ARCHS = ((9, 0),)  # where kernels/fp8_gemm.py sends one-token launches here (sm_121: untested)
 MAX_K = 4096  # and only up to this K: at 8192 (wo_b) the CUDA-core GEMV with early loads was faster
 BLOCKS_PER_WARP = 4  # 128-channel blocks a warp sums (fewer where K has fewer)
 MIN_CTAS = 128  # 2-tile CTAs only while that leaves this many CTAs (H200: 132 SMs)
@@ -67,20 +65,14 @@ ALL_AHEAD_BYTES = 8 << 20  # weights up to this size issue every load before the
 DEPTH = 2  # larger ones keep their loads this many blocks ahead of the sums
 
 
-def mma1_tile(n: int, k: int) -> tuple[int, int, int] | None:
+def mma_tile(n: int, k: int) -> tuple[int, int, int] | None:
     """(tiles of 16 rows per CTA, ksplit warps, depth) for an [n, k] weight, or None where this
     kernel does not take it (K not whole 128-channel blocks, or over MAX_K).
 
-    H200, one run (graphed chains, 3 repeats each; us per call):
-    | weight | this rule's tile | its time | other tiles | CUDA-core GEMV, each step's own loads / early |
-    | 1536x4096 | 1 x 8, depth 0 | 3.35-3.36 | 2 x 8 depth 2: 4.20-4.33 | 3.98-4.04 / 3.22-3.52 |
-    | 8192x1024 | 2 x 2, depth 0 | 3.65-3.75 | 2 x 2 depth 2: 4.04-4.21 | 3.54-3.67 / 3.69-3.85 |
-    | 4096x2048 | 2 x 4, depth 0 | 3.58-3.69 | 2 x 4 depth 2: 4.12-4.25 | 5.01-5.02 / 3.91-3.95 |
-    | 4096x4096 | 2 x 8, depth 2 | 5.68-5.78 | 2 x 8 depth 0: 6.46-6.56 | 6.60-6.67 / 6.79-6.90 |
-    | 32768x1024 | 2 x 2, depth 2 | 10.04-10.17 | 2 x 2 depth 0: 10.50-10.66 | 10.34-10.42 / 11.12-11.35 |
-    | 4096x8192 | (2 x 16, depth 2) | 10.34-10.48 | 1 x 8 depth 4: 11.62-11.87 | 10.97-11.03 / 9.66-9.78 |
-    Depth 0 (every load before the wait) wins up to 8 MB; above, presumably, all of a weight's words
-    do not fit the registers of a resident grid beside its successor's CTAs."""
+    Depth 0 (every load before the wait) is the faster up to ALL_AHEAD_BYTES (H200, 4096 x 2048:
+    3.58-3.69 us against 4.12-4.25 at depth 2); above, presumably, all of a weight's words do not
+    fit the registers of a resident grid beside its successor's CTAs. The tile table:
+    docs/performance-log.md."""
     if k % 128 or k > MAX_K or n < 1:
         return None
     blocks = k // 128
@@ -90,7 +82,7 @@ def mma1_tile(n: int, k: int) -> tuple[int, int, int] | None:
 
 
 @functools.cache
-def fp8_mma1_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int]):
+def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int]):
     """(Q [1, k/4] int32 = e4m3 codes, SA [1, k/128] fp32, W [n, k/4] int32 = e4m3 codes,
     SW [ceil(n/128), k/128] u8) -> Y [1, n] bf16; a CTA owns `tiles` tiles of 16 rows, its
     `ksplit` warps sum K/ksplit channels each, loads kept `depth` blocks ahead (0: all first)."""
@@ -98,7 +90,7 @@ def fp8_mma1_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: t
 
     blocks = k // 128
     if k % 128 or blocks % ksplit or ksplit > 32:
-        raise KernelInputError(f"fp8_mma1_kernel: k={k} must be whole 128-channel blocks that {ksplit} warps "
+        raise KernelInputError(f"fp8_mma_one_token_kernel: k={k} must be whole 128-channel blocks that {ksplit} warps "
                                "(at most 32) share evenly")
     per = blocks // ksplit  # blocks per warp
     lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum

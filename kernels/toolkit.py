@@ -1,0 +1,75 @@
+"""The shared toolkit of the TileLang kernel modules: compiling for a device, tile tables,
+input checks and small TileLang expression helpers.
+
+TileLang is imported inside functions only: importing any kernels module on a CPU-only machine
+imports nothing GPU-related. (Kernel modules leave out `from __future__ import annotations`:
+TileLang evaluates the kernel signatures' annotations, which name local variables.)
+"""
+
+import torch
+
+TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class KernelInputError(ValueError):
+    """An input a TileLang kernel cannot take (wrong device, dtype or shape)."""
+
+
+def cuda_arch(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, e.g. (9, 0) for an H200."""
+    if device.type != "cuda":
+        raise KernelInputError(f"TileLang kernels need CUDA tensors, got a tensor on {device}; "
+                               "use the torch backend on the CPU")
+    return torch.cuda.get_device_capability(device)
+
+
+def tile_params(table: dict, arch: tuple[int, int], default: dict) -> dict:
+    """The tile sizes of `table` for `arch` (unknown architectures get `default`)."""
+    return table.get(tuple(arch), default)
+
+
+# TileLang guards every load whose index it cannot bound (a slot read from a table, a dynamic
+# row count) with a branch; the GEMVs whose indices are in range by their callers' contract
+# compile without, so that their unrolled K loops are straight-line code in which the compiler
+# can issue later steps' loads before earlier steps' arithmetic.
+UNGUARDED = {"tl.disable_safe_memory_legalize": True}
+
+
+def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict | None = None):
+    """Compile a TileLang PrimFunc for `arch` = (major, minor)."""
+    import tilelang
+
+    target = {"kind": "cuda", "arch": f"sm_{arch[0]}{arch[1]}" + ("a" if arch[0] >= 9 else "")}
+    return tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous on a 16-byte aligned base, which the kernels' 16-byte loads need (a
+    misaligned view is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def fp32_call(T, name: str, *args):
+    """A call of the CUDA fp32 function `name` as a TileLang expression (e.g. `__fmul_rn`: a
+    product rounded on its own, which nvcc may not contract into an FMA)."""
+    return T.call_extern("float32", name, *args)
+
+
+def pow2_scale_bits(T, amax):
+    """(s, 1/s) as fp32 powers of two with s = 2^ceil(log2(max(amax, 1e-4) / 448)) (TileLang expr)."""
+    bits = T.reinterpret(T.max(amax, T.float32(1e-4)), "uint32")
+    # e4m3 max 448 = 1.75 * 2^8: mantissa above 0.75 (0x600000) needs one more power of two.
+    e = (bits >> T.uint32(23)) - T.uint32(8) + T.Cast("uint32", (bits & T.uint32(0x7FFFFF)) > T.uint32(0x600000))
+    s = T.reinterpret(e << T.uint32(23), "float32")
+    inv = T.reinterpret((T.uint32(254) - e) << T.uint32(23), "float32")
+    return s, inv
+
+
+def pad_rows_to_bucket(x2: torch.Tensor) -> torch.Tensor:
+    """Zero rows appended up to the next power of two: GEMV kernels are compiled per row count,
+    so buckets (1, 2, 4, 8, 16) bound the variants a prefill can trigger. Rows are independent,
+    so the padding changes no result."""
+    m = x2.shape[0]
+    bucket = 1 << (m - 1).bit_length()
+    return x2 if bucket == m else torch.cat((x2, x2.new_zeros(bucket - m, x2.shape[1])))

@@ -1,0 +1,76 @@
+"""CPU replays of the GPU kernels' bit moves and MMA fragments, for the layout tests.
+
+`decode_e4m3_words`, `decode_e2m1_words` and `decode_e4m3_pairs` perform the moves of
+kernels/lowbit.py's and kernels/fp4_mma_few_tokens.py's CUDA `SOURCE` in torch; `mma_m16n8k16` is one
+m16n8k16 MMA assembled from every lane's fragment registers (the PTX fragment layout).
+"""
+
+import torch
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 words held in int64 [..] -> their two fp16 halves as fp32 [.., 2] (low half first)."""
+    h = torch.stack((bits & 0xFFFF, bits >> 16), dim=-1)  # [.., 2] 16-bit patterns
+    return h.to(torch.int16).view(torch.float16).float()  # int16 keeps the low 16 bits
+
+
+def decode_e4m3_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] of e4m3 codes -> fp32 [..., 4W] (values times 2^-8): the moves of
+    kernels/lowbit.py's SOURCE in torch."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    even = _halves(((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8))  # channels 0, 2
+    odd = _halves(((w >> 1) & 0x3F803F80) | (w & 0x80008000))  # channels 1, 3
+    return torch.stack((even, odd), dim=-1).flatten(-3)  # [.., W, half, even/odd] -> [.., 4W]
+
+
+def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """__byte_perm(v, 0, ..): byte `lo` of v to byte 1, byte `hi` to byte 3, zeros elsewhere."""
+    return (((v >> (8 * lo)) & 0xFF) << 8) | (((v >> (8 * hi)) & 0xFF) << 24)
+
+
+def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] of e2m1 codes (record order) -> fp32 [..., 8W] (values times 2^-14):
+    kernels/lowbit.py SOURCE's moves in torch."""
+    x = words.to(torch.int64) & 0xFFFFFFFF
+    ev = x & 0x8E8E8E8E  # channels 0, 2, 4, 6
+    od = ((x >> 3) & 0x0E0E0E0E) | ((x << 7) & 0x80808080)  # channels 1, 3, 5, 7
+    pairs = [_byte_perm_hi(ev, 0, 2), _byte_perm_hi(od, 0, 2), _byte_perm_hi(ev, 1, 3), _byte_perm_hi(od, 1, 3)]
+    h = torch.stack([_halves(p) for p in pairs], dim=-2)  # [.., W, 4 pairs, 2 halves]: channel 4 * half + pair
+    return h.transpose(-1, -2).flatten(-3)
+
+
+def decode_e4m3_pairs(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., 2W] of e4m3 codes (two words = 8 channels) -> fp32 [..., 8W] in channel
+    order (values times 2^-8), through the moves of `dsv4_e4m3x8_to_f16x2` (kernels/fp4_mma_few_tokens.py's
+    SOURCE) in torch: pair p of a word pair holds channels (p, p + 4), low half first."""
+    w = (words.to(torch.int64) & 0xFFFFFFFF).unflatten(-1, (-1, 2))  # [.., W, (channels 0-3, 4-7)]
+    lo, hi = w[..., 0], w[..., 1]
+    pairs = []
+    for p in range(4):
+        b = (((lo >> (8 * p)) & 0xFF) << 8) | (((hi >> (8 * p)) & 0xFF) << 24)  # __byte_perm: bytes 1 and 3
+        bits = ((b >> 1) & 0x3F803F80) | (b & 0x80008000)
+        pairs.append(torch.stack((bits & 0xFFFF, bits >> 16), dim=-1))  # [.., W, 2 halves]
+    h = torch.stack(pairs, dim=-2).to(torch.int16).view(torch.float16).float()  # [.., W, 4 pairs, 2 halves]
+    return h.transpose(-1, -2).flatten(-3)  # channel 4 * half + pair
+
+
+def word_pairs(channels: torch.Tensor) -> torch.Tensor:
+    """8 decoded channels -> the 4 fp16x2 pairs (p, p + 4) a word becomes: [4, 2]."""
+    return torch.stack((channels[:4], channels[4:]), dim=-1)
+
+
+def mma_m16n8k16(a_regs, b_regs) -> torch.Tensor:
+    """D [16, 8] of one m16n8k16 from every lane's registers: a_regs[lane] = 4 pairs
+    (a0a1, a2a3, a4a5, a6a7), b_regs[lane] = 2 pairs (b0b1, b2b3)."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    b = torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        gi, ti = lane // 4, lane % 4
+        for e in range(2):
+            a[gi, 2 * ti + e] = a_regs[lane][0][e]
+            a[gi + 8, 2 * ti + e] = a_regs[lane][1][e]
+            a[gi, 2 * ti + 8 + e] = a_regs[lane][2][e]
+            a[gi + 8, 2 * ti + 8 + e] = a_regs[lane][3][e]
+            b[2 * ti + e, gi] = b_regs[lane][0][e]
+            b[2 * ti + 8 + e, gi] = b_regs[lane][1][e]
+    return a @ b
