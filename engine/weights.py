@@ -115,7 +115,7 @@ def _not_a_model(path: Path) -> CheckpointError:
 def model_footprint(path: str | Path):
     """engine.memory_plan.ModelFootprint of the model at `path`, read from headers only (no tensor
     is loaded, no arena allocated): the memory plan is made from it before `open_model`."""
-    from converter.layout import LayoutError, read_manifest
+    from engine.pack import LayoutError, read_manifest
     from engine.memory_plan import footprint_of
 
     path = Path(path)
