@@ -32,7 +32,11 @@ def add_chat_options(p: argparse.ArgumentParser, suppress: bool = False) -> None
     p.add_argument("--demo", action="store_true", default=default(None),
                    help="use the embedded tiny demo model (random weights)")
     p.add_argument("--config", type=Path, default=default(None), help="settings file (TOML)")
-    p.add_argument("--cache-gb", type=float, default=default(None), help="expert-cache budget in GiB")
+    p.add_argument("--cache-gb", type=float, default=default(None),
+                   help="expert-cache budget in GiB (default: what the memory plan leaves)")
+    p.add_argument("--memory-gb", type=float, default=default(None),
+                   help="cap on the whole memory plan in GiB (default: the device's free memory; "
+                        "unified memory: 90%% of the machine)")
     p.add_argument("--numerics", choices=("native", "exact"), default=default(None))
     p.add_argument("--device", choices=("cpu", "cuda"), default=default(None))
     p.add_argument("--backend", choices=("torch", "tilelang"), default=default(None),
@@ -53,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                "dsv4-chat/config.toml. Every setting may also be given as DSV4_<KEY>.",
     )
     add_chat_options(p)
+    p.add_argument("--warm-up", action="store_true",
+                   help="load the model and compile every GPU kernel it can need (kept in TileLang's "
+                        "on-disk cache for later starts), then exit")
     p.add_argument("--plain", action="store_true",
                    help="line-mode chat (no TUI); without a terminal on stdin, answers go to "
                         "stdout and everything else to stderr")
@@ -70,7 +77,7 @@ def config_from_namespace(args: argparse.Namespace, env: dict[str, str]) -> AppC
     flags = {
         "model": options["model"].expanduser() if options.get("model") else None,
         "plain": options.get("plain") or options.get("command") == "run",
-        **{key: options.get(key) for key in ("demo", "cache_gb", "numerics", "device", "backend",
+        **{key: options.get(key) for key in ("demo", "cache_gb", "memory_gb", "numerics", "device", "backend",
                                               "cuda_graphs", "max_tokens", "temperature", "system")},
     }
     config_file = options["config"].expanduser() if options.get("config") else None
@@ -93,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in config.warnings:
         print(f"dsv4-chat: {line}", file=sys.stderr)
+    if args.warm_up:
+        from app.plain import warm_up
+
+        return warm_up(config)
     if args.command == "run":
         from app.plain import run_once
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, TextIO
 
@@ -409,6 +410,25 @@ def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None =
         info_out.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · "
                        f"{info.get('numerics')} · /help for commands, Ctrl-D to leave\n")
         return PlainChat(engine, config, read, stdout, info_out, strict=not terminal).run()
+    finally:
+        engine.close()
+
+
+def warm_up(config: AppConfig, stderr: TextIO | None = None) -> int:
+    """`dsv4-chat --warm-up`: load the model (its warm-up compiles every kernel a chat can need, or
+    loads it from TileLang's on-disk cache) with progress on stderr, then exit; 0, or 2 when the
+    model cannot be loaded."""
+    stderr = stderr or sys.stderr
+    t0 = time.perf_counter()
+    engine, status = _open(config, stderr)
+    if engine is None:
+        return status
+    try:
+        info = engine.info
+        print(f"ready in {time.perf_counter() - t0:.1f} s: {info.get('model')} on {info.get('device')} "
+              f"({info.get('backend')} kernels); later starts load the compiled kernels from the cache",
+              file=stderr)
+        return 0
     finally:
         engine.close()
 

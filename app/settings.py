@@ -4,7 +4,8 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
 
     model = "/data/dsv4-flash"      # converted model directory (else: newest under data_dir/models)
     data_dir = "/data/dsv4-chat"    # converted models, transcripts, saved conversations
-    cache_gb = 40                    # expert-cache budget (GiB); absent = sized automatically
+    cache_gb = 40                    # expert-cache budget (GiB); absent = sized by the memory plan
+    memory_gb = 100                  # cap on the whole memory plan (GiB); absent = what the machine has free
     numerics = "native"              # or "exact"
     device = "cuda"                  # or "cpu"; absent = cuda when available
     backend = "tilelang"             # GPU kernels, or "torch"; absent = tilelang on CUDA when installed
@@ -71,6 +72,7 @@ class AppConfig:
     demo: bool = False
     plain: bool = False
     cache_gb: float | None = None
+    memory_gb: float | None = None
     numerics: str = "native"
     device: str | None = None
     backend: str | None = None
@@ -173,6 +175,7 @@ _KEYS: dict[str, _Key] = {
     "data_dir": _Key("path"),
     "demo": _Key("bool"),
     "cache_gb": _Key("number", _positive),
+    "memory_gb": _Key("number", _positive),
     "numerics": _Key("text", _choice("native", "exact")),
     "device": _Key("text", _choice("cpu", "cuda")),
     "backend": _Key("text", _choice("torch", "tilelang")),
@@ -313,4 +316,5 @@ def engine_config_kwargs(config: AppConfig, cuda_available: bool, tilelang_avail
         "io_threads": config.io_threads,
         "max_seq_len": config.max_seq_len,
         "cache_bytes": None if config.cache_gb is None else int(config.cache_gb * 2**30),
+        "memory_bytes": None if config.memory_gb is None else int(config.memory_gb * 2**30),
     }

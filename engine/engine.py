@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 from weakref import WeakSet
@@ -480,5 +481,6 @@ class Engine:
         self._open()
         cache = self._cache_snapshot()
         state = sum(s.nbytes() for s in list(self._sessions))
-        return memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
-                             state=state, workspace=self.workspace_bytes())
+        budget = memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
+                               state=state, workspace=self.workspace_bytes())
+        return replace(budget, plan=self.plan.summary())

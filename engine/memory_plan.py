@@ -163,6 +163,13 @@ class MemoryPlan:
     def cache_share(self) -> float:
         return self.cache / self.pool if self.pool else 1.0
 
+    def summary(self) -> str:
+        """The plan in one line (the memory pane)."""
+        cache = "every expert resident" if self.resident else f"{100 * self.cache_share:.0f} % of the experts"
+        host = f" + {_gib(self.host_cache)} host RAM" if self.host_cache else ""
+        return (f"plan {_gib(self.total)} of {_gib(self.limit)}: expert cache {_gib(self.cache)}{host} "
+                f"({cache})")
+
     def lines(self) -> list[str]:
         """Human-readable plan, one part a line (printed at load, shown in the memory pane)."""
         kind = "unified memory" if self.machine.unified else f"{self.machine.device} memory"

@@ -41,6 +41,7 @@ class MemoryBudget:
     total: int
     parts: tuple[tuple[str, int], ...]  # (name, bytes) in display order, "free" last
     page_cache: int = 0
+    plan: str = ""  # the memory plan in one line (engine.memory_plan.MemoryPlan.summary), if any
 
     def part(self, name: str) -> int:
         return dict(self.parts).get(name, 0)

@@ -105,7 +105,9 @@ class MemoryPane(Pane):
             legend.append("■ ", style=part_colour(name, i))
             legend.append(f"{name:<17}{fmt_bytes(size):>9}\n")
         if m.unified:
-            legend.append(f"  page cache       {fmt_bytes(m.page_cache):>9}", style="italic")
+            legend.append(f"  page cache       {fmt_bytes(m.page_cache):>9}\n", style="italic")
+        if m.plan:
+            legend.append(m.plan, style="dim")
         legend.rstrip()
         self.put("#mem-legend", legend)
 

@@ -265,3 +265,19 @@ def test_run_subcommand_and_generation_flags(toml_file):
     cfg = config_from_args(["--demo", "--max-tokens", "3", "run", "--temperature", "0.5",
                             "--config", str(toml_file), "hello", "world"], {})
     assert cfg.demo and cfg.plain and (cfg.gen.max_tokens, cfg.gen.temperature) == (3, 0.5)
+
+
+def test_memory_gb_reaches_the_engine_from_flag_env_and_file(tmp_path):
+    from app.__main__ import config_from_args
+    from app.settings import engine_config_kwargs
+
+    flag = config_from_args(["--memory-gb", "48", "--cache-gb", "20"], {"XDG_CONFIG_HOME": str(tmp_path)})
+    kw = engine_config_kwargs(flag, cuda_available=False)
+    assert kw["memory_bytes"] == 48 * 2**30 and kw["cache_bytes"] == 20 * 2**30
+    env = config_from_args([], {"DSV4_MEMORY_GB": "12.5", "XDG_CONFIG_HOME": str(tmp_path)})
+    assert engine_config_kwargs(env, cuda_available=False)["memory_bytes"] == int(12.5 * 2**30)
+    toml = tmp_path / "c.toml"
+    toml.write_text("memory_gb = 64\n")
+    assert config_from_args(["--config", str(toml)], {}).memory_gb == 64
+    with pytest.raises(Exception, match="memory_gb"):
+        config_from_args([], {"DSV4_MEMORY_GB": "nan", "XDG_CONFIG_HOME": str(tmp_path)})

@@ -209,3 +209,21 @@ def test_plain_demo_from_a_fresh_data_dir(tmp_path):
     assert (config.models_dir / "demo" / "manifest.json").is_file()
     path, = transcripts(config)
     assert [m.content for m in read_transcript(path)[0].messages][0] == "Hello"
+
+
+def test_warm_up_loads_prints_the_plan_and_exits(ckpt, tmp_path):
+    """`dsv4-chat --warm-up`: the load's phases (memory plan, warm-up) on stderr, then exit 0;
+    a plan that cannot fit is one line and exit 2."""
+    from app.plain import warm_up
+
+    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact")
+    err = io.StringIO()
+    assert warm_up(config, err) == 0, err.getvalue()
+    log = err.getvalue()
+    assert "memory plan: 1/1 plan · resident weights" in log and "expert cache" in log
+    assert "warm-up: 2/2 shapes · kernels ready" in log and "ready in " in log
+    tight = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact", memory_gb=0.25)
+    err = io.StringIO()
+    assert warm_up(tight, err) == 2
+    assert "the model does not fit" in err.getvalue() and "--memory-gb" in err.getvalue()
+    assert "Traceback" not in err.getvalue()
