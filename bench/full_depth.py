@@ -167,8 +167,10 @@ def child(a) -> dict:
                                "median_step_ms": steps[len(steps) // 2] if steps else float("nan"),
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0})
     follow = list(eng.generate(session, "And then?", greedy))[-1]
+    fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
-                       "reused": follow.stats.reused_tokens}
+                       "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,
+                       "median_step_ms": fsteps[len(fsteps) // 2] if fsteps else float("nan")}
     out["kernels_during_chat"] = compiled_kernels() - out["kernels_after_load"]
     out["graphed_step_ms"] = _graphed_step_ms(eng, session, sync)
     snap = eng.stats().cache
@@ -208,8 +210,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
              f"{per_token / 1e9:.2f} GB touched per token -> roofline {roof_ms:.2f} ms/token",
              "",
              "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
-             "| median step ms | graphed step ms (% roofline) | follow-up TTFT ms | hit rate | miss GB/s "
-             "| peak GiB / plan GiB | compiles in chat |",
+             "| median step ms | graphed step ms (% roofline) | follow-up: TTFT ms, decode tok/s | hit rate "
+             "| miss GB/s | peak GiB / plan GiB | compiles in chat |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peak = r["peak_reserved"] / GiB
@@ -222,7 +224,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
                 + f" | {p['prompt_tokens']} | {p['ttft_s']:.3f} | {p['prefill_tok_s']:.0f} | {p['decode_tok_s']:.1f} "
                 f"| {p['median_step_ms']:.2f} | "
                 + (f"{r['graphed_step_ms']:.2f} ({100 * roof_ms / r['graphed_step_ms']:.0f} %)" if first else "")
-                + " | " + (f"{1e3 * r['followup']['ttft_s']:.0f} ({r['followup']['new_tokens']} new)" if first else "")
+                + " | " + (f"{1e3 * r['followup']['ttft_s']:.0f} ({r['followup']['new_tokens']} new), "
+                           f"{r['followup']['decode_tok_s']:.1f}" if first else "")
                 + f" | {p['hit_rate']:.3f} | "
                 + (f"{r.get('miss_gb_s', 0.0):.2f}" if first else "")
                 + " | " + (f"{peak:.1f} / {plan:.1f}" if first else "")
@@ -264,7 +267,10 @@ def main(argv=None) -> int:
           flush=True)
     cache_dir = a.tilelang_cache or str(workdir / "tilelang-cache")
     env = dict(os.environ, TILELANG_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
-    runs = [(a.shares[0], "cold")] + ([(a.shares[0], "warm")] if a.warm_repeat else []) + [(s, "") for s in a.shares[1:]]
+    cache_path = Path(cache_dir)
+    first = "warm kernels" if cache_path.is_dir() and any(cache_path.iterdir()) else "cold kernels"
+    runs = [(a.shares[0], first)] + ([(a.shares[0], "warm kernels")] if a.warm_repeat else []) + [
+        (s, "") for s in a.shares[1:]]
     results = []
     for share, label in runs:
         cmd = [sys.executable, "-m", "bench.full_depth", "--child", "--pack", str(pack), "--share", str(share),
