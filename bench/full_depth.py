@@ -99,6 +99,12 @@ def _graphed_step_ms(eng, session, sync, steps: int = 32) -> float:
     return statistics.median(times[2:])
 
 
+def _captures(eng) -> int:
+    """Decode graph sets captured so far (0 when decoding eagerly)."""
+    runner = eng.runtime.runner
+    return runner.captures if runner is not None else 0
+
+
 class PhaseClock:
     """Seconds spent in each load phase (LoadProgress.phase), from the progress callbacks."""
 
@@ -152,8 +158,10 @@ def child(a) -> dict:
     for n in a.prompts:
         session = eng.new_session()
         t_turn = time.perf_counter()
+        captures = _captures(eng)
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
-        print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants",
+        print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
+              f"{_captures(eng) - captures} graph captures",
               file=sys.stderr, flush=True)
         fin = events[-1]
         if not isinstance(fin, TurnFinished):
@@ -165,7 +173,8 @@ def child(a) -> dict:
                                "prefill_s": st.prefill_s, "prefill_tok_s": st.prefill_tokens / st.prefill_s,
                                "completion_tokens": st.completion_tokens, "decode_tok_s": st.tok_per_s,
                                "median_step_ms": steps[len(steps) // 2] if steps else float("nan"),
-                               "hit_rate": st.cache.hit_rate if st.cache else 1.0})
+                               "hit_rate": st.cache.hit_rate if st.cache else 1.0,
+                               "graph_captures": _captures(eng) - captures})
     follow = list(eng.generate(session, "And then?", greedy))[-1]
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
