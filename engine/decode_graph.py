@@ -32,31 +32,13 @@ On the CPU the same step runs eagerly (no graphs): the tests check it against
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
 import torch
 
+from engine.experts.provider import ArenaProvider
 from engine.model import DecodeCarry, Transformer
 from engine.state import SequenceState
-
-
-@runtime_checkable
-class ArenaProvider(Protocol):
-    """The expert provider side the runner needs (engine.experts.provider.StreamingExperts)."""
-
-    arena: object  # engine.experts.arena.ExpertArena
-
-    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool: ...
-
-    def all_resident(self) -> bool: ...
-
-    def acquire(self, layer: int, ids: list[int]) -> None: ...
-
-    def release(self, layer: int) -> None: ...
-
-    def prefetch(self, layer: int, ids: list[int]) -> None: ...
-
-    def record(self, layer: int, ids: list[int]) -> None: ...
 
 
 @dataclass

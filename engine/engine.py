@@ -38,7 +38,8 @@ from engine.memory import memory_budget, tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.decode_graph import make_runner
-from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime
+from engine.experts.provider import DeviceExperts, InstrumentedProvider
+from engine.runtime import Runtime
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
 from engine.stats import CacheSnapshot, StepStats, TurnStats, cache_snapshot
@@ -76,8 +77,7 @@ class Engine:
         self.experts = InstrumentedProvider(files.experts, self.args.n_layers)
         self._trace = None
         if config.trace_path:  # record every routing decision as JSONL (engine/experts/trace.py)
-            from engine.experts.provider import RoutingTrace
-            from engine.experts.trace import TraceWriter
+            from engine.experts.trace import RoutingTrace, TraceWriter
 
             self._trace = TraceWriter(config.trace_path)
         log = RoutingTrace(self._trace) if self._trace is not None else None

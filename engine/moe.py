@@ -8,53 +8,16 @@ slots are summed in routing order at the end, so the result does not depend on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
 
 import torch
 
 from engine.config import ModelArgs
+from engine.experts.provider import ExpertProvider
+from engine.experts.weights import ExpertWeights
 from engine.linear import FP8Linear
 from engine.numerics import Numerics, Quantized, unquantized
 from kernels import reference as ref
-from kernels.reference import EXPERT_FIELDS, swiglu
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One routed expert in its record format: FP4 packed weights in record order
-    (kernels/reference.py) + e8m0 1×32 scales."""
-
-    w1: torch.Tensor
-    w1_scale: torch.Tensor
-    w3: torch.Tensor
-    w3_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-
-    @classmethod
-    def from_fields(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
-        """The six tensors of a converted record (views, no copy)."""
-        return cls(*(t[name] for name in EXPERT_FIELDS))
-
-    @classmethod
-    def from_official(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
-        """The six tensors as an official checkpoint stores them: the weights are copied into
-        record order, the scales kept as they are."""
-        return cls(*(ref.fp4_record_order(t[name]).view(t[name].dtype) if name.endswith(".weight") else t[name]
-                     for name in EXPERT_FIELDS))
-
-
-class ExpertProvider(Protocol):
-    """Supplies routed experts to the MoE (resident dict, or the streaming cache)."""
-
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (expert id, weights) once for every id in `ids`, in any order."""
-        ...
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """Hint: `layer` will need these experts soon (hash layers know them from token ids)."""
-        ...
+from kernels.reference import swiglu
 
 
 class Gate:
@@ -195,19 +158,3 @@ class MoE:
         inter = gu.shape[-1] // 2
         q, s = backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, self.limit)
         return backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
-
-
-class ResidentExperts:
-    """ExpertProvider over experts read directly from an official checkpoint (every expert
-    resident); each expert's weights are put into record order as it is handed out."""
-
-    def __init__(self, fetch):
-        """`fetch(layer, e) -> dict` of the six official tensors (e.g. TensorIndex.get_expert)."""
-        self._fetch = fetch
-
-    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        for e in ids:
-            yield e, ExpertWeights.from_official(self._fetch(layer, e))
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """Nothing to do: every expert is already addressable."""

@@ -3,7 +3,7 @@
 Two layouts are understood:
 * an official HF checkpoint (config.json + model.safetensors.index.json + shards): every
   tensor is read zero-copy from the shards' mmaps, except that a routed expert's FP4 weights are
-  copied into record order each time the expert is used (engine.moe.ResidentExperts);
+  copied into record order each time the expert is used (engine.experts.resident.ResidentExperts);
 * a converted "expert pack" directory (manifest.json; see converter/layout.py): resident
   tensors keep their official names; routed experts are streamed (engine/experts).
 """
@@ -18,7 +18,8 @@ import torch
 
 from engine.checkpoint import INDEX_NAME, CheckpointError, TensorIndex
 from engine.config import ModelArgs
-from engine.moe import ExpertProvider, ResidentExperts
+from engine.experts.provider import ExpertProvider
+from engine.experts.resident import ResidentExperts
 
 
 @dataclass
@@ -69,7 +70,7 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
     from engine.experts.prefetch import IOPool
-    from engine.experts.provider import StreamingExperts
+    from engine.experts.streaming import StreamingExperts
     from engine.experts.store import ExpertStore
 
     path = Path(path)

@@ -258,9 +258,9 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
     from the runner's routes."""
     import threading
 
-    from engine.experts.provider import RoutingTrace
-    from engine.experts.trace import TraceWriter, read_records
-    from engine.runtime import InstrumentedProvider, Runtime
+    from engine.experts.provider import InstrumentedProvider
+    from engine.experts.trace import RoutingTrace, TraceWriter, read_records
+    from engine.runtime import Runtime
 
     args = files.args
     model = Transformer(files.get, args, Numerics.named("native"))

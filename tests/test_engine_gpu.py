@@ -7,7 +7,7 @@ import torch
 
 from engine.model import Transformer
 from engine.numerics import Numerics
-from engine.runtime import DeviceExperts
+from engine.experts.provider import DeviceExperts
 from engine.weights import open_official
 from kernels.backend import make_backend
 from oracle import rel_err
