@@ -1,9 +1,11 @@
 """Mixture of experts of one layer (spec §C.7): routing, routed experts, shared expert.
 
-Routed-expert weights are not held here: the MoE asks an `ExpertProvider` for the experts a
-call needs, and the provider may hand them over in any order (resident hits first, then
-misses as they arrive). Each expert's output is written to its (token, slot) cell and the
-slots are summed in routing order at the end, so the result does not depend on that order.
+Routed-expert weights are not held here: the MoE asks an `ExpertProvider`
+(engine/experts/provider.py) for the experts a call needs, and the provider may hand them over in
+any order (resident hits first, then misses as they arrive). Each expert's output is written to
+its (token, slot) cell and the slots are summed in routing order at the end, so the result does
+not depend on that order. In native numerics, when the provider's arena holds every expert, all
+cells of a call go through one `fp4_moe` launch instead (`MoE._arena_cells`), on any device.
 """
 
 from __future__ import annotations
@@ -62,9 +64,14 @@ class MoE:
                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
-        n, k = idx.shape
         if self._cells_in_arena(provider):
             return self._arena_cells(x, idx, w, provider)
+        return self._expert_loop(x, idx, w, provider)
+
+    def _expert_loop(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                     provider: ExpertProvider) -> torch.Tensor:
+        """The experts one at a time, each on the tokens routed to it, in the provider's order."""
+        n, k = idx.shape
         slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
         # The one host round trip of the layer: the residency check needs the expert ids anyway.
         cells: dict[int, list[tuple[int, int]]] = {}
@@ -83,20 +90,20 @@ class MoE:
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         return self._combine(slots, self._shared(x))
 
-    def _cells_in_arena(self, provider) -> bool:
-        """Native numerics with every expert resident in a CUDA arena: then all (token, choice)
-        cells of a prefill chunk go through the backend's fp4_moe at once instead of a per-expert
-        loop (about 20 launches per expert, hundreds of experts per layer)."""
-        arena = getattr(provider, "arena", None)
-        return (self.numerics.native and arena is not None and arena.device.type == "cuda"
-                and provider.all_resident())
+    def _cells_in_arena(self, provider: ExpertProvider) -> bool:
+        """Native numerics with every expert resident in the provider's arena: then all (token,
+        choice) cells of a call go through the backend's fp4_moe at once instead of a per-expert
+        loop (on CUDA about 20 launches per expert, hundreds of experts per layer). The choice
+        does not depend on the device, so the CPU reference runs the same dispatch."""
+        return self.numerics.native and provider.arena is not None and provider.all_resident()
 
-    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, provider) -> torch.Tensor:
+    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                     provider: ExpertProvider) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
         consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`."""
         n, k = idx.shape
         arena = provider.arena
-        provider.record(self.layer, idx.unique().tolist())  # cache statistics; the layer's one host sync
+        provider.record(self.layer, idx.unique().tolist())  # usage and cache statistics; the layer's one host sync
         slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
         order = torch.argsort(slots)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token

@@ -10,8 +10,8 @@ so that nothing (a flush) changes what a running step reads. `Runtime.prefill` y
 per chunk and stops between chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
-shared and routed experts); `InstrumentedProvider` wraps the expert provider and measures the
-time spent waiting inside it for experts (expert wait, taken out of the MoE figure); mHC,
+shared and routed experts); the expert provider measures the time spent waiting inside it for
+experts (`ExpertProvider.usage.wait_s`: expert wait, taken out of the MoE figure); mHC,
 embedding and the head are "other".
 """
 
@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from engine.experts.provider import InstrumentedProvider
+from engine.experts.provider import ExpertProvider
 from engine.state import SequenceState
 from engine.stats import StepTiming
 
@@ -70,9 +70,9 @@ class StepResult:
 
 
 class Runtime:
-    """Runs forward calls of one model with its (instrumented) expert provider."""
+    """Runs forward calls of one model with its expert provider."""
 
-    def __init__(self, model, experts: InstrumentedProvider, device: torch.device,
+    def __init__(self, model, experts: ExpertProvider, device: torch.device,
                  lock: threading.RLock, log=None, runner=None) -> None:
         self.model = model
         self.runner = runner  # engine.decode_graph.DecodeRunner for one-token steps, or None
@@ -99,14 +99,14 @@ class Runtime:
         if self.log is not None:
             kwargs["log"] = self.log
         with self.lock:
-            wait0 = self.experts.wait_s
+            wait0 = self.experts.usage.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
                 if graphed:  # a host token id spares the runner a device read
                     logits = self.runner.step(state, ids if host is None else host[0])[0]
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
-            wait = self.experts.wait_s - wait0
+            wait = self.experts.usage.wait_s - wait0
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()

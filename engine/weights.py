@@ -46,8 +46,9 @@ def expert_prefix(args: ModelArgs, layer: int) -> tuple[str, int]:
     return ("mtp", 0) if layer == args.n_layers else ("layers", layer)
 
 
-def open_official(path: str | Path) -> ModelFiles:
-    """Open an official-format checkpoint with every expert resident (read from the mmaps)."""
+def open_official(path: str | Path, device: str | torch.device = "cpu") -> ModelFiles:
+    """Open an official-format checkpoint with every expert resident (read from the mmaps,
+    copied to `device` per use when it is not the CPU)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
     index = TensorIndex.open(path)
@@ -56,7 +57,8 @@ def open_official(path: str | Path) -> ModelFiles:
         prefix, idx = expert_prefix(args, layer)
         return index.get_expert(idx, e, prefix)
 
-    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=ResidentExperts(fetch))
+    experts = ResidentExperts(fetch, args.n_layers, args.n_routed_experts, args.n_activated_experts, device)
+    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=experts)
 
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
@@ -88,7 +90,7 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     index = TensorIndex.open(path)
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
-    provider = StreamingExperts(store, arena, cache, pool)
+    provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts)
     return ModelFiles(path=path, args=args, index=index, get=index.get, experts=provider,
                       converted=True, closers=[provider.close])
 
@@ -101,7 +103,7 @@ def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "
     if (path / "manifest.json").is_file():
         return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
     if (path / INDEX_NAME).is_file():
-        return open_official(path)
+        return open_official(path, device)
     if path.is_dir() and any(path.glob("layer_*.safetensors*")):
         raise CheckpointError(f"{path}: a conversion that did not finish (no manifest.json); rerun "
                               "dsv4-convert with the same arguments to complete it")

@@ -1,99 +1,196 @@
-"""The expert-provider interfaces: what the model and the decode runner ask of expert sources."""
+"""ExpertProvider: the one interface between routed experts and everything that uses them.
+
+The model's MoE, the decode runner and the Engine's cache controls talk to one object:
+
+* data: `experts(layer, ids)` yields (id, ExpertWeights) once per distinct id, in any order;
+  `prefetch(layer, ids)` is a hint (hash layers know their experts from the token ids);
+  `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
+  that read them through its slot table; `record(layer, ids)` counts uses made that way (the
+  one-launch prefill, a replayed decode step); `all_resident()`; `load_all(on_unit)`;
+* `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
+  held in slots (an official checkpoint's experts, read from its shards);
+* `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
+  resident without one;
+* controls: `flush`, `pin` (all or nothing; never the slots a turn needs), `unpin`, `pinned`,
+  `contents`, `hottest`, `stats`;
+* `usage`: every use counted once, here, whichever path used the expert (`experts`, `acquire`,
+  `record`), with the seconds spent waiting for experts.
+
+Implementations: engine.experts.resident.ResidentExperts (official layout) and
+engine.experts.streaming.StreamingExperts (a converted pack through a bounded cache).
+"""
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import fields
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import Callable, Iterable, Iterator
 
-import torch
-
+from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey
 from engine.experts.weights import ExpertWeights
 
 
-class ExpertProvider(Protocol):
-    """Supplies routed experts to the MoE (resident dict, or the streaming cache)."""
+class ExpertUsage:
+    """All-time uses per (layer, expert) and per layer, and seconds spent waiting for experts."""
 
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (expert id, weights) once for every id in `ids`, in any order."""
-        ...
+    def __init__(self, n_layers: int) -> None:
+        self.uses: Counter[ExpertKey] = Counter()
+        self.layer_uses = [0] * n_layers  # main layers only (the MTP block is not counted per layer)
+        self.wait_s = 0.0
 
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """Hint: `layer` will need these experts soon (hash layers know them from token ids)."""
-        ...
-
-
-@runtime_checkable
-class ArenaProvider(Protocol):
-    """The expert provider side the runner needs (engine.experts.streaming.StreamingExperts)."""
-
-    arena: object  # engine.experts.arena.ExpertArena
-
-    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool: ...
-
-    def all_resident(self) -> bool: ...
-
-    def acquire(self, layer: int, ids: list[int]) -> None: ...
-
-    def release(self, layer: int) -> None: ...
-
-    def prefetch(self, layer: int, ids: list[int]) -> None: ...
-
-    def record(self, layer: int, ids: list[int]) -> None: ...
+    def count(self, layer: int, ids: Iterable[int]) -> None:
+        """One use of each distinct id of `layer`."""
+        for e in dict.fromkeys(int(i) for i in ids):
+            self.uses[(layer, e)] += 1
+            if 0 <= layer < len(self.layer_uses):
+                self.layer_uses[layer] += 1
 
 
-class InstrumentedProvider:
-    """An ExpertProvider wrapper counting uses per (layer, expert) and timing waits and compute."""
+class ExpertProvider(ABC):
+    """Supplies routed experts (module docstring). Subclasses implement `_experts`, `prefetch`
+    and `all_resident`, and where they hold experts in an arena `_acquire`/`release`/`_record`;
+    this class counts usage and times the waits around them, and implements the controls over
+    `cache` (nothing to control when it is None)."""
 
-    def __init__(self, inner: ExpertProvider, n_layers: int) -> None:
-        self.inner = inner
-        self.uses: Counter[tuple[int, int]] = Counter()  # all-time uses per (layer, expert)
-        self.layer_uses = [0] * n_layers
-        self.wait_s = 0.0  # cumulative seconds inside the provider producing experts
+    arena = None  # engine.experts.arena.ExpertArena | None
+    cache: ExpertCache | None = None
 
-    @property
-    def cache(self):
-        """The provider's ExpertCache, or None when every expert is resident."""
-        return getattr(self.inner, "cache", None)
+    def __init__(self, n_layers: int, n_experts: int, top_k: int) -> None:
+        """`n_layers` main layers (the MTP block, if any, is layer n_layers), `n_experts` per
+        layer, `top_k` experts routed per token (the slots a turn needs stay unpinnable)."""
+        self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
+        self.usage = ExpertUsage(n_layers)
 
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        it = iter(self.inner.experts(layer, ids))
+    # ------------------------------------------------------------------ data
+    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (expert id, weights) once for every distinct id in `ids`, in any order."""
+        it = iter(self._experts(layer, ids))
         while True:
             t0 = time.perf_counter()
             try:
                 item = next(it)
             except StopIteration:
-                self.wait_s += time.perf_counter() - t0
+                self.usage.wait_s += time.perf_counter() - t0
                 return
-            self.wait_s += time.perf_counter() - t0
-            self._count(layer, int(item[0]))
+            self.usage.wait_s += time.perf_counter() - t0
+            self.usage.count(layer, [item[0]])
             yield item
 
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        self.inner.prefetch(layer, ids)
+    @abstractmethod
+    def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]: ...
 
-    def note_uses(self, layer: int, ids: list[int]) -> None:
-        """Count uses made without `experts` (the CUDA-graph decode reads the arena directly)."""
-        for e in dict.fromkeys(ids):
-            self._count(layer, int(e))
+    @abstractmethod
+    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+        """Hint: `layer` will need these experts soon."""
 
-    def _count(self, layer: int, expert: int) -> None:
-        self.uses[(layer, expert)] += 1
-        if 0 <= layer < len(self.layer_uses):
-            self.layer_uses[layer] += 1
+    def acquire(self, layer: int, ids: Iterable[int]) -> None:
+        """Make these experts of `layer` resident in `arena` at once and hold them until
+        `release(layer)`; counts their use."""
+        ids = list(ids)
+        t0 = time.perf_counter()
+        try:
+            self._acquire(layer, ids)
+        finally:
+            self.usage.wait_s += time.perf_counter() - t0
+        self.usage.count(layer, ids)
 
+    def _acquire(self, layer: int, ids: list[int]) -> None:
+        """Nothing to hold when every expert is addressable without slots."""
 
-class DeviceExperts:
-    """An ExpertProvider wrapper that copies each expert's tensors to `device` (for providers that
-    hand out host tensors, e.g. the official layout's mmapped experts, on a GPU run)."""
+    def release(self, layer: int) -> None:
+        """Drop the holds of `acquire(layer)`."""
 
-    def __init__(self, inner: ExpertProvider, device: torch.device) -> None:
-        self.inner, self.device = inner, device
+    def record(self, layer: int, ids: Iterable[int]) -> None:
+        """Count uses of experts known resident (read through the arena's slot table)."""
+        ids = list(ids)
+        self._record(layer, ids)
+        self.usage.count(layer, ids)
 
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        for e, w in self.inner.experts(layer, ids):
-            yield e, ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
+    def _record(self, layer: int, ids: list[int]) -> None:
+        """Cache bookkeeping of such uses (none without a cache)."""
 
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        self.inner.prefetch(layer, ids)
+    @abstractmethod
+    def all_resident(self) -> bool:
+        """Every expert is resident now (then `arena`, if any, holds the whole pool)."""
+
+    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
+        """Make every expert resident when the budget holds them all; False when it does not."""
+        return self.all_resident()
+
+    def close(self) -> None:
+        """Stop I/O threads and close files (nothing by default). Idempotent."""
+
+    # ------------------------------------------------------------------ controls
+    @property
+    def pin_limit(self) -> int:
+        """How many experts the user may pin: every slot but one layer's top-k."""
+        return 0 if self.cache is None else max(0, self.cache.capacity_slots - self.top_k)
+
+    def pinned(self) -> frozenset[ExpertKey]:
+        """The keys the user pinned (resident, or still loading)."""
+        return frozenset() if self.cache is None else self.cache.pinned()
+
+    def pin(self, keys: Iterable[tuple[int, int]]) -> list[ExpertKey]:
+        """Pin these (layer, expert) keys, all or none: raises ExpertCacheError, pinning nothing,
+        when they would leave fewer than `top_k` slots unpinned. Returns the keys. Without a
+        cache every expert is resident already and nothing is pinned."""
+        keys = [(int(layer), int(e)) for layer, e in dict.fromkeys(keys)]
+        if self.cache is None:
+            return keys
+        pinned = self.pinned()
+        new = [k for k in keys if k not in pinned]
+        if len(pinned) + len(new) > self.pin_limit:
+            raise ExpertCacheError(
+                f"cannot pin {len(new)} more expert(s): {len(pinned)} of the {self.cache.capacity_slots} "
+                f"cache slots are pinned and {self.top_k} must stay free for a layer's routed experts "
+                f"(at most {self.pin_limit} pins); unpin some or give the expert cache a larger budget")
+        done: list[ExpertKey] = []
+        try:
+            for key in new:
+                self._pin_one(key)
+                done.append(key)
+        except BaseException:
+            for key in done:  # rolled back whole
+                self._unpin_one(key)
+            raise
+        return keys
+
+    def _pin_one(self, key: ExpertKey) -> None:
+        self.cache.pin(key)
+
+    def _unpin_one(self, key: ExpertKey) -> None:
+        self.cache.unpin(key)
+
+    def unpin(self, keys: Iterable[tuple[int, int]] | None = None) -> list[ExpertKey]:
+        """Unpin these keys (None: every pinned key); returns those that were pinned."""
+        pinned = self.pinned()
+        wanted = sorted(pinned) if keys is None else [(int(a), int(b)) for a, b in dict.fromkeys(keys)]
+        out = [k for k in wanted if k in pinned]
+        for key in out:
+            self._unpin_one(key)
+        return out
+
+    def flush(self) -> list[ExpertKey]:
+        """Evict every unpinned expert; returns the evicted keys (none without a cache)."""
+        return [] if self.cache is None else self.cache.flush()
+
+    def hottest(self, n: int) -> list[ExpertKey]:
+        """The n experts used most so far (all time)."""
+        if self.cache is not None:
+            return self.cache.hottest(n)
+        return [k for k, _ in self.usage.uses.most_common(n)]
+
+    def contents(self) -> list[tuple[int, int, bool, int]]:
+        """(layer, expert, pinned, all-time uses) of every resident expert, sorted."""
+        uses = self.usage.uses
+        if self.cache is None:
+            return [(layer, e, False, uses.get((layer, e), 0)) for layer in range(self.n_layers)
+                    for e in range(self.n_experts)]
+        pinned = self.pinned()
+        return [(layer, e, (layer, e) in pinned, uses.get((layer, e), 0))
+                for layer, e in sorted(self.cache.resident())]
+
+    def stats(self) -> CacheStats | None:
+        """The cache's counters, or None when every expert is resident without a cache."""
+        return None if self.cache is None else self.cache.stats()

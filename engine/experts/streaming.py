@@ -1,4 +1,5 @@
-"""StreamingExperts: the ExpertProvider that streams routed experts through a bounded cache.
+"""StreamingExperts: the ExpertProvider (engine/experts/provider.py) that streams routed
+experts through a bounded cache.
 
 Parts: `ExpertCache` (policy: which keys are resident, in which slot; stats), `ExpertArena`
 (slot memory + zero-copy ExpertWeights views), `ExpertStore` (one read per record) and `IOPool`
@@ -20,7 +21,8 @@ slots. Later lookups of prefetched experts count as hits; `bytes_read` counts ev
 
 Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
 while a forward call is running (another thread) is not supported (the cache is not
-thread-safe anyway).
+thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
+once: it takes its slot now (counted as pinned), and the read is joined on the expert's next use.
 """
 
 from __future__ import annotations
@@ -33,17 +35,21 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from engine.experts.arena import ExpertArena
-from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey
 from engine.experts.prefetch import IOPool
+from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.weights import ExpertWeights
 
 
-class StreamingExperts:
+class StreamingExperts(ExpertProvider):
     """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
 
     def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
-                 prefetch_share: float = 0.5):
+                 prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1):
+        """`n_layers`: the main layers whose uses are counted per layer (default: every unit);
+        `top_k`: experts routed per token (that many slots are never pinned by the user)."""
+        super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k)
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
@@ -145,7 +151,7 @@ class StreamingExperts:
         self._prefetched.clear()
 
     # ------------------------------------------------------------------ ExpertProvider
-    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield (id, weights) once per distinct id: hits first, then misses as they arrive."""
         keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
         user = self.cache.pinned() - self._held
@@ -199,7 +205,7 @@ class StreamingExperts:
                 self._settle(key)
 
     # ------------------------------------------------------------------ slot-table access
-    def acquire(self, layer: int, ids: Iterable[int]) -> None:
+    def _acquire(self, layer: int, ids: Iterable[int]) -> None:
         """Make every id of `layer` resident at once and hold them until `release(layer)`.
 
         For kernels that read experts through `arena.table` (the CUDA-graph decode): lookups
@@ -245,7 +251,7 @@ class StreamingExperts:
         for i, u in enumerate(units):
             if on_unit is not None:
                 on_unit(i, len(units))
-            self.acquire(u, range(self.store.count))
+            self._acquire(u, range(self.store.count))
             self.release(u)
         if on_unit is not None:
             on_unit(len(units), len(units))
@@ -255,9 +261,9 @@ class StreamingExperts:
         """Every expert of every unit is in the arena (e.g. after `load_all`, until a flush)."""
         return len(self.cache) == len(self.store.layers()) * self.store.count
 
-    def record(self, layer: int, ids: Iterable[int]) -> None:
-        """Count uses of experts that are known resident (all hits): statistics only. This is the
-        layer's call, so its prefetch holds end here (as in `experts`)."""
+    def _record(self, layer: int, ids: Iterable[int]) -> None:
+        """Cache lookups of experts used through the slot table (all hits). This is the layer's
+        call, so its prefetch holds end here (as in `experts`)."""
         for key in self._prefetched.pop(layer, ()):
             self._settle(key)
         for e in dict.fromkeys(int(i) for i in ids):
@@ -282,8 +288,23 @@ class StreamingExperts:
             mine.append(key)
 
     # ------------------------------------------------------------------ management
-    def stats(self) -> CacheStats:
-        return self.cache.stats()
+    def pinned(self) -> frozenset[ExpertKey]:
+        """The keys the user pinned (not this provider's transient holds)."""
+        return self.cache.pinned() - self._held
+
+    def _pin_one(self, key: ExpertKey) -> None:
+        """Pin `key` and, when it is not resident, admit it and start its read now."""
+        self._drop_prefetches()  # their holds would count against the pin limit
+        self.cache.pin(key)
+        self._held.discard(key)  # a transient hold becomes the user's pin
+        if self.cache.peek(key) is None and not self._admit(key, frozenset({key})):
+            self.cache.unpin(key)
+            raise CacheFullError(f"cannot load pinned expert {key[1]} of layer {key[0]}: every cache "
+                                 "slot is pinned or in use")
+
+    def _unpin_one(self, key: ExpertKey) -> None:
+        self._settle(key)  # a read still in flight finishes (or is un-admitted) first
+        self.cache.unpin(key)
 
     def flush(self) -> list[ExpertKey]:
         """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
