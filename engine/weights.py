@@ -63,8 +63,10 @@ def open_official(path: str | Path, device: str | torch.device = "cpu") -> Model
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
                    io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
-    """Open a converted (expert-pack) directory: resident tensors zero-copy from the mmaps,
-    routed experts streamed through a cache of `cache_bytes` (None = room for every expert).
+    """Open a converted (expert-pack) directory: routed experts streamed through a cache of
+    `cache_bytes` (None = room for every expert) by positional reads (engine/experts/store.py).
+    Resident tensors come from the mmaps; on the CPU `get` returns copies, so that a model built
+    from them never reads a mapping that a truncated file would turn into SIGBUS.
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
@@ -91,7 +93,8 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
     provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts)
-    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=provider,
+    get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
+    return ModelFiles(path=path, args=args, index=index, get=get, experts=provider,
                       converted=True, closers=[provider.close])
 
 
