@@ -230,6 +230,7 @@ class EngineConfig:
     cache_policy: str = "lfu"
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
+    host_cache_gb: float | None = None  # GiB of host RAM for the tier behind a GPU expert arena (engine.memory's plan); None/0: none
     max_seq_len: int = 4096
     prefill_chunk: int = 256
     trace_path: str | None = None  # record routing decisions as JSONL
@@ -245,6 +246,8 @@ class EngineConfig:
             raise ConfigError(f"cache_policy must be 'lfu', 'lru' or 'slru', got {self.cache_policy!r}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
+        if self.host_cache_gb is not None and not 0 <= self.host_cache_gb < float("inf"):
+            raise ConfigError(f"host_cache_gb must be a finite number >= 0, got {self.host_cache_gb}")
         if self.cache_bytes is not None and self.cache_bytes < 0:
             raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
 

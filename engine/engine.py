@@ -57,8 +57,10 @@ def open_model_files(path: str | Path, config: EngineConfig):
     resident in its mmapped shards (copied to a GPU per use)."""
     from engine.weights import open_model
 
+    host = None if config.host_cache_gb is None else int(config.host_cache_gb * 2**30)
     return open_model(path, cache_bytes=config.cache_bytes, policy=config.cache_policy,
-                      io_threads=config.io_threads, o_direct=config.o_direct, device=config.device)
+                      io_threads=config.io_threads, o_direct=config.o_direct, device=config.device,
+                      host_cache_bytes=host)
 
 
 class Engine:

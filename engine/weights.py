@@ -62,17 +62,23 @@ def open_official(path: str | Path, device: str | torch.device = "cpu") -> Model
 
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
+                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
+                   host_cache_bytes: int | None = None) -> ModelFiles:
     """Open a converted (expert-pack) directory: routed experts streamed through a cache of
     `cache_bytes` (None = room for every expert) by positional reads (engine/experts/store.py).
     Resident tensors come from the mmaps; on the CPU `get` returns copies, so that a model built
     from them never reads a mapping that a truncated file would turn into SIGBUS.
+
+    With a device arena smaller than the pool, `host_cache_bytes` (capped to the pool) of host
+    RAM become a HostTier behind it (engine/experts/host_tier.py); on the CPU the arena is the
+    only tier and the setting is unused.
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
     from converter.layout import LayoutError, read_manifest
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
+    from engine.experts.host_tier import HostTier
     from engine.experts.prefetch import IOPool
     from engine.experts.streaming import StreamingExperts
     from engine.experts.store import ExpertStore
@@ -92,19 +98,24 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     index = TensorIndex.open(path)
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
-    provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts)
+    tier = None
+    if host_cache_bytes and not arena.on_host and cache.capacity_slots < len(manifest.units) * manifest.count:
+        tier = HostTier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers, policy=policy)
+    provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
+                                tier=tier)
     get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
     return ModelFiles(path=path, args=args, index=index, get=get, experts=provider,
                       converted=True, closers=[provider.close])
 
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-               io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
+               io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
+               host_cache_bytes: int | None = None) -> ModelFiles:
     """Open either layout: a converted directory (manifest.json) streams its experts with the
     given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
+        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, host_cache_bytes)
     if (path / INDEX_NAME).is_file():
         return open_official(path, device)
     if path.is_dir() and any(path.glob("layer_*.safetensors*")):

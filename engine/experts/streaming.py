@@ -19,6 +19,11 @@ reading those experts early and holds them until `experts(layer, ...)` uses them
 take at most `prefetch_share` of the slots, and are dropped if the current call needs their
 slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
 
+With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
+RAM when the tier holds the record (one asynchronous host->device copy), else read from the
+disk into a tier slot and copied from there; without a tier (or when every tier slot is in
+transfer) it is read into a pinned staging buffer. On the CPU the arena is the only tier.
+
 Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
 while a forward call is running (another thread) is not supported (the cache is not
 thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
@@ -36,6 +41,7 @@ import torch
 
 from engine.experts.arena import ExpertArena
 from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.host_tier import HostTier
 from engine.experts.prefetch import IOPool
 from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
@@ -46,9 +52,11 @@ class StreamingExperts(ExpertProvider):
     """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
 
     def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
-                 prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1):
+                 prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1,
+                 tier: HostTier | None = None):
         """`n_layers`: the main layers whose uses are counted per layer (default: every unit);
-        `top_k`: experts routed per token (that many slots are never pinned by the user)."""
+        `top_k`: experts routed per token (that many slots are never pinned by the user);
+        `tier`: the host-RAM tier behind a device arena (None: reads go straight to the arena)."""
         super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k)
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
@@ -64,6 +72,10 @@ class StreamingExperts(ExpertProvider):
             for _ in range(pool.size):
                 self._staging.put((aligned_empty(store.record_bytes, pin_memory=True),
                                    torch.cuda.Stream(arena.device)))
+        if tier is not None and arena.on_host:
+            raise ValueError("a host-RAM tier sits behind a device arena; this arena is in host memory already")
+        self.tier = tier
+        self._tiered: set[ExpertKey] = set()  # loads holding a tier slot
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -83,26 +95,46 @@ class StreamingExperts(ExpertProvider):
             self._held.remove(key)
             self.cache.unpin(key)
 
-    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None) -> None:
+    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None,
+              src: tuple[int, bool] | None = None) -> None:
         """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
 
-        Device arenas: the read lands in a pinned buffer, which is copied on the buffer's own
-        stream, so uploads overlap the compute stream's kernels. The copy first waits for `freed`
-        (recorded on the compute stream when the slot was reassigned: kernels enqueued before
-        may still read the record it held), and is complete before the read's future resolves
-        (the consumer joins it before enqueuing kernels that read the slot)."""
+        Device arenas: the bytes come from host tier slot `src[0]` (read from the disk first
+        when `src[1]`), or are read into a pinned staging buffer; they are copied on the
+        buffer's own stream, so uploads overlap the compute stream's kernels. The copy first
+        waits for `freed` (recorded on the compute stream when the slot was reassigned: kernels
+        enqueued before may still read the record it held), and is complete before the read's
+        future resolves (the consumer joins it before enqueuing kernels that read the slot)."""
         if self._staging is None:
             self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
             return
         buf, stream = self._staging.get()
         try:
-            self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
+            if src is not None:
+                if src[1]:
+                    self.tier.read(key, src[0])
+                host = self.tier.data[src[0]]
+            else:
+                self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
+                host = buf
             stream.wait_event(freed)
             with torch.cuda.stream(stream):
-                self.arena.data[slot].copy_(buf, non_blocking=True)
+                self.arena.data[slot].copy_(host, non_blocking=True)
             stream.synchronize()  # before the buffer is reused and the future resolves
         finally:
             self._staging.put((buf, stream))
+
+    def _start(self, key: ExpertKey, slot: int) -> None:
+        """Start the read of admitted `key` into arena slot `slot` (from the host tier if any)."""
+        freed = src = None
+        if self._staging is not None:  # the compute stream's work so far may still read the slot
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.arena.device))
+            if self.tier is not None:
+                src = self.tier.hold(key)
+                if src is not None:
+                    self._tiered.add(key)
+        self._loads[key] = self.pool.submit(self._load, key, slot, freed, src)
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -116,11 +148,7 @@ class StreamingExperts(ExpertProvider):
         if evicted is not None:
             self.arena.clear(*evicted)
         self.arena.assign(key[0], key[1], slot)
-        freed = None
-        if self._staging is not None:  # the compute stream's work so far may still read the slot
-            freed = torch.cuda.Event()
-            freed.record(torch.cuda.current_stream(self.arena.device))
-        self._loads[key] = self.pool.submit(self._load, key, slot, freed)
+        self._start(key, slot)
         return True
 
     def _join(self, key: ExpertKey, reraise: bool = True) -> None:
@@ -131,6 +159,9 @@ class StreamingExperts(ExpertProvider):
         try:
             fut.result()
         except BaseException as e:
+            if key in self._tiered:
+                self._tiered.remove(key)
+                self.tier.done(key, ok=False)
             self.arena.clear(*key)
             self.cache.discard(key)
             self._release(key)
@@ -138,6 +169,10 @@ class StreamingExperts(ExpertProvider):
                 if isinstance(e, ExpertReadError):
                     raise
                 raise ExpertReadError(f"loading expert {key[1]} of layer {key[0]} failed: {e!r}") from e
+            return
+        if key in self._tiered:
+            self._tiered.remove(key)
+            self.tier.done(key)
 
     def _settle(self, key: ExpertKey) -> None:
         """Finish any read of `key` (errors dropped: the key is un-admitted) and release it."""
