@@ -79,7 +79,7 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
     from engine.experts.host_tier import HostTier
-    from engine.experts.prefetch import IOPool
+    from engine.experts.io_pool import IOPool
     from engine.experts.streaming import StreamingExperts
     from engine.experts.store import ExpertStore
 

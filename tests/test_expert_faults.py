@@ -20,7 +20,7 @@ from engine.engine import Engine
 from engine.events import EngineFailure, TurnFinished
 from engine.experts.arena import ExpertArena
 from engine.experts.cache import ExpertCache
-from engine.experts.prefetch import IOPool
+from engine.experts.io_pool import IOPool
 from engine.experts.store import ExpertChecksumError, ExpertReadError, ExpertStore
 from engine.experts.streaming import StreamingExperts
 from engine.sampling import SamplingParams

@@ -15,7 +15,7 @@ from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.checkpoint import CheckpointError, TensorIndex
 from engine.experts.cache import CacheFullError
-from engine.experts.prefetch import IOPool
+from engine.experts.io_pool import IOPool
 from engine.experts.trace import RoutingTrace
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.trace import TraceWriter, read_records

@@ -42,7 +42,7 @@ import torch
 from engine.experts.arena import ExpertArena
 from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey
 from engine.experts.host_tier import HostTier
-from engine.experts.prefetch import IOPool
+from engine.experts.io_pool import IOPool
 from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.weights import ExpertWeights
