@@ -186,3 +186,28 @@ def test_a_layer_file_truncated_under_a_live_engine(tiny, pack):
         assert isinstance(fin, TurnFinished) and len(sess.messages) == len(messages) + 2
     finally:
         eng.close()
+
+
+def test_a_corrupt_record_under_a_live_engine_fails_the_turn_and_keeps_the_session(pack):
+    m = layout.read_manifest(pack)
+    record = m.record.record_bytes
+    eng = Engine.load(pack, EngineConfig(numerics="exact", cache_bytes=8 * record), warmup=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        sess = eng.new_session()
+        path, base = eng.experts.store._where[1]
+        original = path.read_bytes()
+        damaged = bytearray(original)
+        for e in range(m.count):  # one byte of every record of layer 1, file size unchanged
+            damaged[base + e * record + 100] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        fin = list(eng.generate(sess, "Hello", params))[-1]
+        assert isinstance(fin, EngineFailure)
+        assert "of layer 1 in" in fin.message and "does not match its checksum" in fin.message
+        assert sess.messages == [] and sess.ids == []
+        _consistent(eng.experts)
+        path.write_bytes(original)
+        assert isinstance(list(eng.generate(sess, "Hello", params))[-1], TurnFinished)
+        assert [m.role for m in sess.messages] == ["user", "assistant"]
+    finally:
+        eng.close()
