@@ -4,7 +4,6 @@ and O_DIRECT-aligned slots. (Its use behind a CUDA arena needs a GPU: not run he
 
 from __future__ import annotations
 
-import errno
 import random
 
 import pytest
