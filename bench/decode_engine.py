@@ -28,28 +28,33 @@ from bench.kernels import copy_bandwidth
 from converter.synth import SynthOptions, flash_config, write_checkpoint
 from engine.config import EngineConfig
 from engine.model import Transformer
-from engine.moe import ExpertWeights
+from engine.experts.provider import ExpertProvider
+from engine.experts.weights import ExpertWeights
 from engine.numerics import Numerics
 from engine.weights import open_model, open_official
 from kernels.backend import make_backend
 
 
-class GpuResidentExperts:
+class GpuResidentExperts(ExpertProvider):
     """Every routed expert uploaded to the GPU once (the 'all resident' case)."""
 
     def __init__(self, files, n_layers: int, n_experts: int, device: torch.device):
+        super().__init__(n_layers, n_experts, files.args.n_activated_experts)
         self.table = {}
         for layer in range(n_layers):
             for e, w in files.experts.experts(layer, list(range(n_experts))):
                 self.table[layer, e] = ExpertWeights(*(t.to(device) for t in (
                     w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale)))
 
-    def experts(self, layer, ids):
+    def _experts(self, layer, ids):
         for e in ids:
             yield e, self.table[layer, e]
 
     def prefetch(self, layer, ids):
         """Nothing to do: all resident."""
+
+    def all_resident(self):
+        return True
 
 
 def _decode(model, experts, ids: torch.Tensor, prefill: int, tokens: int, step=None,

@@ -32,31 +32,13 @@ On the CPU the same step runs eagerly (no graphs): the tests check it against
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
 import torch
 
+from engine.experts.provider import ExpertProvider
 from engine.model import DecodeCarry, Transformer
 from engine.state import SequenceState
-
-
-@runtime_checkable
-class ArenaProvider(Protocol):
-    """The expert provider side the runner needs (engine.experts.provider.StreamingExperts)."""
-
-    arena: object  # engine.experts.arena.ExpertArena
-
-    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool: ...
-
-    def all_resident(self) -> bool: ...
-
-    def acquire(self, layer: int, ids: list[int]) -> None: ...
-
-    def release(self, layer: int) -> None: ...
-
-    def prefetch(self, layer: int, ids: list[int]) -> None: ...
-
-    def record(self, layer: int, ids: list[int]) -> None: ...
 
 
 @dataclass
@@ -78,10 +60,11 @@ class _GraphSet:
 class DecodeRunner:
     """One-token decode steps of `model` with experts from `provider.arena` (module docstring)."""
 
-    def __init__(self, model: Transformer, provider: ArenaProvider, whole: bool, graphs: bool | None = None,
+    def __init__(self, model: Transformer, provider: ExpertProvider, whole: bool, graphs: bool | None = None,
                  on_routes: Callable[[int, int, list[int]], None] | None = None):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
-        `on_routes(layer, position, expert ids)` observes every routing decision of a step."""
+        `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
+        provider counts the uses itself, in `acquire` and `record`)."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
@@ -239,7 +222,7 @@ class DecodeRunner:
         return logits
 
 
-def make_runner(model: Transformer, provider, device: torch.device, enabled: bool,
+def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,
                 on_routes: Callable[[int, int, list[int]], None] | None = None,
                 on_loaded: Callable[[int, int], None] | None = None) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, not native
@@ -248,6 +231,6 @@ def make_runner(model: Transformer, provider, device: torch.device, enabled: boo
     reporting `on_loaded(units done, units)`."""
     if not enabled or device.type != "cuda" or not model.numerics.native:
         return None
-    if not isinstance(provider, ArenaProvider):
+    if provider.arena is None:
         return None
     return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes)

@@ -41,7 +41,7 @@ from engine.memory_plan import MemoryPlan, make_plan, probe_machine
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.decode_graph import make_runner
-from engine.runtime import DeviceExperts, InstrumentedProvider, Runtime
+from engine.runtime import Runtime
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session, SessionError, Snapshot
 from engine.stats import CacheSnapshot, StepStats, TurnStats, cache_snapshot
@@ -82,11 +82,9 @@ def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):
     expert resident in its mmapped shards (copied to a GPU per use)."""
     from engine.weights import open_model
 
-    files = open_model(path, cache_bytes=plan.cache, policy=config.cache_policy,
-                       io_threads=config.io_threads, o_direct=plan.direct_reads, device=config.device)
-    if not files.converted and torch.device(config.device).type != "cpu":
-        files.experts = DeviceExperts(files.experts, torch.device(config.device))
-    return files
+    return open_model(path, cache_bytes=plan.cache, policy=config.cache_policy,
+                      io_threads=config.io_threads, o_direct=plan.direct_reads, device=config.device,
+                      host_cache_bytes=plan.host_cache)
 
 
 class Engine:
@@ -99,17 +97,16 @@ class Engine:
         self.args = files.args
         self.device = torch.device(config.device)
         self._lock = threading.RLock()
-        self.experts = InstrumentedProvider(files.experts, self.args.n_layers)
+        self.experts = files.experts  # engine.experts.provider.ExpertProvider: the model gets it as it is
         self._trace = None
         if config.trace_path:  # record every routing decision as JSONL (engine/experts/trace.py)
-            from engine.experts.provider import RoutingTrace
-            from engine.experts.trace import TraceWriter
+            from engine.experts.trace import RoutingTrace, TraceWriter
 
             self._trace = TraceWriter(config.trace_path)
         log = RoutingTrace(self._trace) if self._trace is not None else None
         loaded = None if progress is None else (
             lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
-        runner = make_runner(model, files.experts, self.device, config.cuda_graphs, self._graph_routes, loaded)
+        runner = make_runner(model, self.experts, self.device, config.cuda_graphs, self._graph_routes, loaded)
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
@@ -401,31 +398,25 @@ class Engine:
         self._open()
         with self._lock:
             self.runtime.settle()  # a replayed step's routes name experts that must still be resident
-            flush = getattr(self.files.experts, "flush", None)  # the provider also frees arena slots
-            if flush is None:
-                cache = self.experts.cache
-                flush = cache.flush if cache is not None else list
-            return len(flush())
+            return len(self.experts.flush())
 
     def pin(self, keys: list[tuple[int, int]]) -> None:
-        """Keep these (layer, expert) pairs resident through flushes (loaded on next use)."""
+        """Keep these (layer, expert) pairs resident through flushes (their reads start now).
+        All or none: raises ExpertCacheError, pinning nothing, when the pins would leave fewer
+        free slots than one layer's routed experts need."""
         for layer, expert in keys:
             if not (0 <= layer < self.args.n_layers and 0 <= expert < self.args.n_routed_experts):
                 raise SessionError(f"no expert {layer}:{expert} (layers 0-{self.args.n_layers - 1}, "
                                    f"experts 0-{self.args.n_routed_experts - 1})")
         with self._lock:
             self._open()
-            cache = self.experts.cache
-            if cache is not None:
-                for key in keys:
-                    cache.pin((int(key[0]), int(key[1])))
+            self.experts.pin(keys)
 
     def pin_hot(self, n: int) -> list[tuple[int, int]]:
         """Pin the n most used experts; returns them."""
         self._open()
         with self._lock:
-            cache = self.experts.cache
-            keys = cache.hottest(n) if cache is not None else [k for k, _ in self.experts.uses.most_common(n)]
+            keys = self.experts.hottest(n)
             self.pin(keys)
             return keys
 
@@ -433,27 +424,13 @@ class Engine:
         """Unpin these experts, or all of them (None)."""
         self._open()
         with self._lock:
-            cache = self.experts.cache
-            if cache is None:
-                return
-            if keys is None:
-                cache.unpin_all()
-            else:
-                for key in keys:
-                    cache.unpin((int(key[0]), int(key[1])))
+            self.experts.unpin(keys)
 
     def cache_contents(self) -> list[tuple[int, int, bool, int]]:
         """(layer, expert, pinned, uses) of every resident expert, sorted; uses are all-time."""
         self._open()
         with self._lock:
-            cache = self.experts.cache
-            uses = self.experts.uses
-            if cache is None:
-                return [(layer, e, False, uses.get((layer, e), 0)) for layer in range(self.args.n_layers)
-                        for e in range(self.args.n_routed_experts)]
-            pinned = cache.pinned()
-            return [(layer, e, (layer, e) in pinned, uses.get((layer, e), 0))
-                    for layer, e in sorted(cache.resident())]
+            return self.experts.contents()
 
     # ---------------------------------------------------------------------------- statistics
     def stats(self) -> StepStats:
@@ -462,13 +439,13 @@ class Engine:
         return self._meter.now()
 
     def _graph_routes(self, layer: int, position: int, ids: list[int]) -> None:
-        """Routing decisions of a graph-replayed step: usage counts, and the trace if recording."""
-        self.experts.note_uses(layer, ids)
+        """Routing decisions of a graph-replayed step, for the trace if recording (the provider
+        counts their uses itself)."""
         if self.runtime.log is not None:
             self.runtime.log("experts", layer, position, torch.tensor([ids]))
 
     def _cache_snapshot(self) -> CacheSnapshot:
-        return cache_snapshot(self.experts.cache, self.args, self.experts.layer_uses)
+        return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses)
 
     def workspace_bytes(self) -> int:
         """Estimate of transient memory of the largest step: a prefill chunk's residual streams and

@@ -2,7 +2,7 @@
 attention and MoE -> HCHead -> norm -> head; plus the MTP block (§C.8).
 
 The model holds weights only. Per-sequence state (`engine.state.SequenceState`) and the source
-of routed experts (`engine.moe.ExpertProvider`) are passed into every forward call; no I/O
+of routed experts (`engine.experts.provider.ExpertProvider`) are passed into every forward call; no I/O
 happens here. Weights come through `get(name) -> Tensor` in their official on-disk names and
 formats (e.g. `TensorIndex.get`).
 """
@@ -19,7 +19,8 @@ from engine.attention import Attention
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.mhc import HyperConnection, HyperHead
-from engine.moe import MoE, ExpertProvider
+from engine.experts.provider import ExpertProvider
+from engine.moe import MoE
 from engine.numerics import Numerics, Quantized, unquantized
 from engine.state import SequenceState, new_layer_state
 from kernels import reference as ref

@@ -1,60 +1,25 @@
 """Mixture of experts of one layer (spec §C.7): routing, routed experts, shared expert.
 
-Routed-expert weights are not held here: the MoE asks an `ExpertProvider` for the experts a
-call needs, and the provider may hand them over in any order (resident hits first, then
-misses as they arrive). Each expert's output is written to its (token, slot) cell and the
-slots are summed in routing order at the end, so the result does not depend on that order.
+Routed-expert weights are not held here: the MoE asks an `ExpertProvider`
+(engine/experts/provider.py) for the experts a call needs, and the provider may hand them over in
+any order (resident hits first, then misses as they arrive). Each expert's output is written to
+its (token, slot) cell and the slots are summed in routing order at the end, so the result does
+not depend on that order. In native numerics, when the provider's arena holds every expert, all
+cells of a call go through one `fp4_moe` launch instead (`MoE._arena_cells`), on any device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
 
 import torch
 
 from engine.config import ModelArgs
+from engine.experts.provider import ExpertProvider
+from engine.experts.weights import ExpertWeights
 from engine.linear import FP8Linear
 from engine.numerics import Numerics, Quantized, unquantized
 from kernels import reference as ref
-from kernels.reference import EXPERT_FIELDS, swiglu
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One routed expert in its record format: FP4 packed weights in record order
-    (kernels/reference.py) + e8m0 1×32 scales."""
-
-    w1: torch.Tensor
-    w1_scale: torch.Tensor
-    w3: torch.Tensor
-    w3_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-
-    @classmethod
-    def from_fields(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
-        """The six tensors of a converted record (views, no copy)."""
-        return cls(*(t[name] for name in EXPERT_FIELDS))
-
-    @classmethod
-    def from_official(cls, t: dict[str, torch.Tensor]) -> "ExpertWeights":
-        """The six tensors as an official checkpoint stores them: the weights are copied into
-        record order, the scales kept as they are."""
-        return cls(*(ref.fp4_record_order(t[name]).view(t[name].dtype) if name.endswith(".weight") else t[name]
-                     for name in EXPERT_FIELDS))
-
-
-class ExpertProvider(Protocol):
-    """Supplies routed experts to the MoE (resident dict, or the streaming cache)."""
-
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (expert id, weights) once for every id in `ids`, in any order."""
-        ...
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """Hint: `layer` will need these experts soon (hash layers know them from token ids)."""
-        ...
+from kernels.reference import swiglu
 
 
 class Gate:
@@ -99,9 +64,14 @@ class MoE:
                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
-        n, k = idx.shape
         if self._cells_in_arena(provider):
             return self._arena_cells(x, idx, w, provider)
+        return self._expert_loop(x, idx, w, provider)
+
+    def _expert_loop(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                     provider: ExpertProvider) -> torch.Tensor:
+        """The experts one at a time, each on the tokens routed to it, in the provider's order."""
+        n, k = idx.shape
         slots = torch.zeros(n, k, x.shape[1], device=x.device)  # [N, k, D] fp32: one cell per (token, choice)
         # The one host round trip of the layer: the residency check needs the expert ids anyway.
         cells: dict[int, list[tuple[int, int]]] = {}
@@ -120,20 +90,20 @@ class MoE:
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         return self._combine(slots, self._shared(x))
 
-    def _cells_in_arena(self, provider) -> bool:
-        """Native numerics with every expert resident in a CUDA arena: then all (token, choice)
-        cells of a prefill chunk go through the backend's fp4_moe at once instead of a per-expert
-        loop (about 20 launches per expert, hundreds of experts per layer)."""
-        arena = getattr(provider, "arena", None)
-        return (self.numerics.native and arena is not None and arena.device.type == "cuda"
-                and provider.all_resident())
+    def _cells_in_arena(self, provider: ExpertProvider) -> bool:
+        """Native numerics with every expert resident in the provider's arena: then all (token,
+        choice) cells of a call go through the backend's fp4_moe at once instead of a per-expert
+        loop (on CUDA about 20 launches per expert, hundreds of experts per layer). The choice
+        does not depend on the device, so the CPU reference runs the same dispatch."""
+        return self.numerics.native and provider.arena is not None and provider.all_resident()
 
-    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, provider) -> torch.Tensor:
+    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                     provider: ExpertProvider) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
         consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`."""
         n, k = idx.shape
         arena = provider.arena
-        provider.record(self.layer, idx.unique().tolist())  # cache statistics; the layer's one host sync
+        provider.record(self.layer, idx.unique().tolist())  # usage and cache statistics; the layer's one host sync
         slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
         order = torch.argsort(slots)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token
@@ -195,19 +165,3 @@ class MoE:
         inter = gu.shape[-1] // 2
         q, s = backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, self.limit)
         return backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
-
-
-class ResidentExperts:
-    """ExpertProvider over experts read directly from an official checkpoint (every expert
-    resident); each expert's weights are put into record order as it is handed out."""
-
-    def __init__(self, fetch):
-        """`fetch(layer, e) -> dict` of the six official tensors (e.g. TensorIndex.get_expert)."""
-        self._fetch = fetch
-
-    def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        for e in ids:
-            yield e, ExpertWeights.from_official(self._fetch(layer, e))
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        """Nothing to do: every expert is already addressable."""

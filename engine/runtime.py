@@ -10,8 +10,8 @@ so that nothing (a flush) changes what a running step reads. `Runtime.prefill` y
 per chunk and stops between chunks when `cancel` is set.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
-shared and routed experts); `InstrumentedProvider` wraps the expert provider and measures the
-time spent waiting inside it for experts (expert wait, taken out of the MoE figure); mHC,
+shared and routed experts); the expert provider measures the time spent waiting inside it for
+experts (`ExpertProvider.usage.wait_s`: expert wait, taken out of the MoE figure); mHC,
 embedding and the head are "other".
 """
 
@@ -19,74 +19,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from engine.buckets import chunk_lengths
-
-from engine.moe import ExpertProvider, ExpertWeights
+from engine.experts.provider import ExpertProvider
 from engine.state import SequenceState
 from engine.stats import StepTiming
-
-
-class InstrumentedProvider:
-    """An ExpertProvider wrapper counting uses per (layer, expert) and timing waits and compute."""
-
-    def __init__(self, inner: ExpertProvider, n_layers: int) -> None:
-        self.inner = inner
-        self.uses: Counter[tuple[int, int]] = Counter()  # all-time uses per (layer, expert)
-        self.layer_uses = [0] * n_layers
-        self.wait_s = 0.0  # cumulative seconds inside the provider producing experts
-
-    @property
-    def cache(self):
-        """The provider's ExpertCache, or None when every expert is resident."""
-        return getattr(self.inner, "cache", None)
-
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        it = iter(self.inner.experts(layer, ids))
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                self.wait_s += time.perf_counter() - t0
-                return
-            self.wait_s += time.perf_counter() - t0
-            self._count(layer, int(item[0]))
-            yield item
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        self.inner.prefetch(layer, ids)
-
-    def note_uses(self, layer: int, ids: list[int]) -> None:
-        """Count uses made without `experts` (the CUDA-graph decode reads the arena directly)."""
-        for e in dict.fromkeys(ids):
-            self._count(layer, int(e))
-
-    def _count(self, layer: int, expert: int) -> None:
-        self.uses[(layer, expert)] += 1
-        if 0 <= layer < len(self.layer_uses):
-            self.layer_uses[layer] += 1
-
-
-class DeviceExperts:
-    """An ExpertProvider wrapper that copies each expert's tensors to `device` (for providers that
-    hand out host tensors, e.g. the official layout's mmapped experts, on a GPU run)."""
-
-    def __init__(self, inner: ExpertProvider, device: torch.device) -> None:
-        self.inner, self.device = inner, device
-
-    def experts(self, layer: int, ids: list[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        for e, w in self.inner.experts(layer, ids):
-            yield e, ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
-
-    def prefetch(self, layer: int, ids: list[int]) -> None:
-        self.inner.prefetch(layer, ids)
 
 
 class StepTimer:
@@ -129,9 +71,9 @@ class StepResult:
 
 
 class Runtime:
-    """Runs forward calls of one model with its (instrumented) expert provider."""
+    """Runs forward calls of one model with its expert provider."""
 
-    def __init__(self, model, experts: InstrumentedProvider, device: torch.device,
+    def __init__(self, model, experts: ExpertProvider, device: torch.device,
                  lock: threading.RLock, log=None, runner=None) -> None:
         self.model = model
         self.runner = runner  # engine.decode_graph.DecodeRunner for one-token steps, or None
@@ -158,14 +100,14 @@ class Runtime:
         if self.log is not None:
             kwargs["log"] = self.log
         with self.lock:
-            wait0 = self.experts.wait_s
+            wait0 = self.experts.usage.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
                 if graphed:  # a host token id spares the runner a device read
                     logits = self.runner.step(state, ids if host is None else host[0])[0]
                 else:
                     logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
-            wait = self.experts.wait_s - wait0
+            wait = self.experts.usage.wait_s - wait0
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()

@@ -3,7 +3,7 @@
 Two layouts are understood:
 * an official HF checkpoint (config.json + model.safetensors.index.json + shards): every
   tensor is read zero-copy from the shards' mmaps, except that a routed expert's FP4 weights are
-  copied into record order each time the expert is used (engine.moe.ResidentExperts);
+  copied into record order each time the expert is used (engine.experts.resident.ResidentExperts);
 * a converted "expert pack" directory (manifest.json; see engine/pack.py): resident
   tensors keep their official names; routed experts are streamed (engine/experts).
 """
@@ -18,7 +18,8 @@ import torch
 
 from engine.checkpoint import INDEX_NAME, CheckpointError, TensorIndex
 from engine.config import ModelArgs
-from engine.moe import ExpertProvider, ResidentExperts
+from engine.experts.provider import ExpertProvider
+from engine.experts.resident import ResidentExperts
 
 
 @dataclass
@@ -45,8 +46,9 @@ def expert_prefix(args: ModelArgs, layer: int) -> tuple[str, int]:
     return ("mtp", 0) if layer == args.n_layers else ("layers", layer)
 
 
-def open_official(path: str | Path) -> ModelFiles:
-    """Open an official-format checkpoint with every expert resident (read from the mmaps)."""
+def open_official(path: str | Path, device: str | torch.device = "cpu") -> ModelFiles:
+    """Open an official-format checkpoint with every expert resident (read from the mmaps,
+    copied to `device` per use when it is not the CPU)."""
     path = Path(path)
     args = ModelArgs.from_dir(path)
     index = TensorIndex.open(path)
@@ -55,20 +57,29 @@ def open_official(path: str | Path) -> ModelFiles:
         prefix, idx = expert_prefix(args, layer)
         return index.get_expert(idx, e, prefix)
 
-    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=ResidentExperts(fetch))
+    experts = ResidentExperts(fetch, args.n_layers, args.n_routed_experts, args.n_activated_experts, device)
+    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=experts)
 
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
-    """Open a converted (expert-pack) directory: resident tensors zero-copy from the mmaps,
-    routed experts streamed through a cache of `cache_bytes` (None = room for every expert).
+                   io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
+                   host_cache_bytes: int | None = None) -> ModelFiles:
+    """Open a converted (expert-pack) directory: routed experts streamed through a cache of
+    `cache_bytes` (None = room for every expert) by positional reads (engine/experts/store.py).
+    Resident tensors come from the mmaps; on the CPU `get` returns copies, so that a model built
+    from them never reads a mapping that a truncated file would turn into SIGBUS.
+
+    With a device arena smaller than the pool, `host_cache_bytes` (capped to the pool) of host
+    RAM become a HostTier behind it (engine/experts/host_tier.py); on the CPU the arena is the
+    only tier and the setting is unused.
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
-    from engine.experts.prefetch import IOPool
-    from engine.experts.provider import StreamingExperts
+    from engine.experts.host_tier import HostTier
+    from engine.experts.io_pool import IOPool
+    from engine.experts.streaming import StreamingExperts
     from engine.experts.store import ExpertStore
     from engine.pack import LayoutError, read_manifest
 
@@ -87,20 +98,26 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     index = TensorIndex.open(path)
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
-    provider = StreamingExperts(store, arena, cache, pool)
-    return ModelFiles(path=path, args=args, index=index, get=index.get, experts=provider,
+    tier = None
+    if host_cache_bytes and not arena.on_host and cache.capacity_slots < len(manifest.units) * manifest.count:
+        tier = HostTier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers, policy=policy)
+    provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
+                                tier=tier)
+    get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
+    return ModelFiles(path=path, args=args, index=index, get=get, experts=provider,
                       converted=True, closers=[provider.close])
 
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
-               io_threads: int = 2, o_direct: bool = False, device: str = "cpu") -> ModelFiles:
+               io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
+               host_cache_bytes: int | None = None) -> ModelFiles:
     """Open either layout: a converted directory (manifest.json) streams its experts with the
     given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device)
+        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, host_cache_bytes)
     if (path / INDEX_NAME).is_file():
-        return open_official(path)
+        return open_official(path, device)
     raise _not_a_model(path)
 
 

@@ -254,40 +254,47 @@ def test_layered_mode_reads_hash_layer_experts_ahead(packed):
 
 def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path):
     """The engine's Runtime with a runner (the GPU path, here run eagerly on the CPU): same
-    logits as the eager Runtime, steps flagged as graphed, usage counts and the routing trace fed
+    logits as the eager Runtime, steps flagged as graphed, usage counted by the provider (the
+    same counts as the eager steps: once per use, whichever path) and the routing trace fed
     from the runner's routes."""
     import threading
 
-    from engine.experts.provider import RoutingTrace
-    from engine.experts.trace import TraceWriter, read_records
-    from engine.runtime import InstrumentedProvider, Runtime
+    from engine.experts.trace import RoutingTrace, TraceWriter, read_records
+    from engine.runtime import Runtime
 
     args = files.args
     model = Transformer(files.get, args, Numerics.named("native"))
+    experts = files.experts
     with TraceWriter(tmp_path / "t.jsonl") as writer:
         trace = RoutingTrace(writer)
-        experts = InstrumentedProvider(files.experts, args.n_layers)
 
         def routes(layer, position, ids):
-            experts.note_uses(layer, ids)
             trace("experts", layer, position, torch.tensor([ids]))
 
-        runner = DecodeRunner(model, files.experts, whole=True, on_routes=routes)
+        runner = DecodeRunner(model, experts, whole=True, on_routes=routes)
         lock = threading.RLock()
         graphed = Runtime(model, experts, torch.device("cpu"), lock, trace, runner)
-        plain = Runtime(model, InstrumentedProvider(files.experts, args.n_layers), torch.device("cpu"), lock)
+        plain = Runtime(model, experts, torch.device("cpu"), lock)
         s1, s2 = model.new_state(), model.new_state()
-        a, b = plain.step(s1, PROMPT), graphed.step(s2, PROMPT)  # prefill: eager in both
+        u0 = list(experts.usage.layer_uses)
+        plain_out = [plain.step(s1, PROMPT)] + [plain.step(s1, [tok]) for tok in (5, 6, 7)]
+        u1 = list(experts.usage.layer_uses)
+        b = graphed.step(s2, PROMPT)  # prefill: eager in both
+        a = plain_out[0]
         assert not b.graphed and torch.equal(a.logits, b.logits)
-        for tok in (5, 6, 7):
-            a, b = plain.step(s1, [tok]), graphed.step(s2, [tok])
+        for a, tok in zip(plain_out[1:], (5, 6, 7)):
+            b = graphed.step(s2, [tok])
             assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
             # a replayed step is not split into attention and MoE: its time is the graph's
             assert b.timing.graph_ms > 0 and b.timing.attention_ms == b.timing.moe_ms == 0
             assert a.timing.graph_ms == 0 and a.timing.moe_ms > 0
         assert s1.pos == s2.pos == len(PROMPT) + 3
         graphed.settle()  # the last replayed step's routes (the engine settles when a turn ends)
-    assert sum(experts.layer_uses) > 0 and all(experts.layer_uses)
+    u2 = list(experts.usage.layer_uses)
+    eager_uses = [y - x for x, y in zip(u0, u1)]
+    graph_uses = [y - x for x, y in zip(u1, u2)]
+    assert sum(graph_uses) > 0 and all(graph_uses)
+    assert graph_uses == eager_uses  # the same routes counted the same, once each
     recs = list(read_records(tmp_path / "t.jsonl"))
     decode = [r for r in recs if r.tokens == 1]
     assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
@@ -295,8 +302,8 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
 
 
 def test_arena_cells_equal_the_per_expert_loop(files):
-    """A prefill chunk's MoE through one fp4_moe call over every (token, choice) cell (the CUDA
-    arena path; here forced on the CPU arena) equals the per-expert loop: cells sorted by slot
+    """A prefill chunk's MoE through one fp4_moe call over every (token, choice) cell (the
+    resident-arena path, taken on the CPU arena as on CUDA) equals the per-expert loop: cells sorted by slot
     and put back in (token, choice) order, each token's row its own."""
     model = Transformer(files.get, files.args, Numerics.named("native"))
     moe = next(b.ffn for b in model.blocks if not b.ffn.gate.hash)
@@ -304,8 +311,9 @@ def test_arena_cells_equal_the_per_expert_loop(files):
     x = torch.randn(11, files.args.dim, generator=gen).to(torch.bfloat16)
     ids = torch.arange(11)
     idx, w = moe.route(x, ids)
-    looped = moe(x, ids, files.experts, (idx, w))  # CPU arena: the per-expert loop
+    looped = moe._expert_loop(x, idx, w, files.experts)  # the per-expert loop
     celled = moe._arena_cells(x, idx, w, files.experts)
+    assert moe._cells_in_arena(files.experts)  # what __call__ takes here, on the CPU as on CUDA
     assert celled.shape == looped.shape and celled.dtype == looped.dtype
     assert torch.equal(celled, looped)  # the reference computes each row on its own either way
 

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.experts.cache import ExpertCache
+from engine.experts.resident import ResidentExperts
 from engine.memory import tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
@@ -317,20 +318,18 @@ def test_context_limit_fails_cleanly_and_the_session_stays_usable(ckpt):
         eng.close()
 
 
-class CachedExperts:
+class CachedExperts(ResidentExperts):
     """Test provider: experts from the checkpoint, but every use goes through an ExpertCache."""
 
-    def __init__(self, inner, cache: ExpertCache) -> None:
-        self.inner, self.cache = inner, cache
+    def __init__(self, inner: ResidentExperts, cache: ExpertCache) -> None:
+        super().__init__(inner.fetch, inner.n_layers, inner.n_experts, inner.top_k)
+        self.cache = cache
 
-    def experts(self, layer, ids):
+    def _experts(self, layer, ids):
         for e in ids:
             if self.cache.lookup((layer, e)) is None:
                 self.cache.admit((layer, e))
-            yield from self.inner.experts(layer, [e])
-
-    def prefetch(self, layer, ids) -> None:
-        pass
+            yield from super()._experts(layer, [e])
 
 
 def test_stats_equal_the_cache_counters_and_tok_per_s_comes_from_step_times(ckpt):
@@ -380,7 +379,7 @@ def test_resident_experts_stats_and_memory_budget(engine):
     sess = engine.new_session()
     turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
     st = engine.stats()
-    assert st.cache.hits == sum(engine.experts.uses.values()) > 0 and st.cache.hit_rate == 1.0
+    assert st.cache.hits == sum(engine.experts.usage.uses.values()) > 0 and st.cache.hit_rate == 1.0
     assert st.cache.misses == 0 and st.cache.entries == 5 * 16
     mem = engine.memory()
     assert sum(size for _, size in mem.parts) == mem.total and all(size >= 0 for _, size in mem.parts)

@@ -7,7 +7,6 @@ import torch
 
 from engine.model import Transformer
 from engine.numerics import Numerics
-from engine.runtime import DeviceExperts
 from engine.weights import open_official
 from kernels.backend import make_backend
 from oracle import rel_err
@@ -18,14 +17,14 @@ pytestmark = [pytest.mark.gpu,
 
 def _logits(ckpt, device: str, backend: str, ids: torch.Tensor, chunks: list[int],
             numerics: str = "native") -> torch.Tensor:
-    files = open_official(ckpt)
     dev = torch.device(device)
+    files = open_official(ckpt, dev)  # experts copied to the device per use
     model = Transformer(lambda n: files.get(n).to(dev), files.args,
                         Numerics.named(numerics, make_backend(backend, dev)))
     state, out, pos = model.new_state(), [], 0
     with torch.inference_mode():
         for c in chunks:
-            out.append(model.forward(ids[pos:pos + c].to(dev), state, DeviceExperts(files.experts, dev)))
+            out.append(model.forward(ids[pos:pos + c].to(dev), state, files.experts))
             pos += c
     return torch.cat(out).float().cpu()
 

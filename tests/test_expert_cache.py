@@ -295,3 +295,95 @@ def test_invariants_under_random_operations(policy, slots, ops):
         assert s.hits + s.misses == lookups == sum(s.layer_hits) + sum(s.layer_misses)
         assert s.pinned + s.pinned_pending == len(cache.pinned()) <= slots
         assert s.entries == len(res) and s.bytes_read == s.admissions * E
+
+
+# ---------------------------------------------------------------------------- /pin (issue 28.6)
+# Through the provider (engine.experts.streaming.StreamingExperts) on the tiny model's pack:
+# user pins never take the slots a turn needs, fail whole, and count while still loading.
+
+@pytest.fixture(scope="module")
+def tiny_pack(tmp_path_factory):
+    """(official checkpoint with the real tokenizer, its conversion)."""
+    from converter import synth
+    from converter.convert import convert
+
+    root = tmp_path_factory.mktemp("pins")
+    ckpt = synth.write_checkpoint(root / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    return ckpt, convert(ckpt, root / "pack", resume=False)
+
+
+def _streaming(pack, slots: int):
+    from engine.weights import open_model
+
+    full = open_model(pack)
+    record = full.experts.store.record_bytes
+    full.close()
+    return open_model(pack, cache_bytes=slots * record)
+
+
+def test_pins_leave_one_layers_top_k_free_and_count_while_loading(tiny_pack):
+    files = _streaming(tiny_pack[1], 8)
+    try:
+        p, k = files.experts, files.args.n_activated_experts
+        assert k == 4 and p.pin_limit == 8 - k
+        assert p.pin([(0, 1), (0, 2), (1, 3), (1, 3)]) == [(0, 1), (0, 2), (1, 3)]
+        s = p.stats()  # the reads started at once: counted as pinned before any use
+        assert s.pinned == 3 and s.pinned_pending == 0 and len(p.cache) == 3
+        p.pin([(2, 0)])
+        with pytest.raises(ExpertCacheError, match=r"at most 4 pins"):
+            p.pin([(2, 1)])
+        assert p.pinned() == {(0, 1), (0, 2), (1, 3), (2, 0)} and p.stats().pinned == 4
+        p.acquire(3, [5, 6, 7, 8])  # a whole layer's top-k at once still fits (the graph path)
+        p.release(3)
+        assert sorted(e for e, _ in p.experts(4, [9, 10, 11, 12, 13])) == [9, 10, 11, 12, 13]
+        got = {e: w for e, w in p.experts(0, [1, 2])}  # pinned ones are served from their slots
+        assert set(got) == {1, 2} and p.pinned() == {(0, 1), (0, 2), (1, 3), (2, 0)}
+        assert p.unpin([(0, 1), (3, 3)]) == [(0, 1)]  # only what was pinned is reported
+        assert p.unpin(None) == [(0, 2), (1, 3), (2, 0)] and p.pinned() == frozenset()
+    finally:
+        files.close()
+
+
+def test_a_failed_pin_is_rolled_back_whole(tiny_pack):
+    files = _streaming(tiny_pack[1], 8)
+    try:
+        p = files.experts
+        p.pin([(0, 1)])
+        resident = p.cache.resident()
+        with pytest.raises(ExpertCacheError, match="cannot pin 5 more"):
+            p.pin([(1, e) for e in range(5)])
+        assert p.pinned() == {(0, 1)} and p.cache.resident() == resident  # nothing pinned or read
+        with pytest.raises(ExpertCacheError, match="out of range"):  # fails on the third key
+            p.pin([(1, 0), (1, 1), (99, 0)])
+        assert p.pinned() == {(0, 1)} and p.stats().pinned == 1
+        assert (1, 0) not in p.cache.pinned() and (1, 1) not in p.cache.pinned()
+        assert p.cache.pinned() == {(0, 1)}  # no hold left behind either
+    finally:
+        files.close()
+
+
+def test_engine_pin_hot_over_the_limit_fails_whole_and_the_next_turn_runs(tiny_pack):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TurnFinished
+    from engine.sampling import SamplingParams
+
+    ckpt, pack = tiny_pack
+    full = Engine.load(pack, EngineConfig(numerics="exact"), warmup=False)
+    record = full.experts.store.record_bytes
+    full.close()
+    eng = Engine.load(pack, EngineConfig(numerics="exact", cache_bytes=12 * record), warmup=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        sess = eng.new_session()
+        assert isinstance(list(eng.generate(sess, "Hi there", params))[-1], TurnFinished)
+        with pytest.raises(ExpertCacheError, match="at most 8 pins"):
+            eng.pin_hot(100)
+        assert eng.experts.pinned() == frozenset() and eng.stats().cache.pinned == 0
+        hot = eng.pin_hot(8)
+        assert len(hot) == 8 and eng.stats().cache.pinned == 8  # every pin counted at once
+        fin = list(eng.generate(sess, "And again", params))[-1]
+        assert isinstance(fin, TurnFinished)  # the turn still had a layer's top-k to stream through
+        assert set(hot) <= eng.experts.pinned()
+    finally:
+        eng.close()

@@ -15,12 +15,12 @@ from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine import pack as layout
 from engine.checkpoint import CheckpointError, TensorIndex
 from engine.experts.cache import CacheFullError
-from engine.experts.prefetch import IOPool
-from engine.experts.provider import RoutingTrace
+from engine.experts.io_pool import IOPool
+from engine.experts.trace import RoutingTrace
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.trace import TraceWriter, read_records
 from engine.model import Transformer
-from engine.moe import ExpertWeights
+from engine.experts.weights import ExpertWeights
 from engine.numerics import Numerics
 from engine.weights import open_model, open_official
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.pack import RecordLayout
 from engine.experts.store import aligned_empty
-from engine.moe import ExpertWeights
+from engine.experts.weights import ExpertWeights
 
 
 class ExpertArena:

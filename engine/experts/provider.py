@@ -1,329 +1,196 @@
-"""StreamingExperts: the ExpertProvider that streams routed experts through a bounded cache.
+"""ExpertProvider: the one interface between routed experts and everything that uses them.
 
-Parts: `ExpertCache` (policy: which keys are resident, in which slot; stats), `ExpertArena`
-(slot memory + zero-copy ExpertWeights views), `ExpertStore` (one read per record) and `IOPool`
-(named I/O threads). All cache bookkeeping happens on the calling (engine) thread; I/O threads
-only copy bytes into slots.
+The model's MoE, the decode runner and the Engine's cache controls talk to one object:
 
-`experts(layer, ids)` looks every id up once (hits and misses counted by the cache), starts the
-misses' reads at once, yields the hits first while those reads run, then each miss as its read
-completes. Budgets smaller than one call's needs work in waves: a key of the current call is
-held (pinned transiently) from its lookup or admission until the consumer has used it (asks for
-the next item), so it is never evicted before use; a miss is admitted only when a slot can be
-freed without evicting a held key, i.e. after earlier experts of the call were used. With a
-budget of one record the call runs strictly one expert at a time.
+* data: `experts(layer, ids)` yields (id, ExpertWeights) once per distinct id, in any order;
+  `prefetch(layer, ids)` is a hint (hash layers know their experts from the token ids);
+  `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
+  that read them through its slot table; `record(layer, ids)` counts uses made that way (the
+  one-launch prefill, a replayed decode step); `all_resident()`; `load_all(on_unit)`;
+* `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
+  held in slots (an official checkpoint's experts, read from its shards);
+* `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
+  resident without one;
+* controls: `flush`, `pin` (all or nothing; never the slots a turn needs), `unpin`, `pinned`,
+  `contents`, `hottest`, `stats`;
+* `usage`: every use counted once, here, whichever path used the expert (`experts`, `acquire`,
+  `record`), with the seconds spent waiting for experts.
 
-`prefetch(layer, ids)` (hash layers know their experts from the token ids) admits and starts
-reading those experts early and holds them until `experts(layer, ...)` uses them; prefetch holds
-take at most `prefetch_share` of the slots, and are dropped if the current call needs their
-slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
-
-Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
-while a forward call is running (another thread) is not supported (the cache is not
-thread-safe anyway).
+Implementations: engine.experts.resident.ResidentExperts (official layout) and
+engine.experts.streaming.StreamingExperts (a converted pack through a bounded cache).
 """
 
 from __future__ import annotations
 
-import queue
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
 from typing import Callable, Iterable, Iterator
 
-import torch
-
-from engine.experts.arena import ExpertArena
-from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
-from engine.experts.prefetch import IOPool
-from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
-from engine.experts.trace import TraceWriter
-from engine.moe import ExpertWeights
+from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.weights import ExpertWeights
 
 
-class StreamingExperts:
-    """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
+class ExpertUsage:
+    """All-time uses per (layer, expert) and per layer, and seconds spent waiting for experts."""
 
-    def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
-                 prefetch_share: float = 0.5):
-        if arena.slots != cache.capacity_slots:
-            raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
-        self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
-        self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
-        self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
-        self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
-        self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
-        self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
-        self._staging: queue.SimpleQueue | None = None
-        if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
-            self._staging = queue.SimpleQueue()  # (pinned buffer, copy stream) pairs, one per I/O thread
-            for _ in range(pool.size):
-                self._staging.put((aligned_empty(store.record_bytes, pin_memory=True),
-                                   torch.cuda.Stream(arena.device)))
-        self._closed = False
+    def __init__(self, n_layers: int) -> None:
+        self.uses: Counter[ExpertKey] = Counter()
+        self.layer_uses = [0] * n_layers  # main layers only (the MTP block is not counted per layer)
+        self.wait_s = 0.0
 
-    # ------------------------------------------------------------------ holds and reads
-    def _hold(self, key: ExpertKey, user: frozenset) -> bool:
-        """Protect `key` from eviction; False when the cache cannot pin more keys now."""
-        if key in self._held or key in user:
-            return True
-        try:
-            self.cache.pin(key)
-        except ExpertCacheError:
-            return False
-        self._held.add(key)
-        return True
+    def count(self, layer: int, ids: Iterable[int]) -> None:
+        """One use of each distinct id of `layer`."""
+        for e in dict.fromkeys(int(i) for i in ids):
+            self.uses[(layer, e)] += 1
+            if 0 <= layer < len(self.layer_uses):
+                self.layer_uses[layer] += 1
 
-    def _release(self, key: ExpertKey) -> None:
-        if key in self._held:
-            self._held.remove(key)
-            self.cache.unpin(key)
 
-    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None) -> None:
-        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
+class ExpertProvider(ABC):
+    """Supplies routed experts (module docstring). Subclasses implement `_experts`, `prefetch`
+    and `all_resident`, and where they hold experts in an arena `_acquire`/`release`/`_record`;
+    this class counts usage and times the waits around them, and implements the controls over
+    `cache` (nothing to control when it is None)."""
 
-        Device arenas: the read lands in a pinned buffer, which is copied on the buffer's own
-        stream, so uploads overlap the compute stream's kernels. The copy first waits for `freed`
-        (recorded on the compute stream when the slot was reassigned: kernels enqueued before
-        may still read the record it held), and is complete before the read's future resolves
-        (the consumer joins it before enqueuing kernels that read the slot)."""
-        if self._staging is None:
-            self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
-            return
-        buf, stream = self._staging.get()
-        try:
-            self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
-            stream.wait_event(freed)
-            with torch.cuda.stream(stream):
-                self.arena.data[slot].copy_(buf, non_blocking=True)
-            stream.synchronize()  # before the buffer is reused and the future resolves
-        finally:
-            self._staging.put((buf, stream))
+    arena = None  # engine.experts.arena.ExpertArena | None
+    cache: ExpertCache | None = None
 
-    def _admit(self, key: ExpertKey, user: frozenset) -> bool:
-        """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
-        if not self._hold(key, user):
-            return False
-        try:
-            slot, evicted = self.cache.admit(key)
-        except CacheFullError:
-            self._release(key)
-            return False
-        if evicted is not None:
-            self.arena.clear(*evicted)
-        self.arena.assign(key[0], key[1], slot)
-        freed = None
-        if self._staging is not None:  # the compute stream's work so far may still read the slot
-            freed = torch.cuda.Event()
-            freed.record(torch.cuda.current_stream(self.arena.device))
-        self._loads[key] = self.pool.submit(self._load, key, slot, freed)
-        return True
+    def __init__(self, n_layers: int, n_experts: int, top_k: int) -> None:
+        """`n_layers` main layers (the MTP block, if any, is layer n_layers), `n_experts` per
+        layer, `top_k` experts routed per token (the slots a turn needs stay unpinnable)."""
+        self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
+        self.usage = ExpertUsage(n_layers)
 
-    def _join(self, key: ExpertKey, reraise: bool = True) -> None:
-        """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
-        fut = self._loads.pop(key, None)
-        if fut is None:
-            return
-        try:
-            fut.result()
-        except BaseException as e:
-            self.arena.clear(*key)
-            self.cache.discard(key)
-            self._release(key)
-            if reraise:
-                if isinstance(e, ExpertReadError):
-                    raise
-                raise ExpertReadError(f"loading expert {key[1]} of layer {key[0]} failed: {e!r}") from e
-
-    def _settle(self, key: ExpertKey) -> None:
-        """Finish any read of `key` (errors dropped: the key is un-admitted) and release it."""
-        self._join(key, reraise=False)
-        self._release(key)
-
-    def _drop_prefetches(self) -> None:
-        for keys in self._prefetched.values():
-            for key in keys:
-                self._settle(key)
-        self._prefetched.clear()
-
-    # ------------------------------------------------------------------ ExpertProvider
+    # ------------------------------------------------------------------ data
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield (id, weights) once per distinct id: hits first, then misses as they arrive."""
-        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
-        user = self.cache.pinned() - self._held
-        ready: deque[ExpertKey] = deque()
-        waiting: deque[ExpertKey] = deque()
-        unprotected: set[ExpertKey] = set()  # hits we could not hold: admit nothing until used
-        loading: dict[ExpertKey, Future] = {}
+        """Yield (expert id, weights) once for every distinct id in `ids`, in any order."""
+        it = iter(self._experts(layer, ids))
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self.usage.wait_s += time.perf_counter() - t0
+                return
+            self.usage.wait_s += time.perf_counter() - t0
+            self.usage.count(layer, [item[0]])
+            yield item
 
-        def issue() -> bool:
-            started = False
-            while waiting and not unprotected and self._admit(waiting[0], user):
-                key = waiting.popleft()
-                loading[key] = self._loads[key]
-                started = True
-            return started
+    @abstractmethod
+    def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]: ...
 
-        try:
-            for key in set(self._prefetched.pop(layer, ())) - set(keys):
-                self._settle(key)  # a prefetch hint this call does not use
-            for key in keys:
-                if self.cache.lookup(key) is None:
-                    waiting.append(key)
-                else:
-                    ready.append(key)
-                    if not self._hold(key, user):
-                        unprotected.add(key)
-            issue()
-            while ready or loading or waiting:
-                if ready:
-                    key = ready.popleft()
-                elif loading:
-                    if not any(f.done() for f in loading.values()):
-                        wait(list(loading.values()), return_when=FIRST_COMPLETED)
-                    key = next(k for k, f in loading.items() if f.done())
-                    del loading[key]
-                else:
-                    self._drop_prefetches()  # their slots are needed now
-                    if not issue():
-                        raise CacheFullError(
-                            f"cannot load expert {waiting[0][1]} of layer {layer}: every one of "
-                            f"the {self.cache.capacity_slots} cache slots holds a pinned expert; "
-                            "unpin some or give the expert cache a larger budget")
-                    continue
-                self._join(key)
-                yield key[1], self.arena.weights(self.cache.peek(key))
-                unprotected.discard(key)
-                self._release(key)
-                issue()
-        finally:  # normal end, consumer stopped early, or an error: leave nothing held
-            for key in keys:
-                self._settle(key)
+    @abstractmethod
+    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+        """Hint: `layer` will need these experts soon."""
 
-    # ------------------------------------------------------------------ slot-table access
     def acquire(self, layer: int, ids: Iterable[int]) -> None:
-        """Make every id of `layer` resident at once and hold them until `release(layer)`.
-
-        For kernels that read experts through `arena.table` (the CUDA-graph decode): lookups
-        count as hits/misses like `experts`; misses are read before this returns. Raises
-        CacheFullError when the budget cannot hold all of them at the same time."""
-        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
-        user = self.cache.pinned() - self._held
-        for key in set(self._prefetched.pop(layer, ())) - set(keys):
-            self._settle(key)
-        held: list[ExpertKey] = []
-        self._acquired[layer] = held
-        for key in keys:
-            hit = self.cache.lookup(key) is not None
-            ok = self._hold(key, user) if hit else self._admit(key, user)
-            if not ok and not hit:
-                self._drop_prefetches()
-                ok = self._admit(key, user)
-            if not ok:
-                self.release(layer)
-                raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
-                                     f"{self.cache.capacity_slots} cache slots; unpin some or give the "
-                                     "expert cache a larger budget")
-            held.append(key)
+        """Make these experts of `layer` resident in `arena` at once and hold them until
+        `release(layer)`; counts their use."""
+        ids = list(ids)
+        t0 = time.perf_counter()
         try:
-            for key in keys:
-                self._join(key)
-        except BaseException:
-            self.release(layer)
-            raise
+            self._acquire(layer, ids)
+        finally:
+            self.usage.wait_s += time.perf_counter() - t0
+        self.usage.count(layer, ids)
+
+    def _acquire(self, layer: int, ids: list[int]) -> None:
+        """Nothing to hold when every expert is addressable without slots."""
 
     def release(self, layer: int) -> None:
         """Drop the holds of `acquire(layer)`."""
-        for key in self._acquired.pop(layer, ()):
-            self._settle(key)
-
-    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
-        """Read every expert of the store into the arena when the budget holds the whole pool
-        (then `arena.table` is complete), calling `on_unit(units done, units)` as it goes;
-        False, reading nothing, when it does not."""
-        units = self.store.layers()
-        if len(units) * self.store.count > self.cache.capacity_slots:
-            return False
-        for i, u in enumerate(units):
-            if on_unit is not None:
-                on_unit(i, len(units))
-            self.acquire(u, range(self.store.count))
-            self.release(u)
-        if on_unit is not None:
-            on_unit(len(units), len(units))
-        return True
-
-    def all_resident(self) -> bool:
-        """Every expert of every unit is in the arena (e.g. after `load_all`, until a flush)."""
-        return len(self.cache) == len(self.store.layers()) * self.store.count
 
     def record(self, layer: int, ids: Iterable[int]) -> None:
-        """Count uses of experts that are known resident (all hits): statistics only. This is the
-        layer's call, so its prefetch holds end here (as in `experts`)."""
-        for key in self._prefetched.pop(layer, ()):
-            self._settle(key)
-        for e in dict.fromkeys(int(i) for i in ids):
-            if self.cache.lookup((layer, e)) is None:
-                raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
+        """Count uses of experts known resident (read through the arena's slot table)."""
+        ids = list(ids)
+        self._record(layer, ids)
+        self.usage.count(layer, ids)
 
-    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Start reading these experts of `layer` now and keep them until its next call."""
-        user = self.cache.pinned() - self._held
-        mine = self._prefetched.setdefault(layer, [])
-        for e in dict.fromkeys(int(i) for i in ids):
-            key = (layer, e)
-            if key in self._held:
-                continue
-            if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
-                break
-            if self.cache.peek(key) is not None:
-                if not self._hold(key, user):
-                    break
-            elif not self._admit(key, user):
-                break
-            mine.append(key)
+    def _record(self, layer: int, ids: list[int]) -> None:
+        """Cache bookkeeping of such uses (none without a cache)."""
 
-    # ------------------------------------------------------------------ management
-    def stats(self) -> CacheStats:
-        return self.cache.stats()
+    @abstractmethod
+    def all_resident(self) -> bool:
+        """Every expert is resident now (then `arena`, if any, holds the whole pool)."""
 
-    def flush(self) -> list[ExpertKey]:
-        """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
-        self._drop_prefetches()
-        for key in list(self._loads):
-            self._settle(key)
-        evicted = self.cache.flush()
-        for key in evicted:
-            self.arena.clear(*key)
-        return evicted
+    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
+        """Make every expert resident when the budget holds them all; False when it does not."""
+        return self.all_resident()
 
     def close(self) -> None:
-        """Finish pending reads, stop the I/O threads, close the files. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for fut in self._loads.values():
-            wait([fut])
-        self._loads.clear()
-        self.pool.close()
-        self.store.close()
+        """Stop I/O threads and close files (nothing by default). Idempotent."""
 
+    # ------------------------------------------------------------------ controls
+    @property
+    def pin_limit(self) -> int:
+        """How many experts the user may pin: every slot but one layer's top-k."""
+        return 0 if self.cache is None else max(0, self.cache.capacity_slots - self.top_k)
 
-class RoutingTrace:
-    """Records every routed-expert decision into a TraceWriter (engine/experts/trace.py).
+    def pinned(self) -> frozenset[ExpertKey]:
+        """The keys the user pinned (resident, or still loading)."""
+        return frozenset() if self.cache is None else self.cache.pinned()
 
-    Pass as `log=` to `Transformer.forward`; a new step starts when the position changes or the
-    layer index does not increase (a new forward call).
-    """
+    def pin(self, keys: Iterable[tuple[int, int]]) -> list[ExpertKey]:
+        """Pin these (layer, expert) keys, all or none: raises ExpertCacheError, pinning nothing,
+        when they would leave fewer than `top_k` slots unpinned. Returns the keys. Without a
+        cache every expert is resident already and nothing is pinned."""
+        keys = [(int(layer), int(e)) for layer, e in dict.fromkeys(keys)]
+        if self.cache is None:
+            return keys
+        pinned = self.pinned()
+        new = [k for k in keys if k not in pinned]
+        if len(pinned) + len(new) > self.pin_limit:
+            raise ExpertCacheError(
+                f"cannot pin {len(new)} more expert(s): {len(pinned)} of the {self.cache.capacity_slots} "
+                f"cache slots are pinned and {self.top_k} must stay free for a layer's routed experts "
+                f"(at most {self.pin_limit} pins); unpin some or give the expert cache a larger budget")
+        done: list[ExpertKey] = []
+        try:
+            for key in new:
+                self._pin_one(key)
+                done.append(key)
+        except BaseException:
+            for key in done:  # rolled back whole
+                self._unpin_one(key)
+            raise
+        return keys
 
-    def __init__(self, writer: TraceWriter):
-        self.writer = writer
-        self.step = -1
-        self._last: tuple[int, int] | None = None  # (start, layer)
+    def _pin_one(self, key: ExpertKey) -> None:
+        self.cache.pin(key)
 
-    def __call__(self, kind: str, layer: int, start: int, selected: torch.Tensor) -> None:
-        if kind != "experts":
-            return
-        if self._last is None or start != self._last[0] or layer <= self._last[1]:
-            self.step += 1
-        self._last = (start, layer)
-        self.writer.record(self.step, layer, selected)
+    def _unpin_one(self, key: ExpertKey) -> None:
+        self.cache.unpin(key)
+
+    def unpin(self, keys: Iterable[tuple[int, int]] | None = None) -> list[ExpertKey]:
+        """Unpin these keys (None: every pinned key); returns those that were pinned."""
+        pinned = self.pinned()
+        wanted = sorted(pinned) if keys is None else [(int(a), int(b)) for a, b in dict.fromkeys(keys)]
+        out = [k for k in wanted if k in pinned]
+        for key in out:
+            self._unpin_one(key)
+        return out
+
+    def flush(self) -> list[ExpertKey]:
+        """Evict every unpinned expert; returns the evicted keys (none without a cache)."""
+        return [] if self.cache is None else self.cache.flush()
+
+    def hottest(self, n: int) -> list[ExpertKey]:
+        """The n experts used most so far (all time)."""
+        if self.cache is not None:
+            return self.cache.hottest(n)
+        return [k for k, _ in self.usage.uses.most_common(n)]
+
+    def contents(self) -> list[tuple[int, int, bool, int]]:
+        """(layer, expert, pinned, all-time uses) of every resident expert, sorted."""
+        uses = self.usage.uses
+        if self.cache is None:
+            return [(layer, e, False, uses.get((layer, e), 0)) for layer in range(self.n_layers)
+                    for e in range(self.n_experts)]
+        pinned = self.pinned()
+        return [(layer, e, (layer, e) in pinned, uses.get((layer, e), 0))
+                for layer, e in sorted(self.cache.resident())]
+
+    def stats(self) -> CacheStats | None:
+        """The cache's counters, or None when every expert is resident without a cache."""
+        return None if self.cache is None else self.cache.stats()

@@ -1,7 +1,15 @@
 """ExpertStore: reads routed-expert records of a converted directory (converter/layout.py).
 
 One record = one `os.preadv` of `record_bytes` at a 4 KiB-aligned file offset, straight into the
-caller's buffer (an arena slot or a staging buffer). With `o_direct=True` the files are opened
+caller's buffer (an arena slot or a staging buffer); never through a mapping, so a file that
+shrinks under a running engine gives an error, not SIGBUS. A short read is continued where it
+stopped; end of file (a truncated file) and I/O errors (EIO, retried twice) raise
+ExpertReadError naming the file, the layer, the expert and the fix.
+
+Integrity: the first time each record is read it is checked against its sha256 in the manifest
+(`files[<file>]["records"]`, written by the converter), in the calling thread (the I/O
+threads); a mismatch raises ExpertChecksumError naming the layer and expert. A manifest without
+per-record digests (hand-made or older) skips the check and says so in `checksum_note`. With `o_direct=True` the files are opened
 with O_DIRECT (bypassing the page cache; buffers must be 4 KiB aligned, see `aligned_empty`);
 when the filesystem refuses O_DIRECT (e.g. EINVAL at open or at the first read) the store falls
 back to buffered reads and says why in `o_direct_note`. Safe to call from several I/O threads at
@@ -11,6 +19,7 @@ once (pread has no shared file position).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -23,6 +32,13 @@ from engine.checkpoint import read_header
 
 class ExpertReadError(OSError):
     """An expert record could not be read (message names the layer, expert and file)."""
+
+
+class ExpertChecksumError(ExpertReadError):
+    """An expert record's bytes do not match the manifest's checksum (the file is corrupt)."""
+
+
+EIO_RETRIES = 2  # further attempts after an EIO before giving up on a record
 
 
 def aligned_empty(nbytes: int, align: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
@@ -43,6 +59,8 @@ class ExpertStore:
         self.o_direct_note = "not requested" if not o_direct else ""
         self._lock = threading.Lock()  # guards the one-time O_DIRECT fallback
         self._where: dict[int, tuple[Path, int]] = {}  # layer -> (file, offset of record 0)
+        self._digests: dict[int, list[str]] = {}  # layer -> sha256 hex per record
+        self._verified: set[tuple[int, int]] = set()  # records whose checksum has passed
         for unit in manifest.units:
             path = self.root / unit.file
             info = {t.name: t for t in read_header(path).tensors}.get(unit.tensor)
@@ -51,6 +69,15 @@ class ExpertStore:
                                       f"misshapen or unaligned; the conversion is corrupt: run "
                                       f"`python -m converter.verify {self.root}`")
             self._where[unit.layer] = (path, info.offset)
+            records = manifest.files.get(unit.file, {}).get("records")
+            if isinstance(records, list) and len(records) == self.count:
+                self._digests[unit.layer] = [str(d) for d in records]
+        self.checksums = len(self._digests) == len(self._where)
+        self.checksum_note = ("sha256 of each record, checked on its first read" if self.checksums else
+                              "the manifest has no per-record checksums: records are not checked; "
+                              "convert the checkpoint again to add them")
+        if not self.checksums:
+            self._digests.clear()
         self._fds: dict[int, int] = {}
         self._retired: list[int] = []
         if o_direct and not hasattr(os, "O_DIRECT"):
@@ -83,18 +110,23 @@ class ExpertStore:
     def layers(self) -> list[int]:
         return sorted(self._where)
 
+    def _pread(self, fd: int, out: memoryview, offset: int) -> int:
+        """One positional read into `out` at `offset`; the byte count (0 at end of file)."""
+        return os.preadv(fd, [out], offset)
+
     def read_into(self, layer: int, expert: int, out: memoryview) -> None:
-        """Read record (layer, expert) into `out` (writable, `record_bytes` long): one preadv."""
+        """Read record (layer, expert) into `out` (writable, `record_bytes` long), checking it
+        against the manifest the first time (module docstring)."""
         if layer not in self._where or not 0 <= expert < self.count:
             raise ExpertReadError(f"no expert record ({layer}, {expert}) in {self.root}")
         if len(out) != self.record_bytes:
             raise ValueError(f"buffer is {len(out)} bytes, a record is {self.record_bytes}")
         path, base = self._where[layer]
         offset = base + expert * self.record_bytes
-        done = 0
+        done, eio = 0, 0
         while done < self.record_bytes:
             try:
-                n = os.preadv(self._fds[layer], [out[done:]], offset + done)
+                n = self._pread(self._fds[layer], out[done:], offset + done)
             except OSError as e:
                 if e.errno == errno.EINVAL and self.o_direct:
                     with self._lock:
@@ -102,13 +134,24 @@ class ExpertStore:
                             self._reopen_buffered(f"O_DIRECT read failed ({e.strerror}); "
                                                   "unaligned buffer or unsupported filesystem")
                     continue
-                raise ExpertReadError(f"reading expert {expert} of layer {layer} from {path} at "
-                                      f"byte {offset}: {e.strerror or e}") from e
+                if e.errno == errno.EIO and eio < EIO_RETRIES:
+                    eio += 1
+                    continue
+                raise ExpertReadError(f"reading expert {expert} of layer {layer} from {path} at byte "
+                                      f"{offset + done} failed: {e.strerror or e}; the disk or the file is "
+                                      f"failing: check it with `python -m converter.verify {self.root}`") from e
             if n == 0:
                 raise ExpertReadError(f"{path} ends before expert {expert} of layer {layer} "
                                       f"(byte {offset + done}); the file is truncated: rerun "
                                       "dsv4-convert to repair it")
             done += n
+        if self._digests and (layer, expert) not in self._verified:
+            if hashlib.sha256(out).hexdigest() != self._digests[layer][expert]:
+                raise ExpertChecksumError(f"expert {expert} of layer {layer} in {path} does not match its "
+                                          f"checksum in the manifest: the file is corrupt; run `python -m "
+                                          f"converter.verify {self.root}` and rerun dsv4-convert to repair it")
+            with self._lock:
+                self._verified.add((layer, expert))
 
     def close(self) -> None:
         for fd in list(self._fds.values()) + self._retired:

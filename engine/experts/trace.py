@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import torch
+
 from engine.experts.cache import ExpertKey
 
 
@@ -149,3 +151,24 @@ def accesses(records: Sequence[TraceRecord] | Iterator[TraceRecord], *, dedupe: 
 def read_trace(path: str | os.PathLike[str], *, dedupe: bool = True) -> Iterator[ExpertKey]:
     """Yield the (layer, expert) access sequence of a trace file, in order (see `accesses`)."""
     return accesses(read_records(path), dedupe=dedupe)
+
+
+class RoutingTrace:
+    """Records every routed-expert decision into a TraceWriter (engine/experts/trace.py).
+
+    Pass as `log=` to `Transformer.forward`; a new step starts when the position changes or the
+    layer index does not increase (a new forward call).
+    """
+
+    def __init__(self, writer: TraceWriter):
+        self.writer = writer
+        self.step = -1
+        self._last: tuple[int, int] | None = None  # (start, layer)
+
+    def __call__(self, kind: str, layer: int, start: int, selected: torch.Tensor) -> None:
+        if kind != "experts":
+            return
+        if self._last is None or start != self._last[0] or layer <= self._last[1]:
+            self.step += 1
+        self._last = (start, layer)
+        self.writer.record(self.step, layer, selected)

@@ -1,0 +1,99 @@
+"""HostTier: the host-RAM tier between the disk and a device arena (GPU arena <- RAM <- disk).
+
+Fixed-size record slots in one host allocation of `budget_bytes // record_bytes` records
+(pinned when CUDA is available, so that a slot is the source of one asynchronous host->device
+copy; 4 KiB aligned, so that O_DIRECT disk reads land in a slot directly). Which records it
+holds is decided by its own ExpertCache (its own eviction policy instance, its own hit/miss
+counters); it never holds more than its budget. On the CPU (and on unified memory) there is no
+such tier: the arena itself is in RAM and is filled by direct reads.
+
+Protocol (bookkeeping on the engine thread, bytes on the I/O threads):
+
+    got = tier.hold(key)        # engine thread: (slot, must_read) or None when every slot is held
+    tier.read(key, slot)        # I/O thread, only when must_read: disk -> slot
+    ... copy tier.data[slot] to the device ...
+    tier.done(key, ok)          # engine thread: releases the slot; ok=False (a failed read) drops it
+
+A held slot is never evicted nor reassigned, so a transfer from or into it cannot race another
+key's. A failed read leaves the key out of the tier, its slot free, nothing held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.store import ExpertStore, aligned_empty
+
+
+class HostTier:
+    """Record slots in host RAM over an ExpertStore (module docstring)."""
+
+    def __init__(self, store: ExpertStore, budget_bytes: int, *, num_layers: int, policy: str = "lru",
+                 pin_memory: bool | None = None):
+        """`budget_bytes`: the most host memory the slots may take (at least one record);
+        `pin_memory`: page-locked slots (default: when CUDA is available)."""
+        record = store.record_bytes
+        if budget_bytes < record:
+            raise ExpertCacheError(f"host cache budget of {budget_bytes} bytes is smaller than one expert record "
+                                   f"({record} bytes); give it at least one record or none at all")
+        self.store = store
+        self.cache = ExpertCache(budget_bytes, record, num_layers=num_layers, num_experts=store.count, policy=policy)
+        self.pinned_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.data = aligned_empty(self.cache.capacity_slots * record,
+                                  pin_memory=self.pinned_memory).view(self.cache.capacity_slots, record)
+        self._views = [memoryview(self.data[s].numpy()) for s in range(self.slots)]
+        self._held: set[ExpertKey] = set()  # keys with a transfer in flight
+
+    @property
+    def slots(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the slots (never above the budget)."""
+        return self.data.numel()
+
+    def hold(self, key: ExpertKey) -> tuple[int, bool] | None:
+        """Reserve `key`'s slot for one transfer: (slot, True) when its bytes must be read from
+        the disk first (a miss: admitted, evicting the least valuable unheld record), (slot,
+        False) on a RAM hit; None when every slot is held (read past the tier) or `key` is
+        already held. Counts a lookup in the tier's statistics."""
+        if key in self._held:
+            return None
+        slot = self.cache.lookup(key)
+        must_read = slot is None
+        if must_read:
+            try:
+                slot, _ = self.cache.admit(key)
+            except CacheFullError:
+                return None
+        self.cache.pin(key)
+        self._held.add(key)
+        return slot, must_read
+
+    def read(self, key: ExpertKey, slot: int) -> None:
+        """Runs on an I/O thread: record `key` from the disk into `slot` (checked by the store)."""
+        self.store.read_into(key[0], key[1], self._views[slot])
+
+    def done(self, key: ExpertKey, ok: bool = True) -> None:
+        """End the transfer of `hold(key)`; when it failed (`ok` False) the key leaves the tier."""
+        if key not in self._held:
+            raise ExpertCacheError(f"expert {key!r} is not held in the host tier")
+        self._held.remove(key)
+        self.cache.unpin(key)
+        if not ok:
+            self.cache.discard(key)
+
+    def held(self) -> frozenset[ExpertKey]:
+        return frozenset(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.cache
+
+    def flush(self) -> list[ExpertKey]:
+        """Drop every record not in transfer; returns them."""
+        return self.cache.flush()
+
+    def stats(self) -> CacheStats:
+        return self.cache.stats()

@@ -1,0 +1,363 @@
+"""StreamingExperts: the ExpertProvider (engine/experts/provider.py) that streams routed
+experts through a bounded cache.
+
+Parts: `ExpertCache` (policy: which keys are resident, in which slot; stats), `ExpertArena`
+(slot memory + zero-copy ExpertWeights views), `ExpertStore` (one read per record) and `IOPool`
+(named I/O threads). All cache bookkeeping happens on the calling (engine) thread; I/O threads
+only copy bytes into slots.
+
+`experts(layer, ids)` looks every id up once (hits and misses counted by the cache), starts the
+misses' reads at once, yields the hits first while those reads run, then each miss as its read
+completes. Budgets smaller than one call's needs work in waves: a key of the current call is
+held (pinned transiently) from its lookup or admission until the consumer has used it (asks for
+the next item), so it is never evicted before use; a miss is admitted only when a slot can be
+freed without evicting a held key, i.e. after earlier experts of the call were used. With a
+budget of one record the call runs strictly one expert at a time.
+
+`prefetch(layer, ids)` (hash layers know their experts from the token ids) admits and starts
+reading those experts early and holds them until `experts(layer, ...)` uses them; prefetch holds
+take at most `prefetch_share` of the slots, and are dropped if the current call needs their
+slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
+
+With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
+RAM when the tier holds the record (one asynchronous host->device copy), else read from the
+disk into a tier slot and copied from there; without a tier (or when every tier slot is in
+transfer) it is read into a pinned staging buffer. On the CPU the arena is the only tier.
+
+Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
+while a forward call is running (another thread) is not supported (the cache is not
+thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
+once: it takes its slot now (counted as pinned), and the read is joined on the expert's next use.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from engine.experts.arena import ExpertArena
+from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.host_tier import HostTier
+from engine.experts.io_pool import IOPool
+from engine.experts.provider import ExpertProvider
+from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
+from engine.experts.weights import ExpertWeights
+
+
+class StreamingExperts(ExpertProvider):
+    """ExpertProvider over an ExpertStore, an ExpertCache and an ExpertArena (module docstring)."""
+
+    def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
+                 prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1,
+                 tier: HostTier | None = None):
+        """`n_layers`: the main layers whose uses are counted per layer (default: every unit);
+        `top_k`: experts routed per token (that many slots are never pinned by the user);
+        `tier`: the host-RAM tier behind a device arena (None: reads go straight to the arena)."""
+        super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k)
+        if arena.slots != cache.capacity_slots:
+            raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
+        self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
+        self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
+        self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
+        self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
+        self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
+        self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
+        self._staging: queue.SimpleQueue | None = None
+        if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
+            self._staging = queue.SimpleQueue()  # (pinned buffer, copy stream) pairs, one per I/O thread
+            for _ in range(pool.size):
+                self._staging.put((aligned_empty(store.record_bytes, pin_memory=True),
+                                   torch.cuda.Stream(arena.device)))
+        if tier is not None and arena.on_host:
+            raise ValueError("a host-RAM tier sits behind a device arena; this arena is in host memory already")
+        self.tier = tier
+        self._tiered: set[ExpertKey] = set()  # loads holding a tier slot
+        self._closed = False
+
+    # ------------------------------------------------------------------ holds and reads
+    def _hold(self, key: ExpertKey, user: frozenset) -> bool:
+        """Protect `key` from eviction; False when the cache cannot pin more keys now."""
+        if key in self._held or key in user:
+            return True
+        try:
+            self.cache.pin(key)
+        except ExpertCacheError:
+            return False
+        self._held.add(key)
+        return True
+
+    def _release(self, key: ExpertKey) -> None:
+        if key in self._held:
+            self._held.remove(key)
+            self.cache.unpin(key)
+
+    def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None,
+              src: tuple[int, bool] | None = None) -> None:
+        """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
+
+        Device arenas: the bytes come from host tier slot `src[0]` (read from the disk first
+        when `src[1]`), or are read into a pinned staging buffer; they are copied on the
+        buffer's own stream, so uploads overlap the compute stream's kernels. The copy first
+        waits for `freed` (recorded on the compute stream when the slot was reassigned: kernels
+        enqueued before may still read the record it held), and is complete before the read's
+        future resolves (the consumer joins it before enqueuing kernels that read the slot)."""
+        if self._staging is None:
+            self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
+            return
+        buf, stream = self._staging.get()
+        try:
+            if src is not None:
+                if src[1]:
+                    self.tier.read(key, src[0])
+                host = self.tier.data[src[0]]
+            else:
+                self.store.read_into(key[0], key[1], memoryview(buf.numpy()))
+                host = buf
+            stream.wait_event(freed)
+            with torch.cuda.stream(stream):
+                self.arena.data[slot].copy_(host, non_blocking=True)
+            stream.synchronize()  # before the buffer is reused and the future resolves
+        finally:
+            self._staging.put((buf, stream))
+
+    def _start(self, key: ExpertKey, slot: int) -> None:
+        """Start the read of admitted `key` into arena slot `slot` (from the host tier if any)."""
+        freed = src = None
+        if self._staging is not None:  # the compute stream's work so far may still read the slot
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.arena.device))
+            if self.tier is not None:
+                src = self.tier.hold(key)
+                if src is not None:
+                    self._tiered.add(key)
+        self._loads[key] = self.pool.submit(self._load, key, slot, freed, src)
+
+    def _admit(self, key: ExpertKey, user: frozenset) -> bool:
+        """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
+        if not self._hold(key, user):
+            return False
+        try:
+            slot, evicted = self.cache.admit(key)
+        except CacheFullError:
+            self._release(key)
+            return False
+        if evicted is not None:
+            self.arena.clear(*evicted)
+        self.arena.assign(key[0], key[1], slot)
+        self._start(key, slot)
+        return True
+
+    def _join(self, key: ExpertKey, reraise: bool = True) -> None:
+        """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
+        fut = self._loads.pop(key, None)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except BaseException as e:
+            if key in self._tiered:
+                self._tiered.remove(key)
+                self.tier.done(key, ok=False)
+            self.arena.clear(*key)
+            self.cache.discard(key)
+            self._release(key)
+            if reraise:
+                if isinstance(e, ExpertReadError):
+                    raise
+                raise ExpertReadError(f"loading expert {key[1]} of layer {key[0]} failed: {e!r}") from e
+            return
+        if key in self._tiered:
+            self._tiered.remove(key)
+            self.tier.done(key)
+
+    def _settle(self, key: ExpertKey) -> None:
+        """Finish any read of `key` (errors dropped: the key is un-admitted) and release it."""
+        self._join(key, reraise=False)
+        self._release(key)
+
+    def _drop_prefetches(self) -> None:
+        for keys in self._prefetched.values():
+            for key in keys:
+                self._settle(key)
+        self._prefetched.clear()
+
+    # ------------------------------------------------------------------ ExpertProvider
+    def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield (id, weights) once per distinct id: hits first, then misses as they arrive."""
+        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
+        user = self.cache.pinned() - self._held
+        ready: deque[ExpertKey] = deque()
+        waiting: deque[ExpertKey] = deque()
+        unprotected: set[ExpertKey] = set()  # hits we could not hold: admit nothing until used
+        loading: dict[ExpertKey, Future] = {}
+
+        def issue() -> bool:
+            started = False
+            while waiting and not unprotected and self._admit(waiting[0], user):
+                key = waiting.popleft()
+                loading[key] = self._loads[key]
+                started = True
+            return started
+
+        try:
+            for key in set(self._prefetched.pop(layer, ())) - set(keys):
+                self._settle(key)  # a prefetch hint this call does not use
+            for key in keys:
+                if self.cache.lookup(key) is None:
+                    waiting.append(key)
+                else:
+                    ready.append(key)
+                    if not self._hold(key, user):
+                        unprotected.add(key)
+            issue()
+            while ready or loading or waiting:
+                if ready:
+                    key = ready.popleft()
+                elif loading:
+                    if not any(f.done() for f in loading.values()):
+                        wait(list(loading.values()), return_when=FIRST_COMPLETED)
+                    key = next(k for k, f in loading.items() if f.done())
+                    del loading[key]
+                else:
+                    self._drop_prefetches()  # their slots are needed now
+                    if not issue():
+                        raise CacheFullError(
+                            f"cannot load expert {waiting[0][1]} of layer {layer}: every one of "
+                            f"the {self.cache.capacity_slots} cache slots holds a pinned expert; "
+                            "unpin some or give the expert cache a larger budget")
+                    continue
+                self._join(key)
+                yield key[1], self.arena.weights(self.cache.peek(key))
+                unprotected.discard(key)
+                self._release(key)
+                issue()
+        finally:  # normal end, consumer stopped early, or an error: leave nothing held
+            for key in keys:
+                self._settle(key)
+
+    # ------------------------------------------------------------------ slot-table access
+    def _acquire(self, layer: int, ids: Iterable[int]) -> None:
+        """Make every id of `layer` resident at once and hold them until `release(layer)`.
+
+        For kernels that read experts through `arena.table` (the CUDA-graph decode): lookups
+        count as hits/misses like `experts`; misses are read before this returns. Raises
+        CacheFullError when the budget cannot hold all of them at the same time."""
+        keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
+        user = self.cache.pinned() - self._held
+        for key in set(self._prefetched.pop(layer, ())) - set(keys):
+            self._settle(key)
+        held: list[ExpertKey] = []
+        self._acquired[layer] = held
+        for key in keys:
+            hit = self.cache.lookup(key) is not None
+            ok = self._hold(key, user) if hit else self._admit(key, user)
+            if not ok and not hit:
+                self._drop_prefetches()
+                ok = self._admit(key, user)
+            if not ok:
+                self.release(layer)
+                raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
+                                     f"{self.cache.capacity_slots} cache slots; unpin some or give the "
+                                     "expert cache a larger budget")
+            held.append(key)
+        try:
+            for key in keys:
+                self._join(key)
+        except BaseException:
+            self.release(layer)
+            raise
+
+    def release(self, layer: int) -> None:
+        """Drop the holds of `acquire(layer)`."""
+        for key in self._acquired.pop(layer, ()):
+            self._settle(key)
+
+    def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
+        """Read every expert of the store into the arena when the budget holds the whole pool
+        (then `arena.table` is complete), calling `on_unit(units done, units)` as it goes;
+        False, reading nothing, when it does not."""
+        units = self.store.layers()
+        if len(units) * self.store.count > self.cache.capacity_slots:
+            return False
+        for i, u in enumerate(units):
+            if on_unit is not None:
+                on_unit(i, len(units))
+            self._acquire(u, range(self.store.count))
+            self.release(u)
+        if on_unit is not None:
+            on_unit(len(units), len(units))
+        return True
+
+    def all_resident(self) -> bool:
+        """Every expert of every unit is in the arena (e.g. after `load_all`, until a flush)."""
+        return len(self.cache) == len(self.store.layers()) * self.store.count
+
+    def _record(self, layer: int, ids: Iterable[int]) -> None:
+        """Cache lookups of experts used through the slot table (all hits). This is the layer's
+        call, so its prefetch holds end here (as in `experts`)."""
+        for key in self._prefetched.pop(layer, ()):
+            self._settle(key)
+        for e in dict.fromkeys(int(i) for i in ids):
+            if self.cache.lookup((layer, e)) is None:
+                raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
+
+    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+        """Start reading these experts of `layer` now and keep them until its next call."""
+        user = self.cache.pinned() - self._held
+        mine = self._prefetched.setdefault(layer, [])
+        for e in dict.fromkeys(int(i) for i in ids):
+            key = (layer, e)
+            if key in self._held:
+                continue
+            if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
+                break
+            if self.cache.peek(key) is not None:
+                if not self._hold(key, user):
+                    break
+            elif not self._admit(key, user):
+                break
+            mine.append(key)
+
+    # ------------------------------------------------------------------ management
+    def pinned(self) -> frozenset[ExpertKey]:
+        """The keys the user pinned (not this provider's transient holds)."""
+        return self.cache.pinned() - self._held
+
+    def _pin_one(self, key: ExpertKey) -> None:
+        """Pin `key` and, when it is not resident, admit it and start its read now."""
+        self._drop_prefetches()  # their holds would count against the pin limit
+        self.cache.pin(key)
+        self._held.discard(key)  # a transient hold becomes the user's pin
+        if self.cache.peek(key) is None and not self._admit(key, frozenset({key})):
+            self.cache.unpin(key)
+            raise CacheFullError(f"cannot load pinned expert {key[1]} of layer {key[0]}: every cache "
+                                 "slot is pinned or in use")
+
+    def _unpin_one(self, key: ExpertKey) -> None:
+        self._settle(key)  # a read still in flight finishes (or is un-admitted) first
+        self.cache.unpin(key)
+
+    def flush(self) -> list[ExpertKey]:
+        """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
+        self._drop_prefetches()
+        for key in list(self._loads):
+            self._settle(key)
+        evicted = self.cache.flush()
+        for key in evicted:
+            self.arena.clear(*key)
+        return evicted
+
+    def close(self) -> None:
+        """Finish pending reads, stop the I/O threads, close the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._loads.values():
+            wait([fut])
+        self._loads.clear()
+        self.pool.close()
+        self.store.close()

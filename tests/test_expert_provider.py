@@ -1,0 +1,121 @@
+"""The one expert-provider interface through `Engine`: the model gets the provider itself, so a
+fully resident arena takes the one-launch MoE path (counted on the CPU reference backend, which
+runs the same dispatch as CUDA), and every use is counted once, by the provider."""
+
+from __future__ import annotations
+
+import pytest
+
+from converter import synth
+from converter.convert import convert
+from engine.chat import ChatTokenizer
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import TurnFinished
+from engine.model import Transformer
+from engine.numerics import Numerics
+from engine.sampling import SamplingParams
+from engine.weights import open_model
+from kernels.backend import TorchBackend
+
+
+class CountingBackend(TorchBackend):
+    """The reference backend, counting the routed-expert entry points."""
+
+    def __init__(self) -> None:
+        self.calls = {"fp4_moe": 0, "fp4_gemm": 0}
+
+    def fp4_moe(self, *args):
+        self.calls["fp4_moe"] += 1
+        return super().fp4_moe(*args)
+
+    def fp4_gemm(self, *args):
+        self.calls["fp4_gemm"] += 1
+        return super().fp4_gemm(*args)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(official checkpoint, its conversion) of the tiny model with the real tokenizer."""
+    root = tmp_path_factory.mktemp("provider")
+    ckpt = synth.write_checkpoint(root / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    return ckpt, convert(ckpt, root / "pack", resume=False)
+
+
+def _engine(path, tokenizer_dir, backend, chunk: int) -> Engine:
+    files = open_model(path)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native", backend))
+        return Engine(files, model, ChatTokenizer.from_dir(tokenizer_dir),
+                      EngineConfig(numerics="native", prefill_chunk=chunk))
+    except BaseException:
+        files.close()
+        raise
+
+
+def test_engine_native_prefill_on_a_resident_arena_is_one_launch_per_layer(tiny):
+    ckpt, pack = tiny
+    backend = CountingBackend()
+    eng = _engine(pack, ckpt, backend, chunk=8)
+    try:
+        assert eng.experts.load_all() and eng.experts.all_resident()
+        assert eng.experts.arena is not None and eng.model.blocks[0].ffn._cells_in_arena(eng.experts)
+        before = eng.experts.stats()
+        sess = eng.new_session()
+        fin = list(eng.generate(sess, "Hello there, how are you today?", SamplingParams(temperature=0, max_tokens=3)))[-1]
+        assert isinstance(fin, TurnFinished)
+        s, n = fin.stats, eng.args.n_layers
+        chunks = -(-s.prefill_tokens // 8)
+        assert chunks >= 2  # the prompt spans several prefill chunks
+        steps = s.completion_tokens - 1  # every sampled token but the last is run
+        assert backend.calls["fp4_gemm"] == 0  # never the per-expert loop
+        assert backend.calls["fp4_moe"] == n * (chunks + steps)  # one launch per layer and call
+        # usage: counted once per (call, layer, distinct expert), by the provider, and the cache
+        # saw the same uses as hits (all resident: no miss)
+        after = eng.experts.stats()
+        uses = sum(eng.experts.usage.layer_uses)
+        assert uses > 0 and after.misses == before.misses  # load_all read them; the turn missed none
+        main_hits = sum(after.layer_hits[:n]) - sum(before.layer_hits[:n])
+        assert main_hits == uses
+        assert eng.stats().cache.hits == after.hits
+    finally:
+        eng.close()
+
+
+def test_bounded_cache_takes_the_per_expert_loop_and_counts_the_same_uses(tiny):
+    """Below the pool the arena is not complete: the MoE streams expert by expert; the uses the
+    provider counts equal the cache's lookups of the main layers."""
+    ckpt, pack = tiny
+    backend = CountingBackend()
+    full = open_model(pack)
+    record = full.experts.store.record_bytes
+    full.close()
+    files = open_model(pack, cache_bytes=8 * record)
+    model = Transformer(files.get, files.args, Numerics.named("native", backend))
+    eng = Engine(files, model, ChatTokenizer.from_dir(ckpt), EngineConfig(numerics="native", prefill_chunk=16))
+    try:
+        sess = eng.new_session()
+        fin = list(eng.generate(sess, "Hi", SamplingParams(temperature=0, max_tokens=2)))[-1]
+        assert isinstance(fin, TurnFinished)
+        assert backend.calls["fp4_moe"] == 0 and backend.calls["fp4_gemm"] > 0
+        st, n = eng.experts.stats(), eng.args.n_layers
+        assert sum(eng.experts.usage.layer_uses) == sum(st.layer_hits[:n]) + sum(st.layer_misses[:n]) > 0
+        assert st.misses > 0
+    finally:
+        eng.close()
+
+
+def test_resident_official_experts_have_no_arena_and_nothing_to_pin(tiny):
+    ckpt, _ = tiny
+    files = open_model(ckpt)
+    try:
+        p = files.experts
+        assert p.arena is None and p.cache is None and p.all_resident() and p.load_all()
+        assert p.pin([(0, 1)]) == [(0, 1)] and p.pinned() == frozenset() and p.flush() == []
+        assert [e for e, _ in p.experts(1, [3, 3, 2])] == [3, 2]
+        assert p.usage.uses[(1, 3)] == 1 and p.usage.layer_uses[1] == 2
+        p.record(2, [4, 4, 5])
+        assert p.usage.layer_uses[2] == 2 and p.hottest(1) in ([(1, 3)], [(1, 2)], [(2, 4)], [(2, 5)])
+        assert len(p.contents()) == files.args.n_layers * files.args.n_routed_experts
+    finally:
+        files.close()

@@ -1,0 +1,92 @@
+"""The host-RAM tier behind a CUDA arena (engine/experts/host_tier.py) on the tiny model: the
+same logits as without it, RAM hits on the second pass, nothing held afterwards; the layered
+CUDA-graph decode through it equals the eager step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from converter.convert import convert
+from engine.decode_graph import DecodeRunner
+from engine.model import Transformer
+from engine.numerics import Numerics
+from engine.weights import open_model
+from kernels.backend import make_backend
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT = torch.tensor([0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3])
+DECODE = [7, 123, 400, 9, 77]
+
+
+@pytest.fixture(scope="module")
+def packed(separated_ckpt, tmp_path_factory) -> Path:
+    return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
+
+
+def _open(packed, host: int | None):
+    full = open_model(packed)
+    record, pool = full.experts.store.record_bytes, len(full.experts.store.layers()) * full.experts.store.count
+    full.close()
+    return open_model(packed, cache_bytes=12 * record, device="cuda", host_cache_bytes=host), record, pool
+
+
+def _pass(files, model) -> list[torch.Tensor]:
+    state = model.new_state()
+    outs = [model.forward(PROMPT.cuda(), state, files.experts, last_only=True)]
+    outs += [model.forward(torch.tensor([t]).cuda(), state, files.experts, last_only=True) for t in DECODE]
+    return [o.float().cpu() for o in outs]
+
+
+def test_tier_serves_misses_with_the_same_bytes(packed):
+    plain, record, pool = _open(packed, None)
+    tiered, _, _ = _open(packed, pool * record)
+    try:
+        assert plain.experts.tier is None and tiered.experts.tier is not None
+        tier = tiered.experts.tier
+        assert tier.pinned_memory and tier.nbytes <= pool * record
+        dev = torch.device("cuda")
+        ms = [Transformer(lambda n, f=f: f.get(n).to(dev), f.args, Numerics.named("native", make_backend("torch", dev)))
+              for f in (plain, tiered)]
+        want = _pass(plain, ms[0])
+        got = _pass(tiered, ms[1])
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        first = tier.stats()
+        assert first.misses > 0
+        got2 = _pass(tiered, ms[1])  # the arena (12 slots) misses again; the tier now holds them
+        assert all(torch.equal(a, b) for a, b in zip(want, got2))
+        second = tier.stats()
+        assert second.hits > first.hits and second.misses == first.misses
+        assert tier.held() == frozenset() and tiered.experts.cache.pinned() == frozenset()
+    finally:
+        plain.close()
+        tiered.close()
+
+
+def test_layered_graph_decode_through_the_tier_equals_eager(packed):
+    files, record, pool = _open(packed, None)
+    files.close()
+    files, _, _ = _open(packed, (pool // 2) * record)
+    try:
+        dev = torch.device("cuda")
+        model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                            Numerics.named("native", make_backend("torch", dev)))
+        state = model.new_state()
+        tok = model.forward(PROMPT.cuda(), state, files.experts, last_only=True).argmax(-1)
+        eager = state.clone()
+        runner = DecodeRunner(model, files.experts, whole=False, graphs=True)
+        for _ in range(6):
+            want = model.forward(tok, eager, files.experts, last_only=True)
+            got = runner.step(state, tok)
+            rel = ((want.float() - got.float()).abs().max() / want.float().abs().max()).item()
+            assert rel <= 1e-3, rel
+            tok = want.argmax(-1)
+        runner.settle()
+        assert runner.capture_error is None and runner.captures >= 1
+        assert files.experts.tier.stats().hits > 0 and files.experts.tier.held() == frozenset()
+    finally:
+        files.close()
