@@ -1,4 +1,4 @@
-"""`dsv4-convert`: official HF checkpoint -> expert-pack layout v2 (converter/layout.py).
+"""`dsv4-convert`: official HF checkpoint -> expert-pack layout v2 (engine/pack.py).
 
 Lossless (bytes are copied, never re-quantised; the FP4 expert weights' codes are only
 reordered within each byte) and streaming: one resident tensor (in 8 MiB chunks) or one expert

@@ -2,7 +2,7 @@
 
 `python -m converter.verify DIR` prints every file's first problem (the corrupt header, tensor or
 expert record, named) or "OK", exit status 0 when clean, 1 otherwise. The checksum scheme is in
-converter/layout.py ("File entries").
+engine/pack.py ("File entries").
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import shutil
 import pytest
 import torch
 
-from converter import layout, synth
+from converter import synth
+from engine import pack as layout
 from converter.convert import convert
 from engine.config import EngineConfig
 from engine.engine import Engine

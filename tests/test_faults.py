@@ -222,7 +222,7 @@ def test_generate_cli_exits_1_on_non_finite_logits(nan_pack, capsys):
 # ----------------------------------------------------------------------------- dsv4-convert --verify
 
 def test_verify_cli_names_a_zeroed_expert_record(source, tmp_path, capsys):
-    from converter import layout
+    from engine import pack as layout
     from engine.checkpoint import TensorIndex
 
     out = convert(source, tmp_path / "pack")

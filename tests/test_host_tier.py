@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from converter import layout
+from engine import pack as layout
 from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.config import ConfigError, EngineConfig

@@ -1,4 +1,4 @@
-"""ExpertStore: reads routed-expert records of a converted directory (converter/layout.py).
+"""ExpertStore: reads routed-expert records of a converted directory (engine/pack.py).
 
 One record = one `os.preadv` of `record_bytes` at a 4 KiB-aligned file offset, straight into the
 caller's buffer (an arena slot or a staging buffer); never through a mapping, so a file that
