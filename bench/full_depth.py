@@ -195,7 +195,24 @@ def child(a) -> dict:
     eng.close()
     out["allocated_after_close"] = allocated()
     out["allocated_before_close"] = before_close
+    if cuda and out["allocated_after_close"]:
+        out["alive_after_close"] = _live_cuda_tensors()
+        print(f"  still allocated after close: {out['alive_after_close']}", file=sys.stderr, flush=True)
     return out
+
+
+def _live_cuda_tensors(top: int = 6) -> list[str]:
+    """The largest CUDA tensors still reachable (shape, dtype, MiB, who refers to them)."""
+    import gc
+
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            size = obj.untyped_storage().nbytes()
+            owners = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list", "frame"})
+            found.append((size, f"{tuple(obj.shape)} {obj.dtype} {size / 2**20:.0f} MiB <- {','.join(owners)}"))
+    found.sort(key=lambda t: -t[0])
+    return [text for _, text in found[:top]]
 
 
 # ----------------------------------------------------------------------------- table
