@@ -363,8 +363,8 @@ class NextUsePolicy:
 
     The engine looks experts up layer by layer, in the same cycle every token (decode step or
     prefill chunk). The policy follows that cycle from the keys it is given: a key of another
-    layer than the previous key starts a visit of its layer; the cycle's length is the number
-    of distinct layers seen. For a resident key (layer l, expert e):
+    layer than the previous key, or a key already used in the current visit, starts a visit
+    of its layer; the cycle's length is the number of distinct layers seen. For a resident key (layer l, expert e):
 
     - d: layer visits until l comes round again (cycle - visits since l's last visit, at
       least 1; 0 for the layer being visited now, whose keys may be needed in this call);
@@ -398,7 +398,7 @@ class NextUsePolicy:
 
     def _use(self, key: ExpertKey, weight: int) -> None:
         layer = key[0]
-        if layer != self._layer:
+        if layer != self._layer or self._counted.get(key) == self._visits[layer]:
             self._layer = layer
             self._visit += 1
             self._last_visit[layer] = self._visit
