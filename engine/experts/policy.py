@@ -395,6 +395,7 @@ class NextUsePolicy:
         self._history: dict[ExpertKey, float] = {}  # key -> log weighted use count
         self._counted: dict[ExpertKey, int] = {}  # key -> its layer's visit of its last counted use
         self._score: dict[ExpertKey, float] = {}  # resident keys -> score in their heap
+        self._top: dict[int, tuple[float, ExpertKey] | None] = {}  # layer -> (1/p - 1, its min key); None: stale
 
     def _use(self, key: ExpertKey, weight: int) -> None:
         layer = key[0]
@@ -403,6 +404,7 @@ class NextUsePolicy:
             self._visit += 1
             self._last_visit[layer] = self._visit
             self._visits[layer] = self._visits.get(layer, 0) + 1
+            self._top[layer] = None
         visit = self._visits[layer]
         if self._counted.get(key) != visit:  # one use per key per visit
             self._counted[key] = visit
@@ -411,6 +413,7 @@ class NextUsePolicy:
         if self._score.get(key) != score:
             self._score[key] = score
             self._heaps[layer].push(score, key, self._live[layer], self._score)
+            self._top[layer] = None
 
     def add(self, key: ExpertKey, count: int = 1) -> None:
         if count < 1:
@@ -429,18 +432,27 @@ class NextUsePolicy:
     def discard(self, key: ExpertKey) -> None:
         del self._score[key]
         self._live[key[0]] -= 1
+        self._top[key[0]] = None
+
+    def _layer_top(self, layer: int) -> tuple[float, ExpertKey]:
+        """(1/p - 1, key) of the layer's least used resident key, cached until the layer changes."""
+        top = self._top.get(layer)
+        if top is None:
+            log_count, key = self._heaps[layer].top(self._score)
+            count = math.exp(log_count - self._visits[layer] * self._rate)
+            top = self._top[layer] = ((self._window + 1.0) / (count + 0.1) - 1.0, key)
+        return top
 
     def victim(self) -> ExpertKey | None:
         cycle = len(self._last_visit)
-        best, chosen = -1.0, None
-        for layer, heap in self._heaps.items():
-            if not self._live[layer]:
+        now, current = self._visit - cycle, self._layer
+        best, chosen, tops, live = -1.0, None, self._top, self._live
+        for layer, last in self._last_visit.items():
+            if not live.get(layer):
                 continue
-            log_count, key = heap.top(self._score)
-            count = math.exp(log_count - self._visits[layer] * self._rate)
-            p = (count + 0.1) / (self._window + 1.0)
-            d = 0 if layer == self._layer else max(1, cycle - (self._visit - self._last_visit[layer]))
-            expected = d + cycle * (1.0 / p - 1.0)
+            odds, key = tops.get(layer) or self._layer_top(layer)
+            d = 0 if layer == current else max(1, last - now)  # cycle - (visits since its last)
+            expected = d + cycle * odds
             if expected > best:
                 best, chosen = expected, key
         return chosen
