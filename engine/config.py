@@ -229,7 +229,7 @@ class EngineConfig:
     numerics: str = "native"  # "native" (official serving numerics) or "exact" (fp32 reference)
     backend: str = "torch"  # kernel backend: "torch" reference or "tilelang" (CUDA only)
     cache_bytes: int | None = None  # expert cache budget; None = every expert resident
-    cache_policy: str = DEFAULT_POLICY  # engine/experts/policy.py POLICIES; chosen on real routing traces
+    cache_policy: str = DEFAULT_POLICY  # a name in engine/experts/policy.py POLICIES
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
     max_seq_len: int = 4096
@@ -244,7 +244,8 @@ class EngineConfig:
         if self.backend not in ("torch", "tilelang"):
             raise ConfigError(f"backend must be 'torch' or 'tilelang', got {self.backend!r}")
         if self.cache_policy not in POLICIES:
-            raise ConfigError(f"cache_policy must be one of {', '.join(sorted(POLICIES))}, got {self.cache_policy!r}")
+            names = ", ".join(sorted(POLICIES))
+            raise ConfigError(f"cache_policy must be one of {names}, got {self.cache_policy!r}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
         if self.cache_bytes is not None and self.cache_bytes < 0:

@@ -21,7 +21,8 @@ def test_config_accepts_every_policy_and_defaults_to_next_use():
     assert EngineConfig().cache_policy == DEFAULT_POLICY == "next-use"
     for name in POLICIES:
         assert EngineConfig(cache_policy=name).cache_policy == name
-    with pytest.raises(ConfigError, match="cache_policy must be one of arc, lfu, lfu-aging, lru, next-use, slru"):
+    names = "arc, lfu, lfu-aging, lru, next-use, slru"
+    with pytest.raises(ConfigError, match=f"cache_policy must be one of {names}, got 'fifo'"):
         EngineConfig(cache_policy="fifo")
 
 

@@ -364,7 +364,8 @@ class NextUsePolicy:
     The engine looks experts up layer by layer, in the same cycle every token (decode step or
     prefill chunk). The policy follows that cycle from the keys it is given: a key of another
     layer than the previous key, or a key already used in the current visit, starts a visit
-    of its layer; the cycle's length is the number of distinct layers seen. For a resident key (layer l, expert e):
+    of its layer; the cycle's length is the number of distinct layers seen. For a resident
+    key (layer l, expert e):
 
     - d: layer visits until l comes round again (cycle - visits since l's last visit, at
       least 1; 0 for the layer being visited now, whose keys may be needed in this call);
@@ -395,7 +396,8 @@ class NextUsePolicy:
         self._history: dict[ExpertKey, float] = {}  # key -> log weighted use count
         self._counted: dict[ExpertKey, int] = {}  # key -> its layer's visit of its last counted use
         self._score: dict[ExpertKey, float] = {}  # resident keys -> score in their heap
-        self._top: dict[int, tuple[float, ExpertKey] | None] = {}  # layer -> (1/p - 1, its min key); None: stale
+        # layer -> (1/p - 1, its least used key), None when the layer changed since
+        self._top: dict[int, tuple[float, ExpertKey] | None] = {}
 
     def _use(self, key: ExpertKey, weight: int) -> None:
         layer = key[0]
