@@ -10,7 +10,7 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     device = "cuda"                  # or "cpu"; absent = cuda when available
     backend = "tilelang"             # GPU kernels, or "torch"; absent = tilelang on CUDA when installed
     cuda_graphs = true               # replay decode steps from CUDA graphs (CUDA, converted model)
-    cache_policy = "lfu"
+    cache_policy = "next-use"              # or lru, lfu, slru, arc, lfu-aging (bench/cache_replay.py)
     io_threads = 8
     max_seq_len = 4096
 
@@ -43,6 +43,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged
     import tomli as tomllib
 
 import platformdirs
+
+from engine.experts.policy import DEFAULT_POLICY
 
 APP_NAME = "dsv4-chat"
 
@@ -77,7 +79,7 @@ class AppConfig:
     device: str | None = None
     backend: str | None = None
     cuda_graphs: bool = True
-    cache_policy: str = "lfu"
+    cache_policy: str = DEFAULT_POLICY
     io_threads: int = 8  # see EngineConfig.io_threads
     max_seq_len: int = 4096
     system: str = ""

@@ -1,19 +1,28 @@
-"""Replay a routing trace through the expert-cache policies and Belady's optimum.
+"""Replay routing traces through the expert cache's own policies, against LRU and Belady.
 
+    python bench/cache_replay.py ../shared/traces/route_W130.csv ../shared/traces/route_W50.csv
     python bench/cache_replay.py TRACE.jsonl [--capacities 0.05,0.1,0.25,0.5] [--entry-bytes N]
     python bench/cache_replay.py --synthetic [--steps 200 --seed 0 --zipf 1.0]
 
-Capacities: a value with a "." is a fraction of the distinct experts in the trace, an integer
-is an absolute slot count. Every miss is admitted (demand fetching), so Belady's MIN (evict
-the key whose next use is farthest) is the optimum the LRU/LFU/SLRU hit rates are held to.
+A trace is either a real-model route CSV (header pos,layer,n,e0..,w0..; replayed ordered by
+position, then layer) or an engine JSONL trace (engine/experts/trace.py). Capacities: a value
+with a "." is a fraction of the distinct experts in the trace, an integer an absolute slot
+count; route CSVs default to 256,512,1024,2048,4096,6304 slots. Every miss is admitted
+(demand fetching) into one global cache, except "P/layer": one cache per layer, the slots
+split evenly. Belady's MIN (evict the key whose next use is farthest) is the optimum.
+
+For route CSVs it also prints what the trace says about prefetching and warm starts (two or
+more traces: each warmed by the previous one, the first by the last).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import heapq
 import random
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Sequence
 
@@ -21,14 +30,51 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.experts.cache import ExpertCache, ExpertKey  # noqa: E402
+from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.trace import TraceFormatError, read_trace  # noqa: E402
 
-POLICY_NAMES = ("lru", "lfu", "slru", "belady")
+POLICY_NAMES = ("lru", "lfu", "slru", "arc", "lfu-aging", "next-use",
+                "lru/layer", "arc/layer", "next-use/layer", "belady/layer", "belady")
+ROUTE_SLOTS = "256,512,1024,2048,4096,6304"
 EXPERT_RECORD_BYTES = 13_369_344  # 12.75 MiB, one DeepSeek-V4-Flash routed expert
+
+RouteRow = tuple[int, int, tuple[int, ...]]  # (position, layer, expert ids)
 
 
 class ReplayError(Exception):
-    """Bad replay arguments (capacity, policy name, empty trace)."""
+    """Bad replay arguments or input (capacity, policy name, empty or malformed trace)."""
+
+
+def read_route_csv(path: str | Path) -> list[RouteRow]:
+    """Rows of a route CSV (header pos,layer,n,e0..e{n-1},w0..), sorted by (pos, layer)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ReplayError(f"route trace {p} does not exist")
+    rows: list[RouteRow] = []
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header or header[:3] != ["pos", "layer", "n"] or "e0" not in header:
+            raise ReplayError(f"{p}: expected a header starting pos,layer,n,e0,...; got {header}")
+        first_e = header.index("e0")
+        for lineno, fields in enumerate(reader, 2):
+            try:
+                pos, layer, n = int(fields[0]), int(fields[1]), int(fields[2])
+                experts = tuple(int(x) for x in fields[first_e:first_e + n])
+            except (ValueError, IndexError):
+                raise ReplayError(f"{p}:{lineno}: pos, layer, n and n expert ids must be ints") from None
+            if len(experts) != n or n < 1 or min(experts) < 0 or pos < 0 or layer < 0:
+                raise ReplayError(f"{p}:{lineno}: needs n >= 1 non-negative expert ids, got {fields}")
+            rows.append((pos, layer, experts))
+    if not rows:
+        raise ReplayError(f"{p} holds no routing rows")
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return rows
+
+
+def route_accesses(rows: Sequence[RouteRow]) -> list[ExpertKey]:
+    """(layer, expert) accesses in row order, each row's distinct experts once."""
+    return [(layer, e) for _, layer, experts in rows for e in dict.fromkeys(experts)]
 
 
 def belady_hits(trace: Sequence[ExpertKey], capacity: int) -> int:
@@ -56,18 +102,59 @@ def belady_hits(trace: Sequence[ExpertKey], capacity: int) -> int:
     return hits
 
 
-def policy_hits(trace: Sequence[ExpertKey], policy: str, capacity: int) -> int:
-    """Hits of an ExpertCache policy ("lru", "lfu", "slru") with `capacity` slots."""
-    cache = ExpertCache(
+def _new_cache(policy: str, capacity: int, trace: Sequence[ExpertKey]) -> ExpertCache:
+    return ExpertCache(
         capacity, 1,
         num_layers=1 + max(layer for layer, _ in trace),
         num_experts=1 + max(expert for _, expert in trace),
         policy=policy,
     )
+
+
+def _run(cache: ExpertCache, trace: Sequence[ExpertKey]) -> int:
+    """Demand-fetch `trace` through `cache`; returns the hits."""
+    hits = 0
     for key in trace:
         if cache.lookup(key) is None:
             cache.admit(key)
-    return cache.stats().hits
+        else:
+            hits += 1
+    return hits
+
+
+def policy_hits(trace: Sequence[ExpertKey], policy: str, capacity: int,
+                warm: Sequence[ExpertKey] = (), keep: bool = True) -> int:
+    """Hits of the ExpertCache policy `policy` (a POLICIES name) with `capacity` slots.
+
+    `warm`: replayed first, uncounted; then the cache keeps its contents (keep=True) or is
+    flushed, keeping only the policy's own usage history (keep=False).
+    """
+    cache = _new_cache(policy, capacity, list(trace) + list(warm))
+    _run(cache, warm)
+    if not keep:
+        cache.flush()
+    return _run(cache, trace)
+
+
+def layer_split(trace: Sequence[ExpertKey], capacity: int) -> dict[int, int]:
+    """Slots per layer for per-layer caches: `capacity` split evenly over the trace's layers
+    (ascending), the remainder one slot each to the first layers."""
+    layers = sorted({layer for layer, _ in trace})
+    base, extra = divmod(capacity, len(layers))
+    return {layer: base + (i < extra) for i, layer in enumerate(layers)}
+
+
+def per_layer_hits(trace: Sequence[ExpertKey], policy: str, capacity: int) -> int:
+    """Hits with one cache per layer (slots from `layer_split`); a 0-slot layer always misses."""
+    by_layer: dict[int, list[ExpertKey]] = defaultdict(list)
+    for key in trace:
+        by_layer[key[0]].append(key)
+    hits = 0
+    for layer, slots in layer_split(trace, capacity).items():
+        if slots:
+            sub = by_layer[layer]
+            hits += belady_hits(sub, slots) if policy == "belady" else policy_hits(sub, policy, slots)
+    return hits
 
 
 def replay(trace: Sequence[ExpertKey], policy: str, capacity: int) -> float:
@@ -78,7 +165,12 @@ def replay(trace: Sequence[ExpertKey], policy: str, capacity: int) -> float:
         raise ReplayError(f"capacity must be at least one slot, got {capacity}")
     if not trace:
         raise ReplayError("the trace is empty: nothing to replay")
-    hits = belady_hits(trace, capacity) if policy == "belady" else policy_hits(trace, policy, capacity)
+    if policy.endswith("/layer"):
+        hits = per_layer_hits(trace, policy.removesuffix("/layer"), capacity)
+    elif policy == "belady":
+        hits = belady_hits(trace, capacity)
+    else:
+        hits = policy_hits(trace, policy, capacity)
     return hits / len(trace)
 
 
@@ -122,48 +214,149 @@ def parse_capacities(text: str, distinct: int) -> list[int]:
     return slots
 
 
-def format_table(trace: Sequence[ExpertKey], capacities: Sequence[int], entry_bytes: int) -> str:
-    """Hit rates per policy at each capacity, and the GiB each policy streams in."""
+def format_table(trace: Sequence[ExpertKey], capacities: Sequence[int], entry_bytes: int,
+                 policies: Sequence[str] = POLICY_NAMES) -> str:
+    """Hit rate per policy (columns) at each capacity (rows); GiB = the cache's size."""
     distinct = len(set(trace))
-    head = f"{'slots':>7} {'of keys':>8} {'GiB':>8} | " + " ".join(f"{p:>7}" for p in POLICY_NAMES)
+    width = max(9, *(len(p) + 1 for p in policies))
+    head = f"{'slots':>7} {'of keys':>8} {'GiB':>8} |" + "".join(f"{p:>{width}}" for p in policies)
     lines = [head, "-" * len(head)]
     for cap in capacities:
-        rates = [replay(trace, p, cap) for p in POLICY_NAMES]
-        read = " ".join(f"{(1 - r) * len(trace) * entry_bytes / 2**30:7.1f}" for r in rates)
+        rates = [replay(trace, p, cap) for p in policies]
         lines.append(
-            f"{cap:7d} {cap / distinct:8.1%} {cap * entry_bytes / 2**30:8.1f} | "
-            + " ".join(f"{r:7.1%}" for r in rates)
-            + f"   read GiB: {read}"
+            f"{cap:7d} {cap / distinct:8.1%} {cap * entry_bytes / 2**30:8.1f} |"
+            + "".join(f"{r:>{width}.1%}" for r in rates)
         )
     return "\n".join(lines)
 
 
+def temporal_reuse(rows: Sequence[RouteRow], lag: int = 1) -> float:
+    """Fraction of selections (token t, layer L, expert e), t past the first `lag` tokens,
+    where e was also selected at layer L by one of the `lag` previous tokens."""
+    positions = sorted({pos for pos, _, _ in rows})
+    index = {pos: i for i, pos in enumerate(positions)}
+    chosen = {(index[pos], layer): set(experts) for pos, layer, experts in rows}
+    reused = total = 0
+    for (t, layer), experts in chosen.items():
+        if t < lag:
+            continue
+        recent = set().union(*(chosen.get((t - j, layer), set()) for j in range(1, lag + 1)))
+        reused += len(experts & recent)
+        total += len(experts)
+    return reused / total if total else 0.0
+
+
+def prefetch_replay(rows: Sequence[RouteRow], policy: str, capacity: int, top: int) -> tuple[float, float]:
+    """Demand replay plus a trace-only prefetcher; returns (hit rate, admissions per access).
+
+    After each layer call, the `top` experts of the next layer that co-occurred most often
+    (same token, this trace so far) with this call's experts are admitted if not resident.
+    Learned online from the routing alone: no hidden states, so this is not router lookahead.
+    """
+    accesses = route_accesses(rows)
+    cache = _new_cache(policy, capacity, accesses)
+    cooc: dict[tuple[int, int], Counter[int]] = defaultdict(Counter)  # (layer, e) -> next-layer experts
+    by_token: dict[int, dict[int, tuple[int, ...]]] = defaultdict(dict)
+    for pos, layer, experts in rows:
+        by_token[pos][layer] = experts
+    hits = admissions = 0
+    for i, (pos, layer, experts) in enumerate(rows):
+        for e in dict.fromkeys(experts):
+            if cache.lookup((layer, e)) is None:
+                cache.admit((layer, e))
+                admissions += 1
+            else:
+                hits += 1
+        following = by_token[pos].get(layer + 1)
+        if following is not None:
+            votes: Counter[int] = Counter()
+            for e in experts:
+                votes.update(cooc[layer, e])
+            for e, _ in votes.most_common(top):
+                if not cache.contains((layer + 1, e)):
+                    cache.admit((layer + 1, e))
+                    admissions += 1
+            for e in experts:  # learn after predicting
+                cooc[layer, e].update(following)
+    return hits / len(accesses), admissions / len(accesses)
+
+
+def route_report(names: Sequence[str], traces: Sequence[Sequence[RouteRow]],
+                 capacities: Sequence[int]) -> str:
+    """Temporal reuse, trace-only prefetch and warm starts for route CSV traces."""
+    out = ["", "temporal reuse: share of a layer's selections also chosen by the previous 1 / 2 / 4 tokens"]
+    for name, rows in zip(names, traces):
+        out.append(f"  {name}: " + " / ".join(f"{temporal_reuse(rows, lag):.1%}" for lag in (1, 2, 4)))
+    out.append("")
+    out.append(f"trace-only prefetch ({DEFAULT_POLICY}): co-occurrence with the previous layer's experts,"
+               " top 0 / 3 / 6; hit rate, reads per access")
+    for name, rows in zip(names, traces):
+        for cap in capacities:
+            cells = [prefetch_replay(rows, DEFAULT_POLICY, cap, top) for top in (0, 3, 6)]
+            out.append(f"  {name} {cap:5d} slots: " + "   ".join(f"{h:5.1%} {r:.3f}" for h, r in cells))
+    if len(traces) >= 2:
+        out.append("")
+        out.append("warm start (warmed by the previous trace): cold / history only (flushed) / contents kept")
+        accesses = [route_accesses(rows) for rows in traces]
+        for i, name in enumerate(names):
+            warm_name, warm = names[i - 1], accesses[i - 1]
+            for policy in ("lru", DEFAULT_POLICY):
+                cells = []
+                for cap in capacities:
+                    n = len(accesses[i])
+                    cold = policy_hits(accesses[i], policy, cap) / n
+                    hist = policy_hits(accesses[i], policy, cap, warm, keep=False) / n
+                    kept = policy_hits(accesses[i], policy, cap, warm, keep=True) / n
+                    cells.append(f"{cap}: {cold:.1%} {hist:.1%} {kept:.1%}")
+                out.append(f"  {name} after {warm_name}, {policy:>8}: " + " | ".join(cells))
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", nargs="?", help="routing trace (JSONL, engine/experts/trace.py)")
+    ap.add_argument("trace", nargs="*", help="route CSV(s) or one engine JSONL trace")
     ap.add_argument("--synthetic", action="store_true", help="replay a seeded Zipf trace instead")
-    ap.add_argument("--capacities", default="0.05,0.1,0.25,0.5")
+    ap.add_argument("--capacities", default=None,
+                    help=f"default: {ROUTE_SLOTS} for route CSVs, 0.05,0.1,0.25,0.5 otherwise")
+    ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--entry-bytes", type=int, default=EXPERT_RECORD_BYTES)
     ap.add_argument("--no-dedupe", action="store_true",
-                    help="one access per (token, expert) instead of per distinct expert per call")
+                    help="JSONL: one access per (token, expert) instead of per distinct expert per call")
+    ap.add_argument("--no-report", action="store_true", help="route CSVs: only the hit-rate tables")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf", type=float, default=1.0)
     args = ap.parse_args(argv)
-    if args.synthetic == (args.trace is not None):
-        ap.error("give exactly one of TRACE or --synthetic")
+    if args.synthetic == bool(args.trace):
+        ap.error("give TRACE file(s) or --synthetic")
     try:
+        policies = [p for p in args.policies.split(",") if p]
+        for p in policies:
+            if p not in POLICY_NAMES:
+                raise ReplayError(f"unknown policy {p!r}; choose from {', '.join(POLICY_NAMES)}")
+        routes = all(t.endswith(".csv") for t in args.trace) and bool(args.trace)
         if args.synthetic:
-            trace = synthetic_trace(steps=args.steps, zipf=args.zipf, seed=args.seed)
-            source = f"synthetic Zipf(s={args.zipf}) trace, {args.steps} steps, seed {args.seed}"
+            sources = {f"synthetic Zipf(s={args.zipf}) trace, {args.steps} steps, seed {args.seed}":
+                       synthetic_trace(steps=args.steps, zipf=args.zipf, seed=args.seed)}
+        elif routes:
+            rows = [read_route_csv(t) for t in args.trace]
+            sources = {t: route_accesses(r) for t, r in zip(args.trace, rows)}
+        elif len(args.trace) == 1:
+            sources = {args.trace[0]: list(read_trace(args.trace[0], dedupe=not args.no_dedupe))}
         else:
-            trace = list(read_trace(args.trace, dedupe=not args.no_dedupe))
-            source = args.trace
-        if not trace:
-            raise ReplayError(f"{source} holds no expert accesses")
-        capacities = parse_capacities(args.capacities, len(set(trace)))
-        print(f"{source}: {len(trace)} accesses, {len(set(trace))} distinct experts")
-        print(format_table(trace, capacities, args.entry_bytes))
+            raise ReplayError("give one JSONL trace, or route CSV files only")
+        default_caps = ROUTE_SLOTS if routes else "0.05,0.1,0.25,0.5"
+        capacities = {}
+        for source, trace in sources.items():
+            if not trace:
+                raise ReplayError(f"{source} holds no expert accesses")
+            capacities[source] = parse_capacities(args.capacities or default_caps, len(set(trace)))
+            print(f"{source}: {len(trace)} accesses, {len(set(trace))} distinct experts; "
+                  f"hit rate (default policy: {DEFAULT_POLICY})")
+            print(format_table(trace, capacities[source], args.entry_bytes, policies))
+        if routes and not args.no_report:
+            print(route_report([Path(t).stem for t in args.trace], rows,
+                               [c for c in capacities[args.trace[0]] if c <= 2048]))
     except (ReplayError, TraceFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

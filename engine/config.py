@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from engine.experts.policy import DEFAULT_POLICY, POLICIES
+
 
 class ConfigError(ValueError):
     """The checkpoint's configuration is not one this engine can run."""
@@ -317,7 +319,7 @@ class EngineConfig:
     cache_bytes: int | None = None  # expert cache budget; None = sized by the memory plan (engine/memory_plan.py)
     memory_bytes: int | None = None  # cap on the whole memory plan; None = what the machine has free
     host_cache_bytes: int | None = None  # pinned host-RAM expert tier (discrete GPU); None = sized by the plan
-    cache_policy: str = "lfu"
+    cache_policy: str = DEFAULT_POLICY  # a name in engine/experts/policy.py POLICIES
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
     max_seq_len: int = 4096
@@ -331,8 +333,9 @@ class EngineConfig:
             raise ConfigError(f"numerics must be 'native' or 'exact', got {self.numerics!r}")
         if self.backend not in ("torch", "tilelang"):
             raise ConfigError(f"backend must be 'torch' or 'tilelang', got {self.backend!r}")
-        if self.cache_policy not in ("lfu", "lru", "slru"):
-            raise ConfigError(f"cache_policy must be 'lfu', 'lru' or 'slru', got {self.cache_policy!r}")
+        if self.cache_policy not in POLICIES:
+            names = ", ".join(sorted(POLICIES))
+            raise ConfigError(f"cache_policy must be one of {names}, got {self.cache_policy!r}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
         for name, value in (("cache_bytes", self.cache_bytes), ("memory_bytes", self.memory_bytes),

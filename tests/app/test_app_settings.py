@@ -123,7 +123,8 @@ def test_engine_config_kwargs(toml_file):
     cfg = build_config({"device": None}, {"DSV4_DEVICE": "cuda"}, toml_file)
     kw = engine_config_kwargs(cfg, cuda_available=False)
     assert kw == {"device": "cuda", "backend": "torch", "cuda_graphs": True, "numerics": "exact",
-                  "cache_policy": "lfu", "io_threads": 8, "max_seq_len": 4096, "cache_bytes": 10 * 2**30}
+                  "cache_policy": "next-use", "io_threads": 8, "max_seq_len": 4096, "cache_bytes": 10 * 2**30,
+                  "memory_bytes": None}
     assert engine_config_kwargs(cfg, cuda_available=True, tilelang_available=True)["backend"] == "tilelang"
     cpu = build_config({"device": "cpu"}, {"DSV4_CUDA_GRAPHS": "off"}, Path("/nonexistent.toml"))
     kw = engine_config_kwargs(cpu, cuda_available=True, tilelang_available=True)
