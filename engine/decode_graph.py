@@ -176,6 +176,13 @@ class DecodeRunner:
             if self.on_routes is not None:
                 self.on_routes(layer, position, ids)
 
+    def close(self) -> None:
+        """Drop every captured graph set (their private memory pools go with them) and the
+        pinned route buffer; the runner captures anew if it steps again."""
+        self.settle()
+        self._sets, self._key = {}, None
+        self._routes_host = None
+
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1.

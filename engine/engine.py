@@ -192,6 +192,8 @@ class Engine:
             self._closed = True
             if self._trace is not None:
                 self._trace.close()
+            if self.runtime.runner is not None:
+                self.runtime.runner.close()  # CUDA graphs hold their memory pools while they live
             self.files.close()
             for session in list(self._sessions):
                 session.release()
