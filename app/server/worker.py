@@ -74,6 +74,7 @@ class Worker:
                         "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0, "completion_tokens": 0}
         self._turns: deque[dict] = deque(maxlen=recent)
         self._step: StepStats | None = None
+        self._epoch = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -168,7 +169,7 @@ class Worker:
                         job.emit(Delta(content=tail))
                     finish = "stop" if scanner.hit else FINISH.get(ev.stats.finish_reason, "stop")
                     text = "".join(content) if scanner.hit else ev.content
-                    self._record(ev.stats, finish, time.monotonic() - t0)
+                    self._record(ev.stats, finish, t0)
                     job.emit(Finished(finish, text, ev.reasoning, ev.stats))
                 elif isinstance(ev, EngineFailure):
                     self._count("failed")
@@ -180,7 +181,8 @@ class Worker:
         with self._lock:
             self._counts[what] += 1
 
-    def _record(self, st: TurnStats, finish: str, total_s: float) -> None:
+    def _record(self, st: TurnStats, finish: str, t0: float) -> None:
+        now = time.monotonic()
         with self._lock:
             c = self._counts
             c["cancelled" if finish == "cancelled" else "completed"] += 1
@@ -191,7 +193,8 @@ class Worker:
             self._turns.append({"prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
                                 "prefill_tokens": st.prefill_tokens, "completion_tokens": st.completion_tokens,
                                 "prefill_s": round(st.prefill_s, 4), "ttft_s": round(st.ttft_s, 4),
-                                "tok_per_s": round(st.tok_per_s, 2), "total_s": round(total_s, 4),
+                                "tok_per_s": round(st.tok_per_s, 2), "total_s": round(now - t0, 4),
+                                "started_s": round(t0 - self._epoch, 4), "ended_s": round(now - self._epoch, 4),
                                 "finish_reason": finish})
 
     # ------------------------------------------------------------------ statistics
