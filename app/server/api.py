@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from app.server.errors import ApiError, bad_request, error_body
+from app.server.heap import heap_trimmer
 from app.server.pool import SessionPool
 from app.server.request import ChatRequest, parse_chat_request
 from app.server.worker import Delta, Failed, Finished, Job, Started, Worker
@@ -47,6 +48,7 @@ class ServerConfig:
     max_sessions: int = 4  # conversations kept for KV reuse (0: no reuse)
     max_state_bytes: int | None = None  # bound on the pooled sessions' state bytes
     keepalive_s: float = 10.0  # SSE comment interval while a streamed request waits or prefills
+    trim_heap: bool = True  # give freed heap pages back to the OS when the worker goes idle (app.server.heap)
     defaults: GenParams = dataclasses.field(default_factory=GenParams)
 
 
@@ -70,7 +72,8 @@ class Api:
     def __init__(self, engine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.pool = SessionPool(engine, config.max_sessions, config.max_state_bytes)
-        self.worker = Worker(engine, self.pool, config.max_queue)
+        self.worker = Worker(engine, self.pool, config.max_queue,
+                             on_idle=heap_trimmer() if config.trim_heap else None)
         self.model_id = engine.info["model"]
         self.created = int(time.time())
 

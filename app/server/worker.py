@@ -60,10 +60,12 @@ class Job:
 class Worker:
     """Runs the queued jobs of one engine, one after another, on the thread "dsv4-serve-worker"."""
 
-    def __init__(self, engine, pool: SessionPool, max_queue: int = 8, recent: int = 32) -> None:
+    def __init__(self, engine, pool: SessionPool, max_queue: int = 8, recent: int = 32,
+                 on_idle: Callable[[], None] | None = None) -> None:
+        """`on_idle` runs on the worker thread after a job when no other job waits (app.server.heap)."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.engine, self.pool, self.max_queue = engine, pool, max_queue
+        self.engine, self.pool, self.max_queue, self.on_idle = engine, pool, max_queue, on_idle
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._waiting = 0  # jobs submitted and not yet taken
         self._lock = threading.Lock()
@@ -140,6 +142,9 @@ class Worker:
             finally:
                 with self._lock:
                     self._current = None
+                    idle = self._waiting == 0
+            if idle and self.on_idle is not None:
+                self.on_idle()
 
     def _serve(self, job: Job) -> None:
         req, t0 = job.request, time.monotonic()
