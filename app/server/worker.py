@@ -204,7 +204,8 @@ class Worker:
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict:
-        """Counters, queue, recent turns and the last step's snapshot (any thread)."""
+        """Counters, queue, recent turns and the last step's snapshot (any thread). A recent turn's
+        started_s/ended_s are seconds since the worker was built."""
         with self._lock:
             c = dict(self._counts)
             out = {"busy": self._current is not None, "queued": self._waiting, "max_queue": self.max_queue,
