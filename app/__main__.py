@@ -92,6 +92,11 @@ def config_from_args(argv: list[str] | None, env: dict[str, str]) -> AppConfig:
 
 def main(argv: list[str] | None = None) -> int:
     pin_cpu_math()  # before any model work (engine/reproducible.py)
+    rest = sys.argv[1:] if argv is None else argv
+    if rest[:1] == ["serve"]:  # `dsv4-chat serve ...`: the HTTP API (app/server/cli.py)
+        from app.server.cli import main as serve_main
+
+        return serve_main(rest[1:])
     args = parser().parse_args(argv)
     try:
         config = config_from_namespace(args, dict(os.environ))

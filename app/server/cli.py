@@ -1,0 +1,114 @@
+"""`dsv4-chat serve`: load the engine as the app would (same settings, flags > DSV4_* > file >
+defaults) and serve it over HTTP with uvicorn, on 127.0.0.1 unless --host says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+from app.settings import SettingsError, build_config
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv4-chat serve",
+                                description="Serve the model over an OpenAI-compatible HTTP API "
+                                            "(POST /v1/chat/completions, GET /v1/models, /v1/stats, /health).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
+    p.add_argument("--model", type=Path, help="converted model directory")
+    p.add_argument("--demo", action="store_true", default=None, help="serve the tiny demo model (random weights)")
+    p.add_argument("--config", type=Path, help="settings file (TOML), as for the app")
+    p.add_argument("--cache-gb", type=float, help="expert-cache budget in GiB (default: what the memory plan leaves)")
+    p.add_argument("--memory-gb", type=float, help="cap on the whole memory plan in GiB")
+    p.add_argument("--numerics", choices=("native", "exact"))
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--backend", choices=("torch", "tilelang"))
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+                   help="run every decode step eagerly instead of replaying CUDA graphs")
+    p.add_argument("--max-queue", type=int, default=8,
+                   help="requests that may wait behind the running one; more get 429 (default 8)")
+    p.add_argument("--max-sessions", type=int, default=4,
+                   help="conversations whose KV state is kept for reuse, least recently used evicted "
+                        "(default 4; 0 = no reuse)")
+    p.add_argument("--max-state-gb", type=float,
+                   help="bound on the kept conversations' state, GiB (default: only --max-sessions)")
+    p.add_argument("--keepalive", type=float, default=10.0,
+                   help="seconds between SSE keep-alive comments while a request waits or prefills (default 10)")
+    return p
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1-65535, got {args.port}"
+    if args.max_queue < 0 or args.max_sessions < 0:
+        return "--max-queue and --max-sessions must be >= 0"
+    if args.keepalive <= 0:
+        return f"--keepalive must be > 0 seconds, got {args.keepalive}"
+    if args.max_state_gb is not None and args.max_state_gb <= 0:
+        return f"--max-state-gb must be > 0, got {args.max_state_gb}"
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key must not be empty"
+    return None
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `dsv4-chat serve` (called by app.__main__)."""
+    args = parser().parse_args(argv)
+    problem = _problem(args)
+    if problem:
+        print(f"dsv4-chat serve: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from app.server.api import ServerConfig, build_app
+    except ModuleNotFoundError as err:
+        print(f"dsv4-chat serve: {err.name} is missing; install the server extra: pip install 'dsv4-chat[server]'",
+              file=sys.stderr)
+        return 2
+    flags = {"model": args.model.expanduser() if args.model else None, "demo": args.demo, "cache_gb": args.cache_gb,
+             "memory_gb": args.memory_gb, "numerics": args.numerics, "device": args.device, "backend": args.backend,
+             "cuda_graphs": args.cuda_graphs}
+    try:
+        config_file = args.config.expanduser() if args.config else None
+        if config_file is not None and not config_file.is_file():
+            raise SettingsError(f"--config {config_file}: no such file")
+        config = build_config(flags, dict(os.environ), config_file)
+    except SettingsError as err:
+        print(f"dsv4-chat serve: {err}", file=sys.stderr)
+        return 2
+    from app.plain import load_engine  # the same model choice and progress lines as --plain
+
+    try:
+        engine = load_engine(config, sys.stderr)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except Exception as exc:  # a model that cannot be loaded: one line, no traceback
+        print(f"dsv4-chat serve: cannot load the model: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if not _loopback(args.host) and args.api_key is None:
+        print(f"dsv4-chat serve: warning: listening on {args.host} without --api-key: anyone who can reach "
+              "this port can use the model", file=sys.stderr)
+    server_config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_sessions=args.max_sessions,
+                                 max_state_bytes=None if args.max_state_gb is None else int(args.max_state_gb * 2**30),
+                                 keepalive_s=args.keepalive, defaults=config.gen)
+    try:
+        uvicorn.run(build_app(engine, server_config), host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+    return 0
