@@ -50,3 +50,26 @@ async def start_turn(pilot: Pilot, app, text: str) -> None:
     app.chat.prompt.submit()
     await wait_for(pilot, lambda: app._answer is not None and app._answer.answer_text,
                    what="the first token")
+
+
+def app_test(body, engine=None, size: tuple[int, int] = (120, 45)):
+    """A test function (taking the `config` fixture) that runs `body(pilot, app, engine)` in a
+    started ChatApp of `size` whose engine (a FakeEngine unless given) is ready."""
+    import asyncio
+
+    from fake_engine import FakeBackend, FakeEngine
+
+    from app.app import ChatApp
+
+    def test(config):
+        fake = engine or FakeEngine()
+
+        async def go():
+            app = ChatApp(config, FakeBackend(fake))
+            async with app.run_test(size=size) as pilot:
+                await wait_idle(pilot, app)
+                await body(pilot, app, fake)
+
+        asyncio.run(go())
+
+    return test

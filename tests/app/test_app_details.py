@@ -4,10 +4,11 @@ spinner, one tok/s figure, /unpin's report, error lines, the resume dialog's cou
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 
 from fake_engine import THINKING, FakeBackend, FakeEngine
-from app_helpers import screen_text, start_turn, type_and_send, wait_for, wait_idle
+from app_helpers import app_test, screen_text, start_turn, type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
 from app.autosave import Autosaver
@@ -27,19 +28,7 @@ def last_note(app) -> str:
     return app.chat.transcript.query(NoteMessage).last().text
 
 
-def with_app(body, engine: FakeEngine | None = None):
-    def test(config):
-        fake = engine or FakeEngine()
-
-        async def go():
-            app = ChatApp(config, FakeBackend(fake))
-            async with app.run_test(size=SIZE) as pilot:
-                await wait_idle(pilot, app)
-                await body(pilot, app, fake)
-
-        asyncio.run(go())
-
-    return test
+with_app = functools.partial(app_test, size=SIZE)
 
 
 async def _thinking_budget(pilot, app, engine):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 
-from fake_engine import ANSWER, FakeBackend, FakeEngine
-from app_helpers import type_and_send, wait_for, wait_idle
+from fake_engine import ANSWER
+from app_helpers import app_test, type_and_send, wait_for
 
-from app.app import ChatApp
 from app.commands import REGISTRY
 from app.screens.stats import StatsScreen
 from app.widgets.message import AssistantMessage, NoteMessage, UserMessage
@@ -20,21 +19,7 @@ def last_note(app) -> NoteMessage:
     return app.chat.transcript.query(NoteMessage).last()
 
 
-def with_app(body, engine: FakeEngine | None = None):
-    """Run `body(pilot, app, engine)` in a started app whose engine is ready."""
-
-    def test(config):
-        fake = engine or FakeEngine()
-
-        async def go():
-            app = ChatApp(config, FakeBackend(fake))
-            async with app.run_test(size=SIZE) as pilot:
-                await wait_idle(pilot, app)
-                await body(pilot, app, fake)
-
-        asyncio.run(go())
-
-    return test
+with_app = functools.partial(app_test, size=SIZE)
 
 
 async def _set_changes_params(pilot, app, engine):
