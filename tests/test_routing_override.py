@@ -210,3 +210,39 @@ def test_replaying_the_models_own_routes_reproduces_its_logits(packed, tmp_path)
             assert torch.equal(a, b)
     finally:
         files.close()
+
+
+def test_engine_forces_routing_from_its_config(tmp_path):
+    """EngineConfig.routing_trace reaches the model through Engine.load: a chat turn uses exactly
+    the forced experts on layers 3 and 4; without it the model has no forced routing."""
+    from converter import synth
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TurnFinished
+    from engine.sampling import SamplingParams
+
+    ckpt = synth.write_checkpoint(tmp_path / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    trace = _write_trace(tmp_path / "t.csv", tokens=3)
+    with Engine.load(ckpt, EngineConfig(numerics="exact"), warmup=False) as eng:
+        assert eng.model.routing is None and all(b.routing is None for b in eng.model.blocks)
+    with Engine.load(ckpt, EngineConfig(numerics="exact", routing_trace=str(trace)), warmup=False) as eng:
+        routing = eng.model.routing
+        session = eng.new_session()
+        fin = list(eng.generate(session, "Hi", SamplingParams(temperature=0.0, max_tokens=3)))[-1]
+        assert isinstance(fin, TurnFinished)
+        for layer in (3, 4):
+            used = {e for (lay, e) in eng.experts.usage.uses if lay == layer}
+            assert used == set().union(*(routing.host_ids(layer, p) for p in range(3)))
+            assert routing.host_ids(layer, 4) == _expected(trace, layer, 4, 4, 16)
+
+
+def test_full_depth_flag_says_timing_only(tmp_path, capsys):
+    from bench import full_depth
+
+    trace = _write_trace(tmp_path / "t.csv", tokens=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            full_depth.main(["--routing-trace", str(trace), "--workdir", str(tmp_path / "w")])
+        assert f"routing forced from {trace}: timing only" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="bench.full_depth: routing trace .*none.csv does not exist"):
+        full_depth.main(["--routing-trace", str(tmp_path / "none.csv")])
