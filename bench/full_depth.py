@@ -155,8 +155,9 @@ def child(a) -> dict:
     routing = eng.model.routing.note if eng.model.routing is not None else None
     if routing is not None:
         print(f"  {routing}", file=sys.stderr, flush=True)
-    out = {"routing": routing, "share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
-           "plan": eng.plan.lines(), "plan_total": eng.plan.total, "plan_framework": eng.plan.framework,
+    out = {"share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
+           "routing": routing, "plan": eng.plan.lines(), "plan_total": eng.plan.total,
+           "plan_framework": eng.plan.framework,
            "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
     greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
