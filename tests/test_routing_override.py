@@ -100,7 +100,9 @@ def test_map_choice_keeps_top_k_by_weight_mod_e_and_moves_repeats():
 
 
 def test_bad_traces_get_one_line(tmp_path, packed):
-    args = open_model(packed).args
+    files = open_model(packed)
+    args = files.args
+    files.close()  # its I/O threads with it
     with pytest.raises(RoutingTraceError, match="does not exist"):
         read_route_csv(tmp_path / "none.csv")
     (tmp_path / "h.csv").write_text("a,b\n1,2\n")
