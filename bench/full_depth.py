@@ -2,6 +2,7 @@
 
     python -m bench.full_depth [--experts 24] [--layers 43] [--shares 1,0.5,0.25]
                                [--prompts 16,128,724,2048] [--tokens 64] [--workdir /tmp/dsv4fd]
+                               [--routing-trace shared/traces/route_W130.csv]
 
 1. builds (once per workdir) a synthetic checkpoint with DeepSeek-V4-Flash's real dimensions,
    `--layers` layers and `--experts` routed experts per layer (`dsv4-synth --preset flash`,
@@ -16,6 +17,9 @@
    reports it and its median step; a follow-up turn's TTFT; the graphed decode step timed on its
    own; hit rate and miss bandwidth; peak device memory against the memory plan;
 4. prints one table; `--json FILE` also writes every figure.
+
+`--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
+so that cache behaviour is realistic: TIMING ONLY, the generated text is meaningless (the run says so).
 
 The per-token bytes are the resident weights (all but the embedding and the MTP block) plus 6
 experts a layer; the roofline is those bytes at the copy bandwidth measured here.
@@ -134,7 +138,7 @@ def child(a) -> dict:
     cache = None if a.share >= 1.0 else int(pool * a.share)
     cuda = a.device == "cuda"  # the CPU runs only check this script (torch reference, no graphs)
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
-                          max_seq_len=a.max_seq_len, io_threads=a.io_threads)
+                          max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -148,8 +152,12 @@ def child(a) -> dict:
     eng = Engine.load(pack, config, progress=progress)
     load_s = time.perf_counter() - t0
     clock.enter(None)
+    routing = eng.model.routing.note if eng.model.routing is not None else None
+    if routing is not None:
+        print(f"  {routing}", file=sys.stderr, flush=True)
     out = {"share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
-           "plan": eng.plan.lines(), "plan_total": eng.plan.total, "plan_framework": eng.plan.framework,
+           "routing": routing, "plan": eng.plan.lines(), "plan_total": eng.plan.total,
+           "plan_framework": eng.plan.framework,
            "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
     greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
@@ -272,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
+    p.add_argument("--routing-trace", metavar="FILE", help="force the experts of layers >= 3 from this route CSV "
+                   "(../shared/traces): timing only, the generated text is meaningless")
     p.add_argument("--tilelang-cache", help="TileLang's kernel cache folder (default: WORKDIR/tilelang-cache, "
                    "empty on a fresh machine, so the first process compiles)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -282,6 +292,14 @@ def main(argv=None) -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a)), flush=True)
         return 0
+    if a.routing_trace:  # fail before building anything; the child maps it onto the model
+        from engine.routing_override import RoutingTraceError, read_route_csv
+
+        try:
+            read_route_csv(a.routing_trace)
+        except RoutingTraceError as err:
+            raise SystemExit(f"bench.full_depth: {err}") from None
+        print(f"routing forced from {a.routing_trace}: timing only", flush=True)
     if not torch.cuda.is_available():
         raise SystemExit("bench.full_depth needs a CUDA GPU")
     workdir = Path(a.workdir)
@@ -302,6 +320,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "bench.full_depth", "--child", "--pack", str(pack), "--share", str(share),
                "--prompts", ",".join(map(str, a.prompts)), "--tokens", str(a.tokens),
                "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads)]
+        if a.routing_trace:
+            cmd += ["--routing-trace", str(Path(a.routing_trace).resolve())]
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # stderr: its progress, shown
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -309,13 +329,16 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stdout[-4000:])
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
-        r["label"], r["process_s"] = label, time.perf_counter() - t
+        r["label"] = label + (" forced routing" if a.routing_trace else "")
+        r["process_s"] = time.perf_counter() - t
         results.append(r)
         print(f"{share:.0%} {label}: process {r['process_s']:.0f} s, load {r['load_s']:.1f} s "
               f"({', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())}), "
               f"kernels {r['kernels_after_load']} at load, {r['kernels_during_chat']} during the chat; "
               f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
               f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)
+        if r["routing"]:
+            print(r["routing"], flush=True)
         print("\n".join(r["plan"]), flush=True)
         print()
         print(table(results, ceil, per_token), flush=True)  # after every run: a cut-short bench keeps its rows

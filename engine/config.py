@@ -325,6 +325,7 @@ class EngineConfig:
     max_seq_len: int = 4096
     prefill_chunk: int = 256
     trace_path: str | None = None  # record routing decisions as JSONL
+    routing_trace: str | None = None  # TIMING ONLY: force layers >= n_hash_layers' experts from this route CSV
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
     extra: dict = field(default_factory=dict)
 

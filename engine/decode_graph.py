@@ -200,6 +200,8 @@ class DecodeRunner:
         else:
             self.ids.fill_(int(token))
         self.at.set(state.pos)
+        if self.model.routing is not None:  # forced routing (timing only): this position's ids, before the step
+            self.model.routing.set_position(state.pos)
         emitting = self.model.emitting(state.pos)
         key = self._buffers(state)
         if key != self._key:  # other buffers: every captured set is stale

@@ -131,10 +131,12 @@ class Engine:
             n = files.args.n_layers
             report(LoadProgress("loading", 0, n, "layers", f"building the model from {path}"))
             device = torch.device(config.device)
+            from engine.routing_override import forced_routing
             from kernels.backend import make_backend
 
             numerics = Numerics.named(config.numerics, make_backend(config.backend, device))
-            model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
+            routing = forced_routing(config.routing_trace, files.args, device)  # timing only (None: the router)
+            model = Transformer(lambda name: files.get(name).to(device), files.args, numerics, routing=routing)
             report(LoadProgress("loading", n, n, "layers", "model built"))
             tok_dir = path if (path / "tokenizer.json").is_file() else bundled_tokenizer_dir()
             tokenizer = ChatTokenizer.from_dir(tok_dir)

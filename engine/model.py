@@ -22,6 +22,7 @@ from engine.mhc import HyperConnection, HyperHead
 from engine.experts.provider import ExpertProvider
 from engine.moe import MoE
 from engine.numerics import Numerics, Quantized, unquantized
+from engine.routing_override import ForcedRouting
 from engine.state import SequenceState, new_layer_state
 from kernels import reference as ref
 from engine.linear import FP8Linear
@@ -40,8 +41,11 @@ def _section(timer, name: str):
 class Block:
     """One decoder block (§C.2): mHC around attention, then mHC around the MoE."""
 
-    def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
+    def __init__(self, get: GetTensor, prefix: str, args: ModelArgs, layer: int, numerics: Numerics,
+                 routing: ForcedRouting | None = None):
+        """`routing`: experts forced from a trace for timing (engine/routing_override.py), or None."""
         self.layer, self.eps, self.norm = layer, args.norm_eps, numerics.rms_norm
+        self.routing = routing if routing is not None and routing.forces(layer) else None
         self.norm_q = numerics.norm_quantized  # the attention's input feeds two FP8 linears
         self.hc_attn = HyperConnection(get(f"{prefix}.hc_attn_fn"), get(f"{prefix}.hc_attn_scale"),
                                        get(f"{prefix}.hc_attn_base"), args, numerics)
@@ -62,7 +66,8 @@ class Block:
         x, post, comb = self.hc_ffn.pre(streams)
         x = self.norm(x, self.ffn_norm, self.eps)
         with _section(timer, "moe"):
-            routed = self.ffn.route(x, ids)
+            forced = None if self.routing is None else self.routing.prefill_ids(self.layer, start, x.shape[0])
+            routed = self.ffn.route(x, ids, forced)
             if log is not None:
                 log("experts", self.layer, start, routed[0])
             f = self.ffn(x, ids, experts, routed)
@@ -80,7 +85,8 @@ class Block:
         streams = self.hc_attn.post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
         x = self.norm_q(x, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts
-        return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids))
+        forced = None if self.routing is None else self.routing.decode_ids(self.layer)  # set before the step
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids, forced))
 
     def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
         """Second half: routed experts from the arena + shared expert, mHC post -> streams."""
@@ -117,10 +123,13 @@ class MTP:
 class Transformer:
     """The main model. `forward` runs S tokens of one sequence from `state.pos` on."""
 
-    def __init__(self, get: GetTensor, args: ModelArgs, numerics: Numerics, with_mtp: bool = False):
-        self.args, self.numerics = args, numerics
+    def __init__(self, get: GetTensor, args: ModelArgs, numerics: Numerics, with_mtp: bool = False,
+                 routing: ForcedRouting | None = None):
+        """`routing`: force the router-routed layers' experts from a trace, for timing only
+        (engine/routing_override.py; a decode step must call `routing.set_position` first)."""
+        self.args, self.numerics, self.routing = args, numerics, routing
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
-        self.blocks = [Block(get, f"layers.{i}", args, i, numerics) for i in range(args.n_layers)]
+        self.blocks = [Block(get, f"layers.{i}", args, i, numerics, routing) for i in range(args.n_layers)]
         self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight")  # [V, D] bf16: the official head runs in fp32 (widened per call)

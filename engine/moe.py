@@ -35,8 +35,13 @@ class Gate:
         self.k, self.route_scale = args.n_activated_experts, args.route_scale
         self.ops = numerics.backend if numerics.native else ref
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D], token ids [N] -> (expert indices [N, k] int64, routing weights [N, k] fp32)."""
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor,
+                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D], token ids [N] -> (expert indices [N, k] int64, routing weights [N, k] fp32).
+        `forced` [N, k] (engine/routing_override.py, timing only) replaces the choice; the weights
+        are then the router's scores at those ids, normalised as on a hash layer."""
+        if forced is not None:
+            return self.ops.moe_gate(x, self.weight, None, self.k, self.route_scale, forced)
         hash_ids = self.tid2eid[ids] if self.hash else None
         return self.ops.moe_gate(x, self.weight, self.bias, self.k, self.route_scale, hash_ids)
 
@@ -57,8 +62,10 @@ class MoE:
             self.shared_w1, self.shared_w3 = FP8Linear(*w["w1"], numerics), FP8Linear(*w["w3"], numerics)
         self.ops = numerics.backend if numerics.native else ref  # moe_combine
 
-    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate(x, ids)
+    def route(self, x: torch.Tensor, ids: torch.Tensor,
+              forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate's (ids, weights) of x [N, D]; `forced` [N, k] ids override the choice (`Gate`)."""
+        return self.gate(x, ids, forced)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
