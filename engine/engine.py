@@ -25,6 +25,7 @@ import torch
 
 from engine.chat import ChatTokenizer, Message, bundled_tokenizer_dir
 from engine.config import EngineConfig
+from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
 from engine.events import Event, LoadProgress
 from engine.memory import memory_budget, tensor_bytes
@@ -71,6 +72,7 @@ class Engine:
         self.plan = plan or plan_memory(files.path, config)
         self.args = files.args
         self.device = torch.device(config.device)
+        self.demo = is_demo_model(files.path)  # the directory says so (engine/demo_marker.py)
         self._lock = threading.RLock()
         self.experts = files.experts  # engine.experts.provider.ExpertProvider: the model gets it as it is
         self._trace = None
@@ -150,7 +152,7 @@ class Engine:
         a, runner = self.args, self.runtime.runner
         decode = "eager" if runner is None or not runner.graphs else "CUDA graphs"
         return {"model": self.files.path.name, "path": str(self.files.path), "n_layers": a.n_layers,
-                "n_experts": a.n_routed_experts, "demo": (a.dim, a.n_layers) != (4096, 43),
+                "n_experts": a.n_routed_experts, "demo": self.demo,
                 "device": str(self.device), "numerics": self.config.numerics, "vocab_size": a.vocab_size,
                 "max_seq_len": self.config.max_seq_len,
                 "experts": "streaming" if self.experts.cache is not None else "resident",
