@@ -16,51 +16,31 @@ from __future__ import annotations
 
 import gc
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 from weakref import WeakSet
 
 import torch
 
-from engine.chat import ChatTokenizer, Message, bundled_tokenizer_dir
+from engine.chat import ChatTokenizer, Message
 from engine.config import EngineConfig
+from engine.decode_graph import make_runner
 from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
 from engine.events import Event, LoadProgress
-from engine.memory import memory_budget, tensor_bytes
-from engine.memory_plan import MemoryPlan, make_plan, probe_machine
+from engine.loading import build_model, load_tokenizer, open_model_files, plan_memory
+from engine.memory import tensor_bytes
+from engine.memory_plan import MemoryPlan
 from engine.model import Transformer
-from engine.numerics import Numerics
-from engine.decode_graph import make_runner
 from engine.runtime import Runtime
 from engine.sampling import SamplingParams
 from engine.session import Session, SessionError
-from engine.stats import CacheSnapshot, StepStats, cache_snapshot
-from engine.step_meter import StepMeter
-from engine.turn import CorruptModelError, Turns  # noqa: F401  (CorruptModelError: engine.engine's name too)
+from engine.stats import MemoryBudget, StepStats
+from engine.step_meter import Gauges, StepMeter
+from engine.turn import Turns
 from engine.warmup import plan_warmup, run_warmup
 
 ProgressFn = Callable[[LoadProgress], None]
-
-
-def plan_memory(path: str | Path, config: EngineConfig) -> MemoryPlan:
-    """The memory plan for the model at `path` on config.device (engine.memory_plan), made from the
-    files' headers before anything is allocated; raises MemoryPlanError when it cannot fit."""
-    from engine.weights import model_footprint
-
-    return make_plan(model_footprint(path), config, probe_machine(config.device))
-
-
-def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):
-    """engine.weights.ModelFiles for `path`: a converted directory (manifest.json) streams its
-    experts through a cache of plan.cache bytes on config.device; an official checkpoint keeps every
-    expert resident in its mmapped shards (copied to a GPU per use)."""
-    from engine.weights import open_model
-
-    return open_model(path, cache_bytes=plan.cache, policy=config.cache_policy,
-                      io_threads=config.io_threads, o_direct=plan.direct_reads, device=config.device,
-                      host_cache_bytes=plan.host_cache)
 
 
 class Engine:
@@ -87,9 +67,10 @@ class Engine:
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
-        self._weights_bytes = tensor_bytes(model)
-        self._meter = StepMeter(self._cache_snapshot, self.memory)
-        self._turns = Turns(files, model, tokenizer, config, self.runtime, self._meter, self._cache_snapshot)
+        self._gauges = Gauges(self.experts, self.args, config, self.device, self.plan, tensor_bytes(model),
+                              self._sessions)
+        self._meter = StepMeter(self._gauges.cache, self.memory)
+        self._turns = Turns(files, model, tokenizer, config, self.runtime, self._meter, self._gauges.cache)
 
     # ---------------------------------------------------------------------------- loading
     @classmethod
@@ -106,20 +87,8 @@ class Engine:
         report(LoadProgress("memory plan", 1, 1, "plan", "; ".join(line.strip() for line in plan.lines()[1:])))
         files = open_model_files(path, config, plan)
         try:
-            n = files.args.n_layers
-            report(LoadProgress("loading", 0, n, "layers", f"building the model from {path}"))
-            device = torch.device(config.device)
-            from kernels.backend import make_backend
-
-            numerics = Numerics.named(config.numerics, make_backend(config.backend, device))
-            model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
-            report(LoadProgress("loading", n, n, "layers", "model built"))
-            tok_dir = path if (path / "tokenizer.json").is_file() else bundled_tokenizer_dir()
-            tokenizer = ChatTokenizer.from_dir(tok_dir)
-            if tokenizer.vocab_size > files.args.vocab_size:
-                raise EngineError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                                  f"vocab_size is {files.args.vocab_size}; the checkpoint does not fit it")
-            engine = cls(files, model, tokenizer, config, plan, progress)
+            model = build_model(path, files, config, report)
+            engine = cls(files, model, load_tokenizer(path, files.args.vocab_size), config, plan, progress)
         except BaseException:
             files.close()
             raise
@@ -177,7 +146,7 @@ class Engine:
                 session.release()
             self._sessions.clear()
             self._turns.close()
-            self.runtime = self.model = self.experts = self._meter = None
+            self.runtime = self.model = self.experts = self._meter = self._gauges = None
             self.files.experts = None
         gc.collect()  # the model's modules hold reference cycles
         if self.device.type == "cuda":
@@ -282,20 +251,7 @@ class Engine:
         if self.runtime.log is not None:
             self.runtime.log("experts", layer, position, torch.tensor([ids]))
 
-    def _cache_snapshot(self) -> CacheSnapshot:
-        return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses)
-
-    def workspace_bytes(self) -> int:
-        """Estimate of transient memory of the largest step: a prefill chunk's residual streams and
-        temporaries (8 stream-sized fp32 buffers) plus one row of logits."""
-        a = self.args
-        return self.config.prefill_chunk * a.hc_mult * a.dim * 4 * 8 + a.vocab_size * 4
-
-    def memory(self):
+    def memory(self) -> MemoryBudget:
         """The MemoryBudget now (engine.memory)."""
         self._open()
-        cache = self._cache_snapshot()
-        state = sum(s.nbytes() for s in list(self._sessions))
-        budget = memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
-                               state=state, workspace=self.workspace_bytes())
-        return replace(budget, plan=self.plan.summary())
+        return self._gauges.memory()

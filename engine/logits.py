@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="output .safetensors file (its folder must exist)")
     a = p.parse_args(argv)
     ids = _parse_ids(a.ids)
-    from engine.engine import plan_memory
+    from engine.loading import plan_memory
     from engine.memory_plan import MemoryPlanError
     from engine.weights import open_model
 

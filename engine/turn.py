@@ -57,11 +57,13 @@ class Turns:
         self.runtime, self._meter, self._cache_snapshot = runtime, meter, cache_snapshot
 
     def close(self) -> None:
-        """Drop the model, runtime and meter (the engine is closed): a turn still running fails."""
-        self.runtime = self.model = self._meter = None
+        """Drop the model, runtime and meters (the engine is closed): a turn still running fails."""
+        self.runtime = self.model = self._meter = self._cache_snapshot = None
 
     def run(self, session: Session, base: list[Message], user_text: str, params: SamplingParams,
-              cancel: threading.Event) -> Iterator[Event]:
+            cancel: threading.Event) -> Iterator[Event]:
+        """One turn answering `user_text` after the messages `base` (the module docstring's outcomes);
+        yields events, the last one TurnFinished or EngineFailure."""
         t_start = time.perf_counter()
         tok, limit = self.tokenizer, self.config.max_seq_len
         user = Message("user", user_text)
