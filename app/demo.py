@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.wizard import DEMO_NAME, MANIFEST, WizardError, is_converted
+from engine.demo_marker import is_demo_model, mark_demo_model
 from engine.events import LoadProgress
 
 DEMO_NOTICE = ("demo model: a tiny network with RANDOM weights and the real tokenizer — "
@@ -61,11 +62,12 @@ def outdated(converted: Path) -> bool:
 
 
 def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | None = None) -> Path:
-    """The converted demo model under `data_dir/models/demo`, building it on first use (and again
-    when an older build left it in another layout version)."""
+    """The converted demo model under `data_dir/models/demo`, marked as the demo for the engine
+    (engine/demo_marker.py), building it on first use (and again when an older build left it in
+    another layout version or unmarked)."""
     models = data_dir / "models"
     target = models / DEMO_NAME
-    if is_converted(target) and not outdated(target):
+    if is_converted(target) and not outdated(target) and is_demo_model(target):
         return target
     models.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
@@ -74,6 +76,7 @@ def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | Non
         (build or build_with_converter)(work, out, progress)
         if not is_converted(out):
             raise WizardError("building the demo model produced no manifest.json")
+        mark_demo_model(out)
         if target.exists():  # a stale demo: incomplete, or in an older layout version
             shutil.rmtree(target)
         try:

@@ -20,7 +20,7 @@ def parser() -> argparse.ArgumentParser:
     p = cli_args.Parser(prog="python -m engine", description="DeepSeek-V4-Flash engine tools")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer one prompt")
-    g.add_argument("--ckpt", required=True, help="model directory (converted or official layout)")
+    cli_args.add_engine_args(g)
     g.add_argument("--prompt", required=True, help="the user message")
     g.add_argument("--system", default=None, help="system prompt")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -29,11 +29,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--think", action="store_true", help="thinking mode")
-    g.add_argument("--numerics", choices=("native", "exact"), default="native")
-    g.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
-    cli_args.add_memory_args(g)
-    g.add_argument("--max-seq-len", type=cli_args.positive_int, default=4096,
-                   help="context limit in tokens, at most the model's max_position_embeddings")
     return p
 
 
@@ -49,7 +44,7 @@ def _model_args(path: Path):
 
 
 def generate(a: argparse.Namespace) -> int:
-    from engine.config import ConfigError, EngineConfig
+    from engine.config import ConfigError
     from engine.engine import Engine
     from engine.events import EngineFailure, TextDelta, TurnFinished
     from engine.memory_plan import MemoryPlanError
@@ -58,8 +53,7 @@ def generate(a: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                 max_tokens=a.max_tokens, seed=a.seed, thinking=a.think)
-        config = EngineConfig(device=a.device, numerics=a.numerics, max_seq_len=a.max_seq_len,
-                              **cli_args.memory_bytes(a))
+        config = cli_args.engine_config_from_args(a)
     except (SamplingError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

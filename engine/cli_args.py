@@ -1,6 +1,8 @@
-"""Argument checks shared by the engine's command lines (`python -m engine`, `python -m
-engine.logits`): each bad value becomes one `prog: error: ...` line and exit status 2, at parse
-time where the value alone decides, never a traceback."""
+"""The engine's command-line options and their checks, shared by its entry points (`python -m
+engine generate`, `python -m engine.logits`): `add_engine_args` declares them once, spelled as
+dsv4-chat spells the same settings (app/__main__.py), and `engine_config_from_args` turns them
+into one EngineConfig. Each bad value becomes one `prog: error: ...` line and exit status 2, at
+parse time where the value alone decides, never a traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import math
 from pathlib import Path
 
 import torch
+
+from engine.config import EngineConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,3 +87,31 @@ def memory_bytes(a: argparse.Namespace) -> dict[str, int | None]:
     gib = 2**30
     return {"cache_bytes": None if a.cache_gb is None else int(a.cache_gb * gib),
             "memory_bytes": None if a.memory_gb is None else int(a.memory_gb * gib)}
+
+
+def add_engine_args(p: argparse.ArgumentParser, numerics: str = "native", turns: bool = True) -> None:
+    """The options every engine entry point shares: --ckpt (or --model, as dsv4-chat says),
+    --numerics (default `numerics`), --device, --backend, --cache-gb and --memory-gb; with `turns`
+    (a tool that runs chat turns) also --max-seq-len and --no-cuda-graphs, else those stay at
+    EngineConfig's defaults."""
+    p.add_argument("--ckpt", "--model", dest="ckpt", required=True,
+                   help="model directory (converted or official layout)")
+    p.add_argument("--numerics", choices=("native", "exact"), default=numerics)
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--backend", choices=("torch", "tilelang"), default=EngineConfig.backend,
+                   help="kernel backend (tilelang: CUDA only)")
+    add_memory_args(p)
+    if turns:
+        p.add_argument("--max-seq-len", type=positive_int, default=EngineConfig.max_seq_len,
+                       help="context limit in tokens, at most the model's max_position_embeddings")
+        p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="run every decode step eagerly instead of replaying CUDA graphs")
+    else:
+        p.set_defaults(max_seq_len=EngineConfig.max_seq_len, cuda_graphs=EngineConfig.cuda_graphs)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of options parsed by a parser that `add_engine_args` built (the GiB figures
+    converted to bytes here, once); raises ConfigError for a combination EngineConfig refuses."""
+    return EngineConfig(device=a.device, numerics=a.numerics, backend=a.backend, max_seq_len=a.max_seq_len,
+                        cuda_graphs=a.cuda_graphs, **memory_bytes(a))

@@ -55,24 +55,20 @@ def _parse_ids(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     pin_cpu_math()  # before any model work (engine/reproducible.py)
     p = cli_args.Parser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", required=True, help="official checkpoint or converted directory")
+    cli_args.add_engine_args(p, numerics="exact", turns=False)
     p.add_argument("--ids", required=True, help="comma-separated token ids")
-    p.add_argument("--numerics", choices=("exact", "native"), default="exact")
     p.add_argument("--decode-from", type=int, default=None, help="prefill K ids, then decode one at a time")
-    cli_args.add_memory_args(p)
-    p.add_argument("--device", type=cli_args.device, default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--backend", choices=("torch", "tilelang"), default="torch")
     p.add_argument("--out", type=cli_args.output_file, required=True,
                    help="output .safetensors file (its folder must exist)")
     a = p.parse_args(argv)
     ids = _parse_ids(a.ids)
-    from engine.config import EngineConfig
-    from engine.engine import plan_memory
+    from engine.loading import plan_memory
     from engine.memory_plan import MemoryPlanError
     from engine.weights import open_model
 
     try:
-        plan = plan_memory(a.ckpt, EngineConfig(device=a.device, numerics=a.numerics, **cli_args.memory_bytes(a)))
+        config = cli_args.engine_config_from_args(a)
+        plan = plan_memory(a.ckpt, config)
         files = open_model(a.ckpt, cache_bytes=plan.cache)
     except (CheckpointError, ConfigError, ExpertCacheError, MemoryPlanError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -84,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         ids = torch.tensor(ids, dtype=torch.long)
         device = torch.device(a.device)
-        numerics = Numerics.named(a.numerics, make_backend(a.backend, device))
+        numerics = Numerics.named(config.numerics, make_backend(config.backend, device))
         model = Transformer(lambda name: files.get(name).to(device), files.args, numerics)
         logits, experts = run_sequence(model, files.experts, ids.to(device), a.decode_from)
     finally:

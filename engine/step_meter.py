@@ -1,24 +1,56 @@
-"""The live figures of an engine's step updates: windowed tok/s and expert read bandwidth, the last
-step's timing, and a memory budget that is re-measured at most every MEMORY_REFRESH_S.
+"""The live figures of an engine: `Gauges` measure the expert cache and the memory budget now;
+`StepMeter` turns step results into step updates (windowed tok/s and expert read bandwidth, the last
+step's timing, and a memory budget that is re-measured at most every MEMORY_REFRESH_S).
 
-Owned by `engine.engine.Engine`, which hands it the two measurements it does not own itself: the
-expert cache's snapshot and the memory budget.
+Both are owned by `engine.engine.Engine`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from dataclasses import replace
+from typing import Callable, Iterable
 
+import torch
+
+from engine.config import EngineConfig, ModelArgs
+from engine.memory import memory_budget
+from engine.memory_plan import MemoryPlan
 from engine.runtime import StepResult
-from engine.stats import CacheSnapshot, StepStats, StepTiming
+from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming, cache_snapshot
 
 RATE_WINDOW = 32  # decode steps in the windowed tok/s and read bandwidth
 # Step updates re-measure the memory budget at most this often: a measurement reads /proc (unified
 # memory) or queries the CUDA driver and sums every session's state, ~1 ms on this project's CPU
 # machine, as long as a whole decode step on the H200.
 MEMORY_REFRESH_S = 0.25
+
+
+class Gauges:
+    """The expert cache's figures and the memory budget of one engine, measured when asked."""
+
+    def __init__(self, experts, args: ModelArgs, config: EngineConfig, device: torch.device, plan: MemoryPlan,
+                 weights_bytes: int, sessions: Iterable) -> None:
+        self.experts, self.args, self.config, self.device, self.plan = experts, args, config, device, plan
+        self._weights_bytes, self._sessions = weights_bytes, sessions
+
+    def cache(self) -> CacheSnapshot:
+        return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses)
+
+    def workspace_bytes(self) -> int:
+        """Estimate of transient memory of the largest step: a prefill chunk's residual streams and
+        temporaries (8 stream-sized fp32 buffers) plus one row of logits."""
+        a = self.args
+        return self.config.prefill_chunk * a.hc_mult * a.dim * 4 * 8 + a.vocab_size * 4
+
+    def memory(self) -> MemoryBudget:
+        """The MemoryBudget now (engine.memory): `sessions` hold the state."""
+        cache = self.cache()
+        state = sum(s.nbytes() for s in list(self._sessions))
+        budget = memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
+                               state=state, workspace=self.workspace_bytes())
+        return replace(budget, plan=self.plan.summary())
 
 
 class StepMeter:

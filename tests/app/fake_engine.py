@@ -38,7 +38,8 @@ class FakeSession:
 
 
 class FakeEngine:
-    """Deterministic stand-in for engine.engine.Engine (same methods, same event types)."""
+    """Deterministic stand-in for engine.engine.Engine (an app.backend.EngineLike: same methods, same
+    event types)."""
 
     def __init__(self, answer: str = ANSWER, thinking: str = THINKING, step_delay: float = 0.0,
                  first_token_delay: float = 0.0, graphs: bool = True,
@@ -80,23 +81,23 @@ class FakeEngine:
     def new_session(self, system: str | None = None, history: list[Message] = ()) -> FakeSession:
         return FakeSession(system, list(history), sum(len(m.content.split()) for m in history))
 
-    def generate(self, sess: FakeSession, text: str, params: SamplingParams,
+    def generate(self, session: FakeSession, user_text: str, params: SamplingParams,
                  cancel: threading.Event) -> Iterator:
-        self.calls.append((text, params))
-        return self._turn(sess, text, params, cancel, self.answer)
+        self.calls.append((user_text, params))
+        return self._turn(session, user_text, params, cancel, self.answer)
 
-    def regenerate(self, sess: FakeSession, params: SamplingParams,
+    def regenerate(self, session: FakeSession, params: SamplingParams,
                    cancel: threading.Event) -> Iterator:
         self.calls.append(("<regen>", params))
-        if not sess.messages or sess.messages[-1].role != "assistant":
+        if not session.messages or session.messages[-1].role != "assistant":
             raise ValueError("nothing to regenerate")
-        user = sess.messages[-2].content
-        return self._turn(sess, user, params, cancel, "Regenerated: " + self.answer, replace=True)
+        user = session.messages[-2].content
+        return self._turn(session, user, params, cancel, "Regenerated: " + self.answer, replace=True)
 
-    def undo(self, sess: FakeSession) -> None:
-        for i in range(len(sess.messages) - 1, -1, -1):
-            if sess.messages[i].role == "user":
-                del sess.messages[i:]
+    def undo(self, session: FakeSession) -> None:
+        for i in range(len(session.messages) - 1, -1, -1):
+            if session.messages[i].role == "user":
+                del session.messages[i:]
                 return
         raise ValueError("nothing to undo")
 
