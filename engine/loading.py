@@ -20,10 +20,13 @@ from engine.numerics import Numerics
 
 def plan_memory(path: str | Path, config: EngineConfig) -> MemoryPlan:
     """The memory plan for the model at `path` on config.device (engine.memory_plan), made from the
-    files' headers before anything is allocated; raises MemoryPlanError when it cannot fit."""
+    files' headers before anything is allocated; raises ConfigError when config.max_seq_len is
+    beyond the model's context, MemoryPlanError when the plan cannot fit."""
     from engine.weights import model_footprint
 
-    return make_plan(model_footprint(path), config, probe_machine(config.device))
+    footprint = model_footprint(path)
+    footprint.args.check_seq_len(config.max_seq_len, "max_seq_len")
+    return make_plan(footprint, config, probe_machine(config.device))
 
 
 def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):

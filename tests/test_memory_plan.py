@@ -160,3 +160,12 @@ def test_close_gives_back_the_weights_the_arena_and_the_session_states(packs):
     assert sess.ids == ids  # the conversation's ids stay readable
     with pytest.raises(RuntimeError, match="closed"):
         eng.stats()
+
+
+def test_a_context_beyond_the_model_is_refused_at_load(packs):
+    """Every entry point (the TUI too) gets the check, not only the CLIs."""
+    from engine.config import ConfigError
+
+    _, conv = packs
+    with pytest.raises(ConfigError, match="max_seq_len 2,000,000 is outside 1..1,048,576"):
+        Engine.load(conv, EngineConfig(max_seq_len=2_000_000), warmup=False)
