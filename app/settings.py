@@ -45,6 +45,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged
 import platformdirs
 
 from engine.experts.policy import DEFAULT_POLICY
+from engine.memory_plan import gib_to_bytes
 
 APP_NAME = "dsv4-chat"
 
@@ -317,6 +318,6 @@ def engine_config_kwargs(config: AppConfig, cuda_available: bool, tilelang_avail
         "cache_policy": config.cache_policy,
         "io_threads": config.io_threads,
         "max_seq_len": config.max_seq_len,
-        "cache_bytes": None if config.cache_gb is None else int(config.cache_gb * 2**30),
-        "memory_bytes": None if config.memory_gb is None else int(config.memory_gb * 2**30),
+        "cache_bytes": gib_to_bytes(config.cache_gb, "cache_gb"),
+        "memory_bytes": gib_to_bytes(config.memory_gb, "memory_gb"),
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.memory_plan import gib_to_bytes
 
 
 class Parser(argparse.ArgumentParser):
@@ -84,9 +85,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 
 def memory_bytes(a: argparse.Namespace) -> dict[str, int | None]:
     """EngineConfig's cache_bytes and memory_bytes from the parsed --cache-gb / --memory-gb."""
-    gib = 2**30
-    return {"cache_bytes": None if a.cache_gb is None else int(a.cache_gb * gib),
-            "memory_bytes": None if a.memory_gb is None else int(a.memory_gb * gib)}
+    return {"cache_bytes": gib_to_bytes(a.cache_gb, "--cache-gb"),
+            "memory_bytes": gib_to_bytes(a.memory_gb, "--memory-gb")}
 
 
 def add_engine_args(p: argparse.ArgumentParser, numerics: str = "native", turns: bool = True) -> None:
