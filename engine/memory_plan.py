@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -98,8 +97,8 @@ class ModelFootprint:
 
 def state_bytes(args: ModelArgs, max_seq_len: int, dtype: torch.dtype, mtp: bool = False) -> int:
     """Bytes of one sequence state reserved up to position `max_seq_len` (what a turn ending at the
-    context limit reserves: `Transformer.reserve`; `mtp`: the model runs its MTP block), computed on the meta device with the shapes the
-    model allocates, capacities grown to their power of two."""
+    context limit reserves: `Transformer.reserve`; `mtp`: the model runs its MTP block), computed
+    on the meta device with the shapes the model allocates, capacities grown to powers of two."""
     layers = [new_layer_state(args.window_size, args.head_dim, args.ratio(i), args.index_head_dim, dtype, "meta")
               for i in range(args.n_layers)]
     for i, layer in enumerate(layers):
@@ -269,7 +268,7 @@ def gib_to_bytes(value: float | None, name: str) -> int | None:
     return int(value * GiB)
 
 
-def footprint_of(path: str | Path, args: ModelArgs, index, manifest=None) -> ModelFootprint:
+def footprint_of(args: ModelArgs, index, manifest=None) -> ModelFootprint:
     """The footprint of an opened model directory: `index` is its TensorIndex, `manifest` the
     converted layout's manifest (None for an official checkpoint)."""
     if manifest is None:  # official: every expert tensor stays in the shards

@@ -148,4 +148,4 @@ def model_footprint(path: str | Path):
     else:
         raise _not_a_model(path)
     with TensorIndex.open(path) as index:
-        return footprint_of(path, args, index, manifest)
+        return footprint_of(args, index, manifest)
