@@ -21,7 +21,7 @@ class CacheSnapshot:
     pinned: int
     hits: int
     misses: int
-    evictions: int
+    evictions: int  # experts evicted: for capacity by the cache, and by /flush
     bytes_read: int
     hit_rate: float  # cumulative, 0..1 (0 when nothing was looked up)
     hit_rate_window: float  # over the last `window` lookups
@@ -110,7 +110,7 @@ def cache_snapshot(cache, args, layer_uses: list[int]) -> CacheSnapshot:
         s = cache.stats()
         return CacheSnapshot(capacity_bytes=s.capacity_entries * s.entry_bytes, used_bytes=s.used_bytes,
                              entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
-                             hits=s.hits, misses=s.misses, evictions=s.evictions, bytes_read=s.bytes_read,
+                             hits=s.hits, misses=s.misses, evictions=s.evictions + s.flushed, bytes_read=s.bytes_read,
                              hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
                              # the main layers only: the MTP block's slot row is never routed
                              per_layer_hit_rate=s.per_layer_hit_rate[:args.n_layers])

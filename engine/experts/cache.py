@@ -42,6 +42,7 @@ class CacheStats:
     hit_rate_window: float  # over the last `window_lookups` lookups
     window_lookups: int
     evictions: int  # capacity evictions by `admit` (not flush/discard)
+    flushed: int  # keys evicted by `flush` (a user's "evicted" figure is evictions + flushed)
     admissions: int
     bytes_read: int  # admissions * entry_bytes: what the store streamed in
     entries: int
@@ -241,6 +242,7 @@ class ExpertCache:
         evicted = [k for k in self._slots if k not in self._pinned]
         for key in evicted:
             self._remove(key)
+        self._flushed += len(evicted)
         return evicted
 
     def hottest(self, n: int) -> list[ExpertKey]:
@@ -265,6 +267,7 @@ class ExpertCache:
             hit_rate_window=self._window_hits / len(self._window) if self._window else 0.0,
             window_lookups=len(self._window),
             evictions=self._evictions,
+            flushed=self._flushed,
             admissions=self._admissions,
             bytes_read=self._admissions * self.entry_bytes,
             entries=len(self._slots),
@@ -280,7 +283,7 @@ class ExpertCache:
 
     def reset_stats(self, *, history: bool = False) -> None:
         """Zero the counters and the window; with history=True also forget `hottest` counts."""
-        self._hits = self._misses = self._evictions = self._admissions = 0
+        self._hits = self._misses = self._evictions = self._flushed = self._admissions = 0
         self._layer_hits = [0] * self.num_layers
         self._layer_misses = [0] * self.num_layers
         self._window: deque[bool] = deque(maxlen=self.window)
