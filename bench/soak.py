@@ -53,8 +53,9 @@ def slope_per_100(samples: list[tuple[int, float]]) -> float | None:
 
 
 def run(engine: Engine, turns: int, per_session: int, params: SamplingParams, every: int,
-        log=None) -> dict:
-    """Run the soak on a loaded engine; returns the samples, the slope and the counts."""
+        log=None, trim=None) -> dict:
+    """Run the soak on a loaded engine; returns the samples, the slope and the counts. `trim`
+    (e.g. app.server.heap's glibc malloc_trim) is called after every turn when given."""
     limit = engine.config.max_seq_len
     samples = [{"turn": 0, "rss_mib": process_rss() / MIB, "median_turn_ms": None, "position": 0}]
     if log is not None:
@@ -78,6 +79,8 @@ def run(engine: Engine, turns: int, per_session: int, params: SamplingParams, ev
             raise RuntimeError(f"turn {turn} failed: {last.message}")
         if not isinstance(last, TurnFinished):
             raise RuntimeError(f"turn {turn} ended without TurnFinished ({last!r})")
+        if trim is not None:
+            trim()
         tokens += last.stats.completion_tokens
         finish[last.stats.finish_reason] = finish.get(last.stats.finish_reason, 0) + 1
         in_session += 1
@@ -111,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--data-dir", type=Path, default=None, help="where the demo model lives (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--trim", action="store_true",
+                    help="give freed heap pages back after every turn (glibc malloc_trim, as the server does): "
+                         "tells allocator retention from a leak")
     args = ap.parse_args(argv)
     if args.turns < 1 or args.every < 1 or args.per_session < 0 or args.max_tokens < 1:
         ap.error("--turns, --every and --max-tokens must be >= 1, --per-session >= 0")
@@ -133,7 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"temperature {args.temperature}, device {args.device}")
             say(f"{'turn':>6}  {'RSS MiB':>8}  {'median ms':>10}")
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-            result = run(engine, args.turns, args.per_session, params, args.every, lambda s: say(_row(s)))
+            trim = None
+            if args.trim:
+                from app.server.heap import heap_trimmer
+
+                trim = heap_trimmer()
+            result = run(engine, args.turns, args.per_session, params, args.every, lambda s: say(_row(s)), trim)
     finally:
         if tmp is not None:
             tmp.cleanup()
