@@ -23,6 +23,7 @@ from app.commands import Command, CommandError, is_command, parse
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
 from app.heap import HeapFreeze
+from app.heap_trim import heap_trimmer
 from app.messages import (
     CallDone,
     EngineError,
@@ -72,7 +73,7 @@ class ChatApp(App):
         self.config = config
         self.gen = config.gen
         self.backend = backend if backend is not None else RealBackend()
-        self.service = EngineService(self, self.backend, config)
+        self.service = EngineService(self, self.backend, config, trim=heap_trimmer())
         self.conversation = Conversation(system=config.system)
         self.autosave = Autosaver(config.transcripts_dir, config.system, on_error=self.autosave_failed)
         self.chat = ChatScreen()

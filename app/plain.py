@@ -28,6 +28,7 @@ from typing import Any, Callable, TextIO
 from app.autosave import Autosaver
 from app.commands import Command, help_lines, is_command, parse
 from app.conversation import ChatMessage
+from app.heap_trim import heap_trimmer
 from app.settings import AppConfig, SettingsError, with_gen
 
 TUI_ONLY = ("save", "load", "export")
@@ -165,8 +166,10 @@ class PlainChat:
     With `autosave`, the conversation is recorded under `config.transcripts_dir`."""
 
     def __init__(self, engine: Any, config: AppConfig, read: Callable[[], str], out: TextIO,
-                 err: TextIO | None = None, strict: bool = False, autosave: bool = True):
+                 err: TextIO | None = None, strict: bool = False, autosave: bool = True,
+                 trim: Callable[[], None] | None = None):
         self.engine, self.config, self.read, self.out = engine, config, read, out
+        self.trim = trim
         self.err = err if err is not None else out
         self.strict = strict
         self.failed = False
@@ -238,7 +241,15 @@ class PlainChat:
 
     def answer(self, start: Callable[[threading.Event], Any], user: str | None = None) -> bool:
         """Run one turn, streaming its text (answer to `out`, thinking to `err`); Ctrl-C stops it.
-        `user` is the new message (None: /regen). Returns whether the turn finished."""
+        `user` is the new message (None: /regen). Returns whether the turn finished. Afterwards
+        `trim` (app.heap_trim) gives the turn's freed heap pages back."""
+        try:
+            return self._answer(start, user)
+        finally:
+            if self.trim is not None:
+                self.trim()
+
+    def _answer(self, start: Callable[[threading.Event], Any], user: str | None) -> bool:
         from engine.events import EngineFailure, TextDelta, TurnFinished
 
         cancel = threading.Event()
@@ -409,7 +420,7 @@ def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None =
         info = engine.info
         info_out.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · "
                        f"{info.get('numerics')} · /help for commands, Ctrl-D to leave\n")
-        return PlainChat(engine, config, read, stdout, info_out, strict=not terminal).run()
+        return PlainChat(engine, config, read, stdout, info_out, strict=not terminal, trim=heap_trimmer()).run()
     finally:
         engine.close()
 

@@ -53,8 +53,12 @@ class ServiceBusy(RuntimeError):
 class EngineService:
     """Owns the engine and its current session; runs every engine call in a worker."""
 
-    def __init__(self, app: App, backend: Backend, config: AppConfig, history: int = 120) -> None:
+    def __init__(self, app: App, backend: Backend, config: AppConfig, history: int = 120,
+                 trim: Callable[[], None] | None = None) -> None:
+        """`trim` runs on the worker after every turn (app.heap_trim: freed heap pages back to the
+        OS, or None)."""
         self._app = app
+        self._trim = trim
         self._backend = backend
         self._config = config
         self.engine: Any = None
@@ -184,6 +188,13 @@ class EngineService:
             self.engine.regenerate(self.session, params, cancel=self._cancel), True))
 
     def _drain(self, events: Iterable[Any], regenerated: bool) -> None:
+        try:
+            self._drain_events(events, regenerated)
+        finally:
+            if self._trim is not None:
+                self._trim()
+
+    def _drain_events(self, events: Iterable[Any], regenerated: bool) -> None:
         job = "regen" if regenerated else "turn"
         for ev in events:
             if isinstance(ev, TextDelta):

@@ -55,7 +55,7 @@ def slope_per_100(samples: list[tuple[int, float]]) -> float | None:
 def run(engine: Engine, turns: int, per_session: int, params: SamplingParams, every: int,
         log=None, trim=None) -> dict:
     """Run the soak on a loaded engine; returns the samples, the slope and the counts. `trim`
-    (e.g. app.server.heap's glibc malloc_trim) is called after every turn when given."""
+    (e.g. app.heap_trim's glibc malloc_trim) is called after every turn when given."""
     limit = engine.config.max_seq_len
     samples = [{"turn": 0, "rss_mib": process_rss() / MIB, "median_turn_ms": None, "position": 0}]
     if log is not None:
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
             trim = None
             if args.trim:
-                from app.server.heap import heap_trimmer
+                from app.heap_trim import heap_trimmer
 
                 trim = heap_trimmer()
             result = run(engine, args.turns, args.per_session, params, args.every, lambda s: say(_row(s)), trim)

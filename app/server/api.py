@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from app.server.errors import ApiError, bad_request, error_body
-from app.server.heap import heap_trimmer
+from app.heap_trim import heap_trimmer
 from app.server.pool import SessionPool
 from app.server.request import ChatRequest, parse_chat_request
 from app.server.worker import Delta, Failed, Finished, Job, Started, Worker
@@ -48,7 +48,7 @@ class ServerConfig:
     max_sessions: int = 4  # conversations kept for KV reuse (0: no reuse)
     max_state_bytes: int | None = None  # bound on the pooled sessions' state bytes
     keepalive_s: float = 10.0  # SSE comment interval while a streamed request waits or prefills
-    trim_heap: bool = True  # give freed heap pages back to the OS when the worker goes idle (app.server.heap)
+    trim_heap: bool = True  # give freed heap pages back to the OS when the worker goes idle (app.heap_trim)
     defaults: GenParams = dataclasses.field(default_factory=GenParams)
 
 

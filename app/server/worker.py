@@ -62,7 +62,7 @@ class Worker:
 
     def __init__(self, engine, pool: SessionPool, max_queue: int = 8, recent: int = 32,
                  on_idle: Callable[[], None] | None = None) -> None:
-        """`on_idle` runs on the worker thread after a job when no other job waits (app.server.heap)."""
+        """`on_idle` runs on the worker thread after a job when no other job waits (app.heap_trim)."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine, self.pool, self.max_queue, self.on_idle = engine, pool, max_queue, on_idle

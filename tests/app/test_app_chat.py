@@ -15,7 +15,8 @@ from app.service import EngineService
 from app.widgets.bars import fmt_bytes, fmt_pct
 from app.widgets.message import AssistantMessage, NoteMessage, UserMessage
 from app.widgets.panes import CachePane, HitRatePane, MemoryPane, ThroughputPane
-from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming
+from engine.events import EngineFailure, TextDelta, TurnFinished
+from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming, TurnStats
 
 SIZE = (120, 45)
 
@@ -248,3 +249,16 @@ def test_stats_are_coalesced(config):
     assert latest is snaps[-1] and len(recent) == 50 and recent[-1] is snaps[-1]
     service._publish(snaps[0])
     assert sum(isinstance(m, StatsChanged) for m in service._app.posted) == 2
+
+
+def test_the_service_gives_heap_pages_back_after_every_turn(config):
+    """bench/soak.py --trim: RSS growth over 1,000 demo turns was glibc keeping freed pages
+    (+3.54 -> +0.20 MiB per 100 turns with malloc_trim); the service trims after each turn, done
+    or failed."""
+    calls = []
+    service = EngineService(_Recorder(), FakeBackend(), config, trim=lambda: calls.append("trim"))
+    stats = TurnStats(prompt_tokens=3, completion_tokens=1, prefill_s=0.1, decode_s=0.1, ttft_s=0.1,
+                      tok_per_s=10.0, finish_reason="eos")
+    service._drain(iter([TextDelta("hi"), TurnFinished(stats, "", "hi")]), False)
+    service._drain(iter([EngineFailure("boom")]), False)
+    assert calls == ["trim", "trim"]

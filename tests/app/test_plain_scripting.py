@@ -227,3 +227,12 @@ def test_warm_up_loads_prints_the_plan_and_exits(ckpt, tmp_path):
     assert warm_up(tight, err) == 2
     assert "the model does not fit" in err.getvalue() and "--memory-gb" in err.getvalue()
     assert "Traceback" not in err.getvalue()
+
+
+def test_plain_gives_heap_pages_back_after_every_turn(config):
+    calls = []
+    out = io.StringIO()
+    chat = PlainChat(FakeEngine(), config, lines_of("first", "second"), out, io.StringIO(), strict=True,
+                     trim=lambda: calls.append("trim"))
+    assert chat.run() == 0
+    assert calls == ["trim", "trim"]
