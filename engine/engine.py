@@ -67,7 +67,7 @@ class Engine:
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
-        self._gauges = Gauges(self.experts, self.args, config, self.device, self.plan, tensor_bytes(model),
+        self._gauges = Gauges(self.experts, self.args, self.device, self.plan, tensor_bytes(model),
                               self._sessions)
         self._meter = StepMeter(self._gauges.cache, self.memory)
         self._turns = Turns(files, model, tokenizer, config, self.runtime, self._meter, self._gauges.cache)

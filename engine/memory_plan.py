@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelArgs
-from engine.memory import MemInfo, read_meminfo
+from engine.memory import MemInfo, is_unified, read_meminfo
 from engine.state import SequenceState, new_layer_state
 
 GiB = 2**30
@@ -62,14 +62,12 @@ def probe_machine(device: str | torch.device) -> Machine:
     """The machine's memory now: `torch.cuda.mem_get_info` for a discrete GPU, /proc/meminfo for
     the host (and for the pool of a unified-memory device)."""
     device = torch.device(device)
-    info = read_meminfo()
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if not bool(getattr(props, "is_integrated", False)):
-            free, total = torch.cuda.mem_get_info(device)
-            return Machine(str(device), False, total, free, info.total, info.available)
-    elif device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise MemoryPlanError(f"device {device}: only 'cpu' and 'cuda' are supported")
+    info = read_meminfo()
+    if not is_unified(device):
+        free, total = torch.cuda.mem_get_info(device)
+        return Machine(str(device), False, total, free, info.total, info.available)
     return unified_machine(str(device), info)
 
 

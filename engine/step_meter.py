@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.config import EngineConfig, ModelArgs
+from engine.config import ModelArgs
 from engine.memory import memory_budget
 from engine.memory_plan import MemoryPlan
 from engine.runtime import StepResult
@@ -30,26 +30,20 @@ MEMORY_REFRESH_S = 0.25
 class Gauges:
     """The expert cache's figures and the memory budget of one engine, measured when asked."""
 
-    def __init__(self, experts, args: ModelArgs, config: EngineConfig, device: torch.device, plan: MemoryPlan,
+    def __init__(self, experts, args: ModelArgs, device: torch.device, plan: MemoryPlan,
                  weights_bytes: int, sessions: Iterable) -> None:
-        self.experts, self.args, self.config, self.device, self.plan = experts, args, config, device, plan
+        self.experts, self.args, self.device, self.plan = experts, args, device, plan
         self._weights_bytes, self._sessions = weights_bytes, sessions
 
     def cache(self) -> CacheSnapshot:
         return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses)
-
-    def workspace_bytes(self) -> int:
-        """Estimate of transient memory of the largest step: a prefill chunk's residual streams and
-        temporaries (8 stream-sized fp32 buffers) plus one row of logits."""
-        a = self.args
-        return self.config.prefill_chunk * a.hc_mult * a.dim * 4 * 8 + a.vocab_size * 4
 
     def memory(self) -> MemoryBudget:
         """The MemoryBudget now (engine.memory): `sessions` hold the state."""
         cache = self.cache()
         state = sum(s.nbytes() for s in list(self._sessions))
         budget = memory_budget(self.device, weights=self._weights_bytes, expert_cache=cache.capacity_bytes,
-                               state=state, workspace=self.workspace_bytes())
+                               state=state, workspace=self.plan.workspace)  # the plan's estimate
         return replace(budget, plan=self.plan.summary())
 
 
