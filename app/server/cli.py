@@ -7,9 +7,9 @@ import argparse
 import ipaddress
 import os
 import sys
-from pathlib import Path
 
-from app.settings import SettingsError, build_config
+from app.options import add_chat_options, config_from_namespace
+from app.settings import SettingsError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,16 +19,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
-    p.add_argument("--model", type=Path, help="converted model directory")
-    p.add_argument("--demo", action="store_true", default=None, help="serve the tiny demo model (random weights)")
-    p.add_argument("--config", type=Path, help="settings file (TOML), as for the app")
-    p.add_argument("--cache-gb", type=float, help="expert-cache budget in GiB (default: what the memory plan leaves)")
-    p.add_argument("--memory-gb", type=float, help="cap on the whole memory plan in GiB")
-    p.add_argument("--numerics", choices=("native", "exact"))
-    p.add_argument("--device", choices=("cpu", "cuda"))
-    p.add_argument("--backend", choices=("torch", "tilelang"))
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
-                   help="run every decode step eagerly instead of replaying CUDA graphs")
+    add_chat_options(p)  # the model, engine and generation options, as `dsv4-chat` spells them
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running one; more get 429 (default 8)")
     p.add_argument("--max-sessions", type=int, default=4,
@@ -79,14 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsv4-chat serve: {err.name} is missing; install the server extra: pip install 'dsv4-chat[server]'",
               file=sys.stderr)
         return 2
-    flags = {"model": args.model.expanduser() if args.model else None, "demo": args.demo, "cache_gb": args.cache_gb,
-             "memory_gb": args.memory_gb, "numerics": args.numerics, "device": args.device, "backend": args.backend,
-             "cuda_graphs": args.cuda_graphs}
     try:
-        config_file = args.config.expanduser() if args.config else None
-        if config_file is not None and not config_file.is_file():
-            raise SettingsError(f"--config {config_file}: no such file")
-        config = build_config(flags, dict(os.environ), config_file)
+        config = config_from_namespace(args, dict(os.environ))
     except SettingsError as err:
         print(f"dsv4-chat serve: {err}", file=sys.stderr)
         return 2
