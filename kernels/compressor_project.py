@@ -9,7 +9,7 @@ Data layout: kernels/bf16_gemv.py's row-per-warp GEMV (fp32 products and sums). 
 the result goes to BKV[ROW[i], n]; row C + j goes to BG[ROW[i], j] plus APE[ROW[i], j]. ROW is
 read on the device, so CUDA graphs replay it.
 
-Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). TileLang is
+Results equal the reference up to fp32 summation order (tests/kernels/test_kernels_gpu.py). TileLang is
 imported lazily.
 """
 

@@ -15,7 +15,7 @@ bf16 output (spec §B.4).
 * Prefill (larger M): both operands are dequantised exactly to bf16 (an e4m3 value times a
   power of two has 4 significant bits) and multiplied by cuBLAS with fp32 accumulation.
 
-Results equal the reference up to fp32 summation order (measured in tests/test_kernels_gpu.py).
+Results equal the reference up to fp32 summation order (measured in tests/kernels/test_kernels_gpu.py).
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10) is not.
 TileLang is imported lazily (see kernels/toolkit.py).
 """

@@ -27,7 +27,7 @@ i + depth before it sums block i. With PDL (kernels/pdl.py) the weights and thei
 written while kernels run, are loaded before the kernel waits for its predecessor; the
 activations after.
 
-Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tiles per
+Results equal the reference up to fp32 summation order (tests/kernels/test_kernels_gpu.py). Tiles per
 shape: `mma_tile`. Compiled without TileLang's bounds guards (kernels/toolkit.UNGUARDED): rows
 past n are clamped on load and skipped on store, and K is whole 128-channel blocks.
 TileLang is imported lazily (see kernels/toolkit.py).

@@ -15,7 +15,7 @@ computes the same products from half the bytes (32 MiB instead of 64 MiB per Fla
 * Otherwise (prefill, or groups of rows that do not split into whole CTAs): the weight is
   dequantised to bf16 and multiplied by cuBLAS, as the reference does.
 
-Results equal the reference up to fp32 summation order (tests/test_kernels_gpu.py). Tile sizes
+Results equal the reference up to fp32 summation order (tests/kernels/test_kernels_gpu.py). Tile sizes
 are the FP8 GEMV's (sm_90 tested, sm_121 untested). TileLang is imported lazily.
 """
 

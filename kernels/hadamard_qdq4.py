@@ -5,7 +5,7 @@ shape: `qdq4(hadamard(x), block)`, the indexer's storage rounding (§C.0). The r
 2·log2(D) + 20 launches; a decode step applies it to the indexer queries and compressed keys of
 every layer.
 
-Bits, op for op as the reference runs on a CUDA GPU (tests/test_hadamard_qdq4_gpu.py checks
+Bits, op for op as the reference runs on a CUDA GPU (tests/kernels/test_hadamard_qdq4_gpu.py checks
 torch.equal):
 * butterflies: log2(D) stages h = 1, 2, 4, ...; element e with e & h == 0 becomes e + (e ^ h),
   the other (e ^ h) - e, one fp32 rounding each (`__fadd_rn`/`__fsub_rn`: no FMA contraction).

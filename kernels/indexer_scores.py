@@ -11,7 +11,7 @@ block go to shared memory, the H×block_t dot products run on the tensor cores (
 exact products, fp32 accumulation), then relu, the scale and the head weight (single fp32
 roundings, no FMA) and a sum over the heads (TileLang block reduction); head counts that are
 not multiples of 16 are padded with zero heads, which add exact zeros. Results equal the
-reference up to fp32 summation order (the D-dot and the head sum); tests/test_kernels_gpu.py
+reference up to fp32 summation order (the D-dot and the head sum); tests/kernels/test_kernels_gpu.py
 measures it. Keys past T are clamped to the last row and never stored. Tile sizes per compute
 capability in TILE_PARAMS: sm_90 tested, sm_121 (GB10) untested. (No `from __future__ import
 annotations`: TileLang evaluates the kernel signature's annotations.)

@@ -21,8 +21,8 @@ block scales:
 
 `SOURCE` holds the CUDA device functions (imported into a TileLang kernel with
 `T.import_source`, called through the helpers below), and the one fp16 MMA that the tensor-core
-GEMVs (kernels/fp4_mma_one_token.py, kernels/fp8_mma_one_token.py) feed the decoded words to. tests/kernel_sim.py
-performs the same bit moves in torch, so the CPU tests pin the layout (tests/test_lowbit.py: every
+GEMVs (kernels/fp4_mma_one_token.py, kernels/fp8_mma_one_token.py) feed the decoded words to. tests/kernels/kernel_sim.py
+performs the same bit moves in torch, so the CPU tests pin the layout (tests/kernels/test_lowbit.py: every
 code) and the GPU tests the kernels against the reference.
 """
 

@@ -15,7 +15,7 @@ runs two per layer. Here it is two launches:
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
-tolerance (tests/test_kernels_gpu.py prints the errors).
+tolerance (tests/kernels/test_kernels_gpu.py prints the errors).
 
 HCPost (`hc_post_kernel`): one thread per (stream k, channel d): new = post_k · out_d + Σ_j
 comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into the streams'

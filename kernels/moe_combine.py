@@ -8,7 +8,7 @@ final add with its narrowing); decode runs one combine per MoE layer.
 Bits: each sum is a single fp32 rounding (`__fadd_rn`: nvcc may not reassociate or contract
 it), the sum starts from routed[:, 0] itself (not from 0, which would turn -0 into +0), and
 the final narrowing is round-to-nearest-even (cvt.rn) as torch's — the reference's operations
-in the same order, so the results are bit-identical (tests/test_moe_kernels_gpu.py checks equality).
+in the same order, so the results are bit-identical (tests/kernels/test_moe_kernels_gpu.py checks equality).
 
 Layout: one thread per output element (token n, channel d); grid (D / threads, N); routed and
 shared contiguous. sm_90 tested, sm_121 (GB10) untested. (No `from __future__ import

@@ -10,7 +10,7 @@ Bits: the angle is the fp32 product pos·inv_freq, cos/sin are CUDA's precise `c
 (TileLang does not pass --use_fast_math by default), the four products and two sums are single
 fp32 roundings (`__fmul_rn`/`__fadd_rn`/`__fsub_rn`: nvcc may not contract them into FMAs),
 rounded once into x's dtype — the reference's operations in the same order, so on the same GPU
-the results are bit-identical (tests/test_kernels_gpu.py checks equality).
+the results are bit-identical (tests/kernels/test_kernels_gpu.py checks equality).
 
 Layout: one thread per channel pair of one row (token × head), rows contiguous [S·H, D].
 (No `from __future__ import annotations`: TileLang evaluates the kernel signature's annotations.)

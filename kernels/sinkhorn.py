@@ -6,7 +6,7 @@ per call; kernels/mhc.py's gate kernel runs `sinkhorn_macro` in one of its warps
 is held by n·n consecutive lanes of one warp (n ≤ 5), one element each, and its row and column
 sums are read with warp shuffles: no shared memory and no barriers in the ~2·iters dependent steps
 (a one-thread-per-token loop took ~21 µs per call on the H200). Data layout: row-major n×n per
-token. tests/test_kernels_gpu.py runs the macro alone, in a one-launch kernel, against the
+token. tests/kernels/test_kernels_gpu.py runs the macro alone, in a one-launch kernel, against the
 reference.
 """
 

@@ -10,7 +10,7 @@ Bits: silu is torch CUDA's `x / (1 + expf(-x))` (precise `expf`: TileLang does n
 bf16 rounding is cvt.rn; the scale is read off amax's bits (`pow2_scale_bits`, as
 kernels/act_quant.py), q = e4m3(clamp(h · 2^-e, ±448)) by cvt.rn.satfinite, and h · 2^-e equals
 the reference's h / 2^e exactly. On the same GPU q and s are bit-identical to the reference
-(tests/test_moe_kernels_gpu.py checks equality).
+(tests/kernels/test_moe_kernels_gpu.py checks equality).
 
 Layout: one warp per (row, block of `block` channels), block / 32 consecutive channels per lane,
 amax by warp shuffle; `warps` blocks per CTA. g and u may be strided rows (e.g. the two column

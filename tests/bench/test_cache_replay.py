@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine.experts.trace import TraceFormatError, TraceRecord, TraceWriter, read_records, read_trace
 
 _SPEC = importlib.util.spec_from_file_location(
-    "cache_replay", Path(__file__).resolve().parent.parent / "bench" / "cache_replay.py"
+    "cache_replay", Path(__file__).resolve().parents[2] / "bench" / "cache_replay.py"
 )
 replay_mod = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(replay_mod)
@@ -197,7 +197,7 @@ def test_main_synthetic_runs(capsys):
 
 # ---------------------------------------------------------------- real routing traces
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"  # ../shared beside the repo
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"  # ../shared beside the repo
 needs_traces = pytest.mark.skipif(
     not (TRACES / "route_W130.csv").is_file(),
     reason=f"real routing traces not found at {TRACES} (CI has shared/ beside the checkout)",

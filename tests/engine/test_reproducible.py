@@ -1,7 +1,7 @@
 """engine/reproducible.py: MKL's reproducible code path is chosen unless the user chose one.
 
-(The property it buys is checked by the bitwise comparisons of tests/test_streaming.py and
-tests/test_logits_cli.py: on an AMD EPYC with AVX-512 they failed without it.)"""
+(The property it buys is checked by the bitwise comparisons of tests/engine/test_streaming.py and
+tests/engine/test_logits_cli.py: on an AMD EPYC with AVX-512 they failed without it.)"""
 
 import os
 
@@ -20,4 +20,4 @@ def test_keeps_the_users_choice():
 
 
 def test_the_test_session_runs_pinned():
-    assert os.environ.get("MKL_CBWR")  # tests/conftest.py pins it before the first product
+    assert os.environ.get("MKL_CBWR")  # tests/app/conftest.py pins it before the first product

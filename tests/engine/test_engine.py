@@ -394,7 +394,7 @@ def test_engine_info_routing_trace_and_closed_engine(ckpt, tmp_path):
     trace = tmp_path / "trace.jsonl"
     eng = Engine.load(ckpt, EngineConfig(numerics="exact", trace_path=str(trace)), warmup=False)
     info = eng.info
-    # an unmarked synthetic checkpoint is not the demo (engine/demo_marker.py; tests/test_demo_marker.py)
+    # an unmarked synthetic checkpoint is not the demo (engine/demo_marker.py; tests/engine/test_demo_marker.py)
     assert (info["n_layers"], info["n_experts"], info["demo"], info["numerics"]) == (5, 16, False, "exact")
     sess = eng.new_session()
     fin, _ = turn(eng.generate(sess, "Hi", GREEDY))

@@ -23,7 +23,7 @@ from converter import synth
 from engine.config import EngineConfig
 from engine.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>]|\r")
 TURN = re.compile(r"\[(\d+) tokens \((\w+)\) · prefill (\d+) tok, (\d+) reused")
 # Make the pty the child's controlling terminal (so Ctrl-C is a SIGINT), then run the program.

@@ -2,7 +2,7 @@
 `engine.decode_graph.DecodeRunner`) against `Transformer.forward` on the CPU: same logits and state across window wrap-around,
 compressed-entry emission (ratios 4 and 128) and capacity growth, in both numerics; layered
 mode streams through a bounded cache; whole mode counts statistics. (CUDA graphs themselves are
-exercised by tests/test_decode_graph_gpu.py.)"""
+exercised by tests/engine/test_decode_graph_gpu.py.)"""
 
 from __future__ import annotations
 
