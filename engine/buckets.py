@@ -5,9 +5,13 @@ TileLang kernels are compiled per static shape (rows of a GEMV, a compressed cac
 shape outside these buckets:
 
 * prefill chunk lengths: a prompt of n tokens runs as full chunks of `chunk` tokens and then its
-  remainder split into powers of two, largest first (203 -> 128, 64, 8, 2, 1): every chunk length
-  is `chunk` or a power of two below it. Chunked prefill equals whole prefill, so the split changes
-  no result, and the remainder costs at most log2(chunk) extra chunks;
+  remainder in one chunk when it has more than GEMV_MAX_M (16) tokens: above that row count every
+  kernel a chunk reaches takes its length at run time (dynamic shapes, cuBLAS, the torch
+  reference), so any length compiles nothing new, and each chunk costs a fixed dequantisation of
+  the weights (kernels/fp4_moe.py, kernels/fp8_gemm.py) that one chunk pays once. A remainder of
+  16 tokens or fewer is split into powers of two, largest first (13 -> 8, 4, 1): those rows reach
+  the GEMV kernels, compiled per row count. Chunked prefill equals whole prefill, so the split
+  changes no result;
 * compressed-cache capacities: powers of two from `engine.state.MIN_ENTRIES` up to what
   `max_seq_len` needs (`engine.state.LayerState.reserve` grows them that way);
 * rows of a one-launch GEMV: padded to powers of two by the kernels (kernels.act_quant).
@@ -18,14 +22,18 @@ The warm-up at load (engine/warmup.py) runs every one of them once.
 from __future__ import annotations
 
 from engine.state import MIN_ENTRIES
+from kernels.fp8_gemm import GEMV_MAX_M
 
 
 def chunk_lengths(n: int, chunk: int) -> list[int]:
-    """Lengths of the chunks that prefill n tokens: full chunks, then the remainder's powers of two."""
+    """Lengths of the chunks that prefill n tokens: full chunks, then the remainder in one chunk
+    when it is longer than GEMV_MAX_M, else in its powers of two."""
     if chunk < 1 or n < 0:
         raise ValueError(f"chunk must be >= 1 and n >= 0, got chunk={chunk}, n={n}")
     full, rest = divmod(n, chunk)
     out = [chunk] * full
+    if rest > GEMV_MAX_M:
+        return out + [rest]
     bit = 1 << max(0, rest.bit_length() - 1)
     while rest:
         if rest & bit:
@@ -36,7 +44,9 @@ def chunk_lengths(n: int, chunk: int) -> list[int]:
 
 
 def chunk_buckets(chunk: int) -> list[int]:
-    """Every length `chunk_lengths` can produce, largest first."""
+    """The chunk lengths the warm-up runs, largest first: `chunk` and every power of two below it
+    (every length up to GEMV_MAX_M that `chunk_lengths` can produce, and representatives of the
+    longer ones, whose kernels take any length)."""
     out = [chunk]
     bit = 1 << max(0, (chunk - 1).bit_length() - 1)
     while bit:

@@ -323,7 +323,9 @@ class EngineConfig:
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False
     max_seq_len: int = 4096
-    prefill_chunk: int = 256
+    # every chunk pays a fixed dequantisation of the weights: 2,048-token prefill on the H200 ran at
+    # 1,693 tok/s in one chunk against 717 in chunks of 512 (docs/performance-log.md, 2026-12-02)
+    prefill_chunk: int = 2048
     trace_path: str | None = None  # record routing decisions as JSONL
     routing_trace: str | None = None  # TIMING ONLY: force layers >= n_hash_layers' experts from this route CSV
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs

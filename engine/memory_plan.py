@@ -34,6 +34,7 @@ import torch
 from engine.config import EngineConfig, ModelArgs
 from engine.memory import MemInfo, is_unified, read_meminfo
 from engine.state import SequenceState, new_layer_state
+from kernels.fp4_moe import EXPERTS_PER_DEQUANT
 
 GiB = 2**30
 UNIFIED_CEILING = 0.90  # of physical memory, whole machine
@@ -109,14 +110,17 @@ def state_bytes(args: ModelArgs, max_seq_len: int, dtype: torch.dtype, mtp: bool
 def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
     """Transient memory of the largest step: a prefill chunk's residual streams and temporaries
     (8 stream-sized fp32 buffers per token), its routed-expert activations (w1|w3 outputs and the
-    FP8 copies of the inputs, per selected expert), its attention scores against the longest
-    context (fp32, one row per head), and one row of fp32 logits per chunk token."""
+    FP8 copies of the inputs, per selected expert), the bf16 weights of the experts that prefill
+    dequantises at once (kernels/fp4_moe.py: w1 and w3, and one lookup buffer, of
+    EXPERTS_PER_DEQUANT experts), its attention scores against the longest context (fp32, one
+    row per head), and one row of fp32 logits per chunk token."""
     chunk = config.prefill_chunk
     streams = chunk * args.hc_mult * args.dim * 4 * 8
     moe = chunk * args.n_activated_experts * (2 * args.moe_inter_dim * 4 + args.dim * 2)
+    dequantised = EXPERTS_PER_DEQUANT * 3 * args.moe_inter_dim * args.dim * 2
     scores = chunk * args.n_heads * min(config.max_seq_len, args.window_size + args.index_topk) * 4
     logits = chunk * args.vocab_size * 4
-    return streams + moe + scores + logits
+    return streams + moe + dequantised + scores + logits
 
 
 def framework_bytes(machine: Machine) -> int:

@@ -75,6 +75,9 @@ class Turns:
             return
         turn_start = session.live.copy() if plan.from_live and session.live.length else None
         work = session.start(plan)
+        # the caches grow for the whole turn now: no step of it, prefill included, changes the
+        # state's buffers (which would capture the decode graphs again)
+        self.runtime.reserve(work.state, plan.prompt_tokens + min(params.max_tokens, limit - plan.prompt_tokens))
         self._meter.start_turn(work.state.pos)
         committed = False
         try:

@@ -17,7 +17,8 @@ The kernel is grouped: G independent problems, each reading its weight from a sl
 arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed byte offsets,
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
-For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS. Where
+For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS; so does
+`fp4_moe` in prefill, expert by expert over the cells sorted by slot (`fp4_moe_dequantized`). Where
 kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
 where kernels/fp4_mma_one_token.py lists it.
@@ -27,6 +28,7 @@ cores, ~99 KB shared memory per block) runs this same CUDA-core path and is unte
 """
 
 import functools
+import math
 
 import torch
 
@@ -142,6 +144,14 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
     return compile_kernel(fp4_gemv, arch, pass_configs=UNGUARDED)
 
 
+# Prefill (`fp4_moe` on at least GROUPED_MIN_CELLS cells, GROUPED_MIN_PER_EXPERT or more per
+# expert) runs on the tensor cores (`fp4_moe_dequantized`); fewer cells run the grouped GEMV.
+GROUPED_MIN_CELLS = 128
+GROUPED_MIN_PER_EXPERT = 16
+# Experts whose bf16 weights are held at once by `fp4_moe_dequantized` (3·inter·dim·2 bytes each).
+EXPERTS_PER_DEQUANT = 8
+
+
 def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
     """(rows per warp, warps per CTA) of the FP4 GEMV for N output rows on `arch`, where one
     launch runs `gemvs` such GEMVs side by side (groups times parts)."""
@@ -153,12 +163,27 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def fp4_pair_table(device: torch.device) -> torch.Tensor:
+    """[256] int32: for each FP4 byte, the bf16 bits of its two values (element 2j in the low
+    half, 2j+1 in the high half, as kernels/reference.py's record order reads them), so that an
+    int32 lookup viewed as bf16 is the byte's two values in order (little-endian)."""
+    b = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).unsqueeze(-1)
+    codes = ref.fp4_codes(b).long()  # [256, 2]
+    bits = ref.FP4_VALUES.to(device=device, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    pair = bits[codes]  # [256, 2]
+    return pair[:, 0] | (pair[:, 1] << 16)
+
+
 def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """FP4 weight [N, K/2] -> bf16 [N, K], exactly (e2m1 times a power of two fits bf16)."""
-    codes = ref.fp4_codes(_as_bytes(w)).long()  # [N, K]
-    v = ref.FP4_VALUES.to(device=w.device, dtype=torch.bfloat16)[codes]
-    e = (_as_bytes(w_scale).to(torch.int32) - 127).repeat_interleave(32, dim=-1)
-    return torch.ldexp(v, e.to(torch.bfloat16))
+    """FP4 weight [..., N, K/2] with 1×32 e8m0 scales [..., N, K/32] -> bf16 [..., N, K],
+    exactly (an e2m1 value times a power of two fits bf16): one table lookup per byte, then the
+    group's power of two."""
+    wb = _as_bytes(w)
+    k = 2 * wb.shape[-1]
+    pairs = fp4_pair_table(w.device).index_select(0, wb.reshape(-1).to(torch.int32))  # [numel] int32
+    v = pairs.view(torch.bfloat16).view(*wb.shape[:-1], k // 32, 32)
+    e = (_as_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16).unsqueeze(-1)  # [..., N, K/32, 1]
+    return torch.ldexp(v, e).view(*wb.shape[:-1], k)
 
 
 def _check(x: torch.Tensor, n: int, k: int, what: str) -> None:
@@ -261,12 +286,77 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
             limit: float) -> torch.Tensor:
-    """Routed experts of decode, read from arena slots: the contract of `reference.fp4_moe`
-    (x [G, D], arena uint8 [slots, record_bytes], fields, slots [G], routing weights [G] ->
-    fp32 [G, D]). Quantises x (once when its rows are one broadcast row), then `fp4_moe_quantized`."""
+    """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], arena
+    uint8 [slots, record_bytes], fields, slots [G], routing weights [G] -> fp32 [G, D]). Quantises
+    x (once when its rows are one broadcast row); then a prefill's many cells per expert go to the
+    tensor cores (`fp4_moe_dequantized`, one host synchronisation), the rest to the grouped GEMV
+    (`fp4_moe_quantized`)."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
-    return fp4_moe_quantized(*act_quant(xa, 128), arena, fields, slots, weights, limit)
+    q, s = act_quant(xa, 128)
+    g = slots.shape[0]
+    if xa.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
+        order, spans = expert_spans(slots)
+        if g >= GROUPED_MIN_PER_EXPERT * len(spans):
+            return fp4_moe_dequantized(q, s, arena, fields, order, spans, weights, limit, swiglu_quant)
+    return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
+
+
+def expert_spans(slots: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """The cells of `slots` [G] grouped by slot: (order [G] int64, the cell indices sorted by
+    slot (stable), [(slot, start, count)] over the sorted cells). One host synchronisation."""
+    order = torch.argsort(slots, stable=True)
+    uniq, counts = torch.unique_consecutive(slots.index_select(0, order), return_counts=True)
+    spans, start = [], 0
+    for slot, n in torch.stack((uniq.long(), counts.long())).T.tolist():
+        spans.append((slot, start, n))
+        start += n
+    return order, spans
+
+
+def _expert_fields(arena: torch.Tensor, fields: dict, slots: list[int], name: str) -> torch.Tensor:
+    """The bf16 weight `name` ("w1", "w3" or "w2") of the experts in `slots` -> [len(slots), N, K]."""
+    rows = arena.index_select(0, torch.tensor(slots, dtype=torch.int64).to(arena.device, non_blocking=True))
+
+    def part(f):
+        return rows[:, f.offset:f.offset + math.prod(f.shape)].view(len(slots), *f.shape)
+    return dequant_fp4_bf16(part(fields[f"{name}.weight"]), part(fields[f"{name}.scale"]))
+
+
+def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, order: torch.Tensor,
+                        spans: list[tuple[int, int, int]], weights: torch.Tensor, limit: float,
+                        quantize_h=ref.swiglu_quant) -> torch.Tensor:
+    """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
+    s [G, D/128], cells grouped by `expert_spans(slots)` -> fp32 [G, D] in the cells' order.
+
+    Per expert, its cells' exact FP8 activations (in bf16) times its weights dequantised exactly
+    to bf16 (`dequant_fp4_bf16`, EXPERTS_PER_DEQUANT experts at a time) in one bf16 GEMM with fp32
+    accumulation and bf16 output (the reference's rounding, its sums in another order); w2's
+    input through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does.
+    Pure torch apart from `quantize_h`: it runs on any device."""
+    g, dim = q.shape
+    inter = fields["w1.weight"].shape[0]
+    bf16 = torch.bfloat16
+    a = (q.to(bf16).view(g, dim // 128, 128) * s.to(bf16).unsqueeze(-1)).view(g, dim)  # exact
+    a = a.index_select(0, order)
+    groups = [spans[i:i + EXPERTS_PER_DEQUANT] for i in range(0, len(spans), EXPERTS_PER_DEQUANT)]
+    gu = torch.empty(2, g, inter, dtype=bf16, device=q.device)
+    for group in groups:
+        w1, w3 = (_expert_fields(arena, fields, [slot for slot, _, _ in group], n) for n in ("w1", "w3"))
+        for j, (_, start, n) in enumerate(group):
+            torch.mm(a[start:start + n], w1[j].T, out=gu[0, start:start + n])
+            torch.mm(a[start:start + n], w3[j].T, out=gu[1, start:start + n])
+        del w1, w3
+    hq, hs = quantize_h(gu[0], gu[1], weights.float().index_select(0, order), limit)  # [G, I] e4m3, [G, I/128]
+    del gu
+    h = (hq.to(bf16).view(g, inter // 128, 128) * hs.to(bf16).unsqueeze(-1)).view(g, inter)  # exact
+    y = torch.empty(g, dim, dtype=bf16, device=q.device)
+    for group in groups:
+        w2 = _expert_fields(arena, fields, [slot for slot, _, _ in group], "w2")
+        for j, (_, start, n) in enumerate(group):
+            torch.mm(h[start:start + n], w2[j].T, out=y[start:start + n])
+        del w2
+    return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y.float())
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,

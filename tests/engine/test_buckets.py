@@ -9,23 +9,31 @@ from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
 from engine.state import LayerState, new_layer_state
 from engine.warmup import plan_warmup
+from kernels.fp8_gemm import GEMV_MAX_M
 
 import torch
 
 
-@pytest.mark.parametrize("chunk", [256, 100, 1, 64])
+@pytest.mark.parametrize("chunk", [256, 100, 1, 64, 2048])
 def test_chunk_lengths_cover_the_prompt_with_bucketed_lengths_only(chunk):
+    """Lengths up to GEMV_MAX_M (the GEMV kernels compile per row count) are buckets the warm-up
+    runs; longer ones reach shape-dynamic kernels only, and there is at most one of them that is
+    not a full chunk."""
     allowed = set(chunk_buckets(chunk))
     for n in range(0, 3 * chunk + 5):
         lengths = chunk_lengths(n, chunk)
-        assert sum(lengths) == n and set(lengths) <= allowed
+        assert sum(lengths) == n and all(n_ in allowed or n_ > GEMV_MAX_M for n_ in lengths)
         assert lengths == sorted(lengths, reverse=True)
-        assert len(lengths) <= n // chunk + max(1, chunk.bit_length())
+        assert sum(1 for n_ in lengths if n_ != chunk and n_ > GEMV_MAX_M) <= 1
+        assert len(lengths) <= n // chunk + max(1, GEMV_MAX_M.bit_length())
 
 
 def test_chunk_examples():
-    assert chunk_lengths(203, 256) == [128, 64, 8, 2, 1]
-    assert chunk_lengths(600, 256) == [256, 256, 64, 16, 8]
+    assert chunk_lengths(203, 256) == [203]
+    assert chunk_lengths(600, 256) == [256, 256, 88]
+    assert chunk_lengths(13, 256) == [8, 4, 1]
+    assert chunk_lengths(16, 256) == [16] and chunk_lengths(17, 256) == [17]
+    assert chunk_lengths(724, 2048) == [724] and chunk_lengths(2052, 2048) == [2048, 4]
     assert chunk_buckets(256) == [256, 128, 64, 32, 16, 8, 4, 2, 1]
     assert chunk_buckets(100) == [100, 64, 32, 16, 8, 4, 2, 1]
     with pytest.raises(ValueError):

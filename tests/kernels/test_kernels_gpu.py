@@ -460,6 +460,27 @@ def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
         assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
 
 
+def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen):
+    """A prefill's cells (64 per expert) take `fp4_moe_dequantized` (bf16 GEMMs on dequantised
+    weights, the backend's swiglu_quant) and match the per-cell reference."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import GROUPED_MIN_CELLS, expert_spans, fp4_moe, fp4_moe_dequantized
+    from kernels.swiglu_quant import swiglu_quant
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    slots = torch.randint(0, 8, (512,), generator=gen, device=DEV, dtype=torch.int32)
+    assert slots.shape[0] >= GROUPED_MIN_CELLS
+    x = activations(512, dim, gen)
+    wts = torch.rand(512, generator=gen, device=DEV)
+    out = fp4_moe(x, data, fields, slots, wts, limit)
+    q, s = act_quant(x, 128)
+    assert torch.equal(out, fp4_moe_dequantized(q, s, data, fields, *expert_spans(slots), wts, limit, swiglu_quant))
+    want = ref.fp4_moe(x, data, fields, slots, wts, limit)
+    worst = max(rel_err(out[g:g + 1], want[g:g + 1]) for g in range(0, 512, 7))
+    print(f"fp4_moe prefill (64 cells per expert): worst rel err {worst:.2e}")
+    assert worst < 2e-2
+
+
 @pytest.mark.parametrize("rows", [1, 6])
 def test_fp4_moe_quantized_equals_fp4_moe(rows, gen):
     """On act_quant's (q, s) (one row for every slot, or one per slot) the result is fp4_moe's,

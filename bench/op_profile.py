@@ -1,0 +1,174 @@
+"""Where the time goes at full depth, per operation, through the app's own `Engine` (CUDA).
+
+    python -m bench.op_profile [--layers 43] [--experts 24] [--prefill 2048] [--chunks 256,2048]
+                               [--followup 8] [--top 25] [--workdir /tmp/dsv4fd]
+
+Builds (or reuses) the pack of bench/full_depth.py, loads it with every expert resident
+(`Engine.load`: its load time and phases are printed, so on a fresh machine this also measures
+the cold warm-up), then profiles with torch.profiler, each after one unprofiled run:
+
+1. a prefill of `--prefill` tokens in chunks of each `--chunks` size (wall tok/s, GPU busy,
+   kernels by GPU time);
+2. a follow-up prefill of `--followup` tokens after 128 (the TTFT of a short next turn);
+3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
+   from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
+
+Figures are per call; "busy" is the sum of kernel times, so busy < wall means the GPU idled
+(host work, launches, synchronisations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _kernel_table(prof, calls: int, top: int) -> list[str]:
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
+    lines = [f"  GPU busy {busy:.2f} ms per call, {sum(e.count for e in kernels) / calls:.0f} kernels per call"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        ms = e.self_device_time_total / 1e3 / calls
+        lines.append(f"  {ms:9.3f} ms {100 * ms / busy if busy else 0:5.1f} %  x{e.count / calls:6.0f}  {e.key[:100]}")
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    lines.append("  host, by self CPU time (includes waits in synchronisations):")
+    for e in host[:8]:
+        lines.append(f"  {e.self_cpu_time_total / 1e3 / calls:9.3f} ms  x{e.count / calls:6.0f}  {e.key[:100]}")
+    return lines
+
+
+def profiled(label: str, fn, calls: int, top: int) -> float:
+    """Run fn once unprofiled, then `calls` times under the profiler; prints wall and the table.
+    Returns the wall seconds of one call (from the profiled runs, synchronised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / calls
+    print(f"\n== {label}: wall {1e3 * wall:.2f} ms per call", flush=True)
+    print("\n".join(_kernel_table(prof, calls, top)), flush=True)
+    return wall
+
+
+def timed(fn, calls: int = 3) -> float:
+    """Median synchronised wall seconds of fn (after one unmeasured call)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.op_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=43)
+    p.add_argument("--experts", type=int, default=24)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")], default=[256, 2048])
+    p.add_argument("--followup", type=int, default=8)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--workdir", default="/tmp/dsv4fd")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.op_profile needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from bench.full_depth import build_pack
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from kernels.backend import compiled_kernels
+
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    pack = build_pack(workdir, a.layers, a.experts)
+    config = EngineConfig(device="cuda", backend="tilelang", max_seq_len=a.max_seq_len, prefill_chunk=a.chunks[0])
+    t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    last = [None, t0]
+
+    def progress(pr) -> None:
+        now = time.perf_counter()
+        if last[0] is not None:
+            phases[last[0]] = phases.get(last[0], 0.0) + now - last[1]
+        last[0], last[1] = pr.phase, now
+        if pr.done in (0, pr.total) or pr.phase != "loading weights":
+            print(f"  [{now - t0:7.1f} s] {pr.phase} {pr.done}/{pr.total} {pr.message}", file=sys.stderr, flush=True)
+
+    eng = Engine.load(pack, config, progress=progress)
+    load_s = time.perf_counter() - t0
+    if last[0] is not None:
+        phases[last[0]] = phases.get(last[0], 0.0) + time.perf_counter() - last[1]
+    print(f"load {load_s:.1f} s, {compiled_kernels()} kernel variants; phases: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
+
+    with torch.inference_mode():  # as the engine runs its steps (the runner's buffers are inference tensors)
+        profile_all(a, eng)
+    print(f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+    eng.close()
+    return 0
+
+
+def profile_all(a, eng) -> None:
+    """The profiles of the module docstring, on a loaded engine."""
+    from engine.decode_graph import DecodeRunner
+    from kernels.backend import compiled_kernels
+
+    runtime, model = eng.runtime, eng.model
+    ids = [int(i) for i in torch.randint(1000, 60000, (a.prefill,), generator=torch.Generator().manual_seed(0))]
+
+    for chunk in a.chunks:
+        def prefill(chunk=chunk):
+            state = model.new_state()
+            for _ in runtime.prefill(state, ids, chunk):
+                pass
+        k0 = compiled_kernels()
+        wall = timed(prefill)
+        print(f"\nprefill {a.prefill} tokens in chunks of {chunk}: {wall:.3f} s = {a.prefill / wall:.0f} tok/s "
+              f"({compiled_kernels() - k0} kernel variants built by its first run)", flush=True)
+        profiled(f"prefill {a.prefill} tokens, chunks of {chunk}", prefill, 1, a.top)
+
+    base = model.new_state()
+    for _ in runtime.prefill(base, ids[:128], a.chunks[0]):
+        pass
+    follow = ids[128:128 + a.followup]
+
+    def followup():
+        state = base.clone()
+        runtime.step(state, follow)
+    print(f"\nfollow-up prefill of {a.followup} tokens after 128: {1e3 * timed(followup, 5):.1f} ms", flush=True)
+    profiled(f"follow-up prefill of {a.followup} tokens", followup, 3, a.top)
+
+    state = base.clone()
+    runtime.reserve(state, state.pos + 64)
+    eager = DecodeRunner(model, runtime.experts, whole=True, graphs=False)
+    token = torch.tensor([5], device=eng.device)
+    profiled("decode step, eager (same kernels as the graph)", lambda: eager.step(state, token), 4, 60)
+    runner = runtime.runner
+    if runner is not None:
+        state2 = base.clone()
+        runtime.reserve(state2, state2.pos + 64)
+        for _ in range(3):
+            runner.step(state2, token)
+        profiled("decode step, CUDA graph replay", lambda: runner.step(state2, token), 8, 40)
+        runner.settle()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
