@@ -108,15 +108,7 @@ class RealBackend:
         return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
 
     def sampling_params(self, gen: GenParams) -> SamplingParams:
-        from engine.sampling import SamplingParams
-
-        return SamplingParams(
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            max_tokens=gen.max_tokens,
-            thinking=gen.think,
-        )
+        return sampling_params(gen)
 
     def message(self, role: str, content: str, reasoning: str = "") -> Message:
         from engine.chat import Message
@@ -139,6 +131,14 @@ class RealBackend:
         from app.demo import ensure_demo_model
 
         return ensure_demo_model(data_dir, progress)
+
+
+def sampling_params(gen: GenParams) -> SamplingParams:
+    """engine.sampling.SamplingParams for the app's generation settings."""
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                          max_tokens=gen.max_tokens, thinking=gen.think)
 
 
 def history_messages(backend: Backend, messages: Sequence[Any]) -> list[Message]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import command_handlers
+from app import controller
 from app.commands import (
     REGISTRY,
     Command,
@@ -21,7 +21,7 @@ from app.commands import (
 
 
 def test_every_registered_command_has_a_handler_and_help():
-    assert command_handlers.HANDLERS.keys() == REGISTRY.keys()
+    assert controller.HANDLERS.keys() == REGISTRY.keys()
     lines = help_lines()
     assert len(lines) == len(REGISTRY)
     for name in REGISTRY:
