@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, T
 from app.settings import AppConfig, GenParams, engine_config_kwargs
 
 if TYPE_CHECKING:
+    from app.conversation import ChatMessage
     from engine.chat import Message
     from engine.events import Event
     from engine.sampling import SamplingParams
@@ -141,6 +142,6 @@ def sampling_params(gen: GenParams) -> SamplingParams:
                           max_tokens=gen.max_tokens, thinking=gen.think)
 
 
-def history_messages(backend: Backend, messages: Sequence[Any]) -> list[Message]:
+def history_messages(backend: Backend, messages: Sequence[ChatMessage]) -> list[Message]:
     """Engine messages for a conversation's `ChatMessage`s (role, content, reasoning)."""
     return [backend.message(m.role, m.content, m.reasoning) for m in messages]

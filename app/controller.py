@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from app import conversation as conv_io
 from app.autosave import Autosaver
@@ -28,6 +28,9 @@ from app.history import Past, past_conversations
 from app.settings import AppConfig, GenParams, SettingsError, with_gen
 from app.settings_writer import save_generation
 from app.wizard import DEMO_NAME, converted_models, demo_dir, is_converted, resolve_model
+
+if TYPE_CHECKING:
+    from engine.stats import StepStats
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -79,7 +82,7 @@ class SettingChanged:
     """/set KEY VALUE took effect (from the next answer)."""
 
     key: str
-    value: Any
+    value: float | int | bool
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class ExpertsUnpinned:
 class StatsReady:
     """/stats between turns: the engine's StepStats and its cache contents."""
 
-    stats: Any  # engine.stats.StepStats
+    stats: StepStats
     contents: list[tuple[int, int, bool, int]]
 
 
@@ -178,7 +181,7 @@ Result = Union[Reply, Help, SettingChanged, SessionReset, EngineJob, CacheFlushe
                Quit]
 
 
-def keys_text(keys: Any, limit: int = 8) -> str:
+def keys_text(keys: Sequence[Key], limit: int = 8) -> str:
     """'3:17, 4:2 …' — at most `limit` experts."""
     shown = ", ".join(f"{layer}:{expert}" for layer, expert in list(keys)[:limit])
     return shown + (" …" if len(keys) > limit else "")

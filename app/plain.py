@@ -50,6 +50,7 @@ from app.settings import AppConfig
 if TYPE_CHECKING:
     from engine.events import Event
     from engine.sampling import SamplingParams
+    from engine.stats import StepStats, TurnStats
 
 TUI_ONLY = ("model", "save", "load", "export")
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -59,7 +60,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def turn_line(stats: Any) -> str:
+def turn_line(stats: TurnStats) -> str:
     """The one-line summary printed after every answer (engine.stats.TurnStats)."""
     cache = stats.cache
     parts = [f"{stats.completion_tokens} tokens ({stats.finish_reason})",
@@ -71,7 +72,7 @@ def turn_line(stats: Any) -> str:
     return "[" + " · ".join(parts) + "]"
 
 
-def stats_lines(stats: Any) -> list[str]:
+def stats_lines(stats: StepStats) -> list[str]:
     """Detailed statistics for /stats (engine.stats.StepStats)."""
     c, m, t = stats.cache, stats.memory, stats.timing
     lines = [f"expert cache: {c.entries}/{c.capacity_entries} entries, {_gib(c.used_bytes)} of "
@@ -352,7 +353,7 @@ def progress_line(p: Any) -> str:
     return line + (f" · {p.message}" if p.message else "")
 
 
-def load_engine(config: AppConfig, log: TextIO):
+def load_engine(config: AppConfig, log: TextIO) -> EngineLike:
     """The engine for `config`'s model (--model, the newest converted one, or --demo)."""
     from app.wizard import WizardError, find_model
 
@@ -375,7 +376,7 @@ def load_engine(config: AppConfig, log: TextIO):
     return RealBackend().load_engine(model_dir, config, progress)
 
 
-def _open(config: AppConfig, log: TextIO):
+def _open(config: AppConfig, log: TextIO) -> tuple[EngineLike | None, int]:
     """The loaded engine, or (None, status) after one line on `log`."""
     try:
         return load_engine(config, log), 0

@@ -216,6 +216,19 @@ SCRIPT = ["q1", "q2", "/regen", "/undo", "/set max_tokens 3", "q3", "/system be 
           "/flush", "/undo", "/undo"]
 
 
+def reader(lines: list[str]):
+    """A PlainChat line reader: `lines`, then end of input."""
+    it = iter(lines)
+
+    def read() -> str:
+        line = next(it, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    return read
+
+
 def _records(config) -> list[list[tuple[str, str]]]:
     """Each transcript's (role, content) messages, by system prompt."""
     out = {}
@@ -229,16 +242,8 @@ def _records(config) -> list[list[tuple[str, str]]]:
 def test_plain_and_tui_reach_the_same_state(config):
     plain_config = replace(config, data_dir=config.data_dir / "plain")
     tui_config = replace(config, data_dir=config.data_dir / "tui")
-    lines = iter(SCRIPT)
-
-    def read() -> str:
-        line = next(lines, None)
-        if line is None:
-            raise EOFError
-        return line
-
     plain_engine = FakeEngine()
-    chat = PlainChat(plain_engine, plain_config, read, io.StringIO(), io.StringIO())
+    chat = PlainChat(plain_engine, plain_config, reader(SCRIPT), io.StringIO(), io.StringIO())
     assert chat.run() == 0
     tui_engine = FakeEngine()
     state = {}
@@ -265,3 +270,21 @@ def test_plain_and_tui_reach_the_same_state(config):
     assert first[:3] == [("user", "q1"), ("assistant", ANSWER), ("user", "q3")]
     assert len(first) == 4 and ANSWER.startswith(first[3][1].strip()) and first[3][1].strip() != ANSWER
     assert brief == []  # "be brief": q4 asked, then undone
+
+
+def test_plain_gets_history_from_the_controller_and_refuses_model(config):
+    """--plain used to ignore /history and /model silently: /history now works as in the TUI,
+    /model (a model switch) is refused like the other TUI-only commands."""
+    engine = FakeEngine()
+    err = io.StringIO()
+    chat = PlainChat(engine, config, reader(["first question", "/new", "/history", "/history 1", "second",
+                                             "/model", "/help"]), io.StringIO(), err, strict=True)
+    assert chat.run() == 1  # the refused /model
+    text = err.getvalue()
+    assert "past conversations (newest first):\n 1. " in text
+    assert "reopened “first question” (1 turn(s))" in text
+    assert "! /model is not available in --plain mode; use the TUI (dsv4-chat)" in text
+    assert "list the converted models; NAME: switch to it  (TUI only)" in text
+    assert [m.content for m in chat.session.messages] == ["first question", ANSWER, "second", ANSWER]
+    path, = config.transcripts_dir.glob("*.jsonl")  # the reopened transcript goes on
+    assert [m.content for m in read_transcript(path)[0].messages] == ["first question", ANSWER, "second", ANSWER]
