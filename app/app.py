@@ -1,4 +1,5 @@
-"""ChatApp: wires the chat screen, the engine service, commands, autosave and the wizard.
+"""ChatApp: wires the chat screen, the engine service, the controller (commands, conversation,
+autosave; app/controller.py) and the wizard.
 
 Start-up: --demo → build/load the demo; a model (flag or data dir) → load it; neither → the
 first-run wizard. Once the engine is ready, an unfinished transcript is offered for resuming,
@@ -42,7 +43,7 @@ from app.screens.progress import ProgressScreen
 from app.screens.resume import ResumeScreen
 from app.screens.stats import StatsScreen
 from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
-from app.service import EngineService
+from app.service import EngineService, SessionStarted
 from app.settings import AppConfig, GenParams
 from app.widgets.message import AssistantMessage, empty_answer_notice, turn_footer
 from app.widgets.prompt import PromptInput
@@ -363,11 +364,12 @@ class ChatApp(App):
 
     async def on_call_done(self, event: CallDone) -> None:
         self.service.finished()
-        result = None if event.label == "session" else self.controller.finish(event.result)
+        started = isinstance(event.result, SessionStarted)
+        result = event.result if started else self.controller.finish(event.result)
         if not self.ui_alive:
             return
         self._show_latest_stats()
-        if result is None:
+        if started:
             for text in self._after_session:
                 await self.note(text)
             self._after_session.clear()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -45,6 +45,11 @@ def user_message(err: BaseException) -> str:
     only when the message is empty); the lines of a multi-line message are joined."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return text or type(err).__name__
+
+
+@dataclass(frozen=True)
+class SessionStarted:
+    """The result of `start_session`'s job: the new session is `EngineService.session`."""
 
 
 class ServiceBusy(RuntimeError):
@@ -172,7 +177,7 @@ class EngineService:
             if msgs:
                 kwargs["history"] = msgs
             self.session = self.engine.new_session(**kwargs)
-            self._post(CallDone("session", None))
+            self._post(CallDone("session", SessionStarted()))
 
         self._start("session", work)
 
