@@ -20,7 +20,7 @@ from textual.widgets import TextArea
 from app import autosave, command_handlers
 from app.autosave import Autosaver
 from app.backend import Backend, RealBackend
-from app.commands import Command, CommandError, is_command, parse
+from app.commands import Command, CommandError, is_command, message_text, parse
 from app.controller import Controller, EngineState, idle_problem
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
@@ -257,8 +257,7 @@ class ChatApp(App):
                 return
             await command_handlers.run(self, command)
             return
-        if text.startswith("//"):
-            text = text[1:]
+        text = message_text(text)
         if not await self.require_idle():
             return
         await self.chat.transcript.add_user(text)

@@ -187,6 +187,11 @@ def is_command(line: str) -> bool:
     return line.startswith("/") and not line.startswith("//")
 
 
+def message_text(line: str) -> str:
+    """What a line that is not a command sends: itself, or '/text' for '//text'."""
+    return line[1:] if line.startswith("//") else line
+
+
 def parse(line: str) -> Command:
     """Parse a command line; raises CommandError with a one-line explanation."""
     body = line.strip()[1:]

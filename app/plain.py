@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
 
 from app.backend import EngineLike, RealBackend, history_messages, sampling_params
-from app.commands import is_command, parse
+from app.commands import is_command, message_text, parse
 from app.controller import (
     CacheFlushed,
     Controller,
@@ -240,7 +240,7 @@ class PlainChat:
         if not line.strip():
             return True
         if not is_command(line):
-            text = line[1:] if line.startswith("//") else line
+            text = message_text(line)
             self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel),
                         user=text)
             return True

@@ -15,6 +15,7 @@ from app.commands import (
     complete,
     help_lines,
     is_command,
+    message_text,
     parse,
     parse_keys,
 )
@@ -104,6 +105,8 @@ def test_is_command_and_escape():
     assert is_command("/help")
     assert not is_command("hello /help")
     assert not is_command("//not a command")
+    assert message_text("//not a command") == "/not a command"
+    assert message_text("hello /help") == "hello /help"
 
 
 def test_parse_keys_rejects_empty():
