@@ -322,8 +322,7 @@ class PlainChat:
                 self.say(f"{key} = {value}")
             case SessionReset(conv, note):
                 history = history_messages(RealBackend(), conv.messages)
-                self.session = (self.engine.new_session(system=conv.system or None, history=history)
-                                if history else self.engine.new_session(system=conv.system or None))
+                self.session = self.engine.new_session(system=conv.system or None, history=history)
                 self.say(note)
             case EngineJob(_, job):
                 return self.show(self.controller.finish(job(self.engine, self.session)))
