@@ -15,7 +15,7 @@ Every problem the user caused is a `Reply(text, error=True)`: one line, never a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
@@ -390,8 +390,9 @@ class Controller:
                              "or convert a checkpoint", error=True)
             return Reply("models (● in use):\n" + "\n".join(listed)
                          + "\n/model NAME switches (the conversation continues)")
-        if state.busy is not None:  # (a model that failed to load can still be replaced)
-            return Reply(idle_problem(state) or "", error=True)
+        problem = idle_problem(replace(state, ready=True))  # a model that failed to load can be replaced
+        if problem:
+            return Reply(problem, error=True)
         path = resolve_model(self.config, name)
         if self.is_demo(path):
             return BuildDemo()

@@ -35,6 +35,7 @@ from app.controller import (
     SessionReset,
     SettingChanged,
     StatsReady,
+    SwitchModel,
     TurnUndone,
 )
 from app.conversation import ChatMessage
@@ -208,6 +209,21 @@ def test_model_without_models(rig):
     assert rig.apply("/model nope") == Reply(
         f"no converted model 'nope' (in {rig.ctl.config.models_dir}: none)", error=True)
     assert rig.apply("/model nope", BUSY).error
+    assert rig.apply("/model demo", EngineState(ready=False)) == BuildDemo()  # a failed load is replaceable
+
+
+def test_model_lists_and_switches(rig):
+    models = rig.ctl.config.models_dir
+    for name in ("alpha", "beta"):
+        (models / name).mkdir(parents=True)
+        (models / name / "manifest.json").write_text("{}")
+    rig.ctl.model_dir = models / "alpha"
+    listing = rig.apply("/model")
+    assert listing.text.startswith("models (● in use):\n") and "● alpha" in listing.text
+    assert "  beta" in listing.text and not listing.error
+    assert rig.apply("/model alpha") == Reply("alpha is the model in use")
+    assert rig.apply("/model beta") == SwitchModel(models / "beta")
+    assert rig.ctl.model_dir == models / "alpha"  # the front-end loads it (and records it then)
 
 
 # ---- both front-ends, one controller ------------------------------------------------------------
