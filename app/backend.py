@@ -17,11 +17,12 @@ from app.settings import AppConfig, GenParams, engine_config_kwargs
 if TYPE_CHECKING:
     from app.conversation import ChatMessage
     from engine.chat import Message
-    from engine.events import Event
+    from converter.convert import ConvertProgress
+    from engine.events import Event, LoadProgress
     from engine.sampling import SamplingParams
     from engine.stats import StepStats
 
-ProgressFn = Callable[[Any], None]
+ProgressFn = Callable[["LoadProgress | ConvertProgress"], None]
 
 
 class SessionLike(Protocol):

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
 from app.backend import EngineLike, RealBackend, history_messages, sampling_params
 from app.commands import is_command, message_text, parse
@@ -48,7 +48,8 @@ from app.heap_trim import heap_trimmer
 from app.settings import AppConfig
 
 if TYPE_CHECKING:
-    from engine.events import Event
+    from converter.convert import ConvertProgress
+    from engine.events import Event, LoadProgress
     from engine.sampling import SamplingParams
     from engine.stats import StepStats, TurnStats
 
@@ -341,7 +342,7 @@ class PlainChat:
         return True
 
 
-def progress_line(p: Any) -> str:
+def progress_line(p: LoadProgress | ConvertProgress) -> str:
     """One log line for a converter ConvertProgress (building the demo) or an engine LoadProgress."""
     from converter.convert import ConvertProgress
 
