@@ -1,4 +1,5 @@
-"""ChatApp: wires the chat screen, the engine service, commands, autosave and the wizard.
+"""ChatApp: wires the chat screen, the engine service, the controller (commands, conversation,
+autosave; app/controller.py) and the wizard.
 
 Start-up: --demo → build/load the demo; a model (flag or data dir) → load it; neither → the
 first-run wizard. Once the engine is ready, an unfinished transcript is offered for resuming,
@@ -19,7 +20,8 @@ from textual.widgets import TextArea
 from app import autosave, command_handlers
 from app.autosave import Autosaver
 from app.backend import Backend, RealBackend
-from app.commands import Command, CommandError, is_command, parse
+from app.commands import Command, CommandError, is_command, message_text, parse
+from app.controller import Controller, EngineState, idle_problem
 from app.conversation import ChatMessage, Conversation
 from app.demo import DEMO_NOTICE
 from app.heap import HeapFreeze
@@ -41,11 +43,11 @@ from app.screens.progress import ProgressScreen
 from app.screens.resume import ResumeScreen
 from app.screens.stats import StatsScreen
 from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
-from app.service import EngineService
-from app.settings import AppConfig
+from app.service import EngineService, SessionStarted
+from app.settings import AppConfig, GenParams
 from app.widgets.message import AssistantMessage, empty_answer_notice, turn_footer
 from app.widgets.prompt import PromptInput
-from app.wizard import converted_models, demo_dir, find_model, forget_model, remember_model
+from app.wizard import converted_models, find_model, forget_model, remember_model
 
 
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this many seconds quits
@@ -70,14 +72,10 @@ class ChatApp(App):
     def __init__(self, config: AppConfig, backend: Backend | None = None,
                  *, offer_resume: bool = True, driver_class: type | None = None) -> None:
         super().__init__(driver_class=driver_class)
-        self.config = config
-        self.gen = config.gen
+        self.controller = Controller(config, on_autosave_error=self.autosave_failed)
         self.backend = backend if backend is not None else RealBackend()
         self.service = EngineService(self, self.backend, config, trim=heap_trimmer())
-        self.conversation = Conversation(system=config.system)
-        self.autosave = Autosaver(config.transcripts_dir, config.system, on_error=self.autosave_failed)
         self.chat = ChatScreen()
-        self.model_dir: Path | None = None
         self._offer_resume = offer_resume
         self._answer: AssistantMessage | None = None
         self._after_session: list[str] = []  # notes to show once the session exists
@@ -88,6 +86,30 @@ class ChatApp(App):
         self.heap = HeapFreeze()
         self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
         self.decode_mode = "eager"  # "graphs" when the engine replays CUDA graphs (Engine.info)
+
+    @property
+    def config(self) -> AppConfig:
+        return self.controller.config
+
+    @property
+    def gen(self) -> GenParams:
+        return self.controller.gen
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.controller.conversation
+
+    @property
+    def autosave(self) -> Autosaver | None:
+        return self.controller.autosave
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self.controller.model_dir
+
+    def engine_state(self) -> EngineState:
+        return EngineState(loaded=self.service.engine is not None, busy=self.service.busy,
+                           ready=self.service.ready)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -102,7 +124,7 @@ class ChatApp(App):
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
 
     def is_demo(self, model_dir: Path) -> bool:
-        return model_dir.resolve() == demo_dir(self.config).resolve()
+        return self.controller.is_demo(model_dir)
 
     def _wizard_choice(self, choice: str | None) -> None:
         if choice == "convert":
@@ -135,7 +157,7 @@ class ChatApp(App):
     def load_model(self, model_dir: Path) -> None:
         """Load `model_dir` (closing the current engine first, for a switch); once ready, the
         current conversation continues on it."""
-        self.model_dir = model_dir
+        self.controller.model_dir = model_dir
         self.chat.show_phase("loading", str(model_dir))
         self.service.load(model_dir)
 
@@ -194,13 +216,10 @@ class ChatApp(App):
             autosave.dismiss(found.path)
             self.service.start_session(self.conversation.system)
             return
-        self.autosave = Autosaver(found.path.parent, found.conversation.system, path=found.path,
-                                  on_error=self.autosave_failed)
         pending = found.conversation.pending_prompt()
-        if pending:
-            self.autosave.undo()  # the unanswered question goes back into the prompt
+        if pending:  # the unanswered question goes back into the prompt
             self.chat.prompt.load_text(pending)
-        conv = found.conversation.settled()
+        conv = self.controller.continue_transcript(found.path, found.conversation)
         self.run_worker(self.show_conversation(conv, f"resumed ({conv.turns} turn(s))"),
                         name="show-resumed")
 
@@ -209,22 +228,12 @@ class ChatApp(App):
         await command_handlers.run(self, Command("model", name))
 
     async def reopen(self, past: Past) -> None:
-        """Continue a past (autosaved) conversation in its own transcript file."""
-        if self.autosave.path is not None and past.path.resolve() == self.autosave.path.resolve():
-            await self.note("that conversation is the one open now")
-            return
-        if not await self.require_idle():
-            return
-        self.autosave.close()  # the current one stays in the history
-        conv = past.conversation.settled()
-        self.autosave = Autosaver(past.path.parent, conv.system, path=past.path, on_error=self.autosave_failed)
-        if past.conversation.pending_prompt():
-            self.autosave.undo()  # the file then holds what is shown
-        await self.show_conversation(conv, f"reopened “{past.title()}” ({conv.turns} turn(s))")
+        """Continue a past (autosaved) conversation in its own transcript file (the palette)."""
+        await command_handlers.render(self, self.controller.reopen(past, self.engine_state()))
 
     async def show_conversation(self, conv: Conversation, note: str) -> None:
-        """Display `conv` and start an engine session that continues it; `note` once ready."""
-        self.conversation = conv
+        """Display `conv` (the controller's conversation now) and start an engine session that
+        continues it; `note` once ready."""
         await self.chat.transcript.show_conversation(conv)
         self._after_session.append(note)
         self.service.start_session(conv.system, conv.messages)
@@ -248,26 +257,18 @@ class ChatApp(App):
                 return
             await command_handlers.run(self, command)
             return
-        if text.startswith("//"):
-            text = text[1:]
+        text = message_text(text)
         if not await self.require_idle():
             return
         await self.chat.transcript.add_user(text)
         self._answer = await self.chat.transcript.add_assistant()
         self._answer.start_waiting()
-        self.conversation.messages.append(ChatMessage("user", text))
-        self.autosave.user(text)
+        self.controller.sent(text)
         self.service.send(text, self.gen)
 
     async def require_idle(self) -> bool:
         """True if the engine can take a job now; otherwise says why (one line) and False."""
-        problem = None
-        if self.service.busy in ("turn", "regen"):
-            problem = "still answering — wait, or press Esc to stop"
-        elif self.service.busy is not None:
-            problem = f"the engine is busy ({self.service.busy}) — try again in a moment"
-        elif not self.service.ready:
-            problem = "the model is not loaded yet"
+        problem = idle_problem(self.engine_state())
         if problem:
             await self.note(problem, error=True)
             return False
@@ -321,11 +322,7 @@ class ChatApp(App):
 
     def _record_turn(self, event: TurnDone) -> None:
         msg = ChatMessage("assistant", event.content, event.reasoning, event.stats.finish_reason)
-        if event.regenerated:
-            self.conversation.replace_last_answer(msg)
-        else:
-            self.conversation.messages.append(msg)
-        self.autosave.assistant(msg, replace=event.regenerated)
+        self.controller.answered(msg, event.regenerated)
 
     async def on_turn_done(self, event: TurnDone) -> None:
         self.service.finished()
@@ -341,8 +338,7 @@ class ChatApp(App):
     async def on_engine_error(self, event: EngineError) -> None:
         self.service.finished()
         if event.job == "turn":  # the engine left the session as it was before the turn
-            self.conversation.drop_last_turn()
-            self.autosave.undo()
+            self.controller.turn_failed()
         if not self.ui_alive:
             return
         if event.job == "load":
@@ -367,17 +363,17 @@ class ChatApp(App):
 
     async def on_call_done(self, event: CallDone) -> None:
         self.service.finished()
-        if event.label == "undo":
-            self.conversation.drop_last_turn()
-            self.autosave.undo()
+        started = isinstance(event.result, SessionStarted)
+        result = event.result if started else self.controller.finish(event.result)
         if not self.ui_alive:
             return
         self._show_latest_stats()
-        if event.label == "session":
+        if started:
             for text in self._after_session:
                 await self.note(text)
             self._after_session.clear()
-        await command_handlers.done(self, event.label, event.result)
+        else:
+            await command_handlers.render(self, result)
 
     # ---- actions --------------------------------------------------------------------------
 
@@ -430,4 +426,4 @@ class ChatApp(App):
         self.service.close()
         if self.service.unhandled_turn is not None:  # the turn ended as the app closed
             self._record_turn(self.service.unhandled_turn)
-        self.autosave.close()
+        self.controller.close()

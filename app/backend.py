@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, T
 from app.settings import AppConfig, GenParams, engine_config_kwargs
 
 if TYPE_CHECKING:
+    from app.conversation import ChatMessage
     from engine.chat import Message
-    from engine.events import Event
+    from converter.convert import ConvertProgress
+    from engine.events import Event, LoadProgress
     from engine.sampling import SamplingParams
     from engine.stats import StepStats
 
-ProgressFn = Callable[[Any], None]
+ProgressFn = Callable[["LoadProgress | ConvertProgress"], None]
 
 
 class SessionLike(Protocol):
@@ -108,15 +110,7 @@ class RealBackend:
         return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
 
     def sampling_params(self, gen: GenParams) -> SamplingParams:
-        from engine.sampling import SamplingParams
-
-        return SamplingParams(
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            max_tokens=gen.max_tokens,
-            thinking=gen.think,
-        )
+        return sampling_params(gen)
 
     def message(self, role: str, content: str, reasoning: str = "") -> Message:
         from engine.chat import Message
@@ -141,6 +135,14 @@ class RealBackend:
         return ensure_demo_model(data_dir, progress)
 
 
-def history_messages(backend: Backend, messages: Sequence[Any]) -> list[Message]:
+def sampling_params(gen: GenParams) -> SamplingParams:
+    """engine.sampling.SamplingParams for the app's generation settings."""
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                          max_tokens=gen.max_tokens, thinking=gen.think)
+
+
+def history_messages(backend: Backend, messages: Sequence[ChatMessage]) -> list[Message]:
     """Engine messages for a conversation's `ChatMessage`s (role, content, reasoning)."""
     return [backend.message(m.role, m.content, m.reasoning) for m in messages]

@@ -1,8 +1,8 @@
 """Slash commands: the registry (name → usage, help, argument parser) and pure parsing.
 
 `parse(line)` turns "/pin hot 4" into `Command("pin", PinArgs(hot=4))` or raises `CommandError`
-with a one-line message for the user. Nothing here touches the app; the handlers live in
-`app.command_handlers` (one per registry entry).
+with a one-line message for the user. Nothing here touches the app; what each command does lives
+in `app.controller` (one handler per registry entry), shared by the TUI and `--plain`.
 """
 
 from __future__ import annotations
@@ -185,6 +185,11 @@ REGISTRY: dict[str, Spec] = {
 def is_command(line: str) -> bool:
     """Lines starting with one '/' are commands; '//text' sends '/text' as a message."""
     return line.startswith("/") and not line.startswith("//")
+
+
+def message_text(line: str) -> str:
+    """What a line that is not a command sends: itself, or '/text' for '//text'."""
+    return line[1:] if line.startswith("//") else line
 
 
 def parse(line: str) -> Command:

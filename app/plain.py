@@ -4,8 +4,8 @@ On a terminal: Enter sends; Esc then Enter, or a line ending in a backslash, con
 line. Up/Down walk the input history (kept in `<data_dir>/plain_history`; an unwritable history
 file falls back to an in-memory one, with one warning). Ctrl-C while an answer streams stops that
 answer (the partial answer stays in the conversation); Ctrl-C at the prompt clears the line;
-Ctrl-D or /quit leaves. Slash commands are parsed by app.commands (same as the TUI); /save, /load
-and /export belong to the TUI.
+Ctrl-D or /quit leaves. Slash commands are parsed by app.commands and applied by app.controller
+(same as the TUI); /model, /save, /load and /export belong to the TUI.
 
 Without a terminal on stdin (scripts), lines are read plainly (one message per line), answers go
 to stdout and everything else (banner, prompts, statistics, thinking, errors) to stderr, and the
@@ -23,15 +23,37 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
-from app.autosave import Autosaver
-from app.commands import Command, help_lines, is_command, parse
+from app.backend import EngineLike, RealBackend, history_messages, sampling_params
+from app.commands import is_command, message_text, parse
+from app.controller import (
+    CacheFlushed,
+    Controller,
+    EngineJob,
+    ExpertsPinned,
+    ExpertsUnpinned,
+    Help,
+    Quit,
+    Regenerate,
+    Reply,
+    Result,
+    SessionReset,
+    SettingChanged,
+    StatsReady,
+    TurnUndone,
+)
 from app.conversation import ChatMessage
 from app.heap_trim import heap_trimmer
-from app.settings import AppConfig, SettingsError, with_gen
+from app.settings import AppConfig
 
-TUI_ONLY = ("save", "load", "export")
+if TYPE_CHECKING:
+    from converter.convert import ConvertProgress
+    from engine.events import Event, LoadProgress
+    from engine.sampling import SamplingParams
+    from engine.stats import StepStats, TurnStats
+
+TUI_ONLY = ("model", "save", "load", "export")
 PROMPT, CONTINUATION = ">>> ", "... "
 
 
@@ -39,7 +61,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def turn_line(stats: Any) -> str:
+def turn_line(stats: TurnStats) -> str:
     """The one-line summary printed after every answer (engine.stats.TurnStats)."""
     cache = stats.cache
     parts = [f"{stats.completion_tokens} tokens ({stats.finish_reason})",
@@ -51,7 +73,7 @@ def turn_line(stats: Any) -> str:
     return "[" + " · ".join(parts) + "]"
 
 
-def stats_lines(stats: Any) -> list[str]:
+def stats_lines(stats: StepStats) -> list[str]:
     """Detailed statistics for /stats (engine.stats.StepStats)."""
     c, m, t = stats.cache, stats.memory, stats.timing
     lines = [f"expert cache: {c.entries}/{c.capacity_entries} entries, {_gib(c.used_bytes)} of "
@@ -159,37 +181,31 @@ def stream_reader(stream: TextIO, prompts: TextIO) -> Callable[[], str]:
 
 
 class PlainChat:
-    """The line-mode loop around one engine and its current session.
+    """The line-mode loop around one engine and its current session; the commands' effects are
+    the shared `Controller`'s (app.controller), rendered here as lines.
 
     Answers go to `out`; everything else (statistics, notes, errors) to `err` (default: `out`,
     as on a terminal). With `strict` (scripts), `run` returns 1 if any turn or command failed.
     With `autosave`, the conversation is recorded under `config.transcripts_dir`."""
 
-    def __init__(self, engine: Any, config: AppConfig, read: Callable[[], str], out: TextIO,
+    def __init__(self, engine: EngineLike, config: AppConfig, read: Callable[[], str], out: TextIO,
                  err: TextIO | None = None, strict: bool = False, autosave: bool = True,
                  trim: Callable[[], None] | None = None):
-        self.engine, self.config, self.read, self.out = engine, config, read, out
+        self.engine, self.read, self.out = engine, read, out
         self.trim = trim
         self.err = err if err is not None else out
         self.strict = strict
         self.failed = False
-        self.system = config.system or None
-        self.session = engine.new_session(system=self.system)
-        self.autosave_on = autosave
-        self.saver = self._new_saver()
+        self.controller = Controller(config, on_autosave_error=self._autosave_failed, autosave=autosave)
+        self.session = engine.new_session(system=config.system or None)
 
-    def _new_saver(self) -> Autosaver | None:
-        if not self.autosave_on:
-            return None
-        return Autosaver(self.config.transcripts_dir, self.system or "", on_error=self._autosave_failed)
+    @property
+    def config(self) -> AppConfig:
+        return self.controller.config
 
     def _autosave_failed(self, message: str) -> None:
-        self.autosave_on = False  # not again after /new: the data dir is still unwritable
+        self.controller.autosave_enabled = False  # not again after /new: the data dir is still unwritable
         self.say(f"! warning: {message}")
-
-    def _close_saver(self) -> None:
-        if self.saver is not None:
-            self.saver.close()
 
     def say(self, text: str = "") -> None:
         """A line for the user that is not an answer (stderr in scripts)."""
@@ -201,12 +217,8 @@ class PlainChat:
         self.failed = True
         self.say(f"! {text}")
 
-    def params(self):
-        from engine.sampling import SamplingParams
-
-        g = self.config.gen
-        return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                              max_tokens=g.max_tokens, thinking=g.think)
+    def params(self) -> SamplingParams:
+        return sampling_params(self.config.gen)
 
     def run(self) -> int:
         """Read and handle lines until /quit or end of input; returns the exit status."""
@@ -221,7 +233,7 @@ class PlainChat:
                     self.say()
                     break
         finally:
-            self._close_saver()
+            self.controller.close()
         return 1 if self.strict and self.failed else 0
 
     def handle(self, line: str) -> bool:
@@ -229,17 +241,21 @@ class PlainChat:
         if not line.strip():
             return True
         if not is_command(line):
-            text = line[1:] if line.startswith("//") else line
+            text = message_text(line)
             self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel),
                         user=text)
             return True
         try:
-            return self.command(parse(line))
+            command = parse(line)
+            if command.name in TUI_ONLY:
+                self.error(f"/{command.name} is not available in --plain mode; use the TUI (dsv4-chat)")
+                return True
+            return self.show(self.controller.apply(command))
         except Exception as err:  # a refused command is one line, never a traceback
             self.error(str(err))
             return True
 
-    def answer(self, start: Callable[[threading.Event], Any], user: str | None = None) -> bool:
+    def answer(self, start: Callable[[threading.Event], Iterator[Event]], user: str | None = None) -> bool:
         """Run one turn, streaming its text (answer to `out`, thinking to `err`); Ctrl-C stops it.
         `user` is the new message (None: /regen). Returns whether the turn finished. Afterwards
         `trim` (app.heap_trim) gives the turn's freed heap pages back."""
@@ -249,7 +265,7 @@ class PlainChat:
             if self.trim is not None:
                 self.trim()
 
-    def _answer(self, start: Callable[[threading.Event], Any], user: str | None) -> bool:
+    def _answer(self, start: Callable[[threading.Event], Iterator[Event]], user: str | None) -> bool:
         from engine.events import EngineFailure, TextDelta, TurnFinished
 
         cancel = threading.Event()
@@ -260,8 +276,8 @@ class PlainChat:
             except ValueError as err:
                 self.error(str(err))
                 return False
-            if user is not None and self.saver is not None:
-                self.saver.user(user)
+            if user is not None:
+                self.controller.sent(user)
             for ev in events:
                 if isinstance(ev, TextDelta):
                     stream = self.err if ev.channel == "thinking" else self.out
@@ -278,83 +294,55 @@ class PlainChat:
                     if ev.stats.finish_reason == "cancelled":
                         self.say("(answer stopped)")
                     self.say(turn_line(ev.stats))
-                    if self.saver is not None:
-                        self.saver.assistant(ChatMessage("assistant", ev.content, ev.reasoning,
-                                                         ev.stats.finish_reason), replace=user is None)
+                    self.controller.answered(ChatMessage("assistant", ev.content, ev.reasoning,
+                                                         ev.stats.finish_reason), regenerated=user is None)
                     return True
                 elif isinstance(ev, EngineFailure):
                     if channel == "answer":
                         self.out.write("\n")
                     self.error(ev.message)
-                    if user is not None and self.saver is not None:
-                        self.saver.undo()  # the engine left the session as it was before the turn
+                    if user is not None:
+                        self.controller.turn_failed()
                     return False
         return False
 
-    def command(self, cmd: Command) -> bool:
-        """Execute a slash command; False means leave."""
-        name, args, eng = cmd.name, cmd.args, self.engine
-        if name == "quit":
-            return False
-        if name == "help":
-            self.say("\n".join(line + ("  (TUI only)" if line.split()[0][1:] in TUI_ONLY else "")
-                               for line in help_lines()))
-        elif name in TUI_ONLY:
-            self.error(f"/{name} is not available in --plain mode; use the TUI (dsv4-chat)")
-        elif name == "new":
-            self._close_saver()
-            self.session = eng.new_session(system=self.system)
-            self.saver = self._new_saver()
-            self.say("new conversation")
-        elif name == "system":
-            if not args:
-                self.say(f"system prompt: {self.system or '(none)'}")
-            else:
-                self._close_saver()
-                self.system = args
-                self.session = eng.new_session(system=self.system)
-                self.saver = self._new_saver()
-                self.say("system prompt set — new conversation")
-        elif name == "set":
-            self._set(args)
-        elif name == "flush":
-            self.say(f"evicted {eng.flush_cache()} experts")
-        elif name == "pin":
-            keys = eng.pin_hot(args.hot) if args.hot else (eng.pin(list(args.keys)) or list(args.keys))
-            self.say(f"pinned {len(keys)} experts: " + ", ".join(f"{l}:{e}" for l, e in keys[:12]))
-        elif name == "unpin":
-            eng.unpin(list(args.keys) if args.keys else None)
-            self.say("unpinned " + (", ".join(f"{l}:{e}" for l, e in args.keys) if args.keys else "all"))
-        elif name == "stats":
-            self.say("\n".join(stats_lines(eng.stats())))
-        elif name == "regen":
-            self.answer(lambda cancel: eng.regenerate(self.session, self.params(), cancel))
-        elif name == "undo":
-            try:
-                eng.undo(self.session)
-            except ValueError as err:
-                self.error(str(err))
-                return True
-            if self.saver is not None:
-                self.saver.undo()
-            self.say(f"dropped the last question and answer (position {self.session.position})")
+    def show(self, result: Result) -> bool:
+        """Render a command's result as lines (running its engine job inline); False means leave."""
+        match result:
+            case Quit():
+                return False
+            case Reply(text, error):
+                if error:
+                    self.error(text)
+                else:
+                    self.say(text)
+            case Help(lines):
+                self.say("\n".join(line + ("  (TUI only)" if line.split()[0][1:] in TUI_ONLY else "")
+                                   for line in lines))
+            case SettingChanged(key, value):
+                self.say(f"{key} = {value}")
+            case SessionReset(conv, note):
+                history = history_messages(RealBackend(), conv.messages)
+                self.session = self.engine.new_session(system=conv.system or None, history=history)
+                self.say(note)
+            case EngineJob(_, job):
+                return self.show(self.controller.finish(job(self.engine, self.session)))
+            case CacheFlushed(evicted):
+                self.say(f"evicted {evicted} experts")
+            case ExpertsPinned(keys):
+                self.say(f"pinned {len(keys)} experts: " + ", ".join(f"{l}:{e}" for l, e in keys[:12]))
+            case ExpertsUnpinned(requested):
+                self.say("unpinned " + (", ".join(f"{l}:{e}" for l, e in requested) if requested else "all"))
+            case StatsReady(stats):
+                self.say("\n".join(stats_lines(stats)))
+            case TurnUndone(position):
+                self.say(f"dropped the last question and answer (position {position})")
+            case Regenerate():
+                self.answer(lambda cancel: self.engine.regenerate(self.session, self.params(), cancel))
         return True
 
-    def _set(self, args) -> None:
-        if args.key is None:
-            g = self.config.gen
-            self.say(f"temperature {g.temperature} · top_p {g.top_p} · top_k {g.top_k} · "
-                     f"max_tokens {g.max_tokens} · think {'on' if g.think else 'off'}")
-            return
-        try:
-            self.config = with_gen(self.config, **{args.key: args.value})
-        except SettingsError as err:
-            self.error(str(err))
-            return
-        self.say(f"{args.key} = {args.value}")
 
-
-def progress_line(p: Any) -> str:
+def progress_line(p: LoadProgress | ConvertProgress) -> str:
     """One log line for a converter ConvertProgress (building the demo) or an engine LoadProgress."""
     from converter.convert import ConvertProgress
 
@@ -365,9 +353,8 @@ def progress_line(p: Any) -> str:
     return line + (f" · {p.message}" if p.message else "")
 
 
-def load_engine(config: AppConfig, log: TextIO):
+def load_engine(config: AppConfig, log: TextIO) -> EngineLike:
     """The engine for `config`'s model (--model, the newest converted one, or --demo)."""
-    from app.backend import RealBackend
     from app.wizard import WizardError, find_model
 
     def progress(p) -> None:
@@ -389,7 +376,7 @@ def load_engine(config: AppConfig, log: TextIO):
     return RealBackend().load_engine(model_dir, config, progress)
 
 
-def _open(config: AppConfig, log: TextIO):
+def _open(config: AppConfig, log: TextIO) -> tuple[EngineLike | None, int]:
     """The loaded engine, or (None, status) after one line on `log`."""
     try:
         return load_engine(config, log), 0
@@ -460,7 +447,8 @@ def run_once(config: AppConfig, prompt: str, stdin: TextIO | None = None, stdout
         return status
     try:
         chat = PlainChat(engine, config, lambda: "", stdout, stderr, strict=True, autosave=False)
-        done = chat.answer(lambda cancel: engine.generate(chat.session, prompt.strip(), chat.params(), cancel))
+        text = prompt.strip()
+        done = chat.answer(lambda cancel: engine.generate(chat.session, text, chat.params(), cancel), user=text)
         return 0 if done and not chat.failed else 1
     finally:
         engine.close()

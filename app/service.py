@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from textual.app import App
 from textual.message import Message
 
-from app.backend import Backend, history_messages
+from app.backend import Backend, EngineLike, SessionLike, history_messages
+from app.conversation import ChatMessage
 from app.messages import (
     CallDone,
     EngineError,
@@ -35,7 +36,7 @@ from app.messages import (
     TurnDone,
 )
 from app.settings import AppConfig, GenParams
-from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
+from engine.events import EngineFailure, Event, StepUpdate, TextDelta, TurnFinished
 from engine.stats import StepStats
 
 
@@ -44,6 +45,11 @@ def user_message(err: BaseException) -> str:
     only when the message is empty); the lines of a multi-line message are joined."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return text or type(err).__name__
+
+
+@dataclass(frozen=True)
+class SessionStarted:
+    """The result of `start_session`'s job: the new session is `EngineService.session`."""
 
 
 class ServiceBusy(RuntimeError):
@@ -61,8 +67,8 @@ class EngineService:
         self._trim = trim
         self._backend = backend
         self._config = config
-        self.engine: Any = None
-        self.session: Any = None
+        self.engine: EngineLike | None = None
+        self.session: SessionLike | None = None
         self.info: dict = {}
         self.busy: str | None = None  # label of the running job (UI thread)
         self.unhandled_turn: TurnDone | None = None  # posted, not yet handled by the app
@@ -162,7 +168,7 @@ class EngineService:
 
         self._start("load", work)
 
-    def start_session(self, system: str, history: Sequence[Any] = ()) -> None:
+    def start_session(self, system: str, history: Sequence[ChatMessage] = ()) -> None:
         """A fresh engine session; `history` (ChatMessages) is re-fed to it (resume, /load)."""
         msgs = history_messages(self._backend, history)
 
@@ -171,7 +177,7 @@ class EngineService:
             if msgs:
                 kwargs["history"] = msgs
             self.session = self.engine.new_session(**kwargs)
-            self._post(CallDone("session", None))
+            self._post(CallDone("session", SessionStarted()))
 
         self._start("session", work)
 
@@ -187,14 +193,14 @@ class EngineService:
         self._start("regen", lambda: self._drain(
             self.engine.regenerate(self.session, params, cancel=self._cancel), True))
 
-    def _drain(self, events: Iterable[Any], regenerated: bool) -> None:
+    def _drain(self, events: Iterable[Event], regenerated: bool) -> None:
         try:
             self._drain_events(events, regenerated)
         finally:
             if self._trim is not None:
                 self._trim()
 
-    def _drain_events(self, events: Iterable[Any], regenerated: bool) -> None:
+    def _drain_events(self, events: Iterable[Event], regenerated: bool) -> None:
         job = "regen" if regenerated else "turn"
         for ev in events:
             if isinstance(ev, TextDelta):
@@ -216,11 +222,13 @@ class EngineService:
 
     # ---- other engine calls ---------------------------------------------------------------
 
-    def call(self, label: str, fn: Callable[[Any], Any], refresh_stats: bool = True) -> None:
-        """Run `fn(engine)` in a worker; posts CallDone(label, result) (and fresh stats)."""
+    def call(self, label: str, fn: Callable[[EngineLike, SessionLike], Any],
+             refresh_stats: bool = True) -> None:
+        """Run `fn(engine, session)` in a worker (app.controller's EngineJob.run); posts
+        CallDone(label, result) (and fresh stats)."""
 
         def work() -> None:
-            result = fn(self.engine)
+            result = fn(self.engine, self.session)
             if refresh_stats:
                 self._publish(self.engine.stats())
             self._post(CallDone(label, result))

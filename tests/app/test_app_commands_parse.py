@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import command_handlers
+from app import controller
 from app.commands import (
     REGISTRY,
     Command,
@@ -15,13 +15,14 @@ from app.commands import (
     complete,
     help_lines,
     is_command,
+    message_text,
     parse,
     parse_keys,
 )
 
 
 def test_every_registered_command_has_a_handler_and_help():
-    assert command_handlers.HANDLERS.keys() == REGISTRY.keys()
+    assert controller.HANDLERS.keys() == REGISTRY.keys()
     lines = help_lines()
     assert len(lines) == len(REGISTRY)
     for name in REGISTRY:
@@ -104,6 +105,8 @@ def test_is_command_and_escape():
     assert is_command("/help")
     assert not is_command("hello /help")
     assert not is_command("//not a command")
+    assert message_text("//not a command") == "/not a command"
+    assert message_text("hello /help") == "hello /help"
 
 
 def test_parse_keys_rejects_empty():
