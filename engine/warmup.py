@@ -21,7 +21,6 @@ warm-up runs and rewrites it.
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -117,11 +116,12 @@ class KernelManifest:
 def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device) -> KernelManifest:
     """The manifest of an engine on the TileLang backend: the kernels package's factories, in
     TileLang's cache folder (tilelang_cache_dir), keyed for this model, config, GPU and TileLang."""
+    import tilelang
+
     from kernels.backend import kernel_factories, kernel_modules
     from kernels.toolkit import cuda_arch
 
-    key = manifest_key(args, config, converted, cuda_arch(device), importlib.metadata.version("tilelang"),
-                       kernels_source_digest())
+    key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest())
     current = torch.cuda.current_device()
     return KernelManifest(manifest_path(tilelang_cache_dir(), key), key, kernel_factories(kernel_modules()),
                           lambda: torch.cuda.set_device(current))
