@@ -104,7 +104,8 @@ class Engine:
         """Run every shape bucket once on scratch states (engine/warmup.py): with the TileLang
         kernels this compiles each of them, or loads it from TileLang's on-disk cache, so that
         nothing compiles during a chat (a later load replays the kernel manifest the first one
-        wrote instead of running the model); with the torch reference, one short prefill and decode."""
+        wrote instead of running the model); with the torch reference, one short prefill and decode.
+        The expert statistics are zeroed afterwards: they count the user's lookups only."""
         self._open()
         full = self.config.backend == "tilelang"
         report = progress or (lambda p: None)
@@ -118,6 +119,7 @@ class Engine:
             warm_up_kernels(steps, run, manifest, report)
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
+        self.experts.reset_stats()  # the statistics start with the user's first prompt
 
     @property
     def info(self) -> dict:

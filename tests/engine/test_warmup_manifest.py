@@ -274,3 +274,30 @@ def test_a_manifest_that_cannot_be_written_is_reported_and_the_load_goes_on(tmp_
     manifest.path.mkdir(parents=True)  # a folder where the file should go
     assert warm_up_kernels(STEPS, full_warm_up(module, []), manifest, events.append) is False
     assert "was not written" in events[-1].message and "full warm-up again" in events[-1].message
+
+
+def test_the_warm_ups_lookups_are_not_in_the_expert_statistics(tmp_path):
+    """The warm-up's scratch prefill and decode steps look experts up; the statistics (hit rate,
+    usage, `hottest` for /pin hot) start with the user's first prompt. What is resident stays."""
+    from converter.convert import convert
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    ckpt = synth.write_checkpoint(tmp_path / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    out = convert(ckpt, tmp_path / "converted", resume=False)
+    eng = Engine.load(out, EngineConfig(numerics="exact", cache_bytes=24 * 4096 * 64), warmup=False)
+    try:
+        experts = eng.files.experts
+        assert eng.info["experts"] == "streaming" and experts.cache is not None
+        eng.warm_up()
+        c = experts.cache.stats()
+        assert c.entries > 0  # the warm-up's experts stay resident
+        assert (c.hits, c.misses, c.admissions, c.evictions, c.window_lookups) == (0, 0, 0, 0, 0)
+        assert experts.hottest(3) == [] and sum(experts.usage.layer_uses) == 0 and not experts.usage.uses
+        assert experts.usage.wait_s == 0.0 and eng.stats().cache.hit_rate == 0.0
+        sess = eng.new_session()
+        list(eng.generate(sess, "Hello", SamplingParams(temperature=0.0, max_tokens=3)))
+        c = experts.cache.stats()
+        assert c.hits + c.misses > 0 and sum(experts.usage.layer_uses) > 0 and len(experts.hottest(3)) == 3
+    finally:
+        eng.close()
