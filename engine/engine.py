@@ -8,8 +8,9 @@
 A turn (prefill of what the session has not processed, then the pipelined decode loop) and its
 outcomes are engine/turn.py's.
 
-The engine starts no threads of its own; the expert provider's I/O threads (streaming layout)
-are stopped by `close()`.
+The engine keeps no threads of its own (the warm-up's kernel-replay threads, engine/warmup.py,
+are joined before it returns); the expert provider's I/O threads (streaming layout) are stopped by
+`close()`.
 """
 
 from __future__ import annotations
