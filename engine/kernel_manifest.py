@@ -92,6 +92,12 @@ def _decode(value):
     return tuple(_decode(v) for v in value) if isinstance(value, list) else value
 
 
+def _one_line(err: Exception) -> str:
+    """The exception's type and the first line of its message (compiler errors run to pages)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
 def write_manifest(path: Path, key: str, calls: list[KernelCall]) -> None:
     """Write the manifest atomically: a temporary file in the same folder, then renamed over `path`
     (a reader sees the old manifest or the new one, never part of one)."""
@@ -149,7 +155,7 @@ def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: in
         try:
             factories[c.factory](*c.args, **dict(c.kwargs))
         except Exception as err:  # a stale entry (TypeError, KernelInputError) or a failed build
-            raise ManifestError(f"replaying {c.factory}{c.args} failed: {type(err).__name__}: {err}") from err
+            raise ManifestError(f"replaying {c.factory}{c.args} failed: {_one_line(err)}") from err
 
     if workers <= 1 or total <= 1:
         for done, c in enumerate(calls, 1):
@@ -168,7 +174,7 @@ def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: in
                 worker_setup()
             except Exception as err:
                 stop.set()
-                finished.put(ManifestError(f"a kernel replay thread could not start: {type(err).__name__}: {err}"))
+                finished.put(ManifestError(f"a kernel replay thread could not start: {_one_line(err)}"))
                 return
         while not stop.is_set():
             try:

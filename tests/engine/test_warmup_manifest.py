@@ -37,7 +37,7 @@ def gemv_kernel(m, n, arch, dtype="bfloat16"):
 @kernel_factory
 def norm_kernel(d, eps, weighted, offs):
     if d < 0:
-        raise ValueError(f"no kernel for d={d}")
+        raise ValueError(f"no kernel for d={d}\\n  at line 1\\n  at line 2")
     LOG.append(("norm_kernel", (d, eps, weighted, offs), {}, threading.current_thread().name))
     return ("norm", d, eps, weighted, offs)
 
@@ -74,7 +74,7 @@ def test_the_key_changes_with_each_input():
                 source_digest="a" * 64)
     variants = [dict(args=dataclasses.replace(args, n_layers=4)),
                 dict(args=dataclasses.replace(args, n_routed_experts=24)),
-                dict(args=dataclasses.replace(args, compress_ratios=args.compress_ratios[:2] + (128,) + args.compress_ratios[3:])),
+                dict(args=dataclasses.replace(args, compress_ratios=(0, 0, 128) + args.compress_ratios[3:])),
                 dict(config=dataclasses.replace(config, prefill_chunk=128)),
                 dict(config=dataclasses.replace(config, max_seq_len=8192)),
                 dict(config=dataclasses.replace(config, numerics="exact")),
@@ -164,6 +164,10 @@ def test_a_failing_replay_names_the_call_and_leaves_no_thread(tmp_path):
         assert not [t for t in threading.enumerate() if t.name.startswith("kernel-replay-")]
     with pytest.raises(ManifestError, match="TypeError"):  # the factory's signature changed
         replay([KernelCall("fake_kernels.gemv_kernel", (1, 2))], factories, 1, lambda done, total: None)
+    with pytest.raises(ManifestError) as failed:  # a compiler's pages of output: one line of it
+        replay([KernelCall("fake_kernels.norm_kernel", (-2, 0.5, False, ()))], factories, 1, lambda d, t: None)
+    assert str(failed.value) == ("replaying fake_kernels.norm_kernel(-2, 0.5, False, ()) failed: "
+                                 "ValueError: no kernel for d=-2")
 
 
 STEPS = [WarmupStep("prefill", tokens=256), WarmupStep("prefill", tokens=1), WarmupStep("decode", capacity=16)]
