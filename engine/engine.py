@@ -8,8 +8,9 @@
 A turn (prefill of what the session has not processed, then the pipelined decode loop) and its
 outcomes are engine/turn.py's.
 
-The engine starts no threads of its own; the expert provider's I/O threads (streaming layout)
-are stopped by `close()`.
+The engine keeps no threads of its own (the warm-up's kernel-replay threads, engine/warmup.py,
+are joined before it returns); the expert provider's I/O threads (streaming layout) are stopped by
+`close()`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from engine.session import Session, SessionError
 from engine.stats import MemoryBudget, StepStats
 from engine.step_meter import Gauges, StepMeter
 from engine.turn import Turns
-from engine.warmup import plan_warmup, run_warmup
+from engine.warmup import engine_manifest, plan_warmup, run_warmup, warm_up_kernels
 
 ProgressFn = Callable[[LoadProgress], None]
 
@@ -103,17 +104,23 @@ class Engine:
     def warm_up(self, progress: ProgressFn | None = None) -> None:
         """Run every shape bucket once on scratch states (engine/warmup.py): with the TileLang
         kernels this compiles each of them, or loads it from TileLang's on-disk cache, so that
-        nothing compiles during a chat; with the torch reference, one short prefill and decode."""
+        nothing compiles during a chat (a later load replays the kernel manifest the first one
+        wrote instead of running the model); with the torch reference, one short prefill and decode.
+        The expert statistics are zeroed afterwards: they count the user's lookups only."""
         self._open()
         full = self.config.backend == "tilelang"
-        phase = "compiling kernels" if full else "warm-up"
         report = progress or (lambda p: None)
         steps = plan_warmup(self.args, self.config, full)
 
-        def step(done: int, total: int, what: str) -> None:
-            report(LoadProgress(phase, done, total, "shapes", what))
+        def run(step: Callable[[int, int, str], None]) -> None:
+            run_warmup(steps, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len, step)
 
-        run_warmup(steps, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len, step)
+        if full:  # replays the kernel manifest when there is one (engine/warmup.py)
+            manifest = engine_manifest(self.args, self.config, self.files.converted, self.device)
+            warm_up_kernels(steps, run, manifest, report)
+        else:
+            run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
+        self.experts.reset_stats()  # the statistics start with the user's first prompt
 
     @property
     def info(self) -> dict:

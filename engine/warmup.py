@@ -11,15 +11,27 @@ On scratch states (discarded afterwards):
 
 With the torch reference backend nothing compiles, so `plan_warmup(..., full=False)` keeps only
 one short prefill and one decode step (the CPU path's first-call costs).
+
+On the TileLang backend (`warm_up_kernels`), the first full warm-up for a kernel manifest key
+(engine/kernel_manifest.py) writes the manifest of the kernels it built; a later load replays the
+manifest instead (each kernel loaded from TileLang's on-disk cache, "loading kernels k/n") and runs
+no model step. A manifest that cannot be used is reported in one progress message, and the full
+warm-up runs and rewrites it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
 
 from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
+from engine.events import LoadProgress
+from engine.kernel_manifest import (ManifestError, built_calls, kernels_source_digest, manifest_key, manifest_path,
+                                    read_manifest, replay, tilelang_cache_dir, write_manifest)
 
 # A base position whose next five decode steps complete: a ratio-4 window (123), none (124..126),
 # ratio-4 and ratio-128 windows (127).
@@ -80,3 +92,68 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
             runtime.step(state, [token])
         runtime.settle()
     progress(total, total, "kernels ready")
+
+
+# Threads replaying a manifest (each call: a kernel module built into a TileLang program, then
+# TileLang's cache lookup and library load). Not measured against 1 (sequential) on a GPU yet.
+REPLAY_WORKERS = 4
+COMPILING = "compiling kernels"
+LOADING = "loading kernels"
+
+
+@dataclass(frozen=True)
+class KernelManifest:
+    """Where the manifest for one engine's kernels lives (`path`), its `key`, the kernel factories
+    (qualified name -> kernels.toolkit.KernelFactory) it records and replays, and what each replay
+    thread runs first (`worker_setup`: the engine makes the loading thread's CUDA device current)."""
+
+    path: Path
+    key: str
+    factories: Mapping[str, object]
+    worker_setup: Callable[[], None] | None = None
+
+
+def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device) -> KernelManifest:
+    """The manifest of an engine on the TileLang backend: the kernels package's factories, in
+    TileLang's cache folder (tilelang_cache_dir), keyed for this model, config, GPU and TileLang."""
+    import tilelang
+
+    from kernels.backend import kernel_factories, kernel_modules
+    from kernels.toolkit import cuda_arch
+
+    key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest())
+    current = torch.cuda.current_device()
+    return KernelManifest(manifest_path(tilelang_cache_dir(), key), key, kernel_factories(kernel_modules()),
+                          lambda: torch.cuda.set_device(current))
+
+
+def warm_up_kernels(steps: list[WarmupStep], run: Callable[[Callable[[int, int, str], None]], None],
+                    manifest: KernelManifest, report: Callable[[LoadProgress], None],
+                    workers: int = REPLAY_WORKERS) -> bool:
+    """Build every kernel of the engine before the first prompt. When `manifest` exists: replay it
+    on `workers` threads ("loading kernels" progress) and return True. Otherwise, or when the
+    replay fails (one progress message says why): `run(progress)` runs `steps` (run_warmup;
+    "compiling kernels" progress), the manifest of every kernel the factories have built is
+    written, and False is returned."""
+    if manifest.path.is_file():
+        try:
+            calls = read_manifest(manifest.path, manifest.key, manifest.factories)
+            try:
+                replay(calls, manifest.factories, workers,
+                       lambda done, total: report(LoadProgress(LOADING, done, total, "kernels",
+                                                               "kernels ready" if done == total else
+                                                               "from TileLang's cache")),
+                       manifest.worker_setup)
+            except ManifestError as err:
+                raise ManifestError(f"kernel manifest {manifest.path}: {err}") from err
+            return True
+        except ManifestError as err:
+            report(LoadProgress(COMPILING, 0, len(steps), "shapes", f"{err}; running the full warm-up instead"))
+    run(lambda done, total, what: report(LoadProgress(COMPILING, done, total, "shapes", what)))
+    try:
+        write_manifest(manifest.path, manifest.key, built_calls(manifest.factories))
+    except (OSError, ManifestError) as err:
+        report(LoadProgress(COMPILING, len(steps), len(steps), "shapes",
+                            f"the kernel manifest {manifest.path} was not written ({err}); the next load "
+                            "runs the full warm-up again"))
+    return False

@@ -8,12 +8,11 @@ and the fp32 -> e4m3 conversion rounds to nearest even as torch does, so q and s
 reference exactly.
 """
 
-import functools
-
 import torch
 
 from kernels import pdl
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits, tile_params
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, kernel_factory, pow2_scale_bits,
+                             tile_params)
 
 # Groups (rows of `block` channels) per CTA of 128 threads, per compute capability.
 # sm_90 (H100/H200) is tested; sm_121 (GB10, ~99 KB shared memory per block) is untested.
@@ -24,7 +23,7 @@ TILE_PARAMS = {
 DEFAULT_TILE = {"elems_per_cta": 1024, "threads": 128}
 
 
-@functools.cache
+@kernel_factory
 def act_quant_kernel(block: int, in_dtype: str, arch: tuple[int, int]):
     """Kernel over G groups of `block` values: X [G, block] -> (Q [G, block] e4m3, S [G] fp32)."""
     import tilelang.language as T

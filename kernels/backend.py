@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
+from types import ModuleType
 from typing import Protocol
 
 import torch
 
 from kernels import reference as ref
+from kernels.toolkit import KernelFactory
 
 
 class Backend(Protocol):
@@ -324,16 +325,30 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
     raise ValueError(f"unknown kernel backend {name!r}; choose 'torch' or 'tilelang'")
 
 
-def compiled_kernels() -> int:
-    """Kernel variants built in this process so far: the entries of the `*_kernel` factories'
-    caches (each a TileLang compile, or a load from its on-disk cache) in the kernel modules
-    imported so far; 0 with the torch reference. The engine's "nothing compiles during a chat"
-    is checked against this count."""
+# Every module that defines `@kernel_factory` functions (tests/kernels/test_kernel_factory.py checks the list).
+KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_mma_few_tokens",
+                  "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_gemm", "kernels.fp8_mma_one_token",
+                  "kernels.grouped_linear", "kernels.hadamard_qdq4", "kernels.head_gemv", "kernels.indexer_scores",
+                  "kernels.indexer_weights", "kernels.mhc", "kernels.moe_combine", "kernels.moe_gate",
+                  "kernels.norm_rope", "kernels.rms_norm", "kernels.rms_norm_quant", "kernels.rope",
+                  "kernels.sparse_attention", "kernels.sparse_index", "kernels.swiglu_quant")
 
-    total = 0
-    for name, module in list(sys.modules.items()):
-        if name.startswith("kernels.") and module is not None:
-            for attr, obj in vars(module).items():
-                if attr.endswith("_kernel") and callable(obj) and hasattr(obj, "cache_info"):
-                    total += obj.cache_info().currsize
-    return total
+
+def kernel_modules() -> list[ModuleType]:
+    """The modules of KERNEL_MODULES, imported (which imports no TileLang)."""
+    return [importlib.import_module(name) for name in KERNEL_MODULES]
+
+
+def kernel_factories(modules) -> dict[str, KernelFactory]:
+    """Qualified name ("kernels.fp8_gemm.fp8_gemv_kernel") -> factory, for every KernelFactory
+    defined in `modules` (kernel_modules(), or a test's own)."""
+    return {f"{module.__name__}.{attr}": obj for module in modules for attr, obj in vars(module).items()
+            if isinstance(obj, KernelFactory) and obj.__module__ == module.__name__}
+
+
+def compiled_kernels() -> int:
+    """Kernel variants built in this process so far: the kernels the `@kernel_factory` functions
+    of KERNEL_MODULES have built (each a TileLang compile, or a load from its on-disk cache);
+    0 with the torch reference. The engine's "nothing compiles during a chat" is checked against
+    this count."""
+    return sum(factory.size() for factory in kernel_factories(kernel_modules()).values())

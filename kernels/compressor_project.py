@@ -13,18 +13,16 @@ Results equal the reference up to fp32 summation order (tests/kernels/test_kerne
 imported lazily.
 """
 
-import functools
-
 import torch
 
 from kernels import reference as ref
-from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory
 from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16
 
 
-@functools.cache
+@kernel_factory
 def compressor_project_kernel(m: int, c: int, k: int, r: int, rows: int, warps: int, ksplit: int,
                               arch: tuple[int, int]):
     """(X [m, k] bf16, W [2c, k] bf16, APE [r, c] fp32, ROW [m] int64, BKV [r, c] fp32,

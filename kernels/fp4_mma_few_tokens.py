@@ -26,10 +26,9 @@ architecture, for MMA_MIN_M to 8 rows, where the CUDA-core kernel's per-row arit
 are in docs/performance-log.md).
 """
 
-import functools
 
 from kernels import lowbit, pdl
-from kernels.toolkit import KernelInputError, compile_kernel
+from kernels.toolkit import KernelInputError, compile_kernel, kernel_factory
 
 MAX_M = 8  # the MMA's n: tokens per launch
 GROUPS_PER_STEP = 4  # scale groups per loop step: one 128-channel activation block
@@ -106,7 +105,7 @@ def warp_sums_macro(T, tiles: int, ksplit: int):
     return warp_sums
 
 
-@functools.cache
+@kernel_factory
 def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                               s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
                               lookup: bool = False):

@@ -36,10 +36,9 @@ Scales are read as words: the record's scale block must start 4-byte aligned (fp
 Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/toolkit.UNGUARDED).
 """
 
-import functools
 
 from kernels import fp4_mma_few_tokens, lowbit, pdl
-from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory
 
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
@@ -107,7 +106,7 @@ def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
     return fp4_mma_few_tokens.supports(1, k, s_off, s_stride) and mma_tile(k) is not None
 
 
-@functools.cache
+@kernel_factory
 def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                              s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
                              lookup: bool = False, early: bool = False, depth: int = 0):

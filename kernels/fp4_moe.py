@@ -27,14 +27,13 @@ Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (G
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
 """
 
-import functools
 import math
 
 import torch
 
 from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_quant
-from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch,
+from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch, kernel_factory,
                              pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.gemv import as_words, gemv_rows
@@ -53,7 +52,7 @@ DEFAULT_TILE = {"rows": 2, "warps": 4}
 _VEC = 16  # packed bytes per lane per step = 32 channels = one scale group
 
 
-@functools.cache
+@kernel_factory
 def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                     s_off: tuple[int, ...], rows: int, warps: int, out_dtype: str, arch: tuple[int, int],
                     lookup: bool = False):

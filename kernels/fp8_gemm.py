@@ -20,15 +20,13 @@ Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (G
 TileLang is imported lazily (see kernels/toolkit.py).
 """
 
-import functools
-
 import torch
 
 from kernels import fp8_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_quant
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
-from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, pad_rows_to_bucket, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket, tile_params
 
 GEMV_MAX_M = 16
 # GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps
@@ -40,7 +38,7 @@ TILE_PARAMS = {
 DEFAULT_TILE = {"rows": 2, "warps": 4, "min_ctas": 256}
 
 
-@functools.cache
+@kernel_factory
 def fp8_gemv_kernel(m: int, n: int, k: int, rows: int, warps: int, ksplit: int, arch: tuple[int, int],
                     early: bool = True):
     """(Q [m,k/4] int32 = e4m3 codes, SA [m,k/128] fp32, W [n,k/4] int32 = e4m3 codes,

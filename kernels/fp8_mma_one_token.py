@@ -33,10 +33,9 @@ past n are clamped on load and skipped on store, and K is whole 128-channel bloc
 TileLang is imported lazily (see kernels/toolkit.py).
 """
 
-import functools
 
 from kernels import lowbit, pdl
-from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory
 
 SOURCE = r"""
 // One e4m3 word (4 channels) of rows gi and gi + 8 into a tile's D: one MMA whose k positions
@@ -81,7 +80,7 @@ def mma_tile(n: int, k: int) -> tuple[int, int, int] | None:
     return tiles, ksplit, 0 if n * k <= ALL_AHEAD_BYTES else DEPTH
 
 
-@functools.cache
+@kernel_factory
 def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int]):
     """(Q [1, k/4] int32 = e4m3 codes, SA [1, k/128] fp32, W [n, k/4] int32 = e4m3 codes,
     SW [ceil(n/128), k/128] u8) -> Y [1, n] bf16; a CTA owns `tiles` tiles of 16 rows, its

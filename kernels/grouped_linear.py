@@ -19,17 +19,15 @@ Results equal the reference up to fp32 summation order (tests/kernels/test_kerne
 are the FP8 GEMV's (sm_90 tested, sm_121 untested). TileLang is imported lazily.
 """
 
-import functools
-
 import torch
 
 from kernels import lowbit, pdl
-from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, pad_rows_to_bucket
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket
 from kernels.fp8_gemm import GEMV_MAX_M, check_fp8_weight, dequant_fp8_bf16, gemv_tile
 from kernels.gemv import VEC, as_words, scale_bytes, store_rows_macro, weight_steps_macro
 
 
-@functools.cache
+@kernel_factory
 def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: int, ksplit: int,
                         arch: tuple[int, int]):
     """(X [m, groups·k] bf16, W [n, k/4] int32 = e4m3 codes, SW [ceil(n/128), k/128] u8)

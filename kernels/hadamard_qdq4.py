@@ -35,7 +35,8 @@ import math
 import torch
 
 from kernels import pdl
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
+                             tile_params)
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -49,7 +50,7 @@ def _recip_bits(value: float) -> int:
     return int(inv.view(torch.int32).item()) & 0xFFFFFFFF
 
 
-@functools.cache
+@kernel_factory
 def hadamard_qdq4_kernel(d: int, block: int, dtype: str, arch: tuple[int, int]):
     """(X [rows, d] dtype, Y [rows, d] dtype); one thread per element, rows_per_cta rows per CTA."""
     import tilelang.language as T

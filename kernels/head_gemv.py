@@ -9,19 +9,17 @@ summation order. Layout: each warp owns `rows` weight rows, each lane loads 8 co
 More than GEMV_MAX_M rows (the logits CLI over a whole prompt) go to the reference.
 """
 
-import functools
-
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, tile_params
 from kernels.fp8_gemm import DEFAULT_TILE, GEMV_MAX_M, TILE_PARAMS
 from kernels.gemv import gemv_rows
 
 _VEC = 8  # bf16 weights per lane per step (one 16-byte load)
 
 
-@functools.cache
+@kernel_factory
 def head_gemv_kernel(m: int, n: int, k: int, arch: tuple[int, int]):
     """(X [m,k] fp32, W [n,k] bf16) -> Y [m,n] fp32."""
     import tilelang.language as T

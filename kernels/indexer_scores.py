@@ -22,13 +22,13 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory, tile_params
 
 TILE_PARAMS = {(9, 0): {"block_t": 64, "threads": 128}, (12, 1): {"block_t": 64, "threads": 128}}
 DEFAULT_TILE = {"block_t": 64, "threads": 128}
 
 
-@functools.cache
+@kernel_factory
 def indexer_scores_kernel(heads: int, dim: int, scale: float, arch: tuple[int, int]):
     """(Q [S, heads, dim] bf16, K [T, dim] bf16, W [S, heads] fp32, VIS [S] int64, OUT [S, T] fp32)."""
     import tilelang.language as T

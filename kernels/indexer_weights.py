@@ -8,18 +8,16 @@ and multiplied by `scale` in fp32, as the reference does. Results equal the refe
 fp32 summation order (which can move a bf16 rounding by one step). TileLang is imported lazily.
 """
 
-import functools
-
 import torch
 
 from kernels import reference as ref
-from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch
+from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory
 from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16
 
 
-@functools.cache
+@kernel_factory
 def indexer_weights_kernel(m: int, n: int, k: int, scale: float, rows: int, warps: int, ksplit: int,
                            arch: tuple[int, int]):
     """(X [m, k] bf16, W [n, k] bf16, Y [m, n] fp32): Y = float(bf16(X·Wᵀ)) · scale."""

@@ -30,12 +30,11 @@ fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) untested. (No 
 import annotations`: TileLang evaluates the kernel signatures' annotations.)
 """
 
-import functools
-
 import torch
 
 from kernels import pdl
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
+                             tile_params)
 from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
@@ -43,7 +42,7 @@ DEFAULT_TILE = {"chunk": 256, "threads": 128}
 VEC = 8  # channels per thread and step of hc_gate's collapse
 
 
-@functools.cache
+@kernel_factory
 def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
     """(X [S, nd] dtype, Fn [cols, nd] fp32, P [S, nd / chunk, cols + 1] fp32): per chunk of
     channels, the cols dot products with fn's rows, then the sum of squares (last column)."""
@@ -79,7 +78,7 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
     return compile_kernel(hc_mix, arch)
 
 
-@functools.cache
+@kernel_factory
 def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: float, dtype: str,
                    arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
@@ -162,7 +161,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
     return compile_kernel(hc_gate, arch)
 
 
-@functools.cache
+@kernel_factory
 def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
     """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Comb [S, n, n]) -> Y [S, n, d] dtype."""
     import tilelang.language as T

@@ -20,13 +20,14 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
+                             tile_params)
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
 
 
-@functools.cache
+@kernel_factory
 def moe_combine_kernel(k: int, d: int, routed_dtype: str, shared_dtype: str, out_dtype: str, arch: tuple[int, int]):
     """(R [N, k, d] routed_dtype, Sh [N, d] shared_dtype, Y [N, d] out_dtype)."""
     import tilelang.language as T

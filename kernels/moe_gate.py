@@ -22,13 +22,11 @@ compiled for sm_90a and its CUDA source read: nothing has run on a GPU yet (sm_9
 (GB10) untested). (No `from __future__ import annotations`: TileLang evaluates annotations.)
 """
 
-import functools
-
 import torch
 
 from kernels import pdl
 from kernels.toolkit import (TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, fp32_call,
-                             tile_params)
+                             kernel_factory, tile_params)
 
 # GEMV: warps per CTA (K split), most 128-channel steps per warp, token tile; select: most threads.
 TILE_PARAMS = {(9, 0): {"warps": 4, "max_steps": 16, "tokens": 8, "threads": 256},
@@ -38,7 +36,7 @@ GEMV_MAX_N = 16
 MAX_EXPERTS = 1024
 
 
-@functools.cache
+@kernel_factory
 def gate_gemv_kernel(e: int, d: int, mt: int, warps: int, dtype: str, arch: tuple[int, int]):
     """(X [N, d] dtype, W [e, d] fp32, L [N, e] fp32); `mt` tokens per CTA, `warps` split d."""
     import tilelang.language as T
@@ -87,7 +85,7 @@ def gate_gemv_kernel(e: int, d: int, mt: int, warps: int, dtype: str, arch: tupl
     return compile_kernel(gate_gemv, arch)
 
 
-@functools.cache
+@kernel_factory
 def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads: int, arch: tuple[int, int]):
     """(L [N, e] fp32, B [e] fp32, H [N, k] int64, IDX [N, k] int64, WOUT [N, k] fp32); B is read
     only without `hashed`, H only with it."""

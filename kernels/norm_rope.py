@@ -23,7 +23,7 @@ import functools
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
                              pow2_scale_bits)
 from kernels.rope import rope_angle, rotate_pair
 
@@ -31,7 +31,7 @@ MAX_DIM = 1024
 QDQ8_BLOCK = 64
 
 
-@functools.cache
+@kernel_factory
 def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, round_lead: int, dtype: str,
                      arch: tuple[int, int], rows: bool = False):
     """(X [S, heads, d] dtype, W [d] fp32, P [S] int64, F [half] fp32, Y [S, heads, d] dtype);

@@ -8,12 +8,10 @@ count, not their bytes, is what costs. Each CTA normalises `rows_per_cta` rows h
 equal the reference up to fp32 summation order (bf16 outputs: at most one rounding step).
 """
 
-import functools
-
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, kernel_factory, tile_params
 
 # values per thread and the largest CTA, per compute capability (sm_121: untested)
 TILE_PARAMS = {(9, 0): {"per_thread": 32, "max_threads": 512}, (12, 1): {"per_thread": 32, "max_threads": 512}}
@@ -30,7 +28,7 @@ def row_layout(d: int, arch: tuple[int, int]) -> tuple[int, int]:
     return threads, max(1, threads * p["per_thread"] // d)
 
 
-@functools.cache
+@kernel_factory
 def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[int, int]):
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype); W is read only when `weighted`."""
     import tilelang.language as T

@@ -13,16 +13,14 @@ go to the reference. sm_90 and sm_121 (GB10): untested on a GPU. (No `from __fut
 annotations`: TileLang evaluates the kernel signature's annotations.)
 """
 
-import functools
-
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, pow2_scale_bits
+from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, kernel_factory, pow2_scale_bits
 from kernels.rms_norm import MAX_DIM, row_layout
 
 
-@functools.cache
+@kernel_factory
 def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[int, int]):
     """(X [rows, d] dtype, W [d] fp32, Y [rows, d] dtype, Q [rows, d] e4m3, S [rows, d/128] fp32)."""
     import tilelang.language as T

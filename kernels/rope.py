@@ -21,7 +21,8 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.toolkit import TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, tile_params
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
+                             tile_params)
 
 TILE_PARAMS = {(9, 0): {"threads": 128}, (12, 1): {"threads": 128}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"threads": 128}
@@ -43,7 +44,7 @@ def rotate_pair(T, re, im, cos, sin, inverse: bool = False):
     return sub(mul(re, cos), mul(im, sin)), add(mul(re, sin), mul(im, cos))
 
 
-@functools.cache
+@kernel_factory
 def rope_kernel(heads: int, d: int, half: int, inverse: bool, dtype: str, arch: tuple[int, int]):
     """(X [S, heads, d] dtype, P [S] int64, F [half] fp32, Y [S, heads, d] dtype)."""
     import tilelang.language as T

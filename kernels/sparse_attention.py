@@ -19,13 +19,11 @@ Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (G
 shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is untested.
 """
 
-import functools
-
 import torch
 
 from kernels import pdl, reference as ref
 from kernels.rope import rope_angle, rotate_pair
-from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, tile_params
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, tile_params
 
 # decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,
 # one query, 64 heads): both launches 7.80 us at K = 640 with 32 rows x 32 splits vs 9.14 at
@@ -43,7 +41,7 @@ _NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m)
 _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-@functools.cache
+@kernel_factory
 def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int], block_i: int = 0):
     """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32);
     rows per block `block_i` (0: the architecture's).
@@ -123,7 +121,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
     })
 
 
-@functools.cache
+@kernel_factory
 def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: str, arch: tuple[int, int],
                    half: int = 0):
     """(PO [S,nsplit,H,D], PM, PL [S,nsplit,H], SINK [H] fp32, O [S,H,D] out_dtype): the splits'

@@ -7,17 +7,15 @@ Layout: int64 WIN [S, W], ORDER [S, N], VIS [S] -> OUT [S, W + width]; one threa
 column, a CTA of 256 columns per (query, column block). TileLang is imported lazily.
 """
 
-import functools
-
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory
 
 _THREADS = 256
 
 
-@functools.cache
+@kernel_factory
 def sparse_index_kernel(w: int, n: int, k: int, offset: int, width: int, arch: tuple[int, int]):
     """(WIN [S, w], ORDER [S, n], VIS [S], OUT [S, w + width]), all int64, k <= min(n, width)."""
     import tilelang.language as T

@@ -24,14 +24,14 @@ import functools
 import torch
 
 from kernels import pdl
-from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call,
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
                              pow2_scale_bits, tile_params)
 
 TILE_PARAMS = {(9, 0): {"warps": 2}, (12, 1): {"warps": 2}}  # sm_121 (GB10): untested
 DEFAULT_TILE = {"warps": 2}
 
 
-@functools.cache
+@kernel_factory
 def swiglu_quant_kernel(inter: int, block: int, limit: float, weighted: bool, dtype: str, arch: tuple[int, int]):
     """(G [M, inter] dtype, row stride gs, U [M, inter] dtype, row stride us, W [M] fp32,
     Q [M, inter] e4m3, S [M, inter / block] fp32); W is read only when `weighted`."""

@@ -6,6 +6,9 @@ imports nothing GPU-related. (Kernel modules leave out `from __future__ import a
 TileLang evaluates the kernel signatures' annotations, which name local variables.)
 """
 
+import functools
+import threading
+
 import torch
 
 TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -33,6 +36,53 @@ def tile_params(table: dict, arch: tuple[int, int], default: dict) -> dict:
 # compile without, so that their unrolled K loops are straight-line code in which the compiler
 # can issue later steps' loads before earlier steps' arithmetic.
 UNGUARDED = {"tl.disable_safe_memory_legalize": True}
+
+
+class KernelFactory:
+    """A kernel factory with `functools.cache` semantics (a call with arguments equal to an
+    earlier one returns the kernel built then; the arguments must be hashable) that also lists
+    the arguments of every kernel it has built, in build order (`built()`), so that a later
+    process can build the same set without running the model (engine/kernel_manifest.py).
+
+    Concurrent calls are safe: builds of different arguments run in parallel (the lock guards
+    only the table); two threads building equal arguments at once may both build, and both get
+    the kernel stored first."""
+
+    def __init__(self, build):
+        functools.update_wrapper(self, build)
+        self._build = build
+        self._kernels: dict = {}
+        self._calls: list[tuple[tuple, dict]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        key = args if not kwargs else args + (_MARK,) + tuple(sorted(kwargs.items()))
+        kernel = self._kernels.get(key, _MARK)
+        if kernel is _MARK:
+            kernel = self._build(*args, **kwargs)
+            with self._lock:
+                if key not in self._kernels:
+                    self._kernels[key] = kernel
+                    self._calls.append((args, dict(kwargs)))
+                kernel = self._kernels[key]
+        return kernel
+
+    def built(self) -> list[tuple[tuple, dict]]:
+        """(args, kwargs) of every kernel built so far, in build order."""
+        with self._lock:
+            return [(args, dict(kwargs)) for args, kwargs in self._calls]
+
+    def size(self) -> int:
+        """The number of kernels built so far."""
+        return len(self._kernels)
+
+
+_MARK = object()  # in a cache key: keyword arguments follow; as a lookup result: not built yet
+
+
+def kernel_factory(build) -> KernelFactory:
+    """The decorator of the kernel modules' `*_kernel(...)` factories (see KernelFactory)."""
+    return KernelFactory(build)
 
 
 def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict | None = None):

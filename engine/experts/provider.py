@@ -39,6 +39,12 @@ class ExpertUsage:
         self.layer_uses = [0] * n_layers  # main layers only (the MTP block is not counted per layer)
         self.wait_s = 0.0
 
+    def reset(self) -> None:
+        """Forget every use and wait counted so far."""
+        self.uses.clear()
+        self.layer_uses[:] = [0] * len(self.layer_uses)
+        self.wait_s = 0.0
+
     def count(self, layer: int, ids: Iterable[int]) -> None:
         """One use of each distinct id of `layer`."""
         for e in dict.fromkeys(int(i) for i in ids):
@@ -194,3 +200,11 @@ class ExpertProvider(ABC):
     def stats(self) -> CacheStats | None:
         """The cache's counters, or None when every expert is resident without a cache."""
         return None if self.cache is None else self.cache.stats()
+
+    def reset_stats(self) -> None:
+        """Zero the statistics (usage, waits, the cache's counters and its `hottest` history),
+        e.g. after the engine's warm-up, whose scratch lookups are no user's. What is resident,
+        pinned, and what the eviction policy knows stay as they are."""
+        self.usage.reset()
+        if self.cache is not None:
+            self.cache.reset_stats(history=True)

@@ -1,0 +1,215 @@
+"""The kernel manifest: which TileLang kernels a full warm-up built, so that a later process builds
+the same set (each a load from TileLang's on-disk cache) without running the model.
+
+A manifest is a JSON file in `<TileLang's cache dir>/dsv4-chat-manifests/<key>.json`:
+
+    {"format": 1, "key": "<key>", "kernels": [{"factory": "kernels.fp8_gemm.fp8_gemv_kernel",
+                                                "args": [1, 4096, ...], "kwargs": {}}, ...]}
+
+Arguments are JSON scalars or arrays; an array stands for a tuple (factory arguments are hashable,
+so no factory takes a list). The key (`manifest_key`) changes with everything that can change
+the set of kernels: the model's ModelArgs, the EngineConfig fields that pick shapes and code paths
+(prefill_chunk, max_seq_len, numerics, cuda_graphs), the model layout (converted or official), the
+GPU's compute capability, TileLang's version and the source of the kernels package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Callable, Mapping
+
+from engine.config import EngineConfig, ModelArgs
+
+FORMAT = 1
+MANIFEST_DIR = "dsv4-chat-manifests"
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be used (unreadable, malformed, for another key, naming an unknown
+    factory) or whose replay failed; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One factory call: `factory` is the qualified name (kernels.backend.kernel_factories)."""
+
+    factory: str
+    args: tuple
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+
+def tilelang_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """TileLang's on-disk kernel cache: $TILELANG_CACHE_DIR, else TileLang's default ~/.tilelang/cache
+    (bench/full_depth.py's --tilelang-cache sets the variable for its child processes)."""
+    return Path(environ.get("TILELANG_CACHE_DIR") or Path("~/.tilelang/cache").expanduser())
+
+
+def kernels_source_digest(root: Path = KERNELS_DIR) -> str:
+    """SHA-256 of the kernels package's Python sources (names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def manifest_key(args: ModelArgs, config: EngineConfig, converted: bool, arch: tuple[int, int],
+                 tilelang_version: str, source_digest: str) -> str:
+    """The manifest's key: a digest of everything that can change which kernels the engine builds
+    (see the module docstring)."""
+    inputs = {"model": dataclasses.asdict(args), "prefill_chunk": config.prefill_chunk,
+              "max_seq_len": config.max_seq_len, "numerics": config.numerics, "cuda_graphs": config.cuda_graphs,
+              "converted": converted, "arch": list(arch), "tilelang": tilelang_version, "kernels": source_digest}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def manifest_path(cache_dir: Path, key: str) -> Path:
+    return Path(cache_dir) / MANIFEST_DIR / f"{key}.json"
+
+
+def built_calls(factories: Mapping[str, object]) -> list[KernelCall]:
+    """Every kernel the factories (name -> KernelFactory) have built, in name then build order."""
+    return [KernelCall(name, args, tuple(sorted(kwargs.items())))
+            for name in sorted(factories) for args, kwargs in factories[name].built()]
+
+
+def _encode(value):
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ManifestError(f"a kernel factory argument of type {type(value).__name__} cannot be written "
+                        "to the kernel manifest")
+
+
+def _decode(value):
+    return tuple(_decode(v) for v in value) if isinstance(value, list) else value
+
+
+def _one_line(err: Exception) -> str:
+    """The exception's type and the first line of its message (compiler errors run to pages)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def write_manifest(path: Path, key: str, calls: list[KernelCall]) -> None:
+    """Write the manifest atomically: a temporary file in the same folder, then renamed over `path`
+    (a reader sees the old manifest or the new one, never part of one)."""
+    body = {"format": FORMAT, "key": key,
+            "kernels": [{"factory": c.factory, "args": _encode(c.args),
+                         "kwargs": {k: _encode(v) for k, v in c.kwargs}} for c in calls]}
+    text = json.dumps(body, indent=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_manifest(path: Path, key: str, factories: Mapping[str, object]) -> list[KernelCall]:
+    """The calls recorded in the manifest at `path`; raises ManifestError when it is unreadable,
+    malformed, written for another key or names a factory not in `factories`."""
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(f"kernel manifest {path} cannot be read ({err})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("kernels"), list):
+        raise ManifestError(f"kernel manifest {path} is not a format-{FORMAT} manifest")
+    if body.get("key") != key:
+        raise ManifestError(f"kernel manifest {path} was written for key {body.get('key')!r}, not {key!r}")
+    calls = []
+    for i, entry in enumerate(body["kernels"]):
+        if (not isinstance(entry, dict) or not isinstance(entry.get("args"), list)
+                or not isinstance(entry.get("kwargs", {}), dict)):
+            raise ManifestError(f"kernel manifest {path}: entry {i} is malformed")
+        if entry.get("factory") not in factories:
+            raise ManifestError(f"kernel manifest {path}: entry {i} names an unknown kernel factory "
+                                f"{entry.get('factory')!r}")
+        calls.append(KernelCall(entry["factory"], _decode(entry["args"]),
+                                tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items()))))
+    return calls
+
+
+def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: int,
+           progress: Callable[[int, int], None], worker_setup: Callable[[], None] | None = None) -> None:
+    """Call every factory of `calls` with its recorded arguments on `workers` named threads
+    ("kernel-replay-N", started and joined here, each running `worker_setup` first; 1 or fewer: in
+    the calling thread). `progress(done, total)` is called in the calling thread, before the first
+    call and after each. Raises ManifestError naming the first call that failed; the other workers
+    then stop taking calls."""
+    total = len(calls)
+    progress(0, total)
+
+    def call(c: KernelCall) -> None:
+        try:
+            factories[c.factory](*c.args, **dict(c.kwargs))
+        except Exception as err:  # a stale entry (TypeError, KernelInputError) or a failed build
+            raise ManifestError(f"replaying {c.factory}{c.args} failed: {_one_line(err)}") from err
+
+    if workers <= 1 or total <= 1:
+        for done, c in enumerate(calls, 1):
+            call(c)
+            progress(done, total)
+        return
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for c in calls:
+        todo.put(c)
+    finished: queue.SimpleQueue = queue.SimpleQueue()  # None per call done, or the ManifestError
+    stop = threading.Event()
+
+    def work() -> None:
+        if worker_setup is not None:
+            try:
+                worker_setup()
+            except Exception as err:
+                stop.set()
+                finished.put(ManifestError(f"a kernel replay thread could not start: {_one_line(err)}"))
+                return
+        while not stop.is_set():
+            try:
+                c = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                call(c)
+            except ManifestError as err:
+                stop.set()
+                finished.put(err)
+                return
+            finished.put(None)
+
+    threads = [threading.Thread(target=work, name=f"kernel-replay-{i}") for i in range(min(workers, total))]
+    for t in threads:
+        t.start()
+    done, error = 0, None
+    try:
+        while done < total and error is None:
+            try:
+                result = finished.get(timeout=0.1)
+            except queue.Empty:
+                if any(t.is_alive() for t in threads):
+                    continue
+                result = finished.get_nowait() if not finished.empty() else ManifestError(
+                    f"the kernel replay stopped after {done} of {total} kernels")
+            if result is None:
+                done += 1
+                progress(done, total)
+            else:
+                error = result
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    if error is not None:
+        raise error
