@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import reference as ref
-from kernels.backend import Backend, TorchBackend
+from kernels.backend import Backend, torch_backend
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,13 @@ class Numerics:
     """`native` selects the mode; `backend` executes native's quantised ops (exact needs none)."""
 
     native: bool
-    backend: Backend = field(default_factory=TorchBackend)
+    backend: Backend = field(default_factory=torch_backend)
 
     @classmethod
     def named(cls, name: str, backend: Backend | None = None) -> "Numerics":
         if name not in ("exact", "native"):
             raise ValueError(f"numerics must be 'exact' or 'native', got {name!r}")
-        return cls(native=name == "native", backend=backend or TorchBackend())
+        return cls(native=name == "native", backend=backend or torch_backend())
 
     @property
     def name(self) -> str:

@@ -25,6 +25,7 @@ from engine.sampling import SamplingParams
 from engine.state import MIN_ENTRIES
 from engine.session import SessionError
 from engine.weights import open_official
+from kernels.backend import OP_NAMES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 USER_TEXTS = [
@@ -396,6 +397,7 @@ def test_engine_info_routing_trace_and_closed_engine(ckpt, tmp_path):
     info = eng.info
     # an unmarked synthetic checkpoint is not the demo (engine/demo_marker.py; tests/engine/test_demo_marker.py)
     assert (info["n_layers"], info["n_experts"], info["demo"], info["numerics"]) == (5, 16, False, "exact")
+    assert info["backend"] == "torch" and info["reference_ops"] == list(OP_NAMES)  # the reference serves every op
     sess = eng.new_session()
     fin, _ = turn(eng.generate(sess, "Hi", GREEDY))
     eng.close()
