@@ -171,4 +171,4 @@ class MoE:
         gu = self.shared_w13(x)  # [N, 2·inter] bf16
         inter = gu.shape[-1] // 2
         q, s = backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, self.limit)
-        return backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
+        return backend.fp8_gemm_quantized(q, s, w2.w.weight, w2.w.scale)

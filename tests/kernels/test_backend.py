@@ -99,10 +99,10 @@ def test_native_norms_go_through_the_backend_exact_ones_do_not():
     x, w = torch.randn(3, 64), torch.rand(64)
     norms = []
     counting = _counting_norms(norms)
-    native = Numerics(native=True, backend=counting)
+    native = Numerics.named("native", counting)
     assert torch.equal(native.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
     assert len(norms) == 1
-    exact = Numerics(native=False, backend=counting)
+    exact = Numerics.named("exact", counting)
     assert torch.equal(exact.rms_norm(x, None, 1e-6), ref.rms_norm(x, None, 1e-6))
     assert len(norms) == 1
 
@@ -134,7 +134,7 @@ def test_native_engine_ops_route_through_the_backend(tiny_ckpt):
             return object.__getattribute__(self, name)
 
     files = open_official(tiny_ckpt)
-    model = Transformer(files.get, files.args, Numerics(native=True, backend=Seen("seen", {op.name: op.reference for op in kb.OPS}, kb.OP_NAMES)))
+    model = Transformer(files.get, files.args, Numerics.named("native", Seen("seen", {op.name: op.reference for op in kb.OPS}, kb.OP_NAMES)))
     with torch.inference_mode():
         model.forward(torch.arange(9) % files.args.vocab_size, model.new_state(), files.experts)
     assert {"rope", "hc_pre", "hc_post", "hadamard_qdq4", "indexer_scores", "moe_combine", "swiglu_quant",
