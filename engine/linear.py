@@ -52,18 +52,6 @@ class FP8Linears:
         return outs
 
 
-class FloatLinear:
-    """y = x · Wᵀ in fp32 for a BF16 weight (§B.4), exact numerics: the compressor's projections
-    and the indexer's weights_proj. Native runs them through backend ops on the bf16 weights
-    (`compressor_project`, `indexer_weights`)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.w = weight.float()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.w.T
-
-
 class GroupedOutProj:
     """The grouped output projection wo_a (§C.4 steps 14–15): group g of heads -> its own rows.
 
