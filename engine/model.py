@@ -25,7 +25,6 @@ from engine.numerics import Numerics, Quantized, unquantized
 from engine.routing_override import ForcedRouting
 from engine.state import SequenceState, new_layer_state
 from engine.weights import CountedWeights
-from kernels import reference as ref
 from engine.linear import FP8Linear
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -171,9 +170,7 @@ class Transformer:
         return self._head(y)
 
     def _head(self, y: torch.Tensor) -> torch.Tensor:
-        if self.numerics.native:
-            return self.numerics.backend.head_logits(y, self.head)
-        return ref.head_logits(y, self.head)
+        return self.numerics.head_logits(y, self.head)
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
                 last_only: bool = False, log: SelectionLog | None = None, timer=None) -> torch.Tensor:
