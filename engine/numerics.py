@@ -54,13 +54,12 @@ class Numerics(ABC):
     """One numerics mode: its activation dtype, its weight preparation and its ops.
 
     `backend` executes native's quantised and fused ops (exact runs kernels/reference.py's fp32
-    math and needs none). `name`/`native` identify the mode for reports; modules never branch on
-    them. Ops whose signature and math are the reference's in both modes (norms, mHC, routing,
+    math and needs none). `name` identifies the mode for reports; there is no flag to branch on:
+    what differs between the modes is an op or a capability below. Ops whose signature and math are the reference's in both modes (norms, mHC, routing,
     the combine, sparse index, indexer scores, head) run on `ops`: the backend in native, the
     reference in exact."""
 
     name: str
-    native: bool
     dtype: torch.dtype  # storage dtype of activations, residual streams and KV
     batched_experts: bool  # all (token, choice) cells of a call on a full arena in one op (MoE._arena_cells)
     decode_graphs: bool  # the one-token decode step may be captured in CUDA graphs (engine/decode_graph.py)
@@ -207,7 +206,7 @@ class Numerics(ABC):
 class Exact(Numerics):
     """fp32 reference math on dequantised weights (kernels/reference.py)."""
 
-    name, native, dtype = "exact", False, torch.float32
+    name, dtype = "exact", torch.float32
     batched_experts = False  # no fp32 one-launch routed-experts op
     decode_graphs = False  # the fp32 reference decodes eagerly
 
@@ -300,7 +299,7 @@ class Exact(Numerics):
 class Native(Numerics):
     """The official serving numerics, its quantised and fused ops on `backend`."""
 
-    name, native, dtype = "native", True, torch.bfloat16
+    name, dtype = "native", torch.bfloat16
     batched_experts = True  # the backend's fp4_moe over arena slots
     decode_graphs = True
 
