@@ -125,7 +125,7 @@ class Engine:
                 "max_seq_len": self.config.max_seq_len,
                 "experts": "streaming" if self.experts.cache is not None else "resident",
                 "backend": self.config.backend, "decode": decode,
-                "reference_ops": list(self.model.numerics.backend.reference_ops),
+                "reference_ops": list(self.model.numerics.reference_ops),
                 "decode_note": runner.capture_error if runner is not None else None,
                 "memory_plan": self.plan.lines()}
 

@@ -55,9 +55,9 @@ class Numerics(ABC):
 
     `backend` executes native's quantised and fused ops (exact runs kernels/reference.py's fp32
     math and needs none). `name` identifies the mode for reports; there is no flag to branch on:
-    what differs between the modes is an op or a capability below. Ops whose signature and math are the reference's in both modes (norms, mHC, routing,
-    the combine, sparse index, indexer scores, head) run on `ops`: the backend in native, the
-    reference in exact."""
+    what differs between the modes is an op or a capability below. Ops whose signature and math
+    are the reference's in both modes (norms, mHC, routing, the combine, sparse index, indexer
+    scores, head) run on `ops`: the backend in native, the reference in exact."""
 
     name: str
     dtype: torch.dtype  # storage dtype of activations, residual streams and KV
@@ -74,6 +74,11 @@ class Numerics(ABC):
             raise ValueError(f"numerics must be 'exact' or 'native', got {name!r}")
         backend = backend or torch_backend()
         return Native(backend) if name == "native" else Exact(backend)
+
+    @property
+    def reference_ops(self) -> tuple[str, ...]:
+        """The backend ops this mode runs on the pure-torch reference (exact: all of them)."""
+        return self.ops.reference_ops
 
     # -------------------------------------------------------- ops shared by both modes
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -57,6 +57,7 @@ def test_the_modes_differ_by_ops_and_capabilities_not_a_flag():
     assert not hasattr(exact, "native") and not hasattr(native, "native")
     assert (exact.batched_experts, exact.decode_graphs) == (False, False)
     assert (native.batched_experts, native.decode_graphs) == (True, True)
+    assert exact.reference_ops == native.reference_ops == kb.OP_NAMES  # the torch backend serves every op
     with pytest.raises(ValueError, match="numerics must be 'exact' or 'native'"):
         Numerics.named("fp16")
 

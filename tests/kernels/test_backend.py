@@ -134,7 +134,8 @@ def test_native_engine_ops_route_through_the_backend(tiny_ckpt):
             return object.__getattribute__(self, name)
 
     files = open_official(tiny_ckpt)
-    model = Transformer(files.get, files.args, Numerics.named("native", Seen("seen", {op.name: op.reference for op in kb.OPS}, kb.OP_NAMES)))
+    seeing = Seen("seen", {op.name: op.reference for op in kb.OPS}, kb.OP_NAMES)
+    model = Transformer(files.get, files.args, Numerics.named("native", seeing))
     with torch.inference_mode():
         model.forward(torch.arange(9) % files.args.vocab_size, model.new_state(), files.experts)
     assert {"rope", "hc_pre", "hc_post", "hadamard_qdq4", "indexer_scores", "moe_combine", "swiglu_quant",
