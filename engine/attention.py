@@ -11,7 +11,7 @@ import torch
 
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
-from engine.linear import FloatLinear, FP8Linear, GroupedOutProj
+from engine.linear import FP8Linear, FP8Linears, GroupedOutProj
 from engine.numerics import Numerics, unquantized
 from engine.state import CompressorState, LayerState
 from kernels import reference as ref
@@ -20,8 +20,8 @@ from kernels import reference as ref
 class Rope:
     """A layer's RoPE: θ=rope_theta for ratio-0 layers, compress_rope_theta + YaRN else.
 
-    native rotates through the backend (one launch on CUDA, angles computed in the kernel);
-    exact rotates by a (cos, sin) table computed once per call of the layer."""
+    The numerics rotate: native through the backend (one launch on CUDA, angles computed in the
+    kernel), exact by a (cos, sin) table computed once per call of the layer."""
 
     def __init__(self, args: ModelArgs, compressed: bool, numerics: Numerics, device: torch.device):
         yarn = None
@@ -33,29 +33,19 @@ class Rope:
         self.inv_freq = ref.rope_inv_freq(args.rope_head_dim, theta, yarn).to(device)
 
     def table(self, positions: torch.Tensor):
-        """What rotating several tensors at `positions` [S] needs once: native the positions
-        themselves, exact the (cos, sin) tables [S, rope_dim/2]."""
-        return positions if self.numerics.native else ref.rope_cos_sin(positions, self.inv_freq)
+        """What rotating several tensors at `positions` [S] needs once (`Numerics.rope_table`)."""
+        return self.numerics.rope_table(positions, self.inv_freq)
 
     def __call__(self, x: torch.Tensor, at, inverse: bool = False) -> torch.Tensor:
         """Rotate x at `at`: positions [S], or a `table` of them."""
-        if self.numerics.native:
-            return self.numerics.backend.rope(x, at, self.inv_freq, inverse)
-        cos, sin = self.table(at) if isinstance(at, torch.Tensor) else at
-        return ref.apply_rope(x, cos, sin, inverse)
+        return self.numerics.rope(x, at, self.inv_freq, inverse)
 
     def normed(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, at, round_lead: int = 0,
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """RMSNorm of x (weight or None), then rotated at `at`; native also QDQ8-rounds the leading
         `round_lead` channels (KV storage; exact has no storage rounding). Native: one backend op.
         `out` = (buffer, rows): token s is written to buffer[rows[s]] instead (None returned)."""
-        if self.numerics.native:
-            return self.numerics.backend.norm_rope(x, weight, eps, at, self.inv_freq, round_lead, *(out or ()))
-        y = self(ref.rms_norm(x, weight, eps), at)
-        if out is None:
-            return y
-        out[0].index_copy_(0, out[1], y.to(out[0].dtype))
-        return None
+        return self.numerics.norm_rope(x, weight, eps, at, self.inv_freq, round_lead, out)
 
 
 class Compressor:
@@ -69,11 +59,7 @@ class Compressor:
                  rope: Rope, numerics: Numerics):
         self.ratio, self.dim, self.kind, self.rope, self.numerics = ratio, dim, kind, rope, numerics
         self.overlap = ratio == 4
-        if numerics.native:  # bf16 as on disk, wkv's rows then wgate's: the backend projects both at once
-            self.w = torch.cat((get(f"{prefix}.wkv.weight"), get(f"{prefix}.wgate.weight")))  # [2·c·d, D]
-        else:
-            self.wkv = FloatLinear(get(f"{prefix}.wkv.weight"))
-            self.wgate = FloatLinear(get(f"{prefix}.wgate.weight"))
+        self.w = numerics.compressor_weight(get(f"{prefix}.wkv.weight"), get(f"{prefix}.wgate.weight"))
         self.ape = get(f"{prefix}.ape").float()  # [r, c·d]
         self.norm = get(f"{prefix}.norm.weight").float()
         self.eps = args.norm_eps
@@ -111,12 +97,7 @@ class Compressor:
         into entry p // r, and an overlap compressor keeps the window's first half."""
         r = self.ratio
         row, entry = at.row[r], at.entry[r]
-        if self.numerics.native:  # one launch on CUDA
-            self.numerics.backend.compressor_project(x, self.w, self.ape, row, st.buf_kv, st.buf_gate)
-        else:
-            kv, gate = self._project(x)
-            st.buf_kv.index_copy_(0, row, kv)
-            st.buf_gate.index_copy_(0, row, gate + self.ape[row])
+        self.numerics.compressor_project_rows(self.w, x, self.ape, row, st.buf_kv, st.buf_gate)  # one launch on CUDA
         if not emit:
             return
         win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]
@@ -128,11 +109,7 @@ class Compressor:
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D] -> (kv, gate logits without ape) [S, c·d], fp32 products of the bf16 weights."""
-        xf = x.float()  # widened once for both projections
-        if self.numerics.native:
-            c = self.w.shape[0] // 2
-            return xf @ self.w[:c].float().T, xf @ self.w[c:].float().T
-        return self.wkv(xf), self.wgate(xf)
+        return self.numerics.compressor_project(self.w, x)
 
     def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
         """8 slots per entry: the previous window's first half, then this window's second half.
@@ -154,9 +131,7 @@ class Compressor:
         # Hadamard + QDQ4 (indexer keys)
         lead = self.dim - self.rope_dim if self.kind == "attention" else 0
         entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, windows * self.ratio, lead)
-        if self.numerics.native and self.kind == "indexer":
-            entries = self.numerics.backend.hadamard_qdq4(entries, 32)
-        return entries
+        return self.numerics.round_index(entries) if self.kind == "indexer" else entries
 
 
 class Indexer:
@@ -166,10 +141,7 @@ class Indexer:
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.ratio, self.rope, self.numerics = 4, rope, numerics
         self.wq_b = FP8Linear(get(f"{prefix}.wq_b.weight"), get(f"{prefix}.wq_b.scale"), numerics)
-        if numerics.native:  # bf16 as on disk: the backend's indexer_weights (one launch on CUDA)
-            self.weights_proj_w = get(f"{prefix}.weights_proj.weight")
-        else:
-            self.weights_proj = FloatLinear(get(f"{prefix}.weights_proj.weight"))
+        self.weights_proj = numerics.float_weight(get(f"{prefix}.weights_proj.weight"))
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
@@ -206,14 +178,9 @@ class Indexer:
         after `visible` [S] (the count complete at each query)."""
         s = x.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
-        q = self.rope(q, positions if rot is None else rot)
-        if self.numerics.native:  # one launch each on CUDA
-            backend = self.numerics.backend
-            q = backend.hadamard_qdq4(q, 32)
-            w = backend.indexer_weights(x, self.weights_proj_w, self.n_heads ** -0.5)  # [S, IH]
-            return backend.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        return ref.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
+        q = self.numerics.round_index(self.rope(q, positions if rot is None else rot))  # one launch each on CUDA
+        w = self.numerics.indexer_weights(x, self.weights_proj, self.n_heads ** -0.5)  # [S, IH]
+        return self.numerics.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top `index_topk` visible entries per query, -1 for absent ones (fixed width)."""
@@ -239,12 +206,9 @@ class Attention:
         self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
         wq_a = (get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"))
         wkv = (get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"))
-        self.q_rank = wq_a[0].shape[0]
-        self.wq_a = self.wkv = self.wq_a_kv = None
-        if numerics.native and self.q_rank % 128 == 0:  # x's two readers in one GEMV: rows [wq_a; wkv]
-            self.wq_a_kv = FP8Linear(torch.cat((wq_a[0], wkv[0])), torch.cat((wq_a[1], wkv[1])), numerics)
-        else:  # (the block scales stack only when wq_a's rows fill whole 128-row blocks)
-            self.wq_a, self.wkv = FP8Linear(*wq_a, numerics), FP8Linear(*wkv, numerics)
+        # x's two readers: native stacks them into one GEMV, rows [wq_a; wkv], when wq_a's rows
+        # fill whole 128-row blocks (`Numerics.fp8_groups`)
+        self.wq_a_kv = FP8Linears([wq_a, wkv], numerics)
         self.q_norm = get(f"{prefix}.q_norm.weight").float()
         # wq_b and the indexer's wq_b (both read c) as one GEMV: measured and not adopted, the
         # graphed decode step did not move (docs/performance-log.md, 2026-12-01).
@@ -306,8 +270,8 @@ class Attention:
                 width = self.indexer.topk
             else:  # every entry slot
                 order, width = self._slots(st.capacity, idx.device), st.capacity
-            ops = self.numerics.backend if self.numerics.native else ref  # one launch on CUDA
-            idx = ops.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]), self.window, width)
+            idx = self.numerics.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]),
+                                             self.window, width)  # one launch on CUDA
         return self._output(self._attend(q, st.kv, idx, rot))
 
     def _slots(self, n: int, device: torch.device) -> torch.Tensor:
@@ -322,11 +286,7 @@ class Attention:
         `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes its place."""
         eps, s = self.args.norm_eps, unquantized(x).shape[0]
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
-        if self.wq_a_kv is not None:
-            both = self.wq_a_kv(xq)  # [S, q_rank + D]; the halves are views (contiguous for one token)
-            qa, kv = both[:, :self.q_rank].contiguous(), both[:, self.q_rank:].contiguous()
-        else:
-            qa, kv = self.wq_a(xq), self.wkv(xq)
+        qa, kv = self.wq_a_kv(xq)
         c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
@@ -345,10 +305,7 @@ class Attention:
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, rot) -> torch.Tensor:
         """Sparse attention of q over rows idx of kv, then the inverse RoPE at `rot` (a table) -> [S, H, D]."""
-        if self.numerics.native:  # one backend op: the rotation back is the attention's last step
-            return self.numerics.backend.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5,
-                                                          (rot, self.rope.inv_freq))
-        return self.rope(ref.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5), rot, inverse=True)
+        return self.numerics.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5, rot, self.rope.inv_freq)
 
     def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys for the window branch and per-query indices into them, then update the ring.

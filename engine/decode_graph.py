@@ -234,11 +234,11 @@ class DecodeRunner:
 def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,
                 on_routes: Callable[[int, int, list[int]], None] | None = None,
                 on_loaded: Callable[[int, int], None] | None = None) -> DecodeRunner | None:
-    """The graph runner for an engine, or None when decode stays eager: not CUDA, not native
-    numerics, graphs disabled, or a provider without a device slot table. Reads every expert
-    into the arena first when the cache budget holds the whole pool (then one graph per step),
-    reporting `on_loaded(units done, units)`."""
-    if not enabled or device.type != "cuda" or not model.numerics.native:
+    """The graph runner for an engine, or None when decode stays eager: not CUDA, numerics that
+    decode eagerly (exact: `Numerics.decode_graphs`), graphs disabled, or a provider without a
+    device slot table. Reads every expert into the arena first when the cache budget holds the
+    whole pool (then one graph per step), reporting `on_loaded(units done, units)`."""
+    if not enabled or device.type != "cuda" or not model.numerics.decode_graphs:
         return None
     if provider.arena is None:
         return None

@@ -30,7 +30,6 @@ from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
 from engine.events import Event, LoadProgress
 from engine.loading import build_model, load_tokenizer, open_model_files, plan_memory
-from engine.memory import tensor_bytes
 from engine.memory_plan import MemoryPlan
 from engine.model import Transformer
 from engine.runtime import Runtime
@@ -68,7 +67,7 @@ class Engine:
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
-        self._gauges = Gauges(self.experts, self.args, self.device, self.plan, tensor_bytes(model),
+        self._gauges = Gauges(self.experts, self.args, self.device, self.plan, model.weight_bytes,
                               self._sessions)
         self._meter = StepMeter(self._gauges.cache, self.memory)
         self._turns = Turns(files, model, tokenizer, config, self.runtime, self._meter, self._gauges.cache)
@@ -133,6 +132,7 @@ class Engine:
                 "max_seq_len": self.config.max_seq_len,
                 "experts": "streaming" if self.experts.cache is not None else "resident",
                 "backend": self.config.backend, "decode": decode,
+                "reference_ops": list(self.model.numerics.reference_ops),
                 "decode_note": runner.capture_error if runner is not None else None,
                 "memory_plan": self.plan.lines()}
 

@@ -1,8 +1,8 @@
-"""Linear layers over checkpoint weights, in both numerics modes (spec §B.4 "which tensors are
-used how").
+"""Linear layers over checkpoint weights (spec §B.4 "which tensors are used how").
 
-Weights arrive in their on-disk formats and are dequantised once at construction (the CPU
-reference path); `native` then quantises activations exactly as the official FP8 GEMM does.
+Weights arrive in their on-disk formats and are prepared for the numerics mode once, at
+construction (engine/numerics.py: exact dequantises them, native keeps the FP8 bytes for the
+backend); the layers hold the prepared weight and call the mode's op.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from engine.numerics import Numerics, Quantized
-from kernels import reference as ref
 
 
 class FP8Linear:
@@ -23,30 +22,34 @@ class FP8Linear:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, numerics: Numerics):
         self.numerics = numerics
         self.out_features, self.in_features = weight.shape
-        if numerics.native:  # kept in the on-disk format for the backend's FP8 GEMM
-            self.weight, self.scale = weight, scale
-        else:
-            self.w = ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
+        self.w = numerics.fp8_weight(weight, scale)
 
     def __call__(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         """x [..., K], or a `Numerics.quantize`d [M, K] (its quantisation reused) -> [..., N]."""
-        if isinstance(x, Quantized):
-            return self.numerics.backend.fp8_gemm_quantized(x.q, x.s, self.weight, self.scale)
-        if not self.numerics.native:
-            return x.float() @ self.w.T
-        return self.numerics.backend.fp8_gemm(x, self.weight, self.scale)
+        return self.numerics.fp8_linear(self.w, x)
 
 
-class FloatLinear:
-    """y = x · Wᵀ in fp32 for a BF16 weight (§B.4), exact numerics: the compressor's projections
-    and the indexer's weights_proj. Native runs them through backend ops on the bf16 weights
-    (`compressor_project`, `indexer_weights`)."""
+class FP8Linears:
+    """Several FP8 linears that read the same input, in order: the numerics may stack them into
+    one GEMM (native, when the block scales stack), whose result is split back (contiguous)."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.w = weight.float()
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], numerics: Numerics):
+        self.numerics = numerics
+        self.groups = numerics.fp8_groups(parts)  # [(prepared weight, rows of each part)]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.w.T
+    def __call__(self, x: torch.Tensor | Quantized) -> list[torch.Tensor]:
+        """x as for `FP8Linear` -> each part's output [M, N_i]."""
+        outs = []
+        for w, rows in self.groups:
+            y = self.numerics.fp8_linear(w, x)
+            if len(rows) == 1:
+                outs.append(y)
+                continue
+            start = 0
+            for n in rows:
+                outs.append(y[:, start:start + n].contiguous())
+                start += n
+        return outs
 
 
 class GroupedOutProj:
@@ -58,18 +61,9 @@ class GroupedOutProj:
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, groups: int, numerics: Numerics):
-        self.numerics = numerics
-        self.groups = groups
-        if numerics.native:  # kept in the on-disk format for the backend
-            self.weight, self.scale = weight, scale
-        else:
-            w = ref.dequant_fp8_block(weight, scale)  # fp32 [G*R, H*D/G]
-            self.w = w.view(groups, -1, w.shape[-1])  # [G, R, H*D/G]
+        self.numerics, self.groups = numerics, groups
+        self.w = numerics.grouped_weight(weight, scale, groups)
 
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
         """o [S, H*D] -> [S, G*R] (native: bf16 result)."""
-        if self.numerics.native:
-            return self.numerics.backend.grouped_linear(o.to(torch.bfloat16), self.weight, self.scale, self.groups)
-        s = o.shape[0]
-        u = o.to(self.w.dtype).view(s, self.groups, -1)  # [S, G, H*D/G]
-        return torch.einsum("sgi,gri->sgr", u, self.w).reshape(s, -1)
+        return self.numerics.grouped_linear(self.w, o, self.groups)

@@ -61,45 +61,6 @@ def process_rss(path: str | Path = "/proc/self/status") -> int:
     return 0
 
 
-def tensor_bytes(root: object, max_depth: int = 8) -> int:
-    """Bytes of memory covered by the tensors reachable from `root` (attributes, lists, dicts).
-
-    Used once at load for "resident weights". Each tensor counts its own extent, not its whole
-    storage (a weight viewed from an mmapped shard covers its bytes, not the shard), and
-    overlapping extents (views of one tensor) count once.
-    """
-    seen: set[int] = set()
-    extents: dict[str, list[tuple[int, int]]] = {}
-
-    def visit(obj: object, depth: int) -> None:
-        if depth > max_depth or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.numel():
-                start = obj.data_ptr()  # a non-contiguous view is counted as if it were dense
-                extents.setdefault(str(obj.device), []).append((start, start + obj.numel() * obj.element_size()))
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                visit(value, depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                visit(value, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            for value in vars(obj).values():
-                visit(value, depth + 1)
-
-    visit(root, 0)
-    total = 0
-    for spans in extents.values():  # union of [start, end) intervals
-        end = -1
-        for a, b in sorted(spans):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-    return total
-
-
 def is_unified(device: str | torch.device) -> bool:
     """True for CPU runs and for CUDA devices that share system memory (integrated, e.g. GB10)."""
     device = torch.device(device)

@@ -2,7 +2,7 @@
 sub-block (HCPre / HCPost) and collapsed once at the end (HCHead). All mixing math is fp32.
 
 The math lives in kernels/reference.py (HCPre, HCPost) and `hc_head` here; the classes hold the
-parameters and pick who computes.
+parameters, and the numerics mode's ops compute (the backend's in native, the reference's in exact).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
             eps: float, norm=ref.rms_norm) -> torch.Tensor:
     """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn); `norm` is an
-    RMSNorm with the reference's signature (the backend's in native)."""
+    RMSNorm with the reference's signature (the numerics mode's)."""
     sf = streams.float()
     mixes = norm(sf.flatten(1), None, eps) @ fn.T  # [S, n]
     pre = torch.sigmoid(mixes * scale + base) + hc_eps
@@ -40,15 +40,15 @@ class HyperConnection:
         self.fn, self.base = fn.float(), base.float()
         self.scale = spread_scale(scale.float(), args.hc_mult)  # [2n + n²]
         self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
-        self.ops = numerics.backend if numerics.native else ref  # both: hc_pre, hc_post
+        self.numerics = numerics
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n])."""
-        return self.ops.hc_pre(streams, self.fn, self.scale, self.base, *self.consts)
+        return self.numerics.hc_pre(streams, self.fn, self.scale, self.base, *self.consts)
 
     def post(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Block output out [S, D] mixed back into the streams [S, n, D] -> new streams."""
-        return self.ops.hc_post(out, streams, post, comb)
+        return self.numerics.hc_post(out, streams, post, comb)
 
 
 class HyperHead:
@@ -59,7 +59,7 @@ class HyperHead:
                  numerics: Numerics):
         self.fn, self.scale, self.base = fn.float(), scale.float(), base.float()
         self.consts = (args.hc_eps, args.norm_eps)
-        self.norm = numerics.backend.rms_norm if numerics.native else ref.rms_norm
+        self.norm = numerics.rms_norm
 
     def __call__(self, streams: torch.Tensor) -> torch.Tensor:
         return hc_head(streams, self.fn, self.scale, self.base, *self.consts, norm=self.norm)

@@ -24,7 +24,7 @@ from engine.moe import MoE
 from engine.numerics import Numerics, Quantized, unquantized
 from engine.routing_override import ForcedRouting
 from engine.state import SequenceState, new_layer_state
-from kernels import reference as ref
+from engine.weights import CountedWeights
 from engine.linear import FP8Linear
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -128,12 +128,14 @@ class Transformer:
         """`routing`: force the router-routed layers' experts from a trace, for timing only
         (engine/routing_override.py; a decode step must call `routing.set_position` first)."""
         self.args, self.numerics, self.routing = args, numerics, routing
+        get = CountedWeights(get)
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics, routing) for i in range(args.n_layers)]
         self.hc_head = HyperHead(get("hc_head_fn"), get("hc_head_scale"), get("hc_head_base"), args, numerics)
         self.norm = get("norm.weight").float()
         self.head = get("head.weight")  # [V, D] bf16: the official head runs in fp32 (widened per call)
         self.mtp = MTP(get, args, numerics) if with_mtp and args.n_mtp_layers else None
+        self.weight_bytes = get.nbytes  # the resident weights read at load, as stored (engine/memory.py's census)
 
     def new_state(self) -> SequenceState:
         a, dt, dev = self.args, self.numerics.dtype, self.embed.device
@@ -168,9 +170,7 @@ class Transformer:
         return self._head(y)
 
     def _head(self, y: torch.Tensor) -> torch.Tensor:
-        if self.numerics.native:
-            return self.numerics.backend.head_logits(y, self.head)
-        return ref.head_logits(y, self.head)
+        return self.numerics.head_logits(y, self.head)
 
     def forward(self, ids: torch.Tensor, state: SequenceState, experts: ExpertProvider,
                 last_only: bool = False, log: SelectionLog | None = None, timer=None) -> torch.Tensor:

@@ -16,15 +16,12 @@ import torch
 from engine.config import ModelArgs
 from engine.experts.provider import ExpertProvider
 from engine.experts.weights import ExpertWeights
-from engine.linear import FP8Linear
-from engine.numerics import Numerics, Quantized, unquantized
-from kernels import reference as ref
-from kernels.reference import swiglu
+from engine.numerics import Numerics, Quantized
 
 
 class Gate:
     """Router: sqrt-softplus scores; top-k on score + bias (bias selects only), or tid2eid.
-    The math is `reference.moe_gate`; native runs the backend's (two launches on CUDA)."""
+    The math is `reference.moe_gate`; the numerics run it (native: the backend's, two launches on CUDA)."""
 
     def __init__(self, get, prefix: str, args: ModelArgs, layer: int, numerics: Numerics):
         self.weight = get(f"{prefix}.weight").float()
@@ -33,7 +30,7 @@ class Gate:
         self.tid2eid_host = self.tid2eid.cpu() if self.hash else None  # for prefetch hints
         self.bias = None if self.hash else get(f"{prefix}.bias").float()
         self.k, self.route_scale = args.n_activated_experts, args.route_scale
-        self.ops = numerics.backend if numerics.native else ref
+        self.numerics = numerics
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor,
                  forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +38,9 @@ class Gate:
         `forced` [N, k] (engine/routing_override.py, timing only) replaces the choice; the weights
         are then the router's scores at those ids, normalised as on a hash layer."""
         if forced is not None:
-            return self.ops.moe_gate(x, self.weight, None, self.k, self.route_scale, forced)
+            return self.numerics.moe_gate(x, self.weight, None, self.k, self.route_scale, forced)
         hash_ids = self.tid2eid[ids] if self.hash else None
-        return self.ops.moe_gate(x, self.weight, self.bias, self.k, self.route_scale, hash_ids)
+        return self.numerics.moe_gate(x, self.weight, self.bias, self.k, self.route_scale, hash_ids)
 
 
 class MoE:
@@ -54,13 +51,7 @@ class MoE:
         self.gate = Gate(get, f"{prefix}.gate", args, layer, numerics)
         w = {n: (get(f"{prefix}.shared_experts.{n}.weight"), get(f"{prefix}.shared_experts.{n}.scale"))
              for n in ("w1", "w3", "w2")}
-        self.shared_w2 = FP8Linear(*w["w2"], numerics)
-        if numerics.native:  # w1 and w3 read the same activations: one GEMM over both (inter % 128 == 0)
-            self.shared_w13 = FP8Linear(torch.cat((w["w1"][0], w["w3"][0])), torch.cat((w["w1"][1], w["w3"][1])),
-                                        numerics)
-        else:
-            self.shared_w1, self.shared_w3 = FP8Linear(*w["w1"], numerics), FP8Linear(*w["w3"], numerics)
-        self.ops = numerics.backend if numerics.native else ref  # moe_combine
+        self.shared = numerics.shared_expert_weights(w["w1"], w["w3"], w["w2"])  # prepared for the mode
 
     def route(self, x: torch.Tensor, ids: torch.Tensor,
               forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +93,7 @@ class MoE:
         choice) cells of a call go through the backend's fp4_moe at once instead of a per-expert
         loop (on CUDA about 20 launches per expert, hundreds of experts per layer). The choice
         does not depend on the device, so the CPU reference runs the same dispatch."""
-        return self.numerics.native and provider.arena is not None and provider.all_resident()
+        return self.numerics.batched_experts and provider.arena is not None and provider.all_resident()
 
     def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                      provider: ExpertProvider) -> torch.Tensor:
@@ -127,48 +118,24 @@ class MoE:
         `table` [units, E] int32 slot per (layer, expert), `record.fields`); every routed expert
         of this layer must be resident. Equals `__call__`: same per-expert math, same order."""
         idx, w = routed
-        k = idx.shape[1]
-        if self.numerics.native:  # the kernels look the experts' slots up in the layer's table
-            xq = self.numerics.quantize(x)  # one row for all k choices
-            # the shared expert first: the routed kernels then follow launches that do not write
-            # the ids, and may read them and their weights before those launches complete
-            shared = self._shared(xq)
-            y = self.numerics.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0],
-                                                        self.limit, arena.table[self.layer], early=True)  # [k, D]
-            return self._combine(y.unsqueeze(0), shared)  # row j of y = choice j
-        x = unquantized(x)
-        slots = arena.table[self.layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
-        recs = arena.data.index_select(0, slots.long())  # [k, R]
-        y = torch.cat([self.expert(x, ExpertWeights.from_fields(arena.record.unpack(recs[j])), w[:, j])
-                       for j in range(k)])
-        return self._combine(y.unsqueeze(0), self._shared(x))  # [1, k, D]
+        xq = self.numerics.quantize(x)  # native: one row for all k choices
+        # the shared expert first: the routed kernels then follow launches that do not write
+        # the ids, and may read them and their weights before those launches complete
+        shared = self._shared(xq)
+        y = self.numerics.arena_experts(xq, arena, self.layer, idx, w, self.limit)  # [k, D], row j = choice j
+        return self._combine(y.unsqueeze(0), shared)  # [1, k, D]
 
     def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
         order), then the shared expert's output [N, D]; rounded once into the stream dtype."""
-        return self.ops.moe_combine(slots, shared, self.numerics.dtype)
+        return self.numerics.moe_combine(slots, shared)
 
     def expert(self, x: torch.Tensor, e: ExpertWeights, weight: torch.Tensor) -> torch.Tensor:
         """One routed expert on its tokens: the routing weight scales h before w2 (§C.7 step 4)."""
-        if self.numerics.native:
-            return ref.routed_expert(x, e.w1, e.w1_scale, e.w3, e.w3_scale, e.w2, e.w2_scale, weight, self.limit,
-                                     self.numerics.backend.fp4_gemm)
-        w1 = ref.dequant_fp4(e.w1, e.w1_scale)
-        w3 = ref.dequant_fp4(e.w3, e.w3_scale)
-        w2 = ref.dequant_fp4(e.w2, e.w2_scale)
-        xf = x.float()
-        h = swiglu(xf @ w1.T, xf @ w3.T, self.limit) * weight.unsqueeze(1)
-        return h @ w2.T
+        return self.numerics.routed_expert(x, e, weight, self.limit)
 
     def _shared(self, x: torch.Tensor | Quantized) -> torch.Tensor:
         """The shared expert on x [N, D]: native -> bf16 (w1|w3 in one FP8 GEMM, on x's
         quantisation when it carries one; SwiGLU fused with w2's activation quantisation),
-        exact -> fp32."""
-        if not self.numerics.native:
-            h = swiglu(self.shared_w1(x), self.shared_w3(x), self.limit)
-            return self.shared_w2(h)
-        backend, w2 = self.numerics.backend, self.shared_w2
-        gu = self.shared_w13(x)  # [N, 2·inter] bf16
-        inter = gu.shape[-1] // 2
-        q, s = backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, self.limit)
-        return backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
+        exact -> fp32 (`Numerics.shared_expert`)."""
+        return self.numerics.shared_expert(self.shared, x, self.limit)

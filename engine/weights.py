@@ -41,6 +41,26 @@ class ModelFiles:
         self.index.close()
 
 
+class CountedWeights:
+    """The getter a model is built from, counting what it hands out: `get(name)` returns the
+    tensor (as placed by the wrapped getter) and `nbytes` is the bytes of the distinct names
+    read so far — after building a model, its resident weights as stored (the memory plan's
+    `weights` figure, and the memory pane's), counted once at load instead of by walking objects."""
+
+    def __init__(self, get: Callable[[str], torch.Tensor]):
+        self._get = get
+        self._bytes: dict[str, int] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        t = self._get(name)
+        self._bytes.setdefault(name, t.nbytes)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._bytes.values())
+
+
 def expert_prefix(args: ModelArgs, layer: int) -> tuple[str, int]:
     """Official name prefix of a logical layer's experts: the MTP block is layer n_layers."""
     return ("mtp", 0) if layer == args.n_layers else ("layers", layer)

@@ -18,13 +18,13 @@ from engine.engine import Engine
 from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.experts.cache import ExpertCache
 from engine.experts.resident import ResidentExperts
-from engine.memory import tensor_bytes
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.sampling import SamplingParams
 from engine.state import MIN_ENTRIES
 from engine.session import SessionError
 from engine.weights import open_official
+from kernels.backend import OP_NAMES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 USER_TEXTS = [
@@ -384,7 +384,11 @@ def test_resident_experts_stats_and_memory_budget(engine):
     mem = engine.memory()
     assert sum(size for _, size in mem.parts) == mem.total and all(size >= 0 for _, size in mem.parts)
     assert mem.unified and mem.parts[-1][0] == "free"
-    assert mem.part("resident weights") == tensor_bytes(engine.model) > 0
+    # counted at load: the bytes of every tensor the model read (all but the routed experts and,
+    # without MTP, the mtp block), as stored in the checkpoint
+    index = engine.files.index
+    read = [n for n in index.names() if ".ffn.experts." not in n and not n.startswith("mtp.")]
+    assert mem.part("resident weights") == engine.model.weight_bytes == sum(index.info(n).nbytes for n in read) > 0
     assert mem.part("session state") >= sess.nbytes() > 0
 
 
@@ -396,6 +400,7 @@ def test_engine_info_routing_trace_and_closed_engine(ckpt, tmp_path):
     info = eng.info
     # an unmarked synthetic checkpoint is not the demo (engine/demo_marker.py; tests/engine/test_demo_marker.py)
     assert (info["n_layers"], info["n_experts"], info["demo"], info["numerics"]) == (5, 16, False, "exact")
+    assert info["backend"] == "torch" and info["reference_ops"] == list(OP_NAMES)  # the reference serves every op
     sess = eng.new_session()
     fin, _ = turn(eng.generate(sess, "Hi", GREEDY))
     eng.close()

@@ -16,22 +16,24 @@ from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.sampling import SamplingParams
 from engine.weights import open_model
-from kernels.backend import TorchBackend
+from kernels.backend import OPS, Backend
 
 
-class CountingBackend(TorchBackend):
+class CountingBackend(Backend):
     """The reference backend, counting the routed-expert entry points."""
 
     def __init__(self) -> None:
         self.calls = {"fp4_moe": 0, "fp4_gemm": 0}
+        ops = {op.name: op.reference for op in OPS}
+        ops.update({name: self._counted(name, ops[name]) for name in self.calls})
+        super().__init__("counting", ops, tuple(ops))
 
-    def fp4_moe(self, *args):
-        self.calls["fp4_moe"] += 1
-        return super().fp4_moe(*args)
+    def _counted(self, name, fn):
+        def op(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
 
-    def fp4_gemm(self, *args):
-        self.calls["fp4_gemm"] += 1
-        return super().fp4_gemm(*args)
+        return op
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-"""Memory budget accounting: /proc parsing, tensor sizes, parts that add up to the total."""
+"""Memory budget accounting: /proc parsing, weight bytes counted at load, parts that add up to the total."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.memory import MemInfo, PART_NAMES, memory_budget, process_rss, read_meminfo, tensor_bytes
+from engine.memory import MemInfo, PART_NAMES, memory_budget, process_rss, read_meminfo
+from engine.weights import CountedWeights
 
 GiB = 2**30
 
@@ -66,22 +67,18 @@ def test_unified_budget_still_adds_up_when_our_parts_exceed_the_pool():
     assert b.part("resident weights") == pytest.approx(16 * GiB * 20 / 24, abs=1)
 
 
-class _Holder:
-    def __init__(self, *tensors):
-        self.items = list(tensors)
-        self.table = {"x": tensors[0]}
-
-
-def test_tensor_bytes_counts_each_storage_once():
+def test_counted_weights_sum_the_bytes_of_each_name_read_once():
     a = torch.zeros(100, dtype=torch.float32)  # 400 bytes
     b = torch.zeros(10, dtype=torch.bfloat16)  # 20 bytes
-    view = a[10:20]
-    root = _Holder(a, b, view)
-    root.child = _Holder(b)
-    assert tensor_bytes(root) == 420
-    assert tensor_bytes(_Holder(a[50:], a[:60])) == 400  # overlapping views: their union
     big = torch.zeros(1000)
-    assert tensor_bytes(_Holder(big[:10])) == 40  # a view counts its own bytes, not its storage
+    tensors = {"a": a, "b": b, "view": big[:10]}
+    get = CountedWeights(lambda name: tensors[name].clone() if name == "b" else tensors[name])
+    assert get.nbytes == 0
+    assert get("a") is a and get.nbytes == 400
+    get("b"), get("b"), get("a")  # a name read again (even as a fresh copy) counts once
+    assert get.nbytes == 420
+    get("view")
+    assert get.nbytes == 460  # a view counts its own bytes, not its storage's
 
 
 @pytest.mark.gpu

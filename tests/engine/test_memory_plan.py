@@ -14,7 +14,7 @@ from converter import synth
 from converter.convert import convert
 from engine.config import EngineConfig, ModelArgs
 from engine.engine import Engine
-from engine.memory import MemInfo, tensor_bytes
+from engine.memory import MemInfo
 from engine.memory_plan import (GiB, Machine, MemoryPlanError, ModelFootprint, gib_to_bytes, make_plan,
                                 state_bytes, unified_machine)
 from engine.sampling import SamplingParams
@@ -128,7 +128,7 @@ def test_footprint_from_headers_matches_what_the_engine_loads(packs):
     eng = Engine.load(conv, EngineConfig(prefill_chunk=32), warmup=False)
     try:
         assert eng.plan.resident and eng.plan.cache == fp.pool  # the tiny pool fits any machine
-        loaded = tensor_bytes(eng.model)
+        loaded = eng.model.weight_bytes  # counted at load
         assert abs(loaded - fp.weights) <= 0.05 * fp.weights, (loaded, fp.weights)
         sess = eng.new_session()
         eng.runtime.reserve(sess.state, eng.config.max_seq_len)  # the plan's state is for max_seq_len

@@ -587,7 +587,7 @@ def test_sparse_attention_rotates_back_in_its_combine(s, h, t, k, gen):
 def test_tilelang_backend_has_every_kernel():
     from kernels.backend import make_backend
     b = make_backend("tilelang", DEV)
-    assert b.missing == []
+    assert b.reference_ops == ()  # every op runs its kernel (an import failure raises)
 
 
 def sinkhorn_alone(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

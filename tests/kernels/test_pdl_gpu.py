@@ -117,9 +117,9 @@ def test_early_expert_reads_in_a_graph_equal_the_chain_synchronised():
     """fp4_moe_quantized(early=True) reads its expert ids and weights before waiting on the kernel
     ahead (kernels/fp4_mma_one_token.py). With the ids written two launches before (as in the decode), a
     graph replay, where PDL overlaps every link, equals the chain synchronised after every call."""
-    from kernels.backend import TileLangBackend
+    from kernels.backend import tilelang_backend
     from test_kernels_gpu import _arena
-    ops = TileLangBackend(torch.device(DEV))
+    ops = tilelang_backend(torch.device(DEV))
     gen = torch.Generator(device=DEV).manual_seed(11)
     inter, dim, experts, links = 256, 512, 16, 12
     arena, fields, _ = _arena(experts, inter, dim, gen)
