@@ -103,6 +103,40 @@ def test_next_use_evicts_from_the_layer_whose_turn_is_farthest():
         NextUsePolicy(4, gamma=1.0)
 
 
+def test_next_use_follows_the_engine_holding_a_call():
+    """The engine holds every expert of a call (pin: discard) and gives it back after use
+    (unpin: add with its uses): that is no new use and no new visit of the layer, so the
+    victims are those of the same calls without holds."""
+    import random
+
+    def victims(engine: bool) -> list:
+        rng, p, out = random.Random(0), NextUsePolicy(64), []
+        for _ in range(12):
+            for layer in range(3):
+                call = rng.sample(range(6), 2)
+                for e in call:
+                    (p.touch if (layer, e) in p else p.add)((layer, e))
+                if engine:
+                    for e in call:
+                        p.discard((layer, e))
+                        p.add((layer, e), 2)
+                out.append(p.victim())
+        return out
+
+    assert victims(engine=True) == victims(engine=False)
+
+
+def test_next_use_never_evicts_the_layer_being_served_before_the_others():
+    p = NextUsePolicy(16)
+    for layer in (0, 1, 2):
+        p.add((layer, 5))
+    p.add((2, 6))  # still layer 2's call: (2, 5) is not needed before layer 2 comes round again
+    p.discard((2, 6))  # held by the engine
+    assert p.victim() == (2, 5)
+    with pytest.raises(PolicyError, match="prior"):
+        NextUsePolicy(4, prior=0.0)
+
+
 KEYS = st.tuples(st.integers(0, 2), st.integers(0, 3))
 OPS = st.lists(st.tuples(st.sampled_from(["use"] * 5 + ["prefetch", "pin", "unpin", "flush", "discard"]),
                          KEYS), max_size=80)
