@@ -375,23 +375,32 @@ class NextUsePolicy:
     - c: its uses, each weighted gamma**(visits of l since that use); kept after eviction, so
       a re-admitted expert keeps its history (bounded by the distinct keys, layers x experts);
     - p = (c + prior) / (1 / (1 - gamma) + 1): the chance that l's next visit selects it;
-    - expected next use = d + cycle * (1/p - 1) layer visits; the victim maximises it.
+    - expected next use = d + cycle * (1/p - 1) layer visits; the victim maximises it;
+    - but when that victim is dead (c < `dead`: no evidence left that it will be needed) and
+      so is the least recently used key, that one goes: among keys the counts know nothing
+      about, recency is the better guess. It decides only near-full caches (3,300-4,300 slots
+      on route_W130), where it kept the default from falling 1-3 hits below LRU.
 
     Within a layer all keys share d, so each layer keeps a min-heap of c (stored as log of a
     growing-weight sum, which never needs rescaling), and the layers' least used keys sit in a
     heap of layers (`_priority`), refreshed for the layers that changed: `victim` is
-    O(changed layers x log n), one or two layers per eviction in decode. gamma=0.93, prior=0.1 were chosen on route_W130 (bench/cache_replay.py);
-    route_W50 is the held-out check.
+    O(changed layers x log n), one or two layers per eviction in decode. gamma=0.93, prior=0.1
+    and dead=0.01 were chosen on route_W130 (bench/cache_replay.py); route_W50 is the
+    held-out check.
     """
 
     name = "next-use"
 
-    def __init__(self, capacity: int, gamma: float = 0.93, prior: float = 0.1) -> None:
+    def __init__(self, capacity: int, gamma: float = 0.93, prior: float = 0.1,
+                 dead: float = 0.01) -> None:
         if not 0.0 < gamma < 1.0:
             raise PolicyError(f"gamma must be in (0, 1), got {gamma}")
         if prior <= 0.0:
             raise PolicyError(f"prior must be > 0, got {prior}")
-        self._prior = prior
+        if dead < 0.0:
+            raise PolicyError(f"dead must be >= 0, got {dead}")
+        self._prior, self._dead = prior, dead
+        self._recency: OrderedDict[ExpertKey, None] = OrderedDict()  # resident keys, least recent first
         self._rate = -math.log(gamma)  # log-weight gained per visit of a key's layer
         self._window = 1.0 / (1.0 - gamma)
         self._visit = 0  # layer visits so far, all layers
@@ -420,6 +429,8 @@ class NextUsePolicy:
         if self._counted.get(key) != visit:  # one use per key per visit
             self._counted[key] = visit
             self._history[key] = _log_add(self._history.get(key), math.log(weight) + visit * self._rate)
+        self._recency[key] = None
+        self._recency.move_to_end(key)
         score = self._history[key]
         if self._score.get(key) != score:
             self._score[key] = score
@@ -442,8 +453,13 @@ class NextUsePolicy:
 
     def discard(self, key: ExpertKey) -> None:
         del self._score[key]
+        del self._recency[key]
         self._live[key[0]] -= 1
         self._dirty.add(key[0])
+
+    def _count(self, key: ExpertKey) -> float:
+        """c: the key's decayed use count now."""
+        return math.exp(self._history[key] - self._visits[key[0]] * self._rate)
 
     def _priority(self, layer: int, cycle: int) -> tuple[float, ExpertKey]:
         """(last visit + cycle * (1/p - 1), key) of the layer's least used resident key.
@@ -475,9 +491,15 @@ class NextUsePolicy:
         while heap:
             neg, layer, key = heap[0]
             if prio.get(layer) == (-neg, key):
-                return key
+                break
             heapq.heappop(heap)
-        return None
+        else:
+            return None
+        if self._count(key) < self._dead:  # no evidence left: the least recent dead key goes
+            oldest = next(iter(self._recency))
+            if self._count(oldest) < self._dead:
+                return oldest
+        return key
 
     def __len__(self) -> int:
         return len(self._score)

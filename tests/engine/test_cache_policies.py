@@ -137,6 +137,22 @@ def test_next_use_never_evicts_the_layer_being_served_before_the_others():
         NextUsePolicy(4, prior=0.0)
 
 
+def test_next_use_evicts_dead_keys_least_recent_first():
+    def victim(dead: float):
+        p = NextUsePolicy(16, gamma=0.5, dead=dead)
+        p.add((0, 0))
+        p.add((1, 0))  # both used once, (0, 0) first
+        for _ in range(4):  # four tokens later both counts are 0.5**4 = 0.0625
+            for layer in (0, 1):
+                (p.touch if (layer, 1) in p else p.add)((layer, 1))
+        return p.victim()
+
+    assert victim(dead=0.0) == (1, 0)  # equal counts: the layer needed last (layer 1, served now)
+    assert victim(dead=0.2) == (0, 0)  # both dead: the least recently used
+    with pytest.raises(PolicyError, match="dead"):
+        NextUsePolicy(4, dead=-1.0)
+
+
 KEYS = st.tuples(st.integers(0, 2), st.integers(0, 3))
 OPS = st.lists(st.tuples(st.sampled_from(["use"] * 5 + ["prefetch", "pin", "unpin", "flush", "discard"]),
                          KEYS), max_size=80)
