@@ -319,7 +319,10 @@ class LFUAgingPolicy:
     `half_life` uses of the cache (default: capacity). O(log n) per operation.
 
     Scores are kept as log(sum of 2**(use time / half_life)), which orders keys like the
-    decayed counts without ever rescaling them. A key's count restarts at admission.
+    decayed counts without ever rescaling them. A key's count restarts at admission. A key
+    that left without being evicted (pinned: the engine holds every expert of a call) and is
+    added back with count >= 2 gets its score back: the hit that led to the hold was counted
+    by `touch` already.
     """
 
     name = "lfu-aging"
@@ -328,6 +331,8 @@ class LFUAgingPolicy:
         self._rate = math.log(2.0) / (half_life or max(1, capacity))
         self._time = 0
         self._score: dict[ExpertKey, float] = {}
+        self._parked: dict[ExpertKey, float] = {}  # scores of keys that left but were not evicted
+        self._victim: ExpertKey | None = None
         self._heap = _LazyMinHeap()
 
     def _use(self, key: ExpertKey, weight: int) -> None:
@@ -339,17 +344,26 @@ class LFUAgingPolicy:
     def add(self, key: ExpertKey, count: int = 1) -> None:
         if count < 1:
             raise PolicyError(f"use count must be >= 1, got {count}")
-        self._use(key, count)
+        parked = self._parked.pop(key, None)
+        if parked is not None and count >= 2:  # back from a hold: its uses are in its score
+            self._score[key] = parked
+            self._heap.push(parked, key, len(self._score), self._score)
+        else:
+            self._use(key, count)
 
     def touch(self, key: ExpertKey) -> None:
         self._use(key, 1)
 
     def discard(self, key: ExpertKey) -> None:
-        del self._score[key]
+        score = self._score.pop(key)
+        if key != self._victim:
+            self._parked[key] = score
+        self._victim = None
 
     def victim(self) -> ExpertKey | None:
         top = self._heap.top(self._score)
-        return None if top is None else top[1]
+        self._victim = None if top is None else top[1]
+        return self._victim
     def __len__(self) -> int:
         return len(self._score)
 

@@ -103,27 +103,33 @@ def test_next_use_evicts_from_the_layer_whose_turn_is_farthest():
         NextUsePolicy(4, gamma=1.0)
 
 
-def test_next_use_follows_the_engine_holding_a_call():
-    """The engine holds every expert of a call (pin: discard) and gives it back after use
-    (unpin: add with its uses): that is no new use and no new visit of the layer, so the
-    victims are those of the same calls without holds."""
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_engine_holds_do_not_change_the_eviction_order(policy):
+    """The engine holds every expert of a call (pin: the policy discards it) and gives it back
+    after use (unpin: added with its uses since admission). That is no new use and no new
+    visit of the layer: the victims are those of the same lookups without holds."""
     import random
 
-    def victims(engine: bool) -> list:
-        rng, p, out = random.Random(0), NextUsePolicy(64), []
+    def victims(hold: bool) -> list:
+        rng = random.Random(0)
+        cache = ExpertCache(64, 1, num_layers=3, num_experts=6, policy=policy)
+        out = []
         for _ in range(12):
             for layer in range(3):
-                call = rng.sample(range(6), 2)
-                for e in call:
-                    (p.touch if (layer, e) in p else p.add)((layer, e))
-                if engine:
-                    for e in call:
-                        p.discard((layer, e))
-                        p.add((layer, e), 2)
-                out.append(p.victim())
+                call = [(layer, e) for e in rng.sample(range(6), 2)]
+                for key in call:
+                    hit = cache.lookup(key) is not None
+                    if hold:
+                        cache.pin(key)
+                    if not hit:
+                        cache.admit(key)
+                if hold:
+                    for key in call:
+                        cache.unpin(key)
+                out.append(cache._policy.victim())
         return out
 
-    assert victims(engine=True) == victims(engine=False)
+    assert victims(hold=True) == victims(hold=False)
 
 
 def test_next_use_never_evicts_the_layer_being_served_before_the_others():
