@@ -203,7 +203,8 @@ def per_layer_hits(calls: Sequence[Call], policy: str, capacity: int) -> int:
     for layer, slots in layer_split(flatten(calls), capacity).items():
         if slots:
             sub = by_layer[layer]
-            hits += belady_hits(flatten(sub), slots) if policy == "belady" else policy_hits(sub, policy, slots)
+            hits += (belady_hits(flatten(sub), slots) if policy == "belady"
+                     else policy_hits(sub, policy, slots))
     return hits
 
 

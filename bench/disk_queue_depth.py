@@ -171,7 +171,8 @@ def choose_depth(runs: Sequence[Run], knee: float = 0.05) -> int:
 def format_table(runs: Sequence[Run]) -> str:
     """One row per depth: GB/s and bytes for O_DIRECT and buffered reads."""
     by = {(r.depth, r.mode): r for r in runs}
-    head = f"{'depth':>5} | {'O_DIRECT GB/s':>13} {'bytes read':>14} | {'buffered GB/s':>13} {'bytes read':>14}"
+    head = (f"{'depth':>5} | {'O_DIRECT GB/s':>13} {'bytes read':>14} | "
+            f"{'buffered GB/s':>13} {'bytes read':>14}")
     lines = [head, "-" * len(head)]
     for depth in sorted({r.depth for r in runs}):
         cells = []
@@ -216,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = os.path.getsize(path) // block
         blocks = min(total, parse_size(args.read) // block) if args.read else total
         if blocks < 1:
-            raise QueueDepthError(f"{path} is smaller than one {block}-byte block; give a larger --size or --read")
+            raise QueueDepthError(f"{path} is smaller than one {block}-byte block; "
+                                  "give a larger --size or --read")
         print(f"{path}: {blocks} random blocks of {block} bytes per run ({blocks * block / 2**30:.2f} GiB), "
               "page cache dropped before each run")
         runs = []
