@@ -41,6 +41,7 @@ from engine.experts.trace import TraceFormatError, read_trace  # noqa: E402
 POLICY_NAMES = ("lru", "lfu", "slru", "arc", "lfu-aging", "next-use",
                 "lru/layer", "arc/layer", "next-use/layer", "belady/layer", "belady")
 ROUTE_SLOTS = "256,512,1024,2048,4096,6304"
+HORIZON_SLOTS = (1024, 2048)  # --horizons replays only these (the issue's Belady targets)
 EXPERT_RECORD_BYTES = 13_369_344  # 12.75 MiB, one DeepSeek-V4-Flash routed expert
 
 RouteRow = tuple[int, int, tuple[int, ...]]  # (position, layer, expert ids)
@@ -342,9 +343,64 @@ def prefetch_replay(rows: Sequence[RouteRow], policy: str, capacity: int, top: i
     return hits / len(accesses), admissions / len(accesses)
 
 
+def horizon_hits(calls: Sequence[Call], capacity: int, tokens: int,
+                 gamma: float = 0.93, prior: float = 0.1) -> int:
+    """Hits of next-use's score given an oracle: the exact experts of the next `tokens`
+    tokens (tokens x layers calls). An oracle, not a policy: it shows how much of Belady's
+    lead comes from knowing the near future.
+
+    Keys the horizon says are needed are evicted last, farthest next use first (with every
+    future known this is Belady's MIN); the others by next-use's expected next use (the
+    NextUsePolicy formula with the same gamma and prior, re-computed by a scan of the
+    resident keys: O(capacity) per eviction). Calls in the engine's order (`_run`)."""
+    cycle = len({call[0][0] for call in calls})
+    horizon = tokens * cycle
+    uses: dict[ExpertKey, list[int]] = defaultdict(list)  # key -> indices of its calls
+    for i, call in enumerate(calls):
+        for key in call:
+            uses[key].append(i)
+    nxt = {key: 0 for key in uses}  # key -> position in uses[key] of its next call
+    window = 1.0 / (1.0 - gamma)
+    visits: Counter[int] = Counter()  # layer -> its visits so far
+    last_visit: dict[int, int] = {}  # layer -> index of its last call
+    count: dict[ExpertKey, tuple[float, int]] = {}  # key -> (decayed uses, its layer's visit then)
+    resident: set[ExpertKey] = set()
+    hits = 0
+    for i, call in enumerate(calls):
+        layer = call[0][0]
+        visits[layer] += 1
+        last_visit[layer] = i
+        for key in call:
+            nxt[key] += 1
+        for key in call:
+            if key in resident:
+                hits += 1
+                continue
+            if len(resident) >= capacity:
+                best, victim = None, None
+                for r in resident.difference(call):
+                    future = uses[r][nxt[r]] if nxt[r] < len(uses[r]) else len(calls) + horizon + 1
+                    if future - i <= horizon:  # known: Belady's order, after every unknown key
+                        rank = (0, future)
+                    else:
+                        value, at = count[r]
+                        c = value * gamma ** (visits[r[0]] - at)
+                        d = max(1, cycle - (i - last_visit[r[0]]))
+                        rank = (1, d + cycle * ((window + 1.0) / (c + prior) - 1.0))
+                    if best is None or rank > best:
+                        best, victim = rank, r
+                resident.discard(victim)
+            resident.add(key)
+        for key in call:
+            value, at = count.get(key, (0.0, visits[layer]))
+            count[key] = (value * gamma ** (visits[layer] - at) + 1.0, visits[layer])
+    return hits
+
+
 def route_report(names: Sequence[str], traces: Sequence[Sequence[RouteRow]],
-                 capacities: Sequence[int]) -> str:
-    """Temporal reuse, trace-only prefetch and warm starts for route CSV traces."""
+                 capacities: Sequence[int], horizons: Sequence[int] = ()) -> str:
+    """Temporal reuse, trace-only prefetch and warm starts for route CSV traces; with
+    `horizons`, next-use's hit rate given the next H tokens exactly (`horizon_hits`)."""
     out = ["", "temporal reuse: share of a layer's selections also chosen by the previous 1 / 2 / 4 tokens"]
     for name, rows in zip(names, traces):
         out.append(f"  {name}: " + " / ".join(f"{temporal_reuse(rows, lag):.1%}" for lag in (1, 2, 4)))
@@ -370,6 +426,17 @@ def route_report(names: Sequence[str], traces: Sequence[Sequence[RouteRow]],
                     kept = policy_hits(calls[i], policy, cap, warm, keep=True) / n
                     cells.append(f"{cap}: {cold:.1%} {hist:.1%} {kept:.1%}")
                 out.append(f"  {name} after {warm_name}, {policy:>8}: " + " | ".join(cells))
+    if horizons:
+        out.append("")
+        out.append("next-use told the next H tokens' experts exactly (an oracle): hit rate for H = "
+                   + " / ".join(map(str, horizons)) + ", then Belady")
+        for name, rows in zip(names, traces):
+            calls = route_calls(rows)
+            n = len(flatten(calls))
+            for cap in [c for c in capacities if c in HORIZON_SLOTS]:
+                cells = [f"{horizon_hits(calls, cap, h) / n:.1%}" for h in horizons]
+                cells.append(f"{belady_hits(flatten(calls), cap) / n:.1%}")
+                out.append(f"  {name} {cap:5d} slots: " + " / ".join(cells))
     return "\n".join(out)
 
 
@@ -384,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-dedupe", action="store_true",
                     help="JSONL: one access per (token, expert) instead of per distinct expert per call")
     ap.add_argument("--no-report", action="store_true", help="route CSVs: only the hit-rate tables")
+    ap.add_argument("--horizons", default="",
+                    help="route CSVs: also replay next-use told the next H tokens exactly, for each H "
+                         "in this list (e.g. 0,1,2,4; slow: a scan per eviction)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf", type=float, default=1.0)
@@ -419,8 +489,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(trace, capacities[source], args.entry_bytes, policies,
                                grouped.get(source)))
         if routes and not args.no_report:
+            try:
+                horizons = [int(h) for h in args.horizons.split(",") if h.strip()]
+            except ValueError:
+                raise ReplayError(f"--horizons {args.horizons!r} must be a list of token counts") from None
             print(route_report([Path(t).stem for t in args.trace], rows,
-                               [c for c in capacities[args.trace[0]] if c <= 2048]))
+                               [c for c in capacities[args.trace[0]] if c <= 2048], horizons))
     except (ReplayError, TraceFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

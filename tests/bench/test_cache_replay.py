@@ -299,6 +299,24 @@ def test_engine_call_order_never_evicts_an_expert_of_the_call():
     assert replay_mod.replay(route("W50")[:12], "lru", 3, calls("W50")[:2]) == 0.0
 
 
+@settings(max_examples=40, deadline=None)
+@given(trace=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=60),
+       capacity=st.integers(1, 8))
+def test_horizon_oracle_knowing_everything_is_belady(trace, capacity):
+    calls = [(key,) for key in trace]
+    assert replay_mod.horizon_hits(calls, capacity, 10**6) == replay_mod.belady_hits(trace, capacity)
+
+
+@needs_traces
+def test_horizon_oracle_on_a_real_trace_prefix():
+    part = calls("W50")[:400]  # 10 tokens, 2,400 accesses; 64 slots
+    hits = {h: replay_mod.horizon_hits(part, 64, h) for h in (0, 1, 10**6)}
+    # told nothing it is next-use; told the next token it is as good as told everything here
+    assert hits == {0: 385, 1: 534, 10**6: 534}
+    assert replay_mod.policy_hits(part, "next-use", 64) == 385
+    assert replay_mod.belady_hits(replay_mod.flatten(part), 64) == 562  # may evict within a call
+
+
 @needs_traces
 def test_main_prints_the_route_tables(capsys):
     path = str(TRACES / "route_W50.csv")
