@@ -11,6 +11,11 @@ count; route CSVs default to 256,512,1024,2048,4096,6304 slots. Every miss is ad
 (demand fetching) into one global cache, except "P/layer": one cache per layer, the slots
 split evenly. Belady's MIN (evict the key whose next use is farthest) is the optimum.
 
+A route CSV row is one engine call (one layer of one token) and is replayed in the engine's
+order (StreamingExperts.experts): all its experts are looked up, hits held, then the misses
+admitted, so an eviction never takes an expert of the call being served. JSONL and synthetic
+traces replay one access at a time.
+
 For route CSVs it also prints what the trace says about prefetching and warm starts (two or
 more traces: each warmed by the previous one, the first by the last).
 """
@@ -29,13 +34,14 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.experts.cache import ExpertCache, ExpertKey  # noqa: E402
+from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.trace import TraceFormatError, read_trace  # noqa: E402
 
 POLICY_NAMES = ("lru", "lfu", "slru", "arc", "lfu-aging", "next-use",
                 "lru/layer", "arc/layer", "next-use/layer", "belady/layer", "belady")
 ROUTE_SLOTS = "256,512,1024,2048,4096,6304"
+HORIZON_SLOTS = (1024, 2048)  # --horizons replays only these (the issue's Belady targets)
 EXPERT_RECORD_BYTES = 13_369_344  # 12.75 MiB, one DeepSeek-V4-Flash routed expert
 
 RouteRow = tuple[int, int, tuple[int, ...]]  # (position, layer, expert ids)
@@ -72,9 +78,21 @@ def read_route_csv(path: str | Path) -> list[RouteRow]:
     return rows
 
 
+Call = tuple[ExpertKey, ...]  # one layer's distinct experts of one step: what the engine looks up at once
+
+
+def route_calls(rows: Sequence[RouteRow]) -> list[Call]:
+    """One call per row: its layer's distinct experts, in row order."""
+    return [tuple((layer, e) for e in dict.fromkeys(experts)) for _, layer, experts in rows]
+
+
 def route_accesses(rows: Sequence[RouteRow]) -> list[ExpertKey]:
     """(layer, expert) accesses in row order, each row's distinct experts once."""
-    return [(layer, e) for _, layer, experts in rows for e in dict.fromkeys(experts)]
+    return [key for call in route_calls(rows) for key in call]
+
+
+def flatten(calls: Sequence[Call]) -> list[ExpertKey]:
+    return [key for call in calls for key in call]
 
 
 def belady_hits(trace: Sequence[ExpertKey], capacity: int) -> int:
@@ -111,29 +129,61 @@ def _new_cache(policy: str, capacity: int, trace: Sequence[ExpertKey]) -> Expert
     )
 
 
-def _run(cache: ExpertCache, trace: Sequence[ExpertKey]) -> int:
-    """Demand-fetch `trace` through `cache`; returns the hits."""
+def _run(cache: ExpertCache, calls: Sequence[Call]) -> int:
+    """Demand-fetch `calls` through `cache` in the engine's order; returns the hits.
+
+    As StreamingExperts.experts does for one call: every key is looked up first; hits are
+    held (pinned) until used, misses held and admitted (an admission evicts only unheld
+    keys); hits are used first, then the misses, and each key is released (unpinned) after its
+    use. When the call needs more slots than can be held at once, the oldest held keys are
+    used and released first to make room."""
     hits = 0
-    for key in trace:
-        if cache.lookup(key) is None:
-            cache.admit(key)
-        else:
-            hits += 1
+    for call in calls:
+        held: list[ExpertKey] = []
+        waiting: list[ExpertKey] = []
+        for key in call:
+            if cache.lookup(key) is None:
+                waiting.append(key)
+            else:
+                hits += 1
+                try:
+                    cache.pin(key)
+                    held.append(key)
+                except ExpertCacheError:  # every slot held: use it at once
+                    pass
+        for key in waiting:
+            while True:
+                try:
+                    cache.pin(key)
+                except ExpertCacheError:
+                    cache.unpin(held.pop(0))
+                    continue
+                try:
+                    cache.admit(key)
+                except CacheFullError:
+                    cache.unpin(key)
+                    cache.unpin(held.pop(0))
+                    continue
+                held.append(key)
+                break
+        for key in held:
+            cache.unpin(key)
     return hits
 
 
-def policy_hits(trace: Sequence[ExpertKey], policy: str, capacity: int,
-                warm: Sequence[ExpertKey] = (), keep: bool = True) -> int:
-    """Hits of the ExpertCache policy `policy` (a POLICIES name) with `capacity` slots.
+def policy_hits(calls: Sequence[Call], policy: str, capacity: int,
+                warm: Sequence[Call] = (), keep: bool = True) -> int:
+    """Hits of the ExpertCache policy `policy` (a POLICIES name) with `capacity` slots,
+    replaying `calls` in the engine's order (`_run`).
 
     `warm`: replayed first, uncounted; then the cache keeps its contents (keep=True) or is
     flushed, keeping only the policy's own usage history (keep=False).
     """
-    cache = _new_cache(policy, capacity, list(trace) + list(warm))
+    cache = _new_cache(policy, capacity, flatten(calls) + flatten(warm))
     _run(cache, warm)
     if not keep:
         cache.flush()
-    return _run(cache, trace)
+    return _run(cache, calls)
 
 
 def layer_split(trace: Sequence[ExpertKey], capacity: int) -> dict[int, int]:
@@ -144,33 +194,43 @@ def layer_split(trace: Sequence[ExpertKey], capacity: int) -> dict[int, int]:
     return {layer: base + (i < extra) for i, layer in enumerate(layers)}
 
 
-def per_layer_hits(trace: Sequence[ExpertKey], policy: str, capacity: int) -> int:
-    """Hits with one cache per layer (slots from `layer_split`); a 0-slot layer always misses."""
-    by_layer: dict[int, list[ExpertKey]] = defaultdict(list)
-    for key in trace:
-        by_layer[key[0]].append(key)
+def per_layer_hits(calls: Sequence[Call], policy: str, capacity: int) -> int:
+    """Hits with one cache per layer (slots from `layer_split`); a 0-slot layer always misses.
+    A call's keys are all of one layer."""
+    by_layer: dict[int, list[Call]] = defaultdict(list)
+    for call in calls:
+        by_layer[call[0][0]].append(call)
     hits = 0
-    for layer, slots in layer_split(trace, capacity).items():
+    for layer, slots in layer_split(flatten(calls), capacity).items():
         if slots:
             sub = by_layer[layer]
-            hits += belady_hits(sub, slots) if policy == "belady" else policy_hits(sub, policy, slots)
+            hits += (belady_hits(flatten(sub), slots) if policy == "belady"
+                     else policy_hits(sub, policy, slots))
     return hits
 
 
-def replay(trace: Sequence[ExpertKey], policy: str, capacity: int) -> float:
-    """Hit rate of `policy` (one of POLICY_NAMES) over `trace` with `capacity` slots."""
+def replay(trace: Sequence[ExpertKey], policy: str, capacity: int,
+           calls: Sequence[Call] | None = None) -> float:
+    """Hit rate of `policy` (one of POLICY_NAMES) over `trace` with `capacity` slots.
+
+    `calls`: the trace grouped into the engine's calls (route CSVs: `route_calls`); without
+    it every access is a call of its own."""
     if policy not in POLICY_NAMES:
         raise ReplayError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
     if capacity < 1:
         raise ReplayError(f"capacity must be at least one slot, got {capacity}")
     if not trace:
         raise ReplayError("the trace is empty: nothing to replay")
+    if calls is None:
+        calls = [(key,) for key in trace]
+    elif flatten(calls) != list(trace):
+        raise ReplayError("calls do not add up to the trace")
     if policy.endswith("/layer"):
-        hits = per_layer_hits(trace, policy.removesuffix("/layer"), capacity)
+        hits = per_layer_hits(calls, policy.removesuffix("/layer"), capacity)
     elif policy == "belady":
         hits = belady_hits(trace, capacity)
     else:
-        hits = policy_hits(trace, policy, capacity)
+        hits = policy_hits(calls, policy, capacity)
     return hits / len(trace)
 
 
@@ -215,14 +275,15 @@ def parse_capacities(text: str, distinct: int) -> list[int]:
 
 
 def format_table(trace: Sequence[ExpertKey], capacities: Sequence[int], entry_bytes: int,
-                 policies: Sequence[str] = POLICY_NAMES) -> str:
-    """Hit rate per policy (columns) at each capacity (rows); GiB = the cache's size."""
+                 policies: Sequence[str] = POLICY_NAMES, calls: Sequence[Call] | None = None) -> str:
+    """Hit rate per policy (columns) at each capacity (rows); GiB = the cache's size.
+    `calls`: as in `replay`."""
     distinct = len(set(trace))
     width = max(9, *(len(p) + 1 for p in policies))
     head = f"{'slots':>7} {'of keys':>8} {'GiB':>8} |" + "".join(f"{p:>{width}}" for p in policies)
     lines = [head, "-" * len(head)]
     for cap in capacities:
-        rates = [replay(trace, p, cap) for p in policies]
+        rates = [replay(trace, p, cap, calls) for p in policies]
         lines.append(
             f"{cap:7d} {cap / distinct:8.1%} {cap * entry_bytes / 2**30:8.1f} |"
             + "".join(f"{r:>{width}.1%}" for r in rates)
@@ -252,6 +313,7 @@ def prefetch_replay(rows: Sequence[RouteRow], policy: str, capacity: int, top: i
     After each layer call, the `top` experts of the next layer that co-occurred most often
     (same token, this trace so far) with this call's experts are admitted if not resident.
     Learned online from the routing alone: no hidden states, so this is not router lookahead.
+    Replays one access at a time (not in calls like `policy_hits`).
     """
     accesses = route_accesses(rows)
     cache = _new_cache(policy, capacity, accesses)
@@ -281,9 +343,64 @@ def prefetch_replay(rows: Sequence[RouteRow], policy: str, capacity: int, top: i
     return hits / len(accesses), admissions / len(accesses)
 
 
+def horizon_hits(calls: Sequence[Call], capacity: int, tokens: int,
+                 gamma: float = 0.93, prior: float = 0.1) -> int:
+    """Hits of next-use's score given an oracle: the exact experts of the next `tokens`
+    tokens (tokens x layers calls). An oracle, not a policy: it shows how much of Belady's
+    lead comes from knowing the near future.
+
+    Keys the horizon says are needed are evicted last, farthest next use first (with every
+    future known this is Belady's MIN); the others by next-use's expected next use (the
+    NextUsePolicy formula with the same gamma and prior, re-computed by a scan of the
+    resident keys: O(capacity) per eviction). Calls in the engine's order (`_run`)."""
+    cycle = len({call[0][0] for call in calls})
+    horizon = tokens * cycle
+    uses: dict[ExpertKey, list[int]] = defaultdict(list)  # key -> indices of its calls
+    for i, call in enumerate(calls):
+        for key in call:
+            uses[key].append(i)
+    nxt = {key: 0 for key in uses}  # key -> position in uses[key] of its next call
+    window = 1.0 / (1.0 - gamma)
+    visits: Counter[int] = Counter()  # layer -> its visits so far
+    last_visit: dict[int, int] = {}  # layer -> index of its last call
+    count: dict[ExpertKey, tuple[float, int]] = {}  # key -> (decayed uses, its layer's visit then)
+    resident: set[ExpertKey] = set()
+    hits = 0
+    for i, call in enumerate(calls):
+        layer = call[0][0]
+        visits[layer] += 1
+        last_visit[layer] = i
+        for key in call:
+            nxt[key] += 1
+        for key in call:
+            if key in resident:
+                hits += 1
+                continue
+            if len(resident) >= capacity:
+                best, victim = None, None
+                for r in resident.difference(call):
+                    future = uses[r][nxt[r]] if nxt[r] < len(uses[r]) else len(calls) + horizon + 1
+                    if future - i <= horizon:  # known: Belady's order, after every unknown key
+                        rank = (0, future)
+                    else:
+                        value, at = count[r]
+                        c = value * gamma ** (visits[r[0]] - at)
+                        d = max(1, cycle - (i - last_visit[r[0]]))
+                        rank = (1, d + cycle * ((window + 1.0) / (c + prior) - 1.0))
+                    if best is None or rank > best:
+                        best, victim = rank, r
+                resident.discard(victim)
+            resident.add(key)
+        for key in call:
+            value, at = count.get(key, (0.0, visits[layer]))
+            count[key] = (value * gamma ** (visits[layer] - at) + 1.0, visits[layer])
+    return hits
+
+
 def route_report(names: Sequence[str], traces: Sequence[Sequence[RouteRow]],
-                 capacities: Sequence[int]) -> str:
-    """Temporal reuse, trace-only prefetch and warm starts for route CSV traces."""
+                 capacities: Sequence[int], horizons: Sequence[int] = ()) -> str:
+    """Temporal reuse, trace-only prefetch and warm starts for route CSV traces; with
+    `horizons`, next-use's hit rate given the next H tokens exactly (`horizon_hits`)."""
     out = ["", "temporal reuse: share of a layer's selections also chosen by the previous 1 / 2 / 4 tokens"]
     for name, rows in zip(names, traces):
         out.append(f"  {name}: " + " / ".join(f"{temporal_reuse(rows, lag):.1%}" for lag in (1, 2, 4)))
@@ -297,18 +414,29 @@ def route_report(names: Sequence[str], traces: Sequence[Sequence[RouteRow]],
     if len(traces) >= 2:
         out.append("")
         out.append("warm start (warmed by the previous trace): cold / history only (flushed) / contents kept")
-        accesses = [route_accesses(rows) for rows in traces]
+        calls = [route_calls(rows) for rows in traces]
         for i, name in enumerate(names):
-            warm_name, warm = names[i - 1], accesses[i - 1]
+            warm_name, warm = names[i - 1], calls[i - 1]
             for policy in ("lru", DEFAULT_POLICY):
                 cells = []
                 for cap in capacities:
-                    n = len(accesses[i])
-                    cold = policy_hits(accesses[i], policy, cap) / n
-                    hist = policy_hits(accesses[i], policy, cap, warm, keep=False) / n
-                    kept = policy_hits(accesses[i], policy, cap, warm, keep=True) / n
+                    n = len(flatten(calls[i]))
+                    cold = policy_hits(calls[i], policy, cap) / n
+                    hist = policy_hits(calls[i], policy, cap, warm, keep=False) / n
+                    kept = policy_hits(calls[i], policy, cap, warm, keep=True) / n
                     cells.append(f"{cap}: {cold:.1%} {hist:.1%} {kept:.1%}")
                 out.append(f"  {name} after {warm_name}, {policy:>8}: " + " | ".join(cells))
+    if horizons:
+        out.append("")
+        out.append("next-use told the next H tokens' experts exactly (an oracle): hit rate for H = "
+                   + " / ".join(map(str, horizons)) + ", then Belady")
+        for name, rows in zip(names, traces):
+            calls = route_calls(rows)
+            n = len(flatten(calls))
+            for cap in [c for c in capacities if c in HORIZON_SLOTS]:
+                cells = [f"{horizon_hits(calls, cap, h) / n:.1%}" for h in horizons]
+                cells.append(f"{belady_hits(flatten(calls), cap) / n:.1%}")
+                out.append(f"  {name} {cap:5d} slots: " + " / ".join(cells))
     return "\n".join(out)
 
 
@@ -323,6 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-dedupe", action="store_true",
                     help="JSONL: one access per (token, expert) instead of per distinct expert per call")
     ap.add_argument("--no-report", action="store_true", help="route CSVs: only the hit-rate tables")
+    ap.add_argument("--horizons", default="",
+                    help="route CSVs: also replay next-use told the next H tokens exactly, for each H "
+                         "in this list (e.g. 0,1,2,4; slow: a scan per eviction)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf", type=float, default=1.0)
@@ -335,12 +466,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if p not in POLICY_NAMES:
                 raise ReplayError(f"unknown policy {p!r}; choose from {', '.join(POLICY_NAMES)}")
         routes = all(t.endswith(".csv") for t in args.trace) and bool(args.trace)
+        grouped: dict[str, list[Call]] = {}  # route CSVs: replayed call by call
         if args.synthetic:
             sources = {f"synthetic Zipf(s={args.zipf}) trace, {args.steps} steps, seed {args.seed}":
                        synthetic_trace(steps=args.steps, zipf=args.zipf, seed=args.seed)}
         elif routes:
             rows = [read_route_csv(t) for t in args.trace]
             sources = {t: route_accesses(r) for t, r in zip(args.trace, rows)}
+            grouped = {t: route_calls(r) for t, r in zip(args.trace, rows)}
         elif len(args.trace) == 1:
             sources = {args.trace[0]: list(read_trace(args.trace[0], dedupe=not args.no_dedupe))}
         else:
@@ -353,10 +486,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             capacities[source] = parse_capacities(args.capacities or default_caps, len(set(trace)))
             print(f"{source}: {len(trace)} accesses, {len(set(trace))} distinct experts; "
                   f"hit rate (default policy: {DEFAULT_POLICY})")
-            print(format_table(trace, capacities[source], args.entry_bytes, policies))
+            print(format_table(trace, capacities[source], args.entry_bytes, policies,
+                               grouped.get(source)))
         if routes and not args.no_report:
+            try:
+                horizons = [int(h) for h in args.horizons.split(",") if h.strip()]
+            except ValueError:
+                raise ReplayError(f"--horizons {args.horizons!r} must be a list of token counts") from None
             print(route_report([Path(t).stem for t in args.trace], rows,
-                               [c for c in capacities[args.trace[0]] if c <= 2048]))
+                               [c for c in capacities[args.trace[0]] if c <= 2048], horizons))
     except (ReplayError, TraceFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -319,7 +319,10 @@ class LFUAgingPolicy:
     `half_life` uses of the cache (default: capacity). O(log n) per operation.
 
     Scores are kept as log(sum of 2**(use time / half_life)), which orders keys like the
-    decayed counts without ever rescaling them. A key's count restarts at admission.
+    decayed counts without ever rescaling them. A key's count restarts at admission. A key
+    that left without being evicted (pinned: the engine holds every expert of a call) and is
+    added back with count >= 2 gets its score back: the hit that led to the hold was counted
+    by `touch` already.
     """
 
     name = "lfu-aging"
@@ -328,6 +331,8 @@ class LFUAgingPolicy:
         self._rate = math.log(2.0) / (half_life or max(1, capacity))
         self._time = 0
         self._score: dict[ExpertKey, float] = {}
+        self._parked: dict[ExpertKey, float] = {}  # scores of keys that left but were not evicted
+        self._victim: ExpertKey | None = None
         self._heap = _LazyMinHeap()
 
     def _use(self, key: ExpertKey, weight: int) -> None:
@@ -339,18 +344,26 @@ class LFUAgingPolicy:
     def add(self, key: ExpertKey, count: int = 1) -> None:
         if count < 1:
             raise PolicyError(f"use count must be >= 1, got {count}")
-        self._use(key, count)
+        parked = self._parked.pop(key, None)
+        if parked is not None and count >= 2:  # back from a hold: its uses are in its score
+            self._score[key] = parked
+            self._heap.push(parked, key, len(self._score), self._score)
+        else:
+            self._use(key, count)
 
     def touch(self, key: ExpertKey) -> None:
         self._use(key, 1)
 
     def discard(self, key: ExpertKey) -> None:
-        del self._score[key]
+        score = self._score.pop(key)
+        if key != self._victim:
+            self._parked[key] = score
+        self._victim = None
 
     def victim(self) -> ExpertKey | None:
         top = self._heap.top(self._score)
-        return None if top is None else top[1]
-
+        self._victim = None if top is None else top[1]
+        return self._victim
     def __len__(self) -> int:
         return len(self._score)
 
@@ -363,28 +376,45 @@ class NextUsePolicy:
 
     The engine looks experts up layer by layer, in the same cycle every token (decode step or
     prefill chunk). The policy follows that cycle from the keys it is given: a key of another
-    layer than the previous key, or a key already used in the current visit, starts a visit
-    of its layer; the cycle's length is the number of distinct layers seen. For a resident
-    key (layer l, expert e):
+    layer than the previous key, or a lookup hit (`touch`) of a key already used in the
+    current visit, starts a visit of its layer (an `add` of such a key is the engine giving
+    back a key it held for the call, not a new use); the cycle's length is the number of
+    distinct layers seen. For a resident key (layer l, expert e):
 
-    - d: layer visits until l comes round again (cycle - visits since l's last visit, at
-      least 1; 0 for the layer being visited now, whose keys may be needed in this call);
+    - d: layer visits until l comes round again (cycle - visits since l's last visit). For
+      the layer being visited now d = cycle: the engine looks up every expert
+      of a call before it admits the misses, and holds the call's experts (pinned, so not in
+      this policy) until they are used, so no other key of this layer is needed before its
+      next visit;
     - c: its uses, each weighted gamma**(visits of l since that use); kept after eviction, so
       a re-admitted expert keeps its history (bounded by the distinct keys, layers x experts);
-    - p = (c + 0.1) / (1 / (1 - gamma) + 1): the chance that l's next visit selects it;
-    - expected next use = d + cycle * (1/p - 1) layer visits; the victim maximises it.
+    - p = (c + prior) / (1 / (1 - gamma) + 1): the chance that l's next visit selects it;
+    - expected next use = d + cycle * (1/p - 1) layer visits; the victim maximises it;
+    - but when that victim is dead (c < `dead`: no evidence left that it will be needed) and
+      so is the least recently used key, that one goes: among keys the counts know nothing
+      about, recency is the better guess. It decides only near-full caches (3,300-4,300 slots
+      on route_W130), where it kept the default from falling 1-3 hits below LRU.
 
     Within a layer all keys share d, so each layer keeps a min-heap of c (stored as log of a
-    growing-weight sum, which never needs rescaling); `victim` compares the layers' minima:
-    O(layers + log n). gamma=0.93 was chosen on route_W130 and is also the best on route_W50
-    (bench/cache_replay.py).
+    growing-weight sum, which never needs rescaling), and the layers' least used keys sit in a
+    heap of layers (`_priority`), refreshed for the layers that changed: `victim` is
+    O(changed layers x log n), one or two layers per eviction in decode. gamma=0.93, prior=0.1
+    and dead=0.01 were chosen on route_W130 (bench/cache_replay.py); route_W50 is the
+    held-out check.
     """
 
     name = "next-use"
 
-    def __init__(self, capacity: int, gamma: float = 0.93) -> None:
+    def __init__(self, capacity: int, gamma: float = 0.93, prior: float = 0.1,
+                 dead: float = 0.01) -> None:
         if not 0.0 < gamma < 1.0:
             raise PolicyError(f"gamma must be in (0, 1), got {gamma}")
+        if prior <= 0.0:
+            raise PolicyError(f"prior must be > 0, got {prior}")
+        if dead < 0.0:
+            raise PolicyError(f"dead must be >= 0, got {dead}")
+        self._prior, self._dead = prior, dead
+        self._recency: OrderedDict[ExpertKey, None] = OrderedDict()  # resident keys, least recent first
         self._rate = -math.log(gamma)  # log-weight gained per visit of a key's layer
         self._window = 1.0 / (1.0 - gamma)
         self._visit = 0  # layer visits so far, all layers
@@ -396,26 +426,30 @@ class NextUsePolicy:
         self._history: dict[ExpertKey, float] = {}  # key -> log weighted use count
         self._counted: dict[ExpertKey, int] = {}  # key -> its layer's visit of its last counted use
         self._score: dict[ExpertKey, float] = {}  # resident keys -> score in their heap
-        # layer -> (1/p - 1, its least used key), None when the layer changed since
-        self._top: dict[int, tuple[float, ExpertKey] | None] = {}
+        self._cycle = 0  # the cycle length the layer priorities were computed with
+        self._dirty: set[int] = set()  # layers whose priority changed since the last victim()
+        self._prio: dict[int, tuple[float, ExpertKey]] = {}  # layer -> (priority, its candidate)
+        self._layer_heap: list[tuple[float, int, ExpertKey]] = []  # (-priority, layer, key), lazy
 
-    def _use(self, key: ExpertKey, weight: int) -> None:
+    def _use(self, key: ExpertKey, weight: int, lookup: bool) -> None:
         layer = key[0]
-        if layer != self._layer or self._counted.get(key) == self._visits[layer]:
+        if layer != self._layer or (lookup and self._counted.get(key) == self._visits[layer]):
             self._layer = layer
             self._visit += 1
             self._last_visit[layer] = self._visit
             self._visits[layer] = self._visits.get(layer, 0) + 1
-            self._top[layer] = None
+            self._dirty.add(layer)
         visit = self._visits[layer]
         if self._counted.get(key) != visit:  # one use per key per visit
             self._counted[key] = visit
             self._history[key] = _log_add(self._history.get(key), math.log(weight) + visit * self._rate)
+        self._recency[key] = None
+        self._recency.move_to_end(key)
         score = self._history[key]
         if self._score.get(key) != score:
             self._score[key] = score
             self._heaps[layer].push(score, key, self._live[layer], self._score)
-            self._top[layer] = None
+            self._dirty.add(layer)
 
     def add(self, key: ExpertKey, count: int = 1) -> None:
         if count < 1:
@@ -426,38 +460,60 @@ class NextUsePolicy:
             self._live[layer] = 0
         self._live[layer] += 1
         self._score[key] = math.nan  # resident; its heap entry is pushed by _use
-        self._use(key, count)
+        self._use(key, count, lookup=False)
 
     def touch(self, key: ExpertKey) -> None:
-        self._use(key, 1)
+        self._use(key, 1, lookup=True)
 
     def discard(self, key: ExpertKey) -> None:
         del self._score[key]
+        del self._recency[key]
         self._live[key[0]] -= 1
-        self._top[key[0]] = None
+        self._dirty.add(key[0])
 
-    def _layer_top(self, layer: int) -> tuple[float, ExpertKey]:
-        """(1/p - 1, key) of the layer's least used resident key, cached until the layer changes."""
-        top = self._top.get(layer)
-        if top is None:
-            log_count, key = self._heaps[layer].top(self._score)
-            count = math.exp(log_count - self._visits[layer] * self._rate)
-            top = self._top[layer] = ((self._window + 1.0) / (count + 0.1) - 1.0, key)
-        return top
+    def _count(self, key: ExpertKey) -> float:
+        """c: the key's decayed use count now."""
+        return math.exp(self._history[key] - self._visits[key[0]] * self._rate)
+
+    def _priority(self, layer: int, cycle: int) -> tuple[float, ExpertKey]:
+        """(last visit + cycle * (1/p - 1), key) of the layer's least used resident key.
+
+        A key's expected next use is d + cycle * (1/p - 1) with d = last visit - (visits so
+        far - cycle): the term (cycle - visits so far) is common to every layer, so layers
+        rank by this priority, which changes only when the layer itself does."""
+        log_count, key = self._heaps[layer].top(self._score)
+        count = math.exp(log_count - self._visits[layer] * self._rate)
+        odds = (self._window + 1.0) / (count + self._prior) - 1.0
+        return self._last_visit[layer] + cycle * odds, key
 
     def victim(self) -> ExpertKey | None:
         cycle = len(self._last_visit)
-        now, current = self._visit - cycle, self._layer
-        best, chosen, tops, live = -1.0, None, self._top, self._live
-        for layer, last in self._last_visit.items():
-            if not live.get(layer):
-                continue
-            odds, key = tops.get(layer) or self._layer_top(layer)
-            d = 0 if layer == current else max(1, last - now)  # cycle - (visits since its last)
-            expected = d + cycle * odds
-            if expected > best:
-                best, chosen = expected, key
-        return chosen
+        if cycle != self._cycle:  # a layer seen for the first time: every priority changes
+            self._cycle = cycle
+            self._dirty.update(self._last_visit)
+        heap, prio = self._layer_heap, self._prio
+        for layer in self._dirty:
+            if self._live.get(layer):
+                prio[layer] = entry = self._priority(layer, cycle)
+                heapq.heappush(heap, (-entry[0], layer, entry[1]))
+            else:
+                prio.pop(layer, None)
+        self._dirty.clear()
+        if len(heap) > 4 * len(prio) + 64:  # compact: drop stale entries
+            heap[:] = [(-v, layer, key) for layer, (v, key) in prio.items()]
+            heapq.heapify(heap)
+        while heap:
+            neg, layer, key = heap[0]
+            if prio.get(layer) == (-neg, key):
+                break
+            heapq.heappop(heap)
+        else:
+            return None
+        if self._count(key) < self._dead:  # no evidence left: the least recent dead key goes
+            oldest = next(iter(self._recency))
+            if self._count(oldest) < self._dead:
+                return oldest
+        return key
 
     def __len__(self) -> int:
         return len(self._score)

@@ -209,6 +209,19 @@ def route(name: str) -> tuple:
     return tuple(replay_mod.route_accesses(replay_mod.read_route_csv(TRACES / f"route_{name}.csv")))
 
 
+@lru_cache(maxsize=None)
+def calls(name: str) -> tuple:
+    return tuple(replay_mod.route_calls(replay_mod.read_route_csv(TRACES / f"route_{name}.csv")))
+
+
+@lru_cache(maxsize=None)
+def real_hits(name: str, policy: str, slots: int) -> int:
+    """Hits of one replay of a shipped trace, in the engine's call order (cached per module)."""
+    if policy == "belady":
+        return replay_mod.belady_hits(route(name), slots)
+    return replay_mod.policy_hits(calls(name), policy, slots)
+
+
 @needs_traces
 def test_route_csv_is_read_in_position_then_layer_order():
     rows = replay_mod.read_route_csv(TRACES / "route_W130.csv")
@@ -218,16 +231,21 @@ def test_route_csv_is_read_in_position_then_layer_order():
     assert {layer for _, layer, _ in rows} == set(range(3, 43))  # hash layers 0-2 absent
     for name, accesses, distinct in [("W130", 30960, 4457), ("W50", 11760, 2997)]:
         assert (len(route(name)), len(set(route(name)))) == (accesses, distinct)
+        assert len(calls(name)) == accesses // 6 and replay_mod.flatten(calls(name)) == list(route(name))
 
 
-# Exact hits of the deterministic replay (global cache, every miss admitted, cold start).
+# Exact hits of the deterministic replay (global cache, every miss admitted, cold start, each
+# route row one engine call: looked up, hits held, misses admitted, then released).
+REAL_SLOTS = [256, 512, 1024, 2048, 4096, 6304]
 REAL_HITS = {
-    "W130": {"lru": [12645, 16025, 20373, 24266], "next-use": [13188, 17365, 21422, 24535],
-             "slru": [11672, 16003, 21041, 24696], "belady": [18240, 21826, 24673, 26417]},
-    "W50": {"lru": [3275, 4898, 6767, 8457], "next-use": [4234, 5747, 7226, 8475],
-            "slru": [3626, 5184, 7003, 8500], "belady": [6088, 7482, 8501, 8763]},
+    "W130": {"lru": [12645, 16035, 20377, 24272, 26477, 26503],
+             "next-use": [13148, 17371, 21439, 24550, 26477, 26503],
+             "belady": [18240, 21826, 24673, 26417, 26503, 26503]},
+    "W50": {"lru": [3275, 4899, 6770, 8457, 8763, 8763],
+            "next-use": [4215, 5751, 7250, 8479, 8763, 8763],
+            "belady": [6088, 7482, 8501, 8763, 8763, 8763]},
 }
-REAL_SLOTS = [256, 512, 1024, 2048]
+SLRU_HITS = {"W130": [11671, 16032, 21045, 24696], "W50": [3630, 5182, 7007, 8500]}  # 256 .. 2048
 
 
 @needs_traces
@@ -236,14 +254,67 @@ def test_default_policy_on_real_traces(name):
     from engine.config import EngineConfig
 
     assert EngineConfig().cache_policy == replay_mod.DEFAULT_POLICY == "next-use"
-    trace = route(name)
-    got = {p: [replay_mod.policy_hits(trace, p, s) if p != "belady" else replay_mod.belady_hits(trace, s)
-               for s in REAL_SLOTS] for p in REAL_HITS[name]}
+    got = {p: [real_hits(name, p, s) for s in REAL_SLOTS] for p in REAL_HITS[name]}
     assert got == REAL_HITS[name]
-    for default, lru in zip(got["next-use"], got["lru"]):
-        assert default >= lru
+    slru = [real_hits(name, "slru", s) for s in REAL_SLOTS[:4]]
+    assert slru == SLRU_HITS[name]
     # the ghost list keeps SLRU off its old collapse (13.6 % on W130 at 256 slots: 4211 hits)
-    assert got["slru"][0] > 0.85 * got["lru"][0]
+    assert slru[0] > 0.85 * got["lru"][0]
+
+
+@needs_traces
+@pytest.mark.parametrize("name", ["W130", "W50"])
+def test_default_against_the_issue_targets(name):
+    """Never below LRU from 256 to 6,304 slots; within 8 points of Belady at 2,048 slots. Not
+    met: 10.4 / 10.6 points from Belady at 1,024 slots (Belady knows the future: see the
+    closing note of issue 27)."""
+    n = len(route(name))
+    for slots in REAL_SLOTS:
+        assert real_hits(name, "next-use", slots) >= real_hits(name, "lru", slots)
+    gap = {s: (real_hits(name, "belady", s) - real_hits(name, "next-use", s)) / n * 100 for s in (1024, 2048)}
+    assert gap[2048] < 8
+    assert gap[1024] == pytest.approx({"W130": 10.45, "W50": 10.64}[name], abs=0.01)
+
+
+@needs_traces
+def test_engine_call_order_never_evicts_an_expert_of_the_call():
+    trace = calls("W50")[:400]
+    cache = replay_mod._new_cache("next-use", 8, replay_mod.flatten(trace))
+    orig = cache.admit
+    current: list = []
+
+    def admit(key):
+        slot, evicted = orig(key)
+        assert evicted not in current  # the call's experts are held until used
+        return slot, evicted
+
+    cache.admit = admit
+    for call in trace:
+        current[:] = call
+        replay_mod._run(cache, [call])
+    assert not cache.pinned()  # every hold released
+    # a call needing more slots than the cache has runs in waves: (0, 1) is used and released
+    # to make room for (0, 3); the second call finds (0, 2) and (0, 3)
+    assert replay_mod.policy_hits([((0, 1), (0, 2), (0, 3))] * 2, "lru", 2) == 2
+    assert replay_mod.replay(route("W50")[:12], "lru", 3, calls("W50")[:2]) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=60),
+       capacity=st.integers(1, 8))
+def test_horizon_oracle_knowing_everything_is_belady(trace, capacity):
+    calls = [(key,) for key in trace]
+    assert replay_mod.horizon_hits(calls, capacity, 10**6) == replay_mod.belady_hits(trace, capacity)
+
+
+@needs_traces
+def test_horizon_oracle_on_a_real_trace_prefix():
+    part = calls("W50")[:400]  # 10 tokens, 2,400 accesses; 64 slots
+    hits = {h: replay_mod.horizon_hits(part, 64, h) for h in (0, 1, 10**6)}
+    # told nothing it is next-use; told the next token it is as good as told everything here
+    assert hits == {0: 385, 1: 534, 10**6: 534}
+    assert replay_mod.policy_hits(part, "next-use", 64) == 385
+    assert replay_mod.belady_hits(replay_mod.flatten(part), 64) == 562  # may evict within a call
 
 
 @needs_traces
@@ -255,7 +326,7 @@ def test_main_prints_the_route_tables(capsys):
     assert "11760 accesses, 2997 distinct experts" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["256", "6304"]
-    assert rows[0][4:] == ["27.8%", "36.0%", "51.8%"]
+    assert rows[0][4:] == ["27.8%", "35.8%", "51.8%"]
     assert rows[1][4:] == ["74.5%"] * 3  # everything fits: only compulsory misses
 
 

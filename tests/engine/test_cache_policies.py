@@ -103,6 +103,62 @@ def test_next_use_evicts_from_the_layer_whose_turn_is_farthest():
         NextUsePolicy(4, gamma=1.0)
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_engine_holds_do_not_change_the_eviction_order(policy):
+    """The engine holds every expert of a call (pin: the policy discards it) and gives it back
+    after use (unpin: added with its uses since admission). That is no new use and no new
+    visit of the layer: the victims are those of the same lookups without holds."""
+    import random
+
+    def victims(hold: bool) -> list:
+        rng = random.Random(0)
+        cache = ExpertCache(64, 1, num_layers=3, num_experts=6, policy=policy)
+        out = []
+        for _ in range(12):
+            for layer in range(3):
+                call = [(layer, e) for e in rng.sample(range(6), 2)]
+                for key in call:
+                    hit = cache.lookup(key) is not None
+                    if hold:
+                        cache.pin(key)
+                    if not hit:
+                        cache.admit(key)
+                if hold:
+                    for key in call:
+                        cache.unpin(key)
+                out.append(cache._policy.victim())
+        return out
+
+    assert victims(hold=True) == victims(hold=False)
+
+
+def test_next_use_never_evicts_the_layer_being_served_before_the_others():
+    p = NextUsePolicy(16)
+    for layer in (0, 1, 2):
+        p.add((layer, 5))
+    p.add((2, 6))  # still layer 2's call: (2, 5) is not needed before layer 2 comes round again
+    p.discard((2, 6))  # held by the engine
+    assert p.victim() == (2, 5)
+    with pytest.raises(PolicyError, match="prior"):
+        NextUsePolicy(4, prior=0.0)
+
+
+def test_next_use_evicts_dead_keys_least_recent_first():
+    def victim(dead: float):
+        p = NextUsePolicy(16, gamma=0.5, dead=dead)
+        p.add((0, 0))
+        p.add((1, 0))  # both used once, (0, 0) first
+        for _ in range(4):  # four tokens later both counts are 0.5**4 = 0.0625
+            for layer in (0, 1):
+                (p.touch if (layer, 1) in p else p.add)((layer, 1))
+        return p.victim()
+
+    assert victim(dead=0.0) == (1, 0)  # equal counts: the layer needed last (layer 1, served now)
+    assert victim(dead=0.2) == (0, 0)  # both dead: the least recently used
+    with pytest.raises(PolicyError, match="dead"):
+        NextUsePolicy(4, dead=-1.0)
+
+
 KEYS = st.tuples(st.integers(0, 2), st.integers(0, 3))
 OPS = st.lists(st.tuples(st.sampled_from(["use"] * 5 + ["prefetch", "pin", "unpin", "flush", "discard"]),
                          KEYS), max_size=80)
