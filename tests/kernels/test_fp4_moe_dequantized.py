@@ -5,34 +5,16 @@ run (tests/kernels/test_kernels_gpu.py) only adds the backend's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from expert_arena import expert_arena
 
 from kernels import reference as ref
 from kernels.fp4_moe import dequant_fp4_bf16, expert_spans, fp4_moe_dequantized
 
 
-@dataclass(frozen=True)
-class Field:
-    offset: int
-    shape: tuple[int, int]
-
-
 def arena(slots: int, inter: int, dim: int, gen: torch.Generator):
-    """uint8 [slots, record]: w1, w1.scale, w3, w3.scale, w2, w2.scale back to back (sane scales)."""
-    shapes = {"w1.weight": (inter, dim // 2), "w1.scale": (inter, dim // 32), "w3.weight": (inter, dim // 2),
-              "w3.scale": (inter, dim // 32), "w2.weight": (dim, inter // 2), "w2.scale": (dim, inter // 32)}
-    fields, off = {}, 0
-    for name, shp in shapes.items():
-        fields[name] = Field(off, shp)
-        off += shp[0] * shp[1]
-    data = torch.randint(0, 256, (slots, off), generator=gen, dtype=torch.uint8)
-    for name, f in fields.items():
-        if name.endswith("scale"):
-            n = f.shape[0] * f.shape[1]
-            data[:, f.offset:f.offset + n] = torch.randint(118, 128, (slots, n), generator=gen, dtype=torch.uint8)
+    data, fields, _ = expert_arena(slots, inter, dim, gen)
     return data, fields
 
 

@@ -9,6 +9,8 @@ tolerance (each test prints its measured error; run with -s to see them).
 import pytest
 import torch
 
+from expert_arena import expert_arena
+
 from kernels import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -302,31 +304,8 @@ def test_fp4_gemm_matches_reference(m, n, k, gen):
     assert err < 4e-3
 
 
-class _Field:
-    def __init__(self, offset, shape):
-        self.offset, self.shape = offset, shape
-
-
 def _arena(slots: int, inter: int, dim: int, gen):
-    """uint8 [slots, record] records holding w1, w1.scale, w3, w3.scale, w2, w2.scale back to back."""
-    shapes = {"w1.weight": (inter, dim // 2), "w1.scale": (inter, dim // 32), "w3.weight": (inter, dim // 2),
-              "w3.scale": (inter, dim // 32), "w2.weight": (dim, inter // 2), "w2.scale": (dim, inter // 32)}
-    fields, off = {}, 0
-    for name, shp in shapes.items():
-        fields[name] = _Field(off, shp)
-        off += shp[0] * shp[1]
-    record = -(-off // 4096) * 4096
-    data = torch.randint(0, 256, (slots, record), generator=gen, device=DEV, dtype=torch.uint8)
-    for name, f in fields.items():  # sane exponents for the scale fields
-        if name.endswith("scale"):
-            n = f.shape[0] * f.shape[1]
-            data[:, f.offset:f.offset + n] = torch.randint(118, 128, (slots, n), generator=gen, device=DEV,
-                                                           dtype=torch.uint8)
-
-    def expert(slot):
-        t = {name: data[slot, f.offset:f.offset + f.shape[0] * f.shape[1]].view(f.shape) for name, f in fields.items()}
-        return {k: (v.view(torch.float8_e8m0fnu) if k.endswith("scale") else v.view(torch.int8)) for k, v in t.items()}
-    return data, fields, expert
+    return expert_arena(slots, inter, dim, gen, DEV)
 
 
 @pytest.mark.parametrize("inter,dim", [(2048, 4096), (256, 384)])
