@@ -18,6 +18,11 @@ budget of one record the call runs strictly one expert at a time.
 reading those experts early and holds them until `experts(layer, ...)` uses them; prefetch holds
 take at most `prefetch_share` of the slots, and are dropped if the current call needs their
 slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
+`prefetch_predicted(layer, ids, keep)` (router lookahead) does the same for predicted experts,
+holding the resident `keep` keys (the current layer's route) while it admits, so that no expert
+the current layer needs is evicted for a guess. `prefetches` (engine/experts/prefetch.py) counts
+the hints against the route that settles them: in `experts` and `acquire`, before any read of
+the call is joined, a prefetched read is "in time" when its read has completed.
 
 With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
 RAM when the tier holds the record (one asynchronous host->device copy), else read from the
@@ -203,6 +208,7 @@ class StreamingExperts(ExpertProvider):
                 started = True
             return started
 
+        self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
         try:
             for key in set(self._prefetched.pop(layer, ())) - set(keys):
                 self._settle(key)  # a prefetch hint this call does not use
@@ -248,6 +254,7 @@ class StreamingExperts(ExpertProvider):
         CacheFullError when the budget cannot hold all of them at the same time."""
         keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
         user = self.cache.pinned() - self._held
+        self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
         for key in set(self._prefetched.pop(layer, ())) - set(keys):
             self._settle(key)
         held: list[ExpertKey] = []
@@ -307,20 +314,45 @@ class StreamingExperts(ExpertProvider):
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Start reading these experts of `layer` now and keep them until its next call."""
+        self._prefetch(layer, ids, "hash", ())
+
+    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
+        """`prefetch` of predicted experts; the resident `keep` keys are held meanwhile (never evicted)."""
+        self._prefetch(layer, ids, "lookahead", keep)
+
+    def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
+        ids = list(dict.fromkeys(int(i) for i in ids))
+        self.prefetches.predict(layer, ids, source)
         user = self.cache.pinned() - self._held
-        mine = self._prefetched.setdefault(layer, [])
-        for e in dict.fromkeys(int(i) for i in ids):
-            key = (layer, e)
-            if key in self._held:
-                continue
-            if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
-                break
-            if self.cache.peek(key) is not None:
-                if not self._hold(key, user):
+        kept = [key for key in dict.fromkeys(keep)
+                if key not in self._held and self.cache.peek(key) is not None and key not in user
+                and self._hold(key, user)]
+        try:
+            mine = self._prefetched.setdefault(layer, [])
+            for e in ids:
+                key = (layer, e)
+                if key in self._held:
+                    continue
+                if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
                     break
-            elif not self._admit(key, user):
-                break
-            mine.append(key)
+                if self.cache.peek(key) is not None:
+                    if not self._hold(key, user):
+                        break
+                elif not self._admit(key, user):
+                    break
+                else:
+                    self.prefetches.issued(key, source)
+                mine.append(key)
+        finally:
+            for key in kept:
+                self._release(key)
+
+    def _arrival(self, key: ExpertKey) -> str:
+        """Where a prefetched read stands now (engine/experts/prefetch.py PrefetchLedger.route)."""
+        if self.cache.peek(key) is None:
+            return "gone"
+        fut = self._loads.get(key)
+        return "in_time" if fut is None or fut.done() else "in_flight"
 
     # ------------------------------------------------------------------ management
     def pinned(self) -> frozenset[ExpertKey]:
@@ -344,6 +376,7 @@ class StreamingExperts(ExpertProvider):
     def flush(self) -> list[ExpertKey]:
         """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
         self._drop_prefetches()
+        self.prefetches.forget()
         for key in list(self._loads):
             self._settle(key)
         evicted = self.cache.flush()
