@@ -165,3 +165,39 @@ def test_engine_config_knob(tmp_path):
             texts[on] = "".join(getattr(e, "text", "") for e in events)
             routed[on] = eng.experts.prefetch_stats()["lookahead"].routed
     assert texts[True] == texts[False] and routed[True] > 0 and routed[False] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch", "tilelang"])
+def test_layered_cuda_graphs_with_lookahead_equal_those_without(packed, record, backend):
+    """On CUDA the prediction is captured in the layered graphs: replayed steps are bitwise the
+    steps without lookahead, and the provider counts its hints."""
+    from kernels.backend import make_backend
+
+    dev = torch.device("cuda")
+    out = {}
+    for lookahead in (False, True):
+        files = open_model(packed, cache_bytes=6 * record, device="cuda")
+        try:
+            model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                                Numerics.named("native", make_backend(backend, dev)), lookahead=lookahead)
+            runner = DecodeRunner(model, files.experts, whole=False, graphs=True)
+            with torch.inference_mode():
+                state = model.new_state()
+                tok = model.forward(PROMPT.to(dev), state, files.experts, last_only=True).argmax(-1)
+                before = files.experts.prefetch_stats()["lookahead"]
+                logits = []
+                for _ in range(12):
+                    logits.append(runner.step(state, tok))
+                    tok = logits[-1].argmax(-1)
+            assert runner.captures >= 1 and runner.capture_error is None
+            look = files.experts.prefetch_stats()["lookahead"]
+            out[lookahead] = (logits, look.routed - before.routed, look.predicted - before.predicted)
+            _check_counters(look)
+            assert files.experts.cache.pinned() == frozenset()
+        finally:
+            files.close()
+    for a, b in zip(out[False][0], out[True][0]):
+        assert torch.equal(a, b)
+    assert out[False][1] == 0 and out[True][1] == 12 * 2 * 4 and out[True][2] > 0.5 * out[True][1]
