@@ -241,6 +241,9 @@ class StreamingExperts(ExpertProvider):
                 unprotected.discard(key)
                 self._release(key)
                 issue()
+        except BaseException:  # a failed read or an abandoned call: no hint outlives it either
+            self._drop_prefetches()
+            raise
         finally:  # normal end, consumer stopped early, or an error: leave nothing held
             for key in keys:
                 self._settle(key)
@@ -276,6 +279,7 @@ class StreamingExperts(ExpertProvider):
                 self._join(key)
         except BaseException:
             self.release(layer)
+            self._drop_prefetches()
             raise
 
     def release(self, layer: int) -> None:
