@@ -20,7 +20,10 @@ take at most `prefetch_share` of the slots, and are dropped if the current call 
 slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
 `prefetch_predicted(layer, ids, keep)` (router lookahead) does the same for predicted experts,
 holding the resident `keep` keys (the current layer's route) while it admits, so that no expert
-the current layer needs is evicted for a guess. `prefetches` (engine/experts/prefetch.py) counts
+the current layer needs is evicted for a guess. With `keep` (the eager model hints before the
+current layer's call) the hint waits until that call has queued its own reads (the I/O queue is
+FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
+the current layer's experts are held) it is issued at once. `prefetches` (engine/experts/prefetch.py) counts
 the hints against the route that settles them: in `experts` and `acquire`, before any read of
 the call is joined, a prefetched read is "in time" when its read has completed.
 
@@ -70,6 +73,7 @@ class StreamingExperts(ExpertProvider):
         self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
+        self._deferred: tuple[int, list[int], list[ExpertKey]] | None = None  # a hint waiting for keep's call
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
         if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
@@ -185,6 +189,7 @@ class StreamingExperts(ExpertProvider):
         self._release(key)
 
     def _drop_prefetches(self) -> None:
+        self._deferred = None
         for keys in self._prefetched.values():
             for key in keys:
                 self._settle(key)
@@ -220,6 +225,7 @@ class StreamingExperts(ExpertProvider):
                     if not self._hold(key, user):
                         unprotected.add(key)
             issue()
+            self._issue_deferred(layer)  # after this call's own reads are queued
             while ready or loading or waiting:
                 if ready:
                     key = ready.popleft()
@@ -274,6 +280,7 @@ class StreamingExperts(ExpertProvider):
                                      f"{self.cache.capacity_slots} cache slots; unpin some or give the "
                                      "expert cache a larger budget")
             held.append(key)
+        self._issue_deferred(layer)
         try:
             for key in keys:
                 self._join(key)
@@ -321,8 +328,23 @@ class StreamingExperts(ExpertProvider):
         self._prefetch(layer, ids, "hash", ())
 
     def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
-        """`prefetch` of predicted experts; the resident `keep` keys are held meanwhile (never evicted)."""
-        self._prefetch(layer, ids, "lookahead", keep)
+        """`prefetch` of predicted experts; the resident `keep` keys are held meanwhile (never
+        evicted). With `keep`, issued when the call of keep's layer has queued its reads (module
+        docstring)."""
+        keep = list(dict.fromkeys(keep))
+        if self._deferred is not None:  # an older hint whose call never came: issue it now
+            self._issue_deferred(self._deferred[2][0][0])
+        if keep:
+            self._deferred = (layer, list(ids), keep)
+        else:
+            self._prefetch(layer, ids, "lookahead", ())
+
+    def _issue_deferred(self, layer: int) -> None:
+        """Issue the hint waiting for `layer`'s call, if any."""
+        if self._deferred is not None and self._deferred[2][0][0] == layer:
+            target, ids, keep = self._deferred
+            self._deferred = None
+            self._prefetch(target, ids, "lookahead", keep)
 
     def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
         ids = list(dict.fromkeys(int(i) for i in ids))
