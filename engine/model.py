@@ -188,7 +188,8 @@ class Transformer:
         return nxt.ffn.route(nxt.norm(hidden, nxt.ffn_norm, nxt.eps), ids)[0]
 
     def _ahead(self, experts: ExpertProvider) -> Lookahead:
-        """The eager path's lookahead: predicted experts of layer L+1 to the provider, keeping L's."""
+        """The eager path's lookahead: layer L+1's predicted experts to the provider with L's route as
+        `keep` (never evicted; the hint's reads queue after L's own, engine/experts/streaming.py)."""
         def ahead(layer: int, hidden: torch.Tensor, ids: torch.Tensor, routed: torch.Tensor) -> None:
             predicted = self.predict_next(layer, hidden, ids)
             if predicted is not None:
