@@ -3,6 +3,7 @@
     python -m bench.full_depth [--experts 24] [--layers 43] [--shares 1,0.5,0.25]
                                [--prompts 16,128,724,2048] [--tokens 64] [--workdir /tmp/dsv4fd]
                                [--routing-trace shared/traces/route_W130.csv]
+                               [--timing-pack [--base-experts 24]]
 
 1. builds (once per workdir) a synthetic checkpoint with DeepSeek-V4-Flash's real dimensions,
    `--layers` layers and `--experts` routed experts per layer (`dsv4-synth --preset flash`,
@@ -20,6 +21,15 @@
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
 so that cache behaviour is realistic: TIMING ONLY, the generated text is meaningless (the run says so).
+
+`--timing-pack` runs on a timing-only pack (bench/timing_pack.py) with `--experts` per layer made
+from the `--base-experts` pack: its expert records are file holes (zeros, no disk blocks), so 43
+layers x 256 real-size experts fit a small disk. TIMING ONLY (the run says so): every expert
+computes zero, and a record read from the "disk" is a hole the kernel zero-fills, so misses
+served from the disk tier time the page-cache/memory path, not a drive. The H200 run of issue 27:
+
+    python -m bench.full_depth --experts 256 --timing-pack --shares 0.25,0.5 \
+        --routing-trace ../shared/traces/route_W130.csv
 
 The per-token bytes are the resident weights (all but the embedding and the MTP block) plus 6
 experts a layer; the roofline is those bytes at the copy bandwidth measured here.
@@ -61,6 +71,21 @@ def build_pack(workdir: Path, layers: int, experts: int) -> Path:
     t2 = time.perf_counter()
     shutil.rmtree(src)
     print(f"built {pack}: synth {t1 - t0:.0f} s, convert {t2 - t1:.0f} s", flush=True)
+    return pack
+
+
+def timing_pack(workdir: Path, layers: int, base_experts: int, experts: int) -> Path:
+    """The timing-only pack with `experts` per layer (bench/timing_pack.py) under workdir, made
+    (once) from the real `base_experts` pack; says TIMING ONLY."""
+    from bench.timing_pack import TIMING_NOTE, disk_usage, make_timing_pack
+
+    base = build_pack(workdir, layers, base_experts)
+    t0 = time.perf_counter()
+    pack = make_timing_pack(base, workdir / f"timing_L{layers}_E{experts}_from{base_experts}", experts)
+    size, used = disk_usage(pack)
+    print(f"{TIMING_NOTE}: {pack}, {experts} experts per layer ({time.perf_counter() - t0:.0f} s), "
+          f"{size / GiB:.1f} GiB apparent, {used / GiB:.1f} GiB on disk; records read from the disk tier are "
+          "holes (zero-filled by the kernel, no drive I/O)", flush=True)
     return pack
 
 
@@ -133,8 +158,13 @@ def child(a) -> dict:
     from engine.weights import model_footprint
     from kernels.backend import compiled_kernels
 
+    from bench.timing_pack import TIMING_NOTE, is_timing_pack
+
     pack = Path(a.pack)
     pool = model_footprint(pack).pool
+    timing_only = is_timing_pack(pack)
+    if timing_only:
+        print(f"  {pack}: {TIMING_NOTE}", file=sys.stderr, flush=True)
     cache = None if a.share >= 1.0 else int(pool * a.share)
     cuda = a.device == "cuda"  # the CPU runs only check this script (torch reference, no graphs)
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
@@ -155,7 +185,7 @@ def child(a) -> dict:
     routing = eng.model.routing.note if eng.model.routing is not None else None
     if routing is not None:
         print(f"  {routing}", file=sys.stderr, flush=True)
-    out = {"share": a.share, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
+    out = {"share": a.share, "timing_only": timing_only, "host_cache_bytes": eng.plan.host_cache, "load_s": load_s, "phases": clock.seconds, "kernels_after_load": compiled_kernels(),
            "routing": routing, "plan": eng.plan.lines(), "plan_total": eng.plan.total,
            "plan_framework": eng.plan.framework,
            "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
@@ -240,7 +270,9 @@ def bytes_per_token(pack: Path) -> int:
 
 def table(results: list[dict], ceil: dict, per_token: int) -> str:
     roof_ms = 1e3 * per_token / ceil["hbm_copy"]
-    lines = [f"HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s; "
+    lines = (["TIMING ONLY (timing pack): experts are zeros, outputs meaningless; disk-tier misses read file holes", ""]
+             if any(r.get("timing_only") for r in results) else [])
+    lines += [f"HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s; "
              f"{per_token / 1e9:.2f} GB touched per token -> roofline {roof_ms:.2f} ms/token",
              "",
              "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
@@ -282,6 +314,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write every figure to this file")
     p.add_argument("--routing-trace", metavar="FILE", help="force the experts of layers >= 3 from this route CSV "
                    "(../shared/traces): timing only, the generated text is meaningless")
+    p.add_argument("--timing-pack", action="store_true",
+                   help="TIMING ONLY: --experts per layer in a pack whose expert records are file holes (zeros), "
+                        "made from the --base-experts pack (bench/timing_pack.py); outputs are meaningless")
+    p.add_argument("--base-experts", type=int, default=24,
+                   help="with --timing-pack: experts per layer of the real pack it is made from")
     p.add_argument("--tilelang-cache", help="TileLang's kernel cache folder (default: WORKDIR/tilelang-cache, "
                    "empty on a fresh machine, so the first process compiles)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -304,7 +341,10 @@ def main(argv=None) -> int:
         raise SystemExit("bench.full_depth needs a CUDA GPU")
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    pack = build_pack(workdir, a.layers, a.experts)
+    if a.timing_pack:
+        pack = timing_pack(workdir, a.layers, a.base_experts, a.experts)
+    else:
+        pack = build_pack(workdir, a.layers, a.experts)
     ceil = ceilings()
     per_token = bytes_per_token(pack)
     print(f"ceilings: HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s",
@@ -329,7 +369,8 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stdout[-4000:])
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
-        r["label"] = label + (" forced routing" if a.routing_trace else "")
+        r["label"] = label + (" forced routing" if a.routing_trace else "") + (" TIMING PACK" if a.timing_pack else "")
+        r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)
         print(f"{share:.0%} {label}: process {r['process_s']:.0f} s, load {r['load_s']:.1f} s "

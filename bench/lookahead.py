@@ -22,6 +22,12 @@ Accuracy = share of the actual experts of L+1 (token by token) that the predicti
 is k / E. Pairs are the layers L+1 >= n_hash_layers (hash layers are known exactly from the token
 ids). The pass is the model's own forward, block by block (`observed_forward`; the tests check
 it equals `Transformer.forward`), over a prefill and then greedy one-token decode calls.
+
+Then the same calls run through the engine's own router lookahead prefetch (`Transformer` with
+`lookahead=True` over a converted pack streamed through a cache of `--cache-share` of the pool;
+`engine_lookahead`), and its provider's counters are printed: accuracy (the `moe_input` stand-in,
+per call: a decode call counts its k choices, the prefill the union of its tokens'), prefetch
+reads issued, used in time or still in flight, unused.
 """
 
 from __future__ import annotations
@@ -139,6 +145,45 @@ def run_lookahead(model: Transformer, experts, prompt: list[int], decode: int) -
     return out
 
 
+def engine_lookahead(pack: Path, prompt: list[int], decode: int, numerics: str, device: str,
+                     share: float) -> tuple[dict, dict]:
+    """The engine's router lookahead on a converted `pack` streamed through a cache of `share` of
+    the pool: prefill `prompt`, then `decode` greedy calls -> (provider.prefetch_stats() after the
+    prefill, after the last call)."""
+    from engine import pack as layout
+    from engine.numerics import Numerics
+    from engine.weights import open_model
+    from kernels.backend import make_backend
+
+    manifest = layout.read_manifest(pack)
+    cache = max(manifest.record.record_bytes * manifest.config.get("num_experts_per_tok", 1),
+                int(manifest.pool_bytes * share))
+    files = open_model(pack, cache_bytes=cache, device=device)
+    try:
+        dev = torch.device(device)
+        model = Transformer(lambda name: files.get(name).to(dev), files.args,
+                            Numerics.named(numerics, make_backend("torch", dev)), lookahead=True)
+        state = model.new_state()
+        with torch.inference_mode():
+            ids = torch.tensor(prompt, dtype=torch.long, device=dev)
+            after_prefill = None
+            for _ in range(decode + 1):
+                ids = model.forward(ids, state, files.experts, last_only=True).argmax(-1)
+                after_prefill = after_prefill or files.experts.prefetch_stats()
+        return after_prefill, files.experts.prefetch_stats()
+    finally:
+        files.close()
+
+
+def engine_report(first: dict, last: dict, share: float) -> str:
+    a, b = first["lookahead"], last["lookahead"]
+    routed, predicted = b.routed - a.routed, b.predicted - a.predicted
+    lines = [f"engine (Transformer lookahead=True, expert cache {share:.0%} of the pool): decode calls "
+             f"{predicted / routed if routed else float('nan'):.1%} ({predicted}/{routed}) of layer L+1's experts predicted"]
+    lines += ["  " + s.line() for s in last.values()]
+    return "\n".join(lines)
+
+
 def report(result: Lookahead, label: str) -> str:
     lines = [f"router lookahead on {label}: share of layer L+1's experts predicted by its gate on layer L's "
              f"state (chance k/E = {result.k}/{result.n_experts} = {result.chance:.1%})",
@@ -162,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=32, help="greedy one-token calls after the prefill")
     p.add_argument("--device", default="cpu")
     p.add_argument("--numerics", default="native", choices=("native", "exact"))
+    p.add_argument("--cache-share", type=float, default=0.5,
+                   help="the engine run's expert cache as a share of the pool (a converted model)")
     a = p.parse_args(argv)
     from engine.numerics import Numerics
     from engine.weights import open_model
@@ -181,8 +228,20 @@ def main(argv=None) -> int:
             result = run_lookahead(model, files.experts, prompt, a.decode)
         finally:
             files.close()
-    label = (f"{path}" if a.model else "the tiny synthetic model (RANDOM weights: not the real model's figure)")
-    print(report(result, f"{label}, {a.prompt}-token prefill + {a.decode} decode tokens, {a.numerics}"))
+        label = (f"{path}" if a.model else "the tiny synthetic model (RANDOM weights: not the real model's figure)")
+        print(report(result, f"{label}, {a.prompt}-token prefill + {a.decode} decode tokens, {a.numerics}"))
+        pack = path if (path / "manifest.json").is_file() else None
+        if pack is None and not a.model:
+            from converter.convert import convert
+
+            pack = convert(path, Path(tmp) / "pack")
+        if pack is None:
+            print("\nengine lookahead: not run (an official checkpoint keeps every expert resident; "
+                  "give a converted model)")
+        else:
+            first, last = engine_lookahead(pack, prompt, a.decode, a.numerics, a.device, a.cache_share)
+            print()
+            print(engine_report(first, last, a.cache_share))
     return 0
 
 

@@ -329,6 +329,7 @@ class EngineConfig:
     trace_path: str | None = None  # record routing decisions as JSONL
     routing_trace: str | None = None  # TIMING ONLY: force layers >= n_hash_layers' experts from this route CSV
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
+    lookahead_prefetch: bool = True  # streaming: prefetch layer L+1's experts predicted by its gate on layer L's state
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

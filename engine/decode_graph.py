@@ -17,6 +17,10 @@ step can be captured once and replayed. Two modes:
   half, head]. Between segments the host reads the layer's routed experts (one small copy) and
   `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
   experts follow from the token id, so their reads start with the step (`provider.prefetch`).
+  With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
+  experts (`Transformer.predict_next`, in the graph); once layer i's experts are held, they go
+  to `provider.prefetch_predicted`, so their reads overlap segment i+1 (layer i's FFN and layer
+  i+1's attention).
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
@@ -31,7 +35,7 @@ On the CPU the same step runs eagerly (no graphs): the tests check it against
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -47,6 +51,7 @@ class _Outputs:
 
     carry: list[DecodeCarry | None]
     logits: torch.Tensor | None = None
+    ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> predicted ids [1, k] of layer + 1
 
 
 @dataclass
@@ -84,6 +89,7 @@ class DecodeRunner:
         self._routes_host: torch.Tensor | None = None  # the pinned buffer they are copied into
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
+        self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -96,6 +102,10 @@ class DecodeRunner:
             streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena)
         if i < len(blocks):
             out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.at, state.layers[i], emitting)
+            if self._lookahead and not self.whole:
+                predicted = self.model.predict_next(i, out.carry[i].hidden, self.ids)
+                if predicted is not None:
+                    out.ahead[i] = predicted
         else:
             out.logits = self.model.logits(streams)
 
@@ -111,6 +121,8 @@ class DecodeRunner:
         for i in range(n_segments):
             if i and not self.whole:
                 self.provider.acquire(i - 1, self._routes(out, i - 1))
+                if i - 1 in out.ahead:  # layer i-1's experts are held: guess layer i's
+                    self.provider.prefetch_predicted(i, out.ahead[i - 1][0].tolist())
             try:
                 segment(i)
             finally:

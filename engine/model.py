@@ -31,6 +31,8 @@ GetTensor = Callable[[str], torch.Tensor]
 # Optional observer of discrete choices: log(kind, layer, start, tensor) with kind "experts"
 # ([S, k] routed experts), "indexer" ([S, index_topk] picks, -1 = none) or "indexer_scores".
 SelectionLog = Callable[[str, int, int, torch.Tensor], None]
+# Router lookahead hook: ahead(layer, MoE input before its norm [S, D], token ids [S], routed ids [S, k]).
+Lookahead = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _section(timer, name: str):
@@ -57,19 +59,22 @@ class Block:
         self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
 
     def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
-                 log: SelectionLog | None = None, timer=None) -> torch.Tensor:
+                 log: SelectionLog | None = None, timer=None, ahead: Lookahead | None = None) -> torch.Tensor:
+        """`ahead` (router lookahead) is called once this layer's route is known, before its experts run."""
         x, post, comb = self.hc_attn.pre(streams)
         with _section(timer, "attention"):
             a = self.attn(self.norm_q(x, self.attn_norm, self.eps), start, st,
                           None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        x = self.norm(x, self.ffn_norm, self.eps)
+        h, post, comb = self.hc_ffn.pre(streams)
+        x = self.norm(h, self.ffn_norm, self.eps)
         with _section(timer, "moe"):
             forced = None if self.routing is None else self.routing.prefill_ids(self.layer, start, x.shape[0])
             routed = self.ffn.route(x, ids, forced)
             if log is not None:
                 log("experts", self.layer, start, routed[0])
+            if ahead is not None:
+                ahead(self.layer, h, ids, routed[0])
             f = self.ffn(x, ids, experts, routed)
         return self.hc_ffn.post(f, streams, post, comb)
 
@@ -83,10 +88,10 @@ class Block:
         emit = self.attn.ratio in emitting
         a = self.attn.decode(self.norm_q(x, self.attn_norm, self.eps), at, st, emit)
         streams = self.hc_attn.post(a, streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        x = self.norm_q(x, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts
+        h, post, comb = self.hc_ffn.pre(streams)
+        x = self.norm_q(h, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts
         forced = None if self.routing is None else self.routing.decode_ids(self.layer)  # set before the step
-        return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids, forced))
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids, forced), h)
 
     def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
         """Second half: routed experts from the arena + shared expert, mHC post -> streams."""
@@ -103,6 +108,7 @@ class DecodeCarry:
     post: torch.Tensor
     comb: torch.Tensor
     routed: tuple[torch.Tensor, torch.Tensor]  # expert ids [1, k] int64, weights [1, k] fp32
+    hidden: torch.Tensor  # [1, D] the MoE input before its norm (router lookahead, `Transformer.predict_next`)
 
 
 class MTP:
@@ -124,10 +130,12 @@ class Transformer:
     """The main model. `forward` runs S tokens of one sequence from `state.pos` on."""
 
     def __init__(self, get: GetTensor, args: ModelArgs, numerics: Numerics, with_mtp: bool = False,
-                 routing: ForcedRouting | None = None):
+                 routing: ForcedRouting | None = None, lookahead: bool = False):
         """`routing`: force the router-routed layers' experts from a trace, for timing only
-        (engine/routing_override.py; a decode step must call `routing.set_position` first)."""
-        self.args, self.numerics, self.routing = args, numerics, routing
+        (engine/routing_override.py; a decode step must call `routing.set_position` first).
+        `lookahead` (EngineConfig.lookahead_prefetch): once layer L routes, hand the provider
+        layer L+1's predicted experts (`predict_next`) while the experts do not all fit."""
+        self.args, self.numerics, self.routing, self.lookahead = args, numerics, routing, lookahead
         get = CountedWeights(get)
         self.embed = get("embed.weight")  # [V, D] bf16, looked up row by row
         self.blocks = [Block(get, f"layers.{i}", args, i, numerics, routing) for i in range(args.n_layers)]
@@ -159,10 +167,37 @@ class Transformer:
             experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid_host[host_ids].flatten().tolist())))
         h = self.embed_tokens(ids)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
+        ahead = self._ahead(experts) if self.lookahead_active(experts) else None
         for block, st in zip(self.blocks, state.layers):
-            streams = block(streams, ids, start, st, experts, log, timer)
+            streams = block(streams, ids, start, st, experts, log, timer, ahead)
         state.pos = start + ids.shape[0]
         return streams
+
+    def lookahead_active(self, experts: ExpertProvider) -> bool:
+        """Router lookahead runs: asked for, and the provider streams (not every expert resident)."""
+        return self.lookahead and experts.cache is not None and not experts.all_resident()
+
+    def predict_next(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """Router lookahead: layer+1's gate on `hidden` (layer's MoE input before its norm, [S, D])
+        normed with layer+1's ffn_norm -> predicted expert ids [S, k] of layer+1 (no host sync);
+        None when layer+1 is not a main layer routed by its router (hash layers are known from the
+        token ids; forced layers from the trace)."""
+        if layer + 1 >= len(self.blocks):
+            return None
+        nxt = self.blocks[layer + 1]
+        if nxt.ffn.gate.hash or nxt.routing is not None:
+            return None
+        return nxt.ffn.route(nxt.norm(hidden, nxt.ffn_norm, nxt.eps), ids)[0]
+
+    def _ahead(self, experts: ExpertProvider) -> Lookahead:
+        """The eager path's lookahead: layer L+1's predicted experts to the provider with L's route as
+        `keep` (never evicted; the hint's reads queue after L's own, engine/experts/streaming.py)."""
+        def ahead(layer: int, hidden: torch.Tensor, ids: torch.Tensor, routed: torch.Tensor) -> None:
+            predicted = self.predict_next(layer, hidden, ids)
+            if predicted is not None:
+                experts.prefetch_predicted(layer + 1, sorted(set(predicted.flatten().tolist())),
+                                           keep=[(layer, e) for e in sorted(set(routed.flatten().tolist()))])
+        return ahead
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Final streams [S, n_hc, D] -> logits [S, V] fp32 (HCHead, norm, fp32 head)."""

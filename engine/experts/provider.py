@@ -4,6 +4,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
 
 * data: `experts(layer, ids)` yields (id, ExpertWeights) once per distinct id, in any order;
   `prefetch(layer, ids)` is a hint (hash layers know their experts from the token ids);
+  `prefetch_predicted(layer, ids, keep)` a predicted one (router lookahead: layer L+1's gate on
+  layer L's state), which never evicts the `keep` experts (the current layer's); hints never
+  change results, only residency; `prefetch_stats()` counts them (engine/experts/prefetch.py);
   `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
   that read them through its slot table; `record(layer, ids)` counts uses made that way (the
   one-launch prefill, a replayed decode step); `all_resident()`; `load_all(on_unit)`;
@@ -28,6 +31,7 @@ from collections import Counter
 from typing import Callable, Iterable, Iterator
 
 from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.prefetch import PrefetchLedger, PrefetchStats
 from engine.experts.weights import ExpertWeights
 
 
@@ -67,6 +71,7 @@ class ExpertProvider(ABC):
         layer, `top_k` experts routed per token (the slots a turn needs stay unpinnable)."""
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
         self.usage = ExpertUsage(n_layers)
+        self.prefetches = PrefetchLedger()  # what hints predicted and issued, settled by the routes
 
     # ------------------------------------------------------------------ data
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
@@ -89,6 +94,14 @@ class ExpertProvider(ABC):
     @abstractmethod
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Hint: `layer` will need these experts soon."""
+
+    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
+        """Hint: `layer` will probably need these experts (router lookahead); never evicts a
+        resident expert of `keep`. Nothing to do when every expert is resident."""
+
+    def prefetch_stats(self) -> dict[str, PrefetchStats]:
+        """Per hint source ("hash", "lookahead"): accuracy, reads issued, used in time or in flight."""
+        return self.prefetches.stats()
 
     def acquire(self, layer: int, ids: Iterable[int]) -> None:
         """Make these experts of `layer` resident in `arena` at once and hold them until

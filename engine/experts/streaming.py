@@ -18,6 +18,14 @@ budget of one record the call runs strictly one expert at a time.
 reading those experts early and holds them until `experts(layer, ...)` uses them; prefetch holds
 take at most `prefetch_share` of the slots, and are dropped if the current call needs their
 slots. Later lookups of prefetched experts count as hits; `bytes_read` counts every admission.
+`prefetch_predicted(layer, ids, keep)` (router lookahead) does the same for predicted experts,
+holding the resident `keep` keys (the current layer's route) while it admits, so that no expert
+the current layer needs is evicted for a guess. With `keep` (the eager model hints before the
+current layer's call) the hint waits until that call has queued its own reads (the I/O queue is
+FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
+the current layer's experts are held) it is issued at once. `prefetches` (engine/experts/prefetch.py) counts
+the hints against the route that settles them: in `experts` and `acquire`, before any read of
+the call is joined, a prefetched read is "in time" when its read has completed.
 
 With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
 RAM when the tier holds the record (one asynchronous host->device copy), else read from the
@@ -65,6 +73,7 @@ class StreamingExperts(ExpertProvider):
         self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
+        self._deferred: tuple[int, list[int], list[ExpertKey]] | None = None  # a hint waiting for keep's call
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
         if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
@@ -180,6 +189,7 @@ class StreamingExperts(ExpertProvider):
         self._release(key)
 
     def _drop_prefetches(self) -> None:
+        self._deferred = None
         for keys in self._prefetched.values():
             for key in keys:
                 self._settle(key)
@@ -203,6 +213,7 @@ class StreamingExperts(ExpertProvider):
                 started = True
             return started
 
+        self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
         try:
             for key in set(self._prefetched.pop(layer, ())) - set(keys):
                 self._settle(key)  # a prefetch hint this call does not use
@@ -214,6 +225,7 @@ class StreamingExperts(ExpertProvider):
                     if not self._hold(key, user):
                         unprotected.add(key)
             issue()
+            self._issue_deferred(layer)  # after this call's own reads are queued
             while ready or loading or waiting:
                 if ready:
                     key = ready.popleft()
@@ -235,6 +247,9 @@ class StreamingExperts(ExpertProvider):
                 unprotected.discard(key)
                 self._release(key)
                 issue()
+        except BaseException:  # a failed read or an abandoned call: no hint outlives it either
+            self._drop_prefetches()
+            raise
         finally:  # normal end, consumer stopped early, or an error: leave nothing held
             for key in keys:
                 self._settle(key)
@@ -248,6 +263,7 @@ class StreamingExperts(ExpertProvider):
         CacheFullError when the budget cannot hold all of them at the same time."""
         keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
         user = self.cache.pinned() - self._held
+        self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
         for key in set(self._prefetched.pop(layer, ())) - set(keys):
             self._settle(key)
         held: list[ExpertKey] = []
@@ -264,11 +280,13 @@ class StreamingExperts(ExpertProvider):
                                      f"{self.cache.capacity_slots} cache slots; unpin some or give the "
                                      "expert cache a larger budget")
             held.append(key)
+        self._issue_deferred(layer)
         try:
             for key in keys:
                 self._join(key)
         except BaseException:
             self.release(layer)
+            self._drop_prefetches()
             raise
 
     def release(self, layer: int) -> None:
@@ -307,20 +325,60 @@ class StreamingExperts(ExpertProvider):
 
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Start reading these experts of `layer` now and keep them until its next call."""
+        self._prefetch(layer, ids, "hash", ())
+
+    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
+        """`prefetch` of predicted experts; the resident `keep` keys are held meanwhile (never
+        evicted). With `keep`, issued when the call of keep's layer has queued its reads (module
+        docstring)."""
+        keep = list(dict.fromkeys(keep))
+        if self._deferred is not None:  # an older hint whose call never came: issue it now
+            self._issue_deferred(self._deferred[2][0][0])
+        if keep:
+            self._deferred = (layer, list(ids), keep)
+        else:
+            self._prefetch(layer, ids, "lookahead", ())
+
+    def _issue_deferred(self, layer: int) -> None:
+        """Issue the hint waiting for `layer`'s call, if any."""
+        if self._deferred is not None and self._deferred[2][0][0] == layer:
+            target, ids, keep = self._deferred
+            self._deferred = None
+            self._prefetch(target, ids, "lookahead", keep)
+
+    def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
+        ids = list(dict.fromkeys(int(i) for i in ids))
+        self.prefetches.predict(layer, ids, source)
         user = self.cache.pinned() - self._held
-        mine = self._prefetched.setdefault(layer, [])
-        for e in dict.fromkeys(int(i) for i in ids):
-            key = (layer, e)
-            if key in self._held:
-                continue
-            if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
-                break
-            if self.cache.peek(key) is not None:
-                if not self._hold(key, user):
+        kept = [key for key in dict.fromkeys(keep)
+                if key not in self._held and self.cache.peek(key) is not None and key not in user
+                and self._hold(key, user)]
+        try:
+            mine = self._prefetched.setdefault(layer, [])
+            for e in ids:
+                key = (layer, e)
+                if key in self._held:
+                    continue
+                if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
                     break
-            elif not self._admit(key, user):
-                break
-            mine.append(key)
+                if self.cache.peek(key) is not None:
+                    if not self._hold(key, user):
+                        break
+                elif not self._admit(key, user):
+                    break
+                else:
+                    self.prefetches.issued(key, source)
+                mine.append(key)
+        finally:
+            for key in kept:
+                self._release(key)
+
+    def _arrival(self, key: ExpertKey) -> str:
+        """Where a prefetched read stands now (engine/experts/prefetch.py PrefetchLedger.route)."""
+        if self.cache.peek(key) is None:
+            return "gone"
+        fut = self._loads.get(key)
+        return "in_time" if fut is None or fut.done() else "in_flight"
 
     # ------------------------------------------------------------------ management
     def pinned(self) -> frozenset[ExpertKey]:
@@ -344,6 +402,7 @@ class StreamingExperts(ExpertProvider):
     def flush(self) -> list[ExpertKey]:
         """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
         self._drop_prefetches()
+        self.prefetches.forget()
         for key in list(self._loads):
             self._settle(key)
         evicted = self.cache.flush()
