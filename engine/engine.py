@@ -115,7 +115,8 @@ class Engine:
             run_warmup(steps, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len, step)
 
         if full:  # replays the kernel manifest when there is one (engine/warmup.py)
-            manifest = engine_manifest(self.args, self.config, self.files.converted, self.device)
+            manifest = engine_manifest(self.args, self.config, self.files.converted, self.device,
+                                       self.experts.all_resident())
             warm_up_kernels(steps, run, manifest, report)
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))

@@ -113,15 +113,18 @@ class KernelManifest:
     worker_setup: Callable[[], None] | None = None
 
 
-def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device) -> KernelManifest:
+def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device,
+                    resident: bool) -> KernelManifest:
     """The manifest of an engine on the TileLang backend: the kernels package's factories, in
-    TileLang's cache folder (tilelang_cache_dir), keyed for this model, config, GPU and TileLang."""
+    TileLang's cache folder (tilelang_cache_dir), keyed for this model, config, GPU and TileLang,
+    and for a resident or a streamed expert cache (`resident`)."""
     import tilelang
 
     from kernels.backend import kernel_factories, kernel_modules
     from kernels.toolkit import cuda_arch
 
-    key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest())
+    key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest(),
+                       resident)
     current = torch.cuda.current_device()
     return KernelManifest(manifest_path(tilelang_cache_dir(), key), key, kernel_factories(kernel_modules()),
                           lambda: torch.cuda.set_device(current))

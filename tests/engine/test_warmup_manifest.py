@@ -71,7 +71,7 @@ def test_the_key_changes_with_each_input():
     args = ModelArgs.from_dict(synth.flash_config(43), "flash")
     config = EngineConfig(prefill_chunk=256, max_seq_len=4096)
     base = dict(args=args, config=config, converted=True, arch=(9, 0), tilelang_version="0.1.15",
-                source_digest="a" * 64)
+                source_digest="a" * 64, resident=True)
     variants = [dict(args=dataclasses.replace(args, n_layers=4)),
                 dict(args=dataclasses.replace(args, n_routed_experts=24)),
                 dict(args=dataclasses.replace(args, compress_ratios=(0, 0, 128) + args.compress_ratios[3:])),
@@ -80,9 +80,9 @@ def test_the_key_changes_with_each_input():
                 dict(config=dataclasses.replace(config, numerics="exact")),
                 dict(config=dataclasses.replace(config, cuda_graphs=False)),
                 dict(converted=False), dict(arch=(12, 1)), dict(tilelang_version="0.1.16"),
-                dict(source_digest="b" * 64)]
+                dict(source_digest="b" * 64), dict(resident=False)]
     keys = [manifest_key(**base)] + [manifest_key(**{**base, **v}) for v in variants]
-    assert len(set(keys)) == len(keys) == 12
+    assert len(set(keys)) == len(keys) == 13
     assert manifest_key(**base) == keys[0]  # a digest: the same inputs, the same key
     # fields that pick no kernel keep the key
     same = dataclasses.replace(config, io_threads=2, cache_bytes=1 << 30, cache_policy=config.cache_policy)
