@@ -44,10 +44,11 @@ from app.screens.resume import ResumeScreen
 from app.screens.stats import StatsScreen
 from app.screens.wizard import ConvertRequest, SourceScreen, WizardScreen
 from app.service import EngineService, SessionStarted
-from app.settings import AppConfig, GenParams
+from app.settings import AppConfig
 from app.widgets.message import AssistantMessage, empty_answer_notice, turn_footer
 from app.widgets.prompt import PromptInput
 from app.wizard import converted_models, find_model, forget_model, remember_model
+from engine.sampling import SamplingParams
 
 
 QUIT_WINDOW_S = 3.0  # a second Ctrl+C within this many seconds quits
@@ -92,7 +93,7 @@ class ChatApp(App):
         return self.controller.config
 
     @property
-    def gen(self) -> GenParams:
+    def gen(self) -> SamplingParams:
         return self.controller.gen
 
     @property

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
-from app.settings import AppConfig, GenParams, engine_config_kwargs
+from app.settings import AppConfig
 
 if TYPE_CHECKING:
     from app.conversation import ChatMessage
@@ -76,9 +76,6 @@ class Backend(Protocol):
     def load_engine(self, model_dir: Path, config: AppConfig, progress: ProgressFn) -> EngineLike:
         """Engine.load(...) — returns an object with the engine facade's methods."""
 
-    def sampling_params(self, gen: GenParams) -> SamplingParams:
-        """engine.sampling.SamplingParams for one turn."""
-
     def message(self, role: str, content: str, reasoning: str = "") -> Message:
         """engine.chat.Message, for re-feeding a saved conversation."""
 
@@ -98,19 +95,9 @@ class RealBackend:
     """The project's engine and converter, imported on first use."""
 
     def load_engine(self, model_dir: Path, config: AppConfig, progress: ProgressFn) -> EngineLike:
-        import torch
-
-        from engine.config import EngineConfig
         from engine.engine import Engine
 
-        from kernels.backend import tilelang_available
-
-        kwargs = engine_config_kwargs(config, cuda_available=torch.cuda.is_available(),
-                                      tilelang_available=tilelang_available())
-        return Engine.load(model_dir, EngineConfig(**kwargs), progress=progress)
-
-    def sampling_params(self, gen: GenParams) -> SamplingParams:
-        return sampling_params(gen)
+        return Engine.load(model_dir, config.engine, progress=progress)
 
     def message(self, role: str, content: str, reasoning: str = "") -> Message:
         from engine.chat import Message
@@ -133,14 +120,6 @@ class RealBackend:
         from app.demo import ensure_demo_model
 
         return ensure_demo_model(data_dir, progress)
-
-
-def sampling_params(gen: GenParams) -> SamplingParams:
-    """engine.sampling.SamplingParams for the app's generation settings."""
-    from engine.sampling import SamplingParams
-
-    return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                          max_tokens=gen.max_tokens, thinking=gen.think)
 
 
 def history_messages(backend: Backend, messages: Sequence[ChatMessage]) -> list[Message]:

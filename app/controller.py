@@ -25,11 +25,12 @@ from app.backend import EngineLike, SessionLike
 from app.commands import Command, ExportArgs, PinArgs, SetArgs, help_lines
 from app.conversation import ChatMessage, Conversation, ConversationError
 from app.history import Past, past_conversations
-from app.settings import AppConfig, GenParams, SettingsError, with_gen
+from app.settings import AppConfig, SettingsError, with_gen
 from app.settings_writer import save_generation
 from app.wizard import DEMO_NAME, converted_models, demo_dir, is_converted, resolve_model
 
 if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
     from engine.stats import StepStats
 
 Key = tuple[int, int]  # (layer, expert)
@@ -244,7 +245,7 @@ class Controller:
         self.autosave: Autosaver | None = self._open_saver(config.system)
 
     @property
-    def gen(self) -> GenParams:
+    def gen(self) -> SamplingParams:
         return self.config.gen
 
     # ---- the transcript ---------------------------------------------------------------------
@@ -352,7 +353,7 @@ class Controller:
         if args.key is None:
             g = self.gen
             return Reply(f"temperature {g.temperature} · top_p {g.top_p} · top_k {g.top_k} · "
-                         f"max_tokens {g.max_tokens} · think {'on' if g.think else 'off'}")
+                         f"max_tokens {g.max_tokens} · think {'on' if g.thinking else 'off'}")
         try:
             self.config = with_gen(self.config, **{args.key: args.value})
         except SettingsError as err:

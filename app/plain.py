@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
-from app.backend import EngineLike, RealBackend, history_messages, sampling_params
+from app.backend import EngineLike, RealBackend, history_messages
 from app.commands import is_command, message_text, parse
 from app.controller import (
     CacheFlushed,
@@ -218,7 +218,7 @@ class PlainChat:
         self.say(f"! {text}")
 
     def params(self) -> SamplingParams:
-        return sampling_params(self.config.gen)
+        return self.config.gen
 
     def run(self) -> int:
         """Read and handle lines until /quit or end of input; returns the exit status."""

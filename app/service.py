@@ -35,8 +35,9 @@ from app.messages import (
     TokensReady,
     TurnDone,
 )
-from app.settings import AppConfig, GenParams
+from app.settings import AppConfig
 from engine.events import EngineFailure, Event, StepUpdate, TextDelta, TurnFinished
+from engine.sampling import SamplingParams
 from engine.stats import StepStats
 
 
@@ -183,13 +184,11 @@ class EngineService:
 
     # ---- turns ----------------------------------------------------------------------------
 
-    def send(self, text: str, gen: GenParams) -> None:
-        params = self._backend.sampling_params(gen)
+    def send(self, text: str, params: SamplingParams) -> None:
         self._start("turn", lambda: self._drain(
             self.engine.generate(self.session, text, params, cancel=self._cancel), False))
 
-    def regenerate(self, gen: GenParams) -> None:
-        params = self._backend.sampling_params(gen)
+    def regenerate(self, params: SamplingParams) -> None:
         self._start("regen", lambda: self._drain(
             self.engine.regenerate(self.session, params, cancel=self._cancel), True))
 

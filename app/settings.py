@@ -27,13 +27,15 @@ Every key may also come from the environment as `DSV4_<KEY>` (upper case, e.g.
 exist, like `--config`). Every value is type-checked (TOML and flag values by their type,
 environment text by parsing); a bad one is one `SettingsError` line naming the source, the
 setting, the value and the expected type. Budgets and sizes must be finite and > 0. A `DSV4_*`
-variable that is no setting is ignored with a warning (`AppConfig.warnings`).
+variable that is no setting is ignored with a warning (`AppConfig.warnings`). The engine settings
+become one `engine.config.EngineConfig` (`AppConfig.engine`, GiB converted to bytes once) and the
+`[generation]` ones one `engine.sampling.SamplingParams` (`AppConfig.gen`; `think` sets `thinking`).
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -44,8 +46,9 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged
 
 import platformdirs
 
-from engine.experts.policy import DEFAULT_POLICY
+from engine.config import ConfigError, EngineConfig
 from engine.memory_plan import gib_to_bytes
+from engine.sampling import SamplingParams
 
 APP_NAME = "dsv4-chat"
 
@@ -54,37 +57,49 @@ class SettingsError(ValueError):
     """A setting has a bad value; the message names the setting, its source and the fix."""
 
 
-@dataclass(frozen=True)
-class GenParams:
-    """Sampling settings the user controls with `/set`; mirrors engine.sampling.SamplingParams."""
+# The settings file's [generation] keys -> the engine.sampling.SamplingParams fields they set.
+GENERATION_KEYS: dict[str, str] = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                                   "max_tokens": "max_tokens", "think": "thinking"}
 
-    temperature: float = 0.6
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 512
-    think: bool = False
+
+def resolve_engine_config(cuda_available: bool | None = None, tilelang_available: bool | None = None,
+                          **settings: Any) -> EngineConfig:
+    """The EngineConfig of the app's engine settings (EngineConfig field names; `device` and
+    `backend` None = automatic): the device is cuda when available, the backend tilelang on CUDA
+    when the package is installed, else torch. None for an availability = look it up."""
+    device = settings.pop("device", None)
+    backend = settings.pop("backend", None)
+    if device is None:
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        device = "cuda" if cuda_available else "cpu"
+    if backend is None:
+        if tilelang_available is None and device == "cuda":
+            from kernels.backend import tilelang_available as installed
+
+            tilelang_available = installed()
+        backend = "tilelang" if device == "cuda" and tilelang_available else "torch"
+    try:
+        return EngineConfig(device=device, backend=backend, **settings)
+    except ConfigError as err:
+        raise SettingsError(f"engine settings: {err}") from None
 
 
 @dataclass(frozen=True)
 class AppConfig:
-    """Everything the app needs to start; built once by `load_config`."""
+    """Everything the app needs to start; built once by `build_config`. `engine` is passed to the
+    engine whole (budgets already in bytes); `gen` is the sampling of every turn."""
 
     data_dir: Path
     config_file: Path | None = None
     model: Path | None = None
     demo: bool = False
     plain: bool = False
-    cache_gb: float | None = None
-    memory_gb: float | None = None
-    numerics: str = "native"
-    device: str | None = None
-    backend: str | None = None
-    cuda_graphs: bool = True
-    cache_policy: str = DEFAULT_POLICY
-    io_threads: int = 8  # see EngineConfig.io_threads
-    max_seq_len: int = 4096
+    engine: EngineConfig = field(default_factory=resolve_engine_config)
     system: str = ""
-    gen: GenParams = field(default_factory=GenParams)
+    gen: SamplingParams = field(default_factory=SamplingParams)
     warnings: tuple[str, ...] = ()  # one line each, for stderr (e.g. an unknown DSV4_* variable)
 
     @property
@@ -193,7 +208,9 @@ _KEYS: dict[str, _Key] = {
     "max_tokens": _Key("int", _positive),
     "think": _Key("bool"),
 }
-_GEN_KEYS = {f.name for f in fields(GenParams)}
+# The settings that configure the engine (AppConfig.engine): EngineConfig fields, budgets in GiB.
+_ENGINE_KEYS = ("cache_gb", "memory_gb", "numerics", "device", "backend", "cuda_graphs", "cache_policy",
+                "io_threads", "max_seq_len")
 # DSV4_* variables that are not settings but are read by dsv4-chat.
 _ENV_NOT_SETTINGS = ("DSV4_CONFIG",)
 
@@ -256,9 +273,12 @@ def read_env_settings(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]
 
 
 def build_config(
-    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None
+    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None, *,
+    cuda_available: bool | None = None, tilelang_available: bool | None = None,
 ) -> AppConfig:
-    """Merge the sources: flags (None = not given) > env > file > defaults; validate."""
+    """Merge the sources: flags (None = not given) > env > file > defaults; validate. The engine
+    settings become `AppConfig.engine` here, once (GiB -> bytes; an unset device or backend is
+    chosen from `cuda_available`/`tilelang_available`, None = looked up)."""
     if config_file is None:
         env_file = env.get("DSV4_CONFIG")
         if env_file:
@@ -273,51 +293,51 @@ def build_config(
     merged.update(env_settings)
     merged.update({k: _convert(k, v, f"--{k.replace('_', '-')}")
                    for k, v in flags.items() if v is not None and k != "plain"})
-    gen = GenParams(**{k: merged.pop(k) for k in list(merged) if k in _GEN_KEYS})
+    gen = {GENERATION_KEYS[k]: merged.pop(k) for k in list(merged) if k in GENERATION_KEYS}
     problem = gen_problem(gen)
     if problem:
         raise SettingsError(f"generation settings: {problem}")
+    engine = {k: merged.pop(k) for k in list(merged) if k in _ENGINE_KEYS}
+    for key in ("cache_gb", "memory_gb"):
+        engine[key.replace("_gb", "_bytes")] = gib_to_bytes(engine.pop(key, None), key)
     return AppConfig(
-        config_file=config_file, plain=bool(flags.get("plain")), gen=gen,
+        config_file=config_file, plain=bool(flags.get("plain")), gen=SamplingParams(**gen),
+        engine=resolve_engine_config(cuda_available, tilelang_available, **engine),
         warnings=tuple(warnings), **merged
     )
 
 
-def gen_problem(gen: GenParams) -> str | None:
-    """One line naming what is wrong with `gen`, or None when it is valid."""
-    if not 0.0 <= gen.temperature <= 2.0:
-        return f"temperature must be in [0, 2], got {gen.temperature}"
-    if not 0.0 < gen.top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {gen.top_p}"
-    if gen.top_k < 0:
-        return f"top_k must be >= 0 (0 = off), got {gen.top_k}"
-    if gen.max_tokens < 1:
-        return f"max_tokens must be >= 1, got {gen.max_tokens}"
+def gen_problem(gen: Mapping[str, Any]) -> str | None:
+    """One line naming what is wrong with the SamplingParams fields in `gen` (the app's ranges,
+    narrower than the engine's), or None when they are valid."""
+    sampling = SamplingParams()
+    temperature, top_p, top_k, max_tokens = (gen.get(k, getattr(sampling, k))
+                                             for k in ("temperature", "top_p", "top_k", "max_tokens"))
+    if not 0.0 <= temperature <= 2.0:
+        return f"temperature must be in [0, 2], got {temperature}"
+    if not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {top_p}"
+    if top_k < 0:
+        return f"top_k must be >= 0 (0 = off), got {top_k}"
+    if max_tokens < 1:
+        return f"max_tokens must be >= 1, got {max_tokens}"
     return None
 
 
 def with_gen(config: AppConfig, **changes: Any) -> AppConfig:
-    """A copy of `config` with generation settings changed (validated)."""
-    gen = replace(config.gen, **changes)
-    problem = gen_problem(gen)
+    """A copy of `config` with generation settings changed (validated); `changes` are keyed by
+    the settings file's names (GENERATION_KEYS: `think` sets `thinking`)."""
+    unknown = sorted(set(changes) - set(GENERATION_KEYS))
+    if unknown:
+        raise SettingsError(f"unknown generation setting {unknown[0]!r} (known: {', '.join(GENERATION_KEYS)})")
+    fields_ = {f: getattr(config.gen, f) for f in GENERATION_KEYS.values()}
+    fields_.update({GENERATION_KEYS[k]: v for k, v in changes.items()})
+    problem = gen_problem(fields_)
     if problem:
         raise SettingsError(problem)
-    return replace(config, gen=gen)
+    return replace(config, gen=replace(config.gen, **fields_))
 
 
-def engine_config_kwargs(config: AppConfig, cuda_available: bool, tilelang_available: bool = False) -> dict[str, Any]:
-    """Keyword arguments for engine.config.EngineConfig built from the app settings: on CUDA the
-    TileLang kernels are the default backend when the package is installed."""
-    device = config.device or ("cuda" if cuda_available else "cpu")
-    backend = config.backend or ("tilelang" if device == "cuda" and tilelang_available else "torch")
-    return {
-        "device": device,
-        "backend": backend,
-        "cuda_graphs": config.cuda_graphs,
-        "numerics": config.numerics,
-        "cache_policy": config.cache_policy,
-        "io_threads": config.io_threads,
-        "max_seq_len": config.max_seq_len,
-        "cache_bytes": gib_to_bytes(config.cache_gb, "cache_gb"),
-        "memory_bytes": gib_to_bytes(config.memory_gb, "memory_gb"),
-    }
+def generation_settings(gen: SamplingParams) -> dict[str, Any]:
+    """The settings file's [generation] keys and values for `gen` (GENERATION_KEYS)."""
+    return {key: getattr(gen, name) for key, name in GENERATION_KEYS.items()}

@@ -8,11 +8,11 @@ The result is read back with the app's own parser before it replaces the file.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from app.conversation import write_atomic
-from app.settings import GenParams, SettingsError, read_file_settings
+from app.settings import SettingsError, generation_settings, read_file_settings
+from engine.sampling import SamplingParams
 
 
 def _toml_value(value: object) -> str:
@@ -23,11 +23,11 @@ def _toml_value(value: object) -> str:
     return json.dumps(str(value), ensure_ascii=False)  # a TOML basic string
 
 
-def generation_table(gen: GenParams) -> str:
-    return "[generation]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in asdict(gen).items())
+def generation_table(gen: SamplingParams) -> str:
+    return "[generation]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in generation_settings(gen).items())
 
 
-def save_generation(path: Path, gen: GenParams) -> None:
+def save_generation(path: Path, gen: SamplingParams) -> None:
     """Write `gen` as the `[generation]` table of the settings file `path` (created if absent).
     Raises SettingsError (the file is then unchanged) or OSError."""
     old = path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -42,7 +42,7 @@ def save_generation(path: Path, gen: GenParams) -> None:
                 continue
         if not in_gen:
             kept.append(line)
-        elif header.split("=")[0].strip() not in asdict(gen) and header:
+        elif header.split("=")[0].strip() not in generation_settings(gen) and header:
             other_gen.append(line)
     while kept and not kept[-1].strip():
         kept.pop()

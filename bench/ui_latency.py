@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "app"))
 
 from app.app import ChatApp  # noqa: E402
 from app.backend import RealBackend  # noqa: E402
-from app.settings import AppConfig, GenParams  # noqa: E402
+from app.settings import AppConfig  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
 
 MARKERS = "¤§¶µøæþðßŧ"  # characters no answer text here contains
 WIDTH, HEIGHT = 120, 40
@@ -137,7 +138,7 @@ async def run_in(data: Path, args: argparse.Namespace) -> None:
         if args.model is None:
             raise SystemExit("ui_latency: --engine real needs --model DIR")
         backend, model = RealBackend(), args.model
-    config = AppConfig(data_dir=data, model=model, gen=GenParams(max_tokens=args.tokens))
+    config = AppConfig(data_dir=data, model=model, gen=SamplingParams(max_tokens=args.tokens))
     writes: list[tuple[float, str]] = []
     app = ChatApp(config, backend, offer_resume=False, driver_class=recording_driver(writes))
     task = asyncio.create_task(app.run_async())

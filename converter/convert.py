@@ -1,4 +1,4 @@
-"""`dsv4-convert`: official HF checkpoint -> expert-pack layout v2 (engine/pack.py).
+"""Official HF checkpoint -> expert-pack layout v2 (engine/pack.py).
 
 Lossless (bytes are copied, never re-quantised; the FP4 expert weights' codes are only
 reordered within each byte) and streaming: one resident tensor (in 8 MiB chunks) or one expert
@@ -14,16 +14,16 @@ Resume trusts an earlier output file only if the source it came from is unchange
 file read from a shard that differs in any of these is converted again, and a notice says which
 shard changed and how. (A shard edited in place with its size, header and modification time
 restored is not detected: `--no-resume` converts everything again.)
+
+The `dsv4-convert` command line around this library is converter/cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hashlib
 import json
 import os
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 import torch
 
 from converter import mapping, preflight
+from converter.durable import replace_durably
 from converter.stwriter import TensorSpec, aligned_first, build_header
 from converter.verify import check_file, verify as verify_dir
 from engine import pack as layout
@@ -215,17 +216,7 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
         done += n
 
 
-def replace_durably(tmp: Path, final: Path) -> None:
-    """Rename `tmp` over `final` and fsync the directory, so the rename survives a crash."""
-    os.replace(tmp, final)
-    dfd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-class _Meter:
+class ProgressMeter:
     """Counts bytes and calls the progress callback at most every `interval` seconds."""
 
     def __init__(self, total: int, progress: ProgressFn | None, interval: float = 0.1):
@@ -252,7 +243,7 @@ class _Meter:
 class _Converter:
     """One conversion run (see `convert`)."""
 
-    def __init__(self, src: Path, out: Path, meter: _Meter, cancel: threading.Event | None,
+    def __init__(self, src: Path, out: Path, meter: ProgressMeter, cancel: threading.Event | None,
                  fault_hook: FaultHook | None):
         self.src, self.out, self.meter, self.cancel = src, out, meter, cancel
         self.hook = fault_hook or (lambda point: None)
@@ -403,7 +394,7 @@ def _save_state(out: Path, fingerprint: dict, entries: dict[str, dict]) -> None:
 def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
                    record: layout.RecordLayout, plan: list[_OutFile], copies: list[str],
                    sizes: dict[str, int], fingerprint: dict, previous: dict[str, dict],
-                   entries: dict[str, dict], meter: "_Meter", cancel: threading.Event | None,
+                   entries: dict[str, dict], meter: "ProgressMeter", cancel: threading.Event | None,
                    fault_hook: FaultHook | None) -> None:
     """Write (or keep, verified) every planned file into `entries`, then the manifest."""
     with _io("creating", out):
@@ -486,7 +477,7 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
         raise preflight.PreflightError(problems)
 
     entries: dict[str, dict] = {}
-    meter = _Meter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
+    meter = ProgressMeter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
                    progress)
     try:
         _convert_files(src, out, args, index, record, plan, copies, sizes, fingerprint, previous,
@@ -507,147 +498,3 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
         if problems:
             raise ConvertError("verification failed:\n  - " + "\n  - ".join(problems))
     return out
-
-
-# ----------------------------------------------------------------------------- CLI
-
-def _fmt_time(s: float | None) -> str:
-    if s is None:
-        return "--:--"
-    s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def _printer(stream) -> ProgressFn:
-    """A progress bar redrawn in place on a terminal; a plain line every 5 s otherwise."""
-    tty = stream.isatty()
-    last = [0.0, ""]
-
-    def show(p: ConvertProgress) -> None:
-        frac = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
-        text = (f"{frac * 100:5.1f}% {p.bytes_done / 1e9:7.2f}/{p.bytes_total / 1e9:.2f} GB "
-                f"{p.bytes_per_s / 1e9:5.2f} GB/s ETA {_fmt_time(p.eta_s)}  {p.current}")
-        if tty:
-            bar = "#" * int(frac * 30)
-            stream.write(f"\r[{bar:<30}] {text}\x1b[K")
-            stream.flush()
-        elif time.monotonic() - last[0] >= 5 or p.current != last[1]:
-            last[0], last[1] = time.monotonic(), p.current
-            print(text, file=stream, flush=True)
-
-    return show
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dsv4-convert", description=(
-        "Convert an official DeepSeek-V4-Flash checkpoint into the streaming expert-pack layout "
-        "(lossless, resumable); --verify DIR checks a converted model."))
-    ap.add_argument("--hf", help="downloaded checkpoint directory (config.json, "
-                    "model.safetensors.index.json, model-*.safetensors)")
-    ap.add_argument("--out", help="output directory (new, or an earlier output)")
-    ap.add_argument("--verify", nargs="?", const=True, default=False, metavar="DIR",
-                    help="with --hf/--out: re-read the output against the manifest; alone: check the "
-                    "converted model in DIR and name every corrupt file, tensor and expert record")
-    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep verified files of an earlier run (default); --no-resume starts over")
-    ap.add_argument("--logits-only", action="store_true", help="accept a tokenizer larger than the "
-                    "model's vocabulary (the output serves python -m engine.logits, not chat)")
-    ap.add_argument("--upgrade", metavar="DIR", help="rewrite a model converted by an older version "
-                    "(layout 1) in place, without the download; resumable")
-    a = ap.parse_args(argv)
-    if isinstance(a.verify, str):
-        if a.hf or a.out or a.upgrade is not None:
-            ap.error("--verify DIR checks a converted model and takes no --hf, --out or --upgrade "
-                     "(to convert and verify, put --verify after --hf and --out, without a directory)")
-        return _verify_main(a.verify)
-    if a.upgrade is not None:
-        if a.hf or a.out:
-            ap.error("--upgrade DIR takes no --hf or --out")
-        return _upgrade_main(a.upgrade, a.verify)
-    if not (a.hf and a.out):
-        ap.error("--hf and --out are required (or --upgrade DIR, or --verify DIR)")
-    show = _printer(sys.stderr)
-    t0 = time.monotonic()
-    out, status = _run(lambda: convert(a.hf, a.out, progress=show, resume=a.resume, verify=a.verify,
-                                       notice=lambda line: print(f"dsv4-convert: {line}", file=sys.stderr),
-                                       check_tokenizer=not a.logits_only),
-                       ConvertError)
-    if status:
-        return status
-    size = sum(e["size"] for e in json.loads((out / layout.MANIFEST).read_text())["files"].values())
-    print(f"\nconverted {a.hf} -> {out}: {size / 1e9:.2f} GB in {time.monotonic() - t0:.1f} s"
-          + (", verified" if a.verify else ""), file=sys.stderr)
-    return 0
-
-
-def _verify_main(path: str) -> int:
-    """`dsv4-convert --verify DIR`: 0 intact, 1 corrupt (each problem on its own line, with the
-    fix), 2 when DIR is no converted model."""
-    root = Path(path)
-    try:
-        manifest = layout.parse_manifest(json.loads((root / layout.MANIFEST).read_text(encoding="utf-8")),
-                                         str(root / layout.MANIFEST))
-    except FileNotFoundError:
-        hint = (": the conversion did not finish; run dsv4-convert --hf SRC --out DIR again to complete it"
-                if root.is_dir() and any(root.glob("*.safetensors*")) else
-                ": not a converted model (dsv4-convert --hf SRC --out DIR makes one)")
-        print(f"dsv4-convert: {root} has no {layout.MANIFEST}{hint}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, layout.LayoutError) as e:
-        print(f"dsv4-convert: {root / layout.MANIFEST} is unreadable ({e}); convert the checkpoint "
-              "again", file=sys.stderr)
-        return 2
-    total = sum(int(e.get("size", 0)) for e in manifest.files.values())
-    meter = _Meter(total, _printer(sys.stderr))
-    meter.status(f"verifying {root}")
-    problems = verify_dir(root, meter.add)
-    meter.status("done")
-    if problems:
-        print(f"\ndsv4-convert: {root}: {len(problems)} of {len(manifest.files)} files are corrupt:",
-              file=sys.stderr)
-        for p in problems:
-            print(f"  - {p}", file=sys.stderr)
-        print("  fix: run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the "
-              "corrupt files", file=sys.stderr)
-        return 1
-    print(f"\ndsv4-convert: {root}: OK, {len(manifest.files)} files ({total / 1e9:.3f} GB) match the "
-          "manifest", file=sys.stderr)
-    return 0
-
-
-def _run(work: Callable[[], Path], errors: type[Exception]) -> tuple[Path | None, int]:
-    """(work's result, 0), or (None, the exit status) with the message printed: 2 for a
-    preflight error, 130 when interrupted, 1 for `errors` and OSError."""
-    try:
-        return work(), 0
-    except preflight.PreflightError as e:
-        print(f"dsv4-convert: {e}", file=sys.stderr)
-        return None, 2
-    except KeyboardInterrupt:
-        print("\ndsv4-convert: interrupted; run the same command again to resume", file=sys.stderr)
-        return None, 130
-    except (errors, OSError) as e:
-        print(f"\ndsv4-convert: error: {e}", file=sys.stderr)
-        return None, 1
-
-
-def _upgrade_main(path: str, verify: bool) -> int:
-    """`dsv4-convert --upgrade DIR [--verify]` (converter/upgrade.py); the exit status."""
-    from converter.upgrade import UpgradeError, upgrade  # imports this module: imported late
-
-    t0 = time.monotonic()
-    _, status = _run(lambda: upgrade(path, progress=lambda line: print(line, file=sys.stderr, flush=True)),
-                     UpgradeError)
-    if status:
-        return status
-    problems = verify_dir(Path(path)) if verify else []
-    if problems:
-        print("dsv4-convert: verification failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
-        return 1
-    print(f"upgraded {path} in {time.monotonic() - t0:.1f} s" + (", verified" if verify else ""),
-          file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,6 @@ and layer L has the same weights whatever the number of layers.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import importlib.resources
@@ -21,9 +20,8 @@ import json
 import math
 import os
 import re
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -335,60 +333,3 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict, options: SynthOpt
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_text(out / _INDEX, json.dumps(index, indent=2) + "\n")  # last: marks completeness
     return out
-
-
-# ----------------------------------------------------------------------------- CLI
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dsv4-synth", description=(
-        "Write a synthetic DeepSeek-V4-Flash checkpoint in the official on-disk format."))
-    ap.add_argument("--out", required=True, help="output directory (new, empty, or a previous "
-                    "dsv4-synth output, which is replaced)")
-    ap.add_argument("--preset", choices=["tiny", "flash"], default="tiny",
-                    help="tiny: §G.1 test model with the real tokenizer's vocabulary (dsv4-chat "
-                    "can chat with it), 2 shards; flash: real dims, one shard per layer")
-    ap.add_argument("--layers", type=int, help="decoder layers (default 5 tiny, 4 flash)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="torch device drawing the random numbers "
-                    "(e.g. cuda: much faster for --preset flash; output differs from cpu)")
-    ap.add_argument("--config", help="JSON file whose keys override config.json fields "
-                    "(nested dicts are merged)")
-    args = ap.parse_args(argv)
-    try:
-        overrides = {}
-        if args.config:
-            try:
-                overrides = json.loads(Path(args.config).read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise SynthError(f"cannot read --config {args.config}: {exc}") from None
-            if not isinstance(overrides, dict):
-                raise SynthError(f"--config {args.config} must hold a JSON object")
-        if args.layers is not None and args.layers < 1:
-            raise SynthError("--layers must be >= 1")
-        if args.preset == "tiny":
-            cfg = chat_tiny_config(args.layers or 5, **overrides)
-            options = SynthOptions(seed=args.seed, n_shards=2, device=args.device)
-        else:
-            cfg = flash_config(args.layers or 4, **overrides)
-            options = SynthOptions(seed=args.seed, n_shards=None, device=args.device)
-        if cfg["vocab_size"] < TOKENIZER_VOCAB:  # the tokenizer would not fit: no chat possible
-            options = replace(options, tokenizer=False)
-            print(f"note: vocab_size {cfg['vocab_size']} is smaller than the tokenizer's "
-                  f"{TOKENIZER_VOCAB} tokens, so this checkpoint is logits-only: no tokenizer is "
-                  "written and dsv4-chat cannot chat with it (python -m engine.logits reads it)")
-        t0 = time.monotonic()
-        out = write_checkpoint(args.out, cfg, options, log=print)
-        index = json.loads((out / _INDEX).read_text())
-        print(f"wrote {out}: {len(index['weight_map'])} tensors, "
-              f"{index['metadata']['total_size']:,} bytes, {time.monotonic() - t0:.1f} s")
-        return 0
-    except (SynthError, SafetensorsWriteError) as exc:
-        print(f"dsv4-synth: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"dsv4-synth: error writing {args.out}: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from converter.convert import replace_durably
+from converter.durable import replace_durably
 from engine import pack as layout
 from engine.checkpoint import CheckpointError, read_header
 

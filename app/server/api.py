@@ -35,8 +35,8 @@ from app.heap_trim import heap_trimmer
 from app.server.pool import SessionPool
 from app.server.request import ChatRequest, parse_chat_request
 from app.server.worker import Delta, Failed, Finished, Job, Started, Worker
-from app.settings import GenParams
 from engine.chat import render_messages
+from engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ServerConfig:
     max_state_bytes: int | None = None  # bound on the pooled sessions' state bytes
     keepalive_s: float = 10.0  # SSE comment interval while a streamed request waits or prefills
     trim_heap: bool = True  # give freed heap pages back to the OS when the worker goes idle (app.heap_trim)
-    defaults: GenParams = dataclasses.field(default_factory=GenParams)
+    defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
 
 def _usage(stats) -> dict:

@@ -16,7 +16,6 @@ import json
 from dataclasses import dataclass
 
 from app.server.errors import bad_request
-from app.settings import GenParams
 from engine.chat import Message
 from engine.sampling import SamplingParams
 
@@ -118,7 +117,7 @@ def _thinking(body: dict, default: bool) -> bool:
     raise bad_request("'thinking' must be true, false or {\"type\": \"enabled\"|\"disabled\"}", param="thinking")
 
 
-def parse_chat_request(raw: bytes, defaults: GenParams) -> ChatRequest:
+def parse_chat_request(raw: bytes, defaults: SamplingParams) -> ChatRequest:
     """The request in `raw` (JSON bytes), or an ApiError (400) naming the first problem."""
     try:
         body = json.loads(raw)
@@ -182,6 +181,6 @@ def parse_chat_request(raw: bytes, defaults: GenParams) -> ChatRequest:
     params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
                             top_p=defaults.top_p if top_p is None else top_p,
                             top_k=defaults.top_k if top_k is None else top_k,
-                            max_tokens=max_tokens, seed=seed, thinking=_thinking(body, defaults.think))
+                            max_tokens=max_tokens, seed=seed, thinking=_thinking(body, defaults.thinking))
     return ChatRequest(system, tuple(history), user, params, stream,
                        bool(options and options.get("include_usage")), tuple(stops), model)

@@ -100,8 +100,8 @@ def test_set_save_keeps_settings_for_the_next_start(config, tmp_path):
     note = asyncio.run(go(replace(config, config_file=path)))
     assert note.text == f"saved the settings to {path} (used from the next start)"
     again = build_config({}, {}, path)
-    assert again.gen.temperature == 0.3 and again.gen.think and again.gen.max_tokens == 512
-    assert again.cache_gb == 20 and again.system == "be brief"
+    assert again.gen.temperature == 0.3 and again.gen.thinking and again.gen.max_tokens == 512
+    assert again.engine.cache_bytes == 20 * 2**30 and again.system == "be brief"
     assert "# my comment" in path.read_text()
     note = asyncio.run(go(replace(config, config_file=None)))
     assert note.text == "no settings file to save to: start with --config FILE"

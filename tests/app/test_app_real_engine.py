@@ -10,7 +10,8 @@ from app_helpers import type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
 from app.demo import ensure_demo_model
-from app.settings import AppConfig, GenParams
+from app.settings import AppConfig
+from engine.sampling import SamplingParams
 from app.widgets.bars import fmt_bytes
 from app.widgets.message import AssistantMessage, NoteMessage
 from app.widgets.panes import CachePane, ThroughputPane
@@ -31,7 +32,7 @@ def demo_data(tmp_path_factory):
 
 
 def test_chat_on_the_demo_model(demo_data):
-    config = AppConfig(data_dir=demo_data, demo=True, gen=GenParams(max_tokens=6))
+    config = AppConfig(data_dir=demo_data, demo=True, gen=SamplingParams(max_tokens=6))
 
     async def go():
         app = ChatApp(config, offer_resume=False)

@@ -9,13 +9,16 @@ import pytest
 
 from app.__main__ import config_from_args, main
 from app.settings import (
-    GenParams,
+    AppConfig,
     SettingsError,
     build_config,
     default_data_dir,
-    engine_config_kwargs,
     with_gen,
 )
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+
+GiB = 2**30
 
 TOML = """
 cache_gb = 10
@@ -39,33 +42,34 @@ def toml_file(tmp_path: Path) -> Path:
 
 
 def test_defaults_when_nothing_is_set(tmp_path):
-    cfg = build_config({}, {}, tmp_path / "absent.toml")
-    assert cfg.gen == GenParams()
-    assert cfg.numerics == "native" and cfg.device is None and cfg.cache_gb is None
+    cfg = build_config({}, {}, tmp_path / "absent.toml", cuda_available=False)
+    assert cfg.gen == SamplingParams()
+    assert cfg.engine == EngineConfig()  # cpu (no CUDA), native, budgets sized by the memory plan
+    assert cfg.engine.numerics == "native" and cfg.engine.device == "cpu" and cfg.engine.cache_bytes is None
     assert cfg.data_dir == default_data_dir()
     assert cfg.transcripts_dir == cfg.data_dir / "transcripts"
 
 
 def test_file_overrides_defaults(toml_file, tmp_path):
     cfg = build_config({}, {}, toml_file)
-    assert cfg.cache_gb == 10.0 and cfg.numerics == "exact" and cfg.device == "cpu"
+    assert cfg.engine.cache_bytes == 10 * GiB and cfg.engine.numerics == "exact" and cfg.engine.device == "cpu"
     assert cfg.data_dir == tmp_path / "data"
-    assert cfg.gen == GenParams(temperature=0.3, max_tokens=64, think=True)
+    assert cfg.gen == SamplingParams(temperature=0.3, max_tokens=64, thinking=True)
     assert cfg.system == "be terse"
 
 
 def test_env_overrides_file_and_flags_override_env(toml_file):
     env = {"DSV4_CACHE_GB": "20", "DSV4_TEMPERATURE": "0.9", "DSV4_NUMERICS": "native"}
     cfg = build_config({}, env, toml_file)
-    assert cfg.cache_gb == 20.0 and cfg.gen.temperature == 0.9 and cfg.numerics == "native"
+    assert cfg.engine.cache_bytes == 20 * GiB and cfg.gen.temperature == 0.9 and cfg.engine.numerics == "native"
     assert cfg.gen.max_tokens == 64  # still from the file
     cfg = build_config({"cache_gb": 30.0, "numerics": "exact", "model": None}, env, toml_file)
-    assert cfg.cache_gb == 30.0 and cfg.numerics == "exact"  # flags win; None = not given
+    assert cfg.engine.cache_bytes == 30 * GiB and cfg.engine.numerics == "exact"  # flags win; None = not given
 
 
 def test_dsv4_config_names_the_file(toml_file):
     cfg = build_config({}, {"DSV4_CONFIG": str(toml_file)})
-    assert cfg.config_file == toml_file and cfg.cache_gb == 10.0
+    assert cfg.config_file == toml_file and cfg.engine.cache_bytes == 10 * GiB
 
 
 def test_argv_end_to_end(toml_file, tmp_path):
@@ -73,13 +77,13 @@ def test_argv_end_to_end(toml_file, tmp_path):
         ["--config", str(toml_file), "--cache-gb", "5", "--numerics", "native", "--demo",
          "--device", "cuda", "--model", str(tmp_path / "m")],
         {"DSV4_CACHE_GB": "20"})
-    assert (cfg.cache_gb, cfg.numerics, cfg.demo, cfg.device) == (5.0, "native", True, "cuda")
+    assert (cfg.engine.cache_bytes, cfg.engine.numerics, cfg.demo, cfg.engine.device) == (5 * GiB, "native", True, "cuda")
     assert cfg.model == tmp_path / "m" and not cfg.plain
     assert config_from_args(["--plain", "--config", str(toml_file)], {}).plain
     gpu = config_from_args(["--config", str(toml_file), "--backend", "torch", "--no-cuda-graphs"], {})
-    assert (gpu.backend, gpu.cuda_graphs) == ("torch", False)
+    assert (gpu.engine.backend, gpu.engine.cuda_graphs) == ("torch", False)
     plain = config_from_args(["--config", str(toml_file)], {})
-    assert (plain.backend, plain.cuda_graphs) == (None, True)
+    assert (plain.engine.backend, plain.engine.cuda_graphs) == ("torch", True)  # the file's device is cpu
 
 
 def test_argv_missing_config_file(tmp_path):
@@ -119,32 +123,45 @@ def test_with_gen_validates():
         with_gen(cfg, max_tokens=0)
 
 
-def test_engine_config_kwargs(toml_file):
-    cfg = build_config({"device": None}, {"DSV4_DEVICE": "cuda"}, toml_file)
-    kw = engine_config_kwargs(cfg, cuda_available=False)
-    assert kw == {"device": "cuda", "backend": "torch", "cuda_graphs": True, "numerics": "exact",
-                  "cache_policy": "next-use", "io_threads": 8, "max_seq_len": 4096, "cache_bytes": 10 * 2**30,
-                  "memory_bytes": None}
-    assert engine_config_kwargs(cfg, cuda_available=True, tilelang_available=True)["backend"] == "tilelang"
-    cpu = build_config({"device": "cpu"}, {"DSV4_CUDA_GRAPHS": "off"}, Path("/nonexistent.toml"))
-    kw = engine_config_kwargs(cpu, cuda_available=True, tilelang_available=True)
-    assert (kw["device"], kw["backend"], kw["cuda_graphs"]) == ("cpu", "torch", False)
-    pinned = build_config({}, {"DSV4_BACKEND": "torch"}, Path("/nonexistent.toml"))
-    assert engine_config_kwargs(pinned, cuda_available=True, tilelang_available=True)["backend"] == "torch"
+def test_the_engine_config_is_built_once_from_the_settings(toml_file):
+    cfg = build_config({"device": None}, {"DSV4_DEVICE": "cuda"}, toml_file, cuda_available=False)
+    assert cfg.engine == EngineConfig(device="cuda", backend="torch", cuda_graphs=True, numerics="exact",
+                                      cache_policy="next-use", io_threads=8, max_seq_len=4096,
+                                      cache_bytes=10 * 2**30, memory_bytes=None)
+    on_gpu = build_config({"device": None}, {"DSV4_DEVICE": "cuda"}, toml_file, cuda_available=True,
+                          tilelang_available=True)
+    assert on_gpu.engine.backend == "tilelang"
+    cpu = build_config({"device": "cpu"}, {"DSV4_CUDA_GRAPHS": "off"}, Path("/nonexistent.toml"),
+                       cuda_available=True, tilelang_available=True)
+    assert (cpu.engine.device, cpu.engine.backend, cpu.engine.cuda_graphs) == ("cpu", "torch", False)
+    pinned = build_config({}, {"DSV4_BACKEND": "torch"}, Path("/nonexistent.toml"), cuda_available=True,
+                          tilelang_available=True)
+    assert pinned.engine.backend == "torch"
     with pytest.raises(SettingsError, match="tilelang"):
         build_config({}, {"DSV4_BACKEND": "triton"}, Path("/nonexistent.toml"))
-    auto = build_config({}, {}, Path("/nonexistent.toml"))
-    assert engine_config_kwargs(auto, cuda_available=True)["device"] == "cuda"
-    assert engine_config_kwargs(auto, cuda_available=False)["device"] == "cpu"
-    assert engine_config_kwargs(auto, cuda_available=False)["cache_bytes"] is None
+    assert build_config({}, {}, Path("/nonexistent.toml"), cuda_available=True).engine.device == "cuda"
+    auto = build_config({}, {}, Path("/nonexistent.toml"), cuda_available=False)
+    assert auto.engine.device == "cpu" and auto.engine.cache_bytes is None
 
 
-def test_engine_config_accepts_the_kwargs(toml_file):
-    from engine.config import EngineConfig
-
+def test_the_app_config_holds_the_engine_config_whole(toml_file):
     cfg = build_config({}, {}, toml_file)
-    ec = EngineConfig(**engine_config_kwargs(cfg, cuda_available=False))
-    assert ec.cache_bytes == 10 * 2**30 and ec.numerics == "exact"
+    assert isinstance(cfg.engine, EngineConfig) and isinstance(cfg.gen, SamplingParams)
+    assert cfg.engine.cache_bytes == 10 * 2**30 and cfg.engine.numerics == "exact"
+    assert not any(hasattr(cfg, name) for name in ("cache_gb", "memory_gb", "numerics", "device", "backend"))
+
+
+def test_an_engine_setting_the_engine_refuses_is_one_settings_line(tmp_path):
+    with pytest.raises(SettingsError) as info:
+        build_config({}, {"DSV4_CACHE_POLICY": "fifo"}, tmp_path / "absent.toml")
+    assert str(info.value).startswith("engine settings: cache_policy must be one of ")
+    assert str(info.value).endswith("got 'fifo'")
+
+
+def test_a_directly_built_app_config_chooses_the_device_like_the_settings():
+    import torch
+
+    assert AppConfig(data_dir=Path("/d")).engine.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_main_reports_bad_settings_in_one_line(capsys, tmp_path, toml_file):
@@ -261,7 +278,7 @@ def test_run_subcommand_and_generation_flags(toml_file):
     cfg = config_from_args(["--config", str(toml_file), "--max-tokens", "7", "--temperature", "0",
                             "--system", "be kind"], {})
     assert (cfg.gen.max_tokens, cfg.gen.temperature, cfg.system) == (7, 0.0, "be kind")
-    assert cfg.gen.think and not cfg.plain  # the rest still from the file
+    assert cfg.gen.thinking and not cfg.plain  # the rest still from the file
     # options before and after `run` both count; `run` is line mode
     cfg = config_from_args(["--demo", "--max-tokens", "3", "run", "--temperature", "0.5",
                             "--config", str(toml_file), "hello", "world"], {})
@@ -270,15 +287,12 @@ def test_run_subcommand_and_generation_flags(toml_file):
 
 def test_memory_gb_reaches_the_engine_from_flag_env_and_file(tmp_path):
     from app.__main__ import config_from_args
-    from app.settings import engine_config_kwargs
-
     flag = config_from_args(["--memory-gb", "48", "--cache-gb", "20"], {"XDG_CONFIG_HOME": str(tmp_path)})
-    kw = engine_config_kwargs(flag, cuda_available=False)
-    assert kw["memory_bytes"] == 48 * 2**30 and kw["cache_bytes"] == 20 * 2**30
+    assert flag.engine.memory_bytes == 48 * 2**30 and flag.engine.cache_bytes == 20 * 2**30
     env = config_from_args([], {"DSV4_MEMORY_GB": "12.5", "XDG_CONFIG_HOME": str(tmp_path)})
-    assert engine_config_kwargs(env, cuda_available=False)["memory_bytes"] == int(12.5 * 2**30)
+    assert env.engine.memory_bytes == int(12.5 * 2**30)
     toml = tmp_path / "c.toml"
     toml.write_text("memory_gb = 64\n")
-    assert config_from_args(["--config", str(toml)], {}).memory_gb == 64
+    assert config_from_args(["--config", str(toml)], {}).engine.memory_bytes == 64 * 2**30
     with pytest.raises(Exception, match="memory_gb"):
         config_from_args([], {"DSV4_MEMORY_GB": "nan", "XDG_CONFIG_HOME": str(tmp_path)})

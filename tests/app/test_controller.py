@@ -15,7 +15,6 @@ from app_helpers import type_and_send, wait_idle
 
 from app.app import ChatApp
 from app.autosave import read_transcript
-from app.backend import sampling_params
 from app.commands import REGISTRY, parse
 from app.controller import (
     HANDLERS,
@@ -63,7 +62,7 @@ class Rig:
 
     def turn(self, text: str) -> None:
         """One answered question, as a front-end records it."""
-        events = list(self.engine.generate(self.session, text, sampling_params(self.ctl.gen),
+        events = list(self.engine.generate(self.session, text, self.ctl.gen,
                                            threading.Event()))
         self.ctl.sent(text)
         done = events[-1]

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from app.plain import PlainChat, turn_line
-from app.settings import AppConfig, GenParams
+from app.settings import AppConfig
 from converter import synth
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>]|\r")
@@ -147,7 +148,7 @@ def test_plain_loop_commands_in_process(ckpt, tmp_path):
         return next(lines)
 
     out = io.StringIO()
-    config = AppConfig(data_dir=tmp_path, gen=GenParams(temperature=0.0, max_tokens=3))
+    config = AppConfig(data_dir=tmp_path, gen=SamplingParams(temperature=0.0, max_tokens=3))
     chat = PlainChat(eng, config, read, out)
     try:
         assert chat.run() == 0

@@ -18,7 +18,9 @@ from fake_engine import ANSWER, THINKING, FakeEngine
 from app.autosave import read_transcript
 from app.demo import DEMO_NOTICE
 from app.plain import PlainChat, history_for, main, run_once
-from app.settings import AppConfig, GenParams
+from app.settings import AppConfig, resolve_engine_config
+from engine.memory_plan import gib_to_bytes
+from engine.sampling import SamplingParams
 from converter import synth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,13 +184,14 @@ def test_piped_plain_and_run_print_the_same_answer(ckpt, tmp_path):
 
 
 def test_run_reads_stdin_and_fails_with_status_1(ckpt, tmp_path):
-    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact",
-                       gen=GenParams(temperature=0.0, max_tokens=2))
+    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, engine=resolve_engine_config(numerics="exact"),
+                       gen=SamplingParams(temperature=0.0, max_tokens=2))
     out, err = io.StringIO(), io.StringIO()
     assert run_once(config, "", io.StringIO("Hello\n"), out, err) == 0
     assert out.getvalue().strip() and "[2 tokens (max_tokens)" in err.getvalue()
-    short = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact", max_seq_len=8,
-                      gen=GenParams(temperature=0.0, max_tokens=2))
+    short = AppConfig(data_dir=tmp_path / "data", model=ckpt,
+                      engine=resolve_engine_config(numerics="exact", max_seq_len=8),
+                      gen=SamplingParams(temperature=0.0, max_tokens=2))
     out, err = io.StringIO(), io.StringIO()
     assert run_once(short, "a prompt that is longer than eight tokens, by quite a few words", None,
                     out, err) == 1
@@ -199,7 +202,7 @@ def test_run_reads_stdin_and_fails_with_status_1(ckpt, tmp_path):
 
 def test_plain_demo_from_a_fresh_data_dir(tmp_path):
     """`--plain --demo` builds the demo model (synthesis, conversion) and answers."""
-    config = AppConfig(data_dir=tmp_path / "fresh", demo=True, gen=GenParams(temperature=0.0, max_tokens=3))
+    config = AppConfig(data_dir=tmp_path / "fresh", demo=True, gen=SamplingParams(temperature=0.0, max_tokens=3))
     out, err = io.StringIO(), io.StringIO()
     assert main(config, io.StringIO("Hello\n"), out, err) == 0, err.getvalue()
     log = err.getvalue()
@@ -216,13 +219,14 @@ def test_warm_up_loads_prints_the_plan_and_exits(ckpt, tmp_path):
     a plan that cannot fit is one line and exit 2."""
     from app.plain import warm_up
 
-    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact")
+    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, engine=resolve_engine_config(numerics="exact"))
     err = io.StringIO()
     assert warm_up(config, err) == 0, err.getvalue()
     log = err.getvalue()
     assert "memory plan: 1/1 plan · resident weights" in log and "expert cache" in log
     assert "warm-up: 2/2 shapes · kernels ready" in log and "ready in " in log
-    tight = AppConfig(data_dir=tmp_path / "data", model=ckpt, numerics="exact", memory_gb=0.25)
+    tight = AppConfig(data_dir=tmp_path / "data", model=ckpt, engine=resolve_engine_config(
+        numerics="exact", memory_bytes=gib_to_bytes(0.25, "memory_gb")))
     err = io.StringIO()
     assert warm_up(tight, err) == 2
     assert "the model does not fit" in err.getvalue() and "--memory-gb" in err.getvalue()

@@ -17,7 +17,6 @@ from app.demo import ensure_demo_model
 from app.server.api import ServerConfig, build_app
 from app.server.pool import SessionPool
 from app.server.stops import StopScanner
-from app.settings import GenParams
 from engine.chat import Message
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -25,7 +24,7 @@ from engine.events import TurnFinished
 from engine.sampling import SamplingParams
 
 KEY = "sk-test-key"
-DEFAULTS = GenParams(temperature=0.8, top_p=1.0, top_k=0, max_tokens=4)
+DEFAULTS = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, max_tokens=4)
 
 
 class LiveServer:

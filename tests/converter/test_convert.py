@@ -1,5 +1,5 @@
 """Conversion to the expert-pack layout: lossless round trip, alignment, checksums, verify,
-resume after kills, cancellation, preflight errors, CLI (converter/convert.py, engine/pack.py)."""
+resume after kills, cancellation, preflight errors, CLI (converter/convert.py, converter/cli.py, engine/pack.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
-from converter import convert as convert_mod
+from converter import cli
 from converter import mapping
 from converter.convert import ConvertCancelled, ConvertProgress, convert
 from converter.preflight import PreflightError, check_source
@@ -386,10 +386,10 @@ def test_preflight_missing_index_and_extra_tensor(src_copy):
 
 def test_cli_plain_progress_and_errors(source, converted, tmp_path, capsys):
     out = tmp_path / "cli"
-    assert convert_mod.main(["--hf", str(source), "--out", str(out), "--verify"]) == 0
+    assert cli.main(["--hf", str(source), "--out", str(out), "--verify"]) == 0
     err = capsys.readouterr().err
     assert "writing layer_00.safetensors" in err and "\r" not in err  # plain lines, not a TTY
     assert "converted" in err and "verified" in err
     assert tree_bytes(out) == tree_bytes(converted)
-    assert convert_mod.main(["--hf", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+    assert cli.main(["--hf", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
     assert "is not a directory" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from converter import convert as convert_mod
+from converter import cli
 from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 
@@ -47,7 +47,7 @@ def _edit_config(root: Path, change: dict, drop: tuple[str, ...] = ()) -> None:
 ])
 def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, capsys, change, drop, message):
     _edit_config(src_copy, change, drop)
-    assert convert_mod.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and str(src_copy / "config.json") in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
@@ -226,7 +226,7 @@ def test_verify_cli_names_a_zeroed_expert_record(source, tmp_path, capsys):
     from engine.checkpoint import TensorIndex
 
     out = convert(source, tmp_path / "pack")
-    assert convert_mod.main(["--verify", str(out)]) == 0
+    assert cli.main(["--verify", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"dsv4-convert: {out}: OK, 11 files" in err and "match the manifest" in err
     record = layout.read_manifest(out).record.record_bytes
@@ -236,18 +236,18 @@ def test_verify_cli_names_a_zeroed_expert_record(source, tmp_path, capsys):
         f.seek(at)
         f.write(bytes(record))
     layout.read_manifest(out)  # the sizes still match: only the checksums see it
-    assert convert_mod.main(["--verify", str(out)]) == 1
+    assert cli.main(["--verify", str(out)]) == 1
     err = capsys.readouterr().err
     assert f"dsv4-convert: {out}: 1 of 11 files are corrupt:" in err
     assert "layer_01.safetensors: routed expert 5 of layers.1" in err
     assert "run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the corrupt files" in err
     (out / "manifest.json").unlink()
-    assert convert_mod.main(["--verify", str(out)]) == 2
+    assert cli.main(["--verify", str(out)]) == 2
     assert "has no manifest.json: the conversion did not finish" in capsys.readouterr().err
-    assert convert_mod.main(["--verify", str(tmp_path / "nope")]) == 2
+    assert cli.main(["--verify", str(tmp_path / "nope")]) == 2
     assert "not a converted model" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        convert_mod.main(["--verify", str(out), "--hf", str(source)])
+        cli.main(["--verify", str(out), "--hf", str(source)])
     assert exit_.value.code == 2
     assert "--verify DIR checks a converted model and takes no --hf" in capsys.readouterr().err
 
@@ -255,12 +255,12 @@ def test_verify_cli_names_a_zeroed_expert_record(source, tmp_path, capsys):
 def test_convert_refuses_a_tokenizer_larger_than_the_vocabulary(source, tmp_path, capsys):
     """issue 28 item 2: the tiny synthetic checkpoint carries the real 129,280-token tokenizer."""
     out = tmp_path / "pack"
-    assert convert_mod.main(["--hf", str(source), "--out", str(out)]) == 2
+    assert cli.main(["--hf", str(source), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert (f"{source / 'tokenizer.json'} has 129,280 tokens but the model's vocab_size is 512: a model "
             "converted with it cannot chat") in err
     assert "--logits-only" in err and "Traceback" not in err and not out.exists()
-    assert convert_mod.main(["--hf", str(source), "--out", str(out), "--logits-only"]) == 0
+    assert cli.main(["--hf", str(source), "--out", str(out), "--logits-only"]) == 0
     assert (out / "manifest.json").is_file()
 
 

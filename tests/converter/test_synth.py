@@ -13,8 +13,9 @@ from safetensors import safe_open
 from converter.quant import QuantError, e2m1_codes, quantize_fp4_rows, quantize_fp8_block
 from converter.stwriter import SafetensorsWriteError, SafetensorsWriter, TensorSpec, aligned_first
 from converter.synth import (
-    TOKENIZER_VOCAB, SynthError, SynthOptions, flash_config, main, plan_tensors, tiny_config, write_checkpoint,
+    TOKENIZER_VOCAB, SynthError, SynthOptions, flash_config, plan_tensors, tiny_config, write_checkpoint,
 )
+from converter.synth_cli import main
 from kernels import reference as ref
 
 F8, E8, I8, I64 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.int64

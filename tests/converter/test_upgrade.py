@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from converter.convert import convert, main
+from converter.cli import main
+from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from converter.upgrade import UpgradeCancelled, UpgradeError, _upgrade_file, upgrade
 from converter.verify import verify
