@@ -76,6 +76,10 @@ class DecodeRunner:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; run the decode step eagerly on the CPU")
+        # One side stream for every eager first step and capture: cuBLAS keeps a workspace per
+        # stream it has run on (32 MiB on the H200), so a fresh stream per capture held up to 33 of
+        # them (1.03 GiB) until the process ended.
+        self._side = torch.cuda.Stream(self.device) if self.graphs else None
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.at = model.decode_position(self.device)  # static position inputs, set per step
         # One graph set per emission pattern (which compression ratios complete a window at this
@@ -146,7 +150,7 @@ class DecodeRunner:
         for seg in parts:
             g = torch.cuda.CUDAGraph()
             # thread_local: the app's other threads may touch CUDA (e.g. an I/O thread's copy)
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=pool, stream=self._side, capture_error_mode="thread_local"):
                 for i in seg:
                     self._segment(i, state, emitting, out)
             graphs.append(g)
@@ -222,7 +226,7 @@ class DecodeRunner:
         if not self.graphs:
             out = self._run_eager(state, emitting)
         elif gs is None:
-            side = torch.cuda.Stream(self.device)  # warm-up off the default stream, as capture wants
+            side = self._side  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 out = self._run_eager(state, emitting)  # this step, eagerly; compiles its kernels

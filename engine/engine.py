@@ -159,6 +159,7 @@ class Engine:
         gc.collect()  # the model's modules hold reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch._C._cuda_clearCublasWorkspaces()  # one per stream cuBLAS ran on (no public API for it)
             torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":
