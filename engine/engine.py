@@ -109,7 +109,7 @@ class Engine:
         self._open()
         full = self.config.backend == "tilelang"
         report = progress or (lambda p: None)
-        steps = plan_warmup(self.args, self.config, full)
+        steps = plan_warmup(self.args, self.config, full, graphed_short=self.runtime.runner is not None)
 
         def run(step: Callable[[int, int, str], None]) -> None:
             run_warmup(steps, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len, step)

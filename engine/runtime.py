@@ -7,8 +7,8 @@ the device, under the lock) then `finish` (wait for it, not for work queued afte
 decode loop launches the next step on a sampled token before it reads that token on the host
 (`read`), so the host's per-token work overlaps the device's; `settle` waits for launched work,
 so that nothing (a flush) changes what a running step reads. `Runtime.prefill` yields one result
-per chunk and stops between chunks when `cancel` is set; with every expert resident, a chunk of
-at most SHORT_PREFILL tokens runs as graph-replayed decode steps, one per token.
+per chunk and stops between chunks when `cancel` is set; with a graph runner, a chunk of at most
+SHORT_PREFILL tokens runs as decode steps, one per token.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
 shared and routed experts); the expert provider measures the time spent waiting inside it for
@@ -187,10 +187,11 @@ class Runtime:
             start += length
 
     def _graphs_short(self, length: int) -> bool:
-        """A chunk of at most SHORT_PREFILL tokens runs as that many graph-replayed decode steps
-        when every expert is resident (a follow-up turn's few new tokens: an eager chunk launches
-        the whole depth's kernels one by one, a replay costs one decode step per token)."""
-        return self.runner is not None and length <= SHORT_PREFILL and self.experts.all_resident()
+        """A chunk of at most SHORT_PREFILL tokens runs as that many decode steps of the graph
+        runner (a follow-up turn's few new tokens: an eager chunk launches the whole depth's
+        kernels one by one, a replay costs one decode step per token; and the GEMV kernels of
+        short eager chunks, compiled per row count, are then never needed)."""
+        return self.runner is not None and length <= SHORT_PREFILL
 
     def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> StepResult:
         """`ids` one token per replayed decode step, launched back to back; one result for them

@@ -3,7 +3,8 @@ compiled (or loaded from TileLang's on-disk cache) before the first prompt, neve
 
 On scratch states (discarded afterwards):
 
-1. prefill chunks of every length in `engine.buckets.chunk_buckets(prefill_chunk)`;
+1. prefill chunks of every length in `engine.buckets.chunk_buckets(prefill_chunk)` (with a graph
+   runner, only those longer than SHORT_PREFILL: shorter chunks replay the decode step);
 2. for every compressed-cache capacity up to `max_seq_len` (`engine.buckets.capacity_buckets`),
    the one-token decode step (the graph runner's path on CUDA) at positions whose steps complete
    no window, a ratio-4 window, and ratio-4 and ratio-128 windows at once — the three control
@@ -29,6 +30,7 @@ import torch
 
 from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
+from engine.runtime import SHORT_PREFILL
 from engine.events import LoadProgress
 from engine.kernel_manifest import (ManifestError, built_calls, kernels_source_digest, manifest_key, manifest_path,
                                     read_manifest, replay, tilelang_cache_dir, write_manifest)
@@ -54,11 +56,15 @@ class WarmupStep:
         return f"decode steps, compressed caches of {self.capacity} entries"
 
 
-def plan_warmup(args: ModelArgs, config: EngineConfig, full: bool) -> list[WarmupStep]:
-    """The steps of the warm-up (see the module docstring)."""
+def plan_warmup(args: ModelArgs, config: EngineConfig, full: bool, graphed_short: bool = False) -> list[WarmupStep]:
+    """The steps of the warm-up (see the module docstring). `graphed_short`: prefill chunks of at
+    most SHORT_PREFILL tokens replay the decode step (engine/runtime.py, a graph runner exists),
+    so their buckets are left out: the decode steps compile what they need. (On a fresh H200
+    those buckets, 16 tokens and fewer, took 262 of the 385 s of the first load's compiles.)"""
     if not full:
         return [WarmupStep("prefill", tokens=1), WarmupStep("decode", capacity=0)]
-    steps = [WarmupStep("prefill", tokens=n) for n in chunk_buckets(config.prefill_chunk)]
+    steps = [WarmupStep("prefill", tokens=n) for n in chunk_buckets(config.prefill_chunk)
+             if not (graphed_short and n <= SHORT_PREFILL)]
     ratio = min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
     caps = capacity_buckets(config.max_seq_len, ratio) if ratio else [0]
     return steps + [WarmupStep("decode", capacity=c) for c in caps]

@@ -8,6 +8,7 @@ from converter import synth
 from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
 from engine.state import LayerState, new_layer_state
+from engine.runtime import SHORT_PREFILL
 from engine.warmup import plan_warmup
 from kernels.fp8_gemm import GEMV_MAX_M
 
@@ -62,6 +63,10 @@ def test_the_warm_up_runs_every_bucket_on_the_gpu_and_little_on_the_cpu():
     assert [s.capacity for s in full if s.kind == "decode"] == capacity_buckets(4096, 4) == [16, 32, 64, 128, 256,
                                                                                              512, 1024, 2048]
     assert len(plan_warmup(args, config, full=False)) == 2
+    # with a graph runner, chunks of at most SHORT_PREFILL tokens replay the decode step: no buckets for them
+    graphed = plan_warmup(args, config, full=True, graphed_short=True)
+    assert [s.tokens for s in graphed if s.kind == "prefill"] == [n for n in chunk_buckets(256) if n > SHORT_PREFILL]
+    assert [s for s in graphed if s.kind == "decode"] == [s for s in full if s.kind == "decode"]
 
 
 def test_prefill_runs_in_bucketed_chunks(tmp_path):

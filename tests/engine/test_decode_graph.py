@@ -347,3 +347,43 @@ def test_whole_steps_count_their_routes_after_the_next_launch(files):
         settled.settle()
     assert eager_seen == seen
     assert all(len(set(ids)) == files.args.n_activated_experts for _, _, ids in seen)
+
+
+def test_short_prefill_chunks_replay_the_decode_step(packed):
+    """With a runner, Runtime.prefill runs a chunk of at most SHORT_PREFILL tokens as decode
+    steps (one result for the chunk, flagged graphed) and a longer chunk eagerly; the logits and
+    the next step equal the eager chunked prefill's, at a full arena (whole) and at a bounded
+    cache (layered)."""
+    import threading
+
+    from engine.runtime import SHORT_PREFILL, Runtime
+
+    prompt = PROMPT + [9, 31, 64, 2, 128, 7, 44, 19, 3, 250, 6]  # 24 tokens: one chunk of 24, or 16 + 8
+    probe = open_model(packed)
+    record, k = probe.experts.store.record_bytes, probe.args.n_activated_experts
+    probe.close()
+    for slots in (None, 2 * k):  # every expert in the arena (whole), or a bounded cache (layered)
+        files = open_model(packed, cache_bytes=None if slots is None else slots * record)
+        try:
+            whole = files.experts.load_all() if slots is None else False
+            model = Transformer(files.get, files.args, Numerics.named("native"))
+            lock = threading.RLock()
+            runner = DecodeRunner(model, files.experts, whole=whole)
+            graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
+            plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+            for chunk in (16, 8):  # 24 tokens: chunks 16 + 8 (both short), or 8 + 8 + 8
+                s1, s2 = model.new_state(), model.new_state()
+                eager = list(plain.prefill(s1, prompt, chunk))
+                replayed = list(graphed.prefill(s2, prompt, chunk))
+                assert [r.tokens for r in replayed] == [r.tokens for r in eager]
+                assert all(r.graphed for r in replayed) and all(r.tokens <= SHORT_PREFILL for r in replayed)
+                assert s1.pos == s2.pos == len(prompt)
+                assert _rel(eager[-1].logits, replayed[-1].logits) <= 1e-4
+                graphed.settle()
+                a, b = plain.step(s1, [5]), graphed.step(s2, [5])
+                assert _rel(a.logits, b.logits) <= 1e-4
+                graphed.settle()
+            long = list(graphed.prefill(model.new_state(), prompt, 2048))  # one chunk of 24: eager
+            assert [(r.tokens, r.graphed) for r in long] == [(24, False)]
+        finally:
+            files.close()
