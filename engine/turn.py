@@ -75,9 +75,10 @@ class Turns:
             return
         turn_start = session.live.copy() if plan.from_live and session.live.length else None
         work = session.start(plan)
+        max_new = min(params.max_tokens, limit - plan.prompt_tokens)
         # the caches grow for the whole turn now: no step of it, prefill included, changes the
         # state's buffers (which would capture the decode graphs again)
-        self.runtime.reserve(work.state, plan.prompt_tokens + min(params.max_tokens, limit - plan.prompt_tokens))
+        self.runtime.reserve(work.state, plan.prompt_tokens + max_new)
         self._meter.start_turn(work.state.pos)
         committed = False
         try:
@@ -95,7 +96,8 @@ class Turns:
                 work.text, work.logits = prompt_text, logits
                 session.keep(work.copy())  # after the prompt: regenerate starts here
                 work.logits = None
-            completion, step_ms, ttft, finish = yield from self._decode(work, plan, params, cancel, logits, t_start)
+            completion, step_ms, ttft, finish = yield from self._decode(work, max_new, params, cancel, logits,
+                                                                        t_start)
             completion_text = tok.decode(completion)
             reasoning, content = parse_completion(completion_text, params.thinking)
             work.text = prompt_text + completion_text
@@ -140,7 +142,7 @@ class Turns:
         work.pending, work.logits = [], None
         return seconds, logits
 
-    def _decode(self, work: Snapshot, plan, params: SamplingParams, cancel: threading.Event,
+    def _decode(self, work: Snapshot, max_new: int, params: SamplingParams, cancel: threading.Event,
                 logits: torch.Tensor, t_start: float):
         """Sample and run one token per step; yields text deltas and step stats.
 
@@ -149,14 +151,12 @@ class Turns:
         before that step has run, so the device always holds the next step while the host
         detokenises, reports and queues the one after. The token that reaches the length limit
         is not run: it is left in work.pending. An EOS has been run by then (its logits are
-        dropped; the next turn would run it first anyway). The state's caches are first grown for
-        the whole turn, so that no step in it re-captures the decode graphs. Returns (completion
-        ids, step times in ms, ttft s, finish reason)."""
+        dropped; the next turn would run it first anyway). At most `max_new` tokens (`run` has
+        grown the state's caches for them). Returns (completion ids, step times in ms, ttft s,
+        finish reason)."""
         tok = self.tokenizer
         sampler = Sampler(params, logits.device)
         splitter = ThinkingSplitter(tok, params.thinking)
-        max_new = min(params.max_tokens, self.config.max_seq_len - plan.prompt_tokens)
-        self.runtime.reserve(work.state, work.state.pos + max_new)  # no growth mid-turn
         completion: list[int] = []
         step_ms: list[float] = []
         ttft, finish = 0.0, "cancelled"
