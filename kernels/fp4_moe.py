@@ -32,7 +32,7 @@ import math
 import torch
 
 from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
-from kernels.act_quant import act_quant
+from kernels.act_quant import act_dequant_bf16, act_quant
 from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch, kernel_factory,
                              pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
@@ -173,13 +173,14 @@ def fp4_pair_table(device: torch.device) -> torch.Tensor:
     return pair[:, 0] | (pair[:, 1] << 16)
 
 
-def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """FP4 weight [..., N, K/2] with 1×32 e8m0 scales [..., N, K/32] -> bf16 [..., N, K],
-    exactly (an e2m1 value times a power of two fits bf16): one table lookup per byte, then the
-    group's power of two."""
+    exactly (an e2m1 value times a power of two fits bf16): one lookup per byte in `table`
+    (`fp4_pair_table(w.device)`, built here when not given), then the group's power of two."""
     wb = _as_bytes(w)
     k = 2 * wb.shape[-1]
-    pairs = fp4_pair_table(w.device).index_select(0, wb.reshape(-1).to(torch.int32))  # [numel] int32
+    table = fp4_pair_table(w.device) if table is None else table
+    pairs = table.index_select(0, wb.reshape(-1).to(torch.int32))  # [numel] int32
     v = pairs.view(torch.bfloat16).view(*wb.shape[:-1], k // 32, 32)
     e = (_as_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16).unsqueeze(-1)  # [..., N, K/32, 1]
     return torch.ldexp(v, e).view(*wb.shape[:-1], k)
@@ -273,9 +274,7 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
         return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m > GEMV_MAX_M:
         cuda_arch(x.device)
-        q, s = act_quant(x2, 128)
-        a = q.to(torch.bfloat16).view(m, k // 128, 128) * s.to(torch.bfloat16).unsqueeze(-1)  # exact
-        y = torch.matmul(a.view(m, k), dequant_fp4_bf16(w, w_scale).T)
+        y = torch.matmul(act_dequant_bf16(*act_quant(x2, 128)), dequant_fp4_bf16(w, w_scale).T)
     else:
         slot0 = torch.zeros(1, dtype=torch.int32, device=x.device)
         y = fp4_gemm_grouped(pad_rows_to_bucket(x2).unsqueeze(0), _as_bytes(w).reshape(1, -1), 0,
@@ -313,13 +312,15 @@ def expert_spans(slots: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int
     return order, spans
 
 
-def _expert_fields(arena: torch.Tensor, fields: dict, slots: list[int], name: str) -> torch.Tensor:
-    """The bf16 weight `name` ("w1", "w3" or "w2") of the experts in `slots` -> [len(slots), N, K]."""
+def _expert_weights(arena: torch.Tensor, fields: dict, slots: list[int], names: tuple[str, ...],
+                    table: torch.Tensor) -> list[torch.Tensor]:
+    """The bf16 weights `names` ("w1", "w3", "w2") of the experts in `slots`, each
+    [len(slots), N, K], from one gather of their arena records (`table`: fp4_pair_table)."""
     rows = arena.index_select(0, torch.tensor(slots, dtype=torch.int64).to(arena.device, non_blocking=True))
 
     def part(f):
         return rows[:, f.offset:f.offset + math.prod(f.shape)].view(len(slots), *f.shape)
-    return dequant_fp4_bf16(part(fields[f"{name}.weight"]), part(fields[f"{name}.scale"]))
+    return [dequant_fp4_bf16(part(fields[f"{n}.weight"]), part(fields[f"{n}.scale"]), table) for n in names]
 
 
 def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, order: torch.Tensor,
@@ -335,23 +336,22 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     Pure torch apart from `quantize_h`: it runs on any device."""
     g, dim = q.shape
     inter = fields["w1.weight"].shape[0]
-    bf16 = torch.bfloat16
-    a = (q.to(bf16).view(g, dim // 128, 128) * s.to(bf16).unsqueeze(-1)).view(g, dim)  # exact
-    a = a.index_select(0, order)
+    bf16, table = torch.bfloat16, fp4_pair_table(q.device)
+    a = act_dequant_bf16(q, s).index_select(0, order)
     groups = [spans[i:i + EXPERTS_PER_DEQUANT] for i in range(0, len(spans), EXPERTS_PER_DEQUANT)]
     gu = torch.empty(2, g, inter, dtype=bf16, device=q.device)
     for group in groups:
-        w1, w3 = (_expert_fields(arena, fields, [slot for slot, _, _ in group], n) for n in ("w1", "w3"))
+        w1, w3 = _expert_weights(arena, fields, [slot for slot, _, _ in group], ("w1", "w3"), table)
         for j, (_, start, n) in enumerate(group):
             torch.mm(a[start:start + n], w1[j].T, out=gu[0, start:start + n])
             torch.mm(a[start:start + n], w3[j].T, out=gu[1, start:start + n])
         del w1, w3
     hq, hs = quantize_h(gu[0], gu[1], weights.float().index_select(0, order), limit)  # [G, I] e4m3, [G, I/128]
     del gu
-    h = (hq.to(bf16).view(g, inter // 128, 128) * hs.to(bf16).unsqueeze(-1)).view(g, inter)  # exact
+    h = act_dequant_bf16(hq, hs)
     y = torch.empty(g, dim, dtype=bf16, device=q.device)
     for group in groups:
-        w2 = _expert_fields(arena, fields, [slot for slot, _, _ in group], "w2")
+        w2, = _expert_weights(arena, fields, [slot for slot, _, _ in group], ("w2",), table)
         for j, (_, start, n) in enumerate(group):
             torch.mm(h[start:start + n], w2[j].T, out=y[start:start + n])
         del w2

@@ -23,7 +23,7 @@ TileLang is imported lazily (see kernels/toolkit.py).
 import torch
 
 from kernels import fp8_mma_one_token, lowbit, pdl
-from kernels.act_quant import act_quant
+from kernels.act_quant import act_dequant_bf16, act_quant
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
 from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket, tile_params
@@ -156,8 +156,7 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=q.device)
     if m > GEMV_MAX_M:
-        a = q.to(torch.bfloat16).view(m, k // 128, 128) * s.to(torch.bfloat16).unsqueeze(-1)  # exact
-        return torch.matmul(a.view(m, k), dequant_fp8_bf16(w, w_scale).T)
+        return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
     tile = fp8_mma_one_token.mma_tile(n, k) if m == 1 and arch in fp8_mma_one_token.MMA_ARCHS else None
