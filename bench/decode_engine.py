@@ -110,8 +110,9 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4, every: bool = False) -> No
 
     `step(token) -> logits` runs one decode step (eager forward, or a graph replay); `every`
     lists every kernel by GPU time (else the top 12)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.op_profile import cuda_kernels, kernel_table
 
     with torch.inference_mode():
         torch.cuda.synchronize()
@@ -121,18 +122,9 @@ def _profile(step, nxt: torch.Tensor, steps: int = 4, every: bool = False) -> No
                 nxt = step(nxt).argmax(-1)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t) / steps
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type == DeviceType.CUDA]
-    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # ms per step
-    launches = sum(e.count for e in kernels) / steps
-    print(f"profile: wall {wall * 1e3:.2f} ms/token, GPU kernels busy {busy:.2f} ms/token "
-          f"({100 * busy / (wall * 1e3):.0f} %), {launches:.0f} kernels per token")
-    print("  by GPU time:")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:None if every else 12]:
-        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
-    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    print("  host, by self CPU time (includes waiting for the GPU in syncs):")
-    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]:
-        print(f"  {e.self_cpu_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")
+    kernels = cuda_kernels(prof)
+    print(f"profile: wall {wall * 1e3:.2f} ms/token; by GPU time:")
+    print("\n".join(kernel_table(prof, steps, None if every else 12, host_top=10)))
     print("  by launches:")
     for e in sorted(kernels, key=lambda e: -e.count)[:15]:
         print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms  x{e.count // steps:4d}  {e.key[:90]}")

@@ -27,19 +27,25 @@ from pathlib import Path
 import torch
 
 
-def _kernel_table(prof, calls: int, top: int) -> list[str]:
+def cuda_kernels(prof) -> list:
+    """The profile's CUDA kernel events (torch.profiler key averages), one per kernel name."""
     from torch.autograd import DeviceType
 
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+
+
+def kernel_table(prof, calls: int, top: int | None, host_top: int = 8) -> list[str]:
+    """GPU busy time and launches per call, the `top` kernels by GPU time (None: every one) and
+    the `host_top` host ops by self CPU time, as printable lines."""
+    kernels = cuda_kernels(prof)
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
     lines = [f"  GPU busy {busy:.2f} ms per call, {sum(e.count for e in kernels) / calls:.0f} kernels per call"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         ms = e.self_device_time_total / 1e3 / calls
         lines.append(f"  {ms:9.3f} ms {100 * ms / busy if busy else 0:5.1f} %  x{e.count / calls:6.0f}  {e.key[:100]}")
-    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     lines.append("  host, by self CPU time (includes waits in synchronisations):")
-    for e in host[:8]:
+    for e in host[:host_top]:
         lines.append(f"  {e.self_cpu_time_total / 1e3 / calls:9.3f} ms  x{e.count / calls:6.0f}  {e.key[:100]}")
     return lines
 
@@ -58,7 +64,7 @@ def profiled(label: str, fn, calls: int, top: int) -> float:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / calls
     print(f"\n== {label}: wall {1e3 * wall:.2f} ms per call", flush=True)
-    print("\n".join(_kernel_table(prof, calls, top)), flush=True)
+    print("\n".join(kernel_table(prof, calls, top)), flush=True)
     return wall
 
 
