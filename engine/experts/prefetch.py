@@ -51,11 +51,6 @@ class PrefetchStats:
         """Share of the routed experts the hints named (nan before any hinted layer ran)."""
         return self.predicted / self.routed if self.routed else float("nan")
 
-    @property
-    def in_time_rate(self) -> float:
-        """Share of the used prefetch reads that had arrived when asked for (nan: none used)."""
-        return self.in_time / self.used if self.used else float("nan")
-
     def line(self) -> str:
         return (f"{self.source} prefetch: accuracy {self.accuracy:.1%} ({self.predicted}/{self.routed}), "
                 f"{self.issued} reads issued, {self.used} used ({self.in_time} in time, {self.in_flight} in flight), "
