@@ -43,7 +43,7 @@ from __future__ import annotations
 import queue
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -54,6 +54,19 @@ from engine.experts.io_pool import IOPool
 from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.weights import ExpertWeights
+
+
+class _Hint(NamedTuple):
+    """A lookahead hint for `layer`'s experts `ids`, holding the resident `keep` keys (the
+    current layer's route), issued once the call of `after` (keep's layer) has queued its reads."""
+
+    layer: int
+    ids: list[int]
+    keep: list[ExpertKey]
+
+    @property
+    def after(self) -> int:
+        return self.keep[0][0]
 
 
 class StreamingExperts(ExpertProvider):
@@ -73,7 +86,7 @@ class StreamingExperts(ExpertProvider):
         self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
-        self._deferred: tuple[int, list[int], list[ExpertKey]] | None = None  # a hint waiting for keep's call
+        self._deferred: _Hint | None = None  # a lookahead hint waiting for the call of its keep's layer
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
         if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
@@ -333,18 +346,18 @@ class StreamingExperts(ExpertProvider):
         docstring)."""
         keep = list(dict.fromkeys(keep))
         if self._deferred is not None:  # an older hint whose call never came: issue it now
-            self._issue_deferred(self._deferred[2][0][0])
+            self._issue_deferred(self._deferred.after)
         if keep:
-            self._deferred = (layer, list(ids), keep)
+            self._deferred = _Hint(layer, list(ids), keep)
         else:
             self._prefetch(layer, ids, "lookahead", ())
 
     def _issue_deferred(self, layer: int) -> None:
         """Issue the hint waiting for `layer`'s call, if any."""
-        if self._deferred is not None and self._deferred[2][0][0] == layer:
-            target, ids, keep = self._deferred
+        hint = self._deferred
+        if hint is not None and hint.after == layer:
             self._deferred = None
-            self._prefetch(target, ids, "lookahead", keep)
+            self._prefetch(hint.layer, hint.ids, "lookahead", hint.keep)
 
     def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
         ids = list(dict.fromkeys(int(i) for i in ids))
