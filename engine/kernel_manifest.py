@@ -20,12 +20,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import queue
 import threading
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Callable, Mapping
 
 from engine.config import EngineConfig, ModelArgs
+from engine.experts.io_pool import IOPool
 
 FORMAT = 1
 MANIFEST_DIR = "dsv4-chat-manifests"
@@ -146,73 +147,33 @@ def read_manifest(path: Path, key: str, factories: Mapping[str, object]) -> list
 
 def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: int,
            progress: Callable[[int, int], None], worker_setup: Callable[[], None] | None = None) -> None:
-    """Call every factory of `calls` with its recorded arguments on `workers` named threads
-    ("kernel-replay-N", started and joined here, each running `worker_setup` first; 1 or fewer: in
-    the calling thread). `progress(done, total)` is called in the calling thread, before the first
-    call and after each. Raises ManifestError naming the first call that failed; the other workers
-    then stop taking calls."""
+    """Call every factory of `calls` with its recorded arguments on `workers` named threads (an
+    engine.experts.io_pool.IOPool, "kernel-replay-N", started and joined here; each call runs
+    `worker_setup` first; 1 or fewer: in the calling thread). `progress(done, total)` is called in
+    the calling thread, before the first call and after each. Raises ManifestError naming the
+    first call that failed; the calls not yet started are then cancelled."""
     total = len(calls)
     progress(0, total)
 
-    def call(c: KernelCall) -> None:
+    def call(c: KernelCall, setup: Callable[[], None] | None) -> None:
         try:
+            if setup is not None:
+                setup()
             factories[c.factory](*c.args, **dict(c.kwargs))
         except Exception as err:  # a stale entry (TypeError, KernelInputError) or a failed build
             raise ManifestError(f"replaying {c.factory}{c.args} failed: {_one_line(err)}") from err
 
     if workers <= 1 or total <= 1:
         for done, c in enumerate(calls, 1):
-            call(c)
+            call(c, None)
             progress(done, total)
         return
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for c in calls:
-        todo.put(c)
-    finished: queue.SimpleQueue = queue.SimpleQueue()  # None per call done, or the ManifestError
-    stop = threading.Event()
-
-    def work() -> None:
-        if worker_setup is not None:
-            try:
-                worker_setup()
-            except Exception as err:
-                stop.set()
-                finished.put(ManifestError(f"a kernel replay thread could not start: {_one_line(err)}"))
-                return
-        while not stop.is_set():
-            try:
-                c = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                call(c)
-            except ManifestError as err:
-                stop.set()
-                finished.put(err)
-                return
-            finished.put(None)
-
-    threads = [threading.Thread(target=work, name=f"kernel-replay-{i}") for i in range(min(workers, total))]
-    for t in threads:
-        t.start()
-    done, error = 0, None
-    try:
-        while done < total and error is None:
-            try:
-                result = finished.get(timeout=0.1)
-            except queue.Empty:
-                if any(t.is_alive() for t in threads):
-                    continue
-                result = finished.get_nowait() if not finished.empty() else ManifestError(
-                    f"the kernel replay stopped after {done} of {total} kernels")
-            if result is None:
-                done += 1
+    with IOPool(min(workers, total), "kernel-replay") as pool:
+        futures = [pool.submit(call, c, worker_setup) for c in calls]
+        try:
+            for done, fut in enumerate(as_completed(futures), 1):
+                fut.result()
                 progress(done, total)
-            else:
-                error = result
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    if error is not None:
-        raise error
+        finally:
+            for fut in futures:
+                fut.cancel()
