@@ -110,8 +110,9 @@ LOADING = "loading kernels"
 @dataclass(frozen=True)
 class KernelManifest:
     """Where the manifest for one engine's kernels lives (`path`), its `key`, the kernel factories
-    (qualified name -> kernels.toolkit.KernelFactory) it records and replays, and what each replay
-    thread runs first (`worker_setup`: the engine makes the loading thread's CUDA device current)."""
+    (qualified name -> kernels.toolkit.KernelFactory) it records and replays, and what a replay
+    thread runs before each call (`worker_setup`: the engine makes the loading thread's CUDA device
+    current)."""
 
     path: Path
     key: str
