@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import pack as layout  # noqa: E402
+from converter.stwriter import TensorSpec, build_header  # noqa: E402
 from engine.checkpoint import DTYPES, read_header  # noqa: E402
 
 TIMING_NOTE = ("TIMING ONLY: expert records are file holes (all zeros) and the routers are padded; "
@@ -74,19 +74,6 @@ def _raw_header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         return json.loads(f.read(n)), 8 + n
-
-
-def _header_bytes(entries: list[tuple[str, str, list[int], int]], metadata: dict) -> bytes:
-    """8-byte length + JSON header (space padded so the data starts 4 KiB aligned) for tensors
-    (name, dtype, shape, nbytes) laid out back to back in this order."""
-    doc: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        doc[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % layout.ALIGNMENT)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def _grow_router(name: str, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -123,7 +110,8 @@ def _write_unit(src: Path, dst: Path, tensor: str, n: int, record_bytes: int, ze
         else:
             begin, end = h["data_offsets"]
             entries.append((name, h["dtype"], list(h["shape"]), end - begin))
-    head = _header_bytes(entries, metadata)
+    head = build_header([TensorSpec(name, DTYPES[dtype][0], tuple(shape)) for name, dtype, shape, _ in entries],
+                        metadata, layout.ALIGNMENT)  # data 4 KiB aligned, tensors back to back
     hasher = layout.PieceHasher(head)
     for _ in range(n):
         hasher.add_record(zero_digest)
