@@ -156,7 +156,7 @@ def child(a) -> dict:
     from engine.events import TurnFinished
     from engine.sampling import SamplingParams
     from engine.weights import model_footprint
-    from kernels.backend import compiled_kernels
+    from kernels.backend import built_kernels, compiled_kernels
 
     from bench.timing_pack import TIMING_NOTE, is_timing_pack
 
@@ -189,6 +189,7 @@ def child(a) -> dict:
            "routing": routing, "plan": eng.plan.lines(), "plan_total": eng.plan.total,
            "plan_framework": eng.plan.framework,
            "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
+    built = built_kernels()
     greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
     decode_s_all = 0.0
@@ -219,6 +220,9 @@ def child(a) -> dict:
                        "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,
                        "median_step_ms": fsteps[len(fsteps) // 2] if fsteps else float("nan")}
     out["kernels_during_chat"] = compiled_kernels() - out["kernels_after_load"]
+    out["compiled_in_chat"] = sorted(built_kernels() - built)
+    for name in out["compiled_in_chat"]:
+        print(f"  compiled during the chat: {name}", file=sys.stderr, flush=True)
     out["graphed_step_ms"] = _graphed_step_ms(eng, session, sync)
     snap = eng.stats().cache
     if snap is not None:

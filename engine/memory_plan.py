@@ -111,8 +111,8 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
     """Transient memory of the largest step: a prefill chunk's residual streams and temporaries
     (8 stream-sized fp32 buffers per token), its routed-expert activations (w1|w3 outputs and the
     FP8 copies of the inputs, per selected expert), the bf16 weights of the experts that prefill
-    dequantises at once (kernels/fp4_moe.py: w1 and w3, and one lookup buffer, of
-    EXPERTS_PER_DEQUANT experts), its attention scores against the longest context (fp32, one
+    dequantises at once (kernels/fp4_moe.py: w1 and w3 of EXPERTS_PER_DEQUANT experts, and their
+    w2 while the first are freed: the reference's lookup buffer on the CPU is as large), its attention scores against the longest context (fp32, one
     row per head), and one row of fp32 logits per chunk token."""
     chunk = config.prefill_chunk
     streams = chunk * args.hc_mult * args.dim * 4 * 8

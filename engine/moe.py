@@ -4,8 +4,9 @@ Routed-expert weights are not held here: the MoE asks an `ExpertProvider`
 (engine/experts/provider.py) for the experts a call needs, and the provider may hand them over in
 any order (resident hits first, then misses as they arrive). Each expert's output is written to
 its (token, slot) cell and the slots are summed in routing order at the end, so the result does
-not depend on that order. In native numerics, when the provider's arena holds every expert, all
-cells of a call go through one `fp4_moe` launch instead (`MoE._arena_cells`), on any device.
+not depend on that order. In native numerics, when the provider's arena holds every expert of a
+call (all resident, or held for the call by `acquire`), all its cells go through one `fp4_moe`
+call instead (`MoE._arena_cells`), on any device.
 """
 
 from __future__ import annotations
@@ -62,9 +63,19 @@ class MoE:
                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [N, D] (ffn-normed), token ids [N] -> [N, D]. `routed` reuses a precomputed route."""
         idx, w = routed if routed is not None else self.route(x, ids)
-        if self._cells_in_arena(provider):
+        if not self._batched(provider):
+            return self._expert_loop(x, idx, w, provider)
+        if provider.all_resident():
+            provider.record(self.layer, idx.unique().tolist())  # usage and cache statistics; the layer's one host sync
             return self._arena_cells(x, idx, w, provider)
-        return self._expert_loop(x, idx, w, provider)
+        wanted = idx.unique().tolist()  # the layer's one host sync
+        if not provider.can_acquire(len(wanted)):
+            return self._expert_loop(x, idx, w, provider)
+        provider.acquire(self.layer, wanted)  # every expert of the call read once, then held
+        try:
+            return self._arena_cells(x, idx, w, provider)
+        finally:
+            provider.release(self.layer)  # the kernels are enqueued: a reassigned slot waits for them
 
     def _expert_loop(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                      provider: ExpertProvider) -> torch.Tensor:
@@ -88,20 +99,22 @@ class MoE:
             slots[rows, cols] = self.expert(x[rows], weights, w[rows, cols])
         return self._combine(slots, self._shared(x))
 
-    def _cells_in_arena(self, provider: ExpertProvider) -> bool:
-        """Native numerics with every expert resident in the provider's arena: then all (token,
-        choice) cells of a call go through the backend's fp4_moe at once instead of a per-expert
-        loop (on CUDA about 20 launches per expert, hundreds of experts per layer). The choice
-        does not depend on the device, so the CPU reference runs the same dispatch."""
-        return self.numerics.batched_experts and provider.arena is not None and provider.all_resident()
+    def _batched(self, provider: ExpertProvider) -> bool:
+        """Native numerics with the experts in the provider's arena: then all (token, choice)
+        cells of a call go through the backend's fp4_moe at once instead of a per-expert loop (on
+        CUDA about 20 launches per expert, hundreds of experts per layer), when every expert is
+        resident or the cache can hold the call's experts at once (`acquire`: each is read once
+        per call, prefill's chunk included). The choice does not depend on the device, so the CPU
+        reference runs the same dispatch."""
+        return self.numerics.batched_experts and provider.arena is not None
 
     def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                      provider: ExpertProvider) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
-        consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`."""
+        consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`.
+        Every expert of the call must be resident (and held while this enqueues its kernels)."""
         n, k = idx.shape
         arena = provider.arena
-        provider.record(self.layer, idx.unique().tolist())  # usage and cache statistics; the layer's one host sync
         slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
         order = torch.argsort(slots)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token

@@ -4,7 +4,8 @@ compiled (or loaded from TileLang's on-disk cache) before the first prompt, neve
 On scratch states (discarded afterwards):
 
 1. prefill chunks of every length in `engine.buckets.chunk_buckets(prefill_chunk)` (with a graph
-   runner, only those longer than SHORT_PREFILL: shorter chunks replay the decode step);
+   runner, only those longer than SHORT_PREFILL, and one of SHORT_PREFILL + 1 tokens: shorter
+   chunks replay the decode step);
 2. for every compressed-cache capacity up to `max_seq_len` (`engine.buckets.capacity_buckets`),
    the one-token decode step (the graph runner's path on CUDA) at positions whose steps complete
    no window, a ratio-4 window, and ratio-4 and ratio-128 windows at once — the three control
@@ -65,6 +66,10 @@ def plan_warmup(args: ModelArgs, config: EngineConfig, full: bool, graphed_short
         return [WarmupStep("prefill", tokens=1), WarmupStep("decode", capacity=0)]
     steps = [WarmupStep("prefill", tokens=n) for n in chunk_buckets(config.prefill_chunk)
              if not (graphed_short and n <= SHORT_PREFILL)]
+    if graphed_short and config.prefill_chunk > SHORT_PREFILL:
+        # the shortest eager chunk: its routed experts take the grouped GEMV (too few cells per
+        # expert for the dequantising path, which the longer buckets' repeated token takes)
+        steps.append(WarmupStep("prefill", tokens=SHORT_PREFILL + 1))
     ratio = min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
     caps = capacity_buckets(config.max_seq_len, ratio) if ratio else [0]
     return steps + [WarmupStep("decode", capacity=c) for c in caps]

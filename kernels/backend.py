@@ -53,6 +53,7 @@ OPS: tuple[Op, ...] = (
     Op("indexer_scores", ref.indexer_scores, "kernels.indexer_scores"),
     Op("fp4_moe", ref.fp4_moe, "kernels.fp4_moe"),
     Op("fp4_moe_quantized", ref.fp4_moe_quantized, "kernels.fp4_moe"),
+    Op("fp4_dequant_slots", ref.fp4_dequant_slots, "kernels.fp4_dequant"),
     Op("head_logits", ref.head_logits, "kernels.head_gemv"),
     Op("rms_norm", ref.rms_norm, "kernels.rms_norm"),
     Op("rms_norm_quant", ref.rms_norm_quant, "kernels.rms_norm_quant"),
@@ -150,7 +151,7 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
 
 
 # Every module that defines `@kernel_factory` functions (tests/kernels/test_kernel_factory.py checks the list).
-KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_mma_few_tokens",
+KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_dequant", "kernels.fp4_mma_few_tokens",
                   "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_gemm", "kernels.fp8_mma_one_token",
                   "kernels.grouped_linear", "kernels.hadamard_qdq4", "kernels.head_gemv", "kernels.indexer_scores",
                   "kernels.indexer_weights", "kernels.mhc", "kernels.moe_combine", "kernels.moe_gate",
@@ -176,3 +177,12 @@ def compiled_kernels() -> int:
     0 with the torch reference. The engine's "nothing compiles during a chat" is checked against
     this count."""
     return sum(factory.size() for factory in kernel_factories(kernel_modules()).values())
+
+
+def built_kernels() -> frozenset[str]:
+    """The kernel variants built in this process so far, each named by its factory and arguments
+    ("kernels.fp4_moe.fp4_gemv_kernel(1, 2048, ...)"): what `compiled_kernels` counts, so that a
+    compile during a chat can be named (the difference of two calls)."""
+    return frozenset(f"{name}{args}{dict(kwargs) if kwargs else ''}"
+                     for name, factory in kernel_factories(kernel_modules()).items()
+                     for args, kwargs in factory.built())

@@ -17,8 +17,9 @@ The kernel is grouped: G independent problems, each reading its weight from a sl
 arena (uint8 [slots, bytes], e.g. engine/experts/arena.py's records) at fixed byte offsets,
 through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_grouped` and
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
-For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS; so does
-`fp4_moe` in prefill, expert by expert over the cells sorted by slot (`fp4_moe_dequantized`). Where
+For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS; `fp4_moe` in
+prefill dequantises its experts in one launch (kernels/fp4_dequant.py) and runs one grouped bf16
+GEMM per linear over the cells sorted by slot (`fp4_moe_dequantized`). Where
 kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
 where kernels/fp4_mma_one_token.py lists it.
@@ -27,12 +28,13 @@ Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested. sm_121 (G
 cores, ~99 KB shared memory per block) runs this same CUDA-core path and is untested.
 """
 
-import math
 
 import torch
+import torch.nn.functional as F
 
 from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_dequant_bf16, act_quant
+from kernels.fp4_dequant import fp4_dequant_slots
 from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch, kernel_factory,
                              pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
@@ -147,8 +149,9 @@ def fp4_gemv_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...
 # expert) runs on the tensor cores (`fp4_moe_dequantized`); fewer cells run the grouped GEMV.
 GROUPED_MIN_CELLS = 128
 GROUPED_MIN_PER_EXPERT = 16
-# Experts whose bf16 weights are held at once by `fp4_moe_dequantized` (3·inter·dim·2 bytes each).
-EXPERTS_PER_DEQUANT = 8
+# Experts whose bf16 weights are held at once by `fp4_moe_dequantized` (2·inter·dim·2 bytes each for
+# w1|w3, then half that for w2): one grouped GEMM covers a layer of the 24-expert pack.
+EXPERTS_PER_DEQUANT = 32
 
 
 def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
@@ -160,30 +163,6 @@ def gemv_tile(n: int, arch: tuple[int, int], gemvs: int = 1) -> tuple[int, int]:
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
-
-
-def fp4_pair_table(device: torch.device) -> torch.Tensor:
-    """[256] int32: for each FP4 byte, the bf16 bits of its two values (element 2j in the low
-    half, 2j+1 in the high half, as kernels/reference.py's record order reads them), so that an
-    int32 lookup viewed as bf16 is the byte's two values in order (little-endian)."""
-    b = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).unsqueeze(-1)
-    codes = ref.fp4_codes(b).long()  # [256, 2]
-    bits = ref.FP4_VALUES.to(device=device, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    pair = bits[codes]  # [256, 2]
-    return pair[:, 0] | (pair[:, 1] << 16)
-
-
-def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
-    """FP4 weight [..., N, K/2] with 1×32 e8m0 scales [..., N, K/32] -> bf16 [..., N, K],
-    exactly (an e2m1 value times a power of two fits bf16): one lookup per byte in `table`
-    (`fp4_pair_table(w.device)`, built here when not given), then the group's power of two."""
-    wb = _as_bytes(w)
-    k = 2 * wb.shape[-1]
-    table = fp4_pair_table(w.device) if table is None else table
-    pairs = table.index_select(0, wb.reshape(-1).to(torch.int32))  # [numel] int32
-    v = pairs.view(torch.bfloat16).view(*wb.shape[:-1], k // 32, 32)
-    e = (_as_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16).unsqueeze(-1)  # [..., N, K/32, 1]
-    return torch.ldexp(v, e).view(*wb.shape[:-1], k)
 
 
 def _check(x: torch.Tensor, n: int, k: int, what: str) -> None:
@@ -274,7 +253,7 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
         return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m > GEMV_MAX_M:
         cuda_arch(x.device)
-        y = torch.matmul(act_dequant_bf16(*act_quant(x2, 128)), dequant_fp4_bf16(w, w_scale).T)
+        y = torch.matmul(act_dequant_bf16(*act_quant(x2, 128)), ref.dequant_fp4_bf16(w, w_scale).T)
     else:
         slot0 = torch.zeros(1, dtype=torch.int32, device=x.device)
         y = fp4_gemm_grouped(pad_rows_to_bucket(x2).unsqueeze(0), _as_bytes(w).reshape(1, -1), 0,
@@ -296,7 +275,8 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     if xa.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
         order, spans = expert_spans(slots)
         if g >= GROUPED_MIN_PER_EXPERT * len(spans):
-            return fp4_moe_dequantized(q, s, arena, fields, order, spans, weights, limit, swiglu_quant)
+            return fp4_moe_dequantized(q, s, arena, fields, order, spans, weights, limit, swiglu_quant,
+                                       fp4_dequant_slots)
     return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
 
 
@@ -312,48 +292,43 @@ def expert_spans(slots: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int
     return order, spans
 
 
-def _expert_weights(arena: torch.Tensor, fields: dict, slots: list[int], names: tuple[str, ...],
-                    table: torch.Tensor) -> list[torch.Tensor]:
-    """The bf16 weights `names` ("w1", "w3", "w2") of the experts in `slots`, each
-    [len(slots), N, K], from one gather of their arena records (`table`: fp4_pair_table)."""
-    rows = arena.index_select(0, torch.tensor(slots, dtype=torch.int64).to(arena.device, non_blocking=True))
-
-    def part(f):
-        return rows[:, f.offset:f.offset + math.prod(f.shape)].view(len(slots), *f.shape)
-    return [dequant_fp4_bf16(part(fields[f"{n}.weight"]), part(fields[f"{n}.scale"]), table) for n in names]
-
-
 def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, order: torch.Tensor,
                         spans: list[tuple[int, int, int]], weights: torch.Tensor, limit: float,
-                        quantize_h=ref.swiglu_quant) -> torch.Tensor:
+                        quantize_h=ref.swiglu_quant, dequant=ref.fp4_dequant_slots,
+                        experts_per_group: int = EXPERTS_PER_DEQUANT) -> torch.Tensor:
     """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
     s [G, D/128], cells grouped by `expert_spans(slots)` -> fp32 [G, D] in the cells' order.
 
-    Per expert, its cells' exact FP8 activations (in bf16) times its weights dequantised exactly
-    to bf16 (`dequant_fp4_bf16`, EXPERTS_PER_DEQUANT experts at a time) in one bf16 GEMM with fp32
-    accumulation and bf16 output (the reference's rounding, its sums in another order); w2's
-    input through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does.
-    Pure torch apart from `quantize_h`: it runs on any device."""
+    Up to `experts_per_group` experts at a time: their weights dequantised exactly to bf16 from
+    the arena (`dequant`: the backend's fp4_dequant_slots, or the reference's; w1 and w3 stacked),
+    then one grouped bf16 GEMM with fp32 accumulation and bf16 output (`torch.nn.functional.
+    grouped_mm`, each expert on its cells' exact FP8 activations) for w1|w3 and one for w2 (the
+    reference's rounding, its sums in another order); w2's input through `quantize_h` (the
+    backend's swiglu_quant, or the reference's), as decode does. Runs on any device."""
     g, dim = q.shape
     inter = fields["w1.weight"].shape[0]
-    bf16, table = torch.bfloat16, fp4_pair_table(q.device)
+    off = {name: f.offset for name, f in fields.items()}
     a = act_dequant_bf16(q, s).index_select(0, order)
-    groups = [spans[i:i + EXPERTS_PER_DEQUANT] for i in range(0, len(spans), EXPERTS_PER_DEQUANT)]
-    gu = torch.empty(2, g, inter, dtype=bf16, device=q.device)
-    for group in groups:
-        w1, w3 = _expert_weights(arena, fields, [slot for slot, _, _ in group], ("w1", "w3"), table)
-        for j, (_, start, n) in enumerate(group):
-            torch.mm(a[start:start + n], w1[j].T, out=gu[0, start:start + n])
-            torch.mm(a[start:start + n], w3[j].T, out=gu[1, start:start + n])
-        del w1, w3
-    hq, hs = quantize_h(gu[0], gu[1], weights.float().index_select(0, order), limit)  # [G, I] e4m3, [G, I/128]
+    groups = []  # (first cell, end cell, slots [E] int32, cumulative cell ends [E] int32) per expert group
+    for i in range(0, len(spans), experts_per_group):
+        group = spans[i:i + experts_per_group]
+        c0 = group[0][1]
+        ends = [start + n - c0 for _, start, n in group]
+        meta = torch.tensor([[slot for slot, _, _ in group], ends], dtype=torch.int32).to(q.device, non_blocking=True)
+        groups.append((c0, c0 + ends[-1], meta[0], meta[1]))
+    gu = torch.empty(g, 2 * inter, dtype=torch.bfloat16, device=q.device)  # [gate | up] per cell
+    for c0, c1, slots, ends in groups:
+        w13 = dequant(arena, (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"]), inter, dim,
+                      slots)  # [E, 2I, D]
+        gu[c0:c1] = F.grouped_mm(a[c0:c1], w13.transpose(1, 2), offs=ends)
+        del w13
+    hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float().index_select(0, order), limit)
     del gu
     h = act_dequant_bf16(hq, hs)
-    y = torch.empty(g, dim, dtype=bf16, device=q.device)
-    for group in groups:
-        w2, = _expert_weights(arena, fields, [slot for slot, _, _ in group], ("w2",), table)
-        for j, (_, start, n) in enumerate(group):
-            torch.mm(h[start:start + n], w2[j].T, out=y[start:start + n])
+    y = torch.empty(g, dim, dtype=torch.bfloat16, device=q.device)
+    for c0, c1, slots, ends in groups:
+        w2 = dequant(arena, (off["w2.weight"],), (off["w2.scale"],), dim, inter, slots)  # [E, D, I]
+        y[c0:c1] = F.grouped_mm(h[c0:c1], w2.transpose(1, 2), offs=ends)
         del w2
     return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y.float())
 

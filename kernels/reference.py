@@ -86,6 +86,44 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> t
     return unpack_fp4(packed) * e8m0_to_float(scale).repeat_interleave(block, dim=-1)
 
 
+def fp4_pair_table(device: torch.device) -> torch.Tensor:
+    """[256] int32: for each FP4 byte, the bf16 bits of its two values (element 2j in the low
+    half, 2j+1 in the high half, in record order), so that an int32 lookup viewed as bf16 is the
+    byte's two values in order (little-endian)."""
+    b = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).unsqueeze(-1)
+    codes = fp4_codes(b).long()  # [256, 2]
+    bits = FP4_VALUES.to(device=device, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    pair = bits[codes]  # [256, 2]
+    return pair[:, 0] | (pair[:, 1] << 16)
+
+
+def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    """FP4 weight [..., N, K/2] with 1×32 e8m0 scales [..., N, K/32] -> bf16 [..., N, K],
+    exactly (an e2m1 value times a power of two fits bf16): one lookup per byte in `table`
+    (`fp4_pair_table(w.device)`, built here when not given), then the group's power of two."""
+    wb = w.contiguous().view(torch.uint8)
+    k = 2 * wb.shape[-1]
+    table = fp4_pair_table(w.device) if table is None else table
+    pairs = table.index_select(0, wb.reshape(-1).to(torch.int32))  # [numel] int32
+    v = pairs.view(torch.bfloat16).view(*wb.shape[:-1], k // 32, 32)
+    e = (w_scale.contiguous().view(torch.uint8).to(torch.int32) - 127).to(torch.bfloat16).unsqueeze(-1)
+    return torch.ldexp(v, e).view(*wb.shape[:-1], k)
+
+
+def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tuple[int, ...], n: int, k: int,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """FP4 weights read from arena rows, dequantised exactly to bf16: arena uint8 [S, R], slots
+    [G] int32 -> bf16 [G, P·n, k], where rows p·n..(p+1)·n of group g are the weight [n, k/2]
+    (record order) at byte w_offs[p] of row slots[g], scaled by its e8m0 scales [n, k/32] at
+    byte s_offs[p] (e.g. an expert's w1 and w3 stacked: one GEMM for both)."""
+    rows = arena.index_select(0, slots.long())
+    g = rows.shape[0]
+    table = fp4_pair_table(arena.device)
+    return torch.cat([dequant_fp4_bf16(rows[:, w:w + n * k // 2].view(g, n, k // 2),
+                                       rows[:, s:s + n * k // 32].view(g, n, k // 32), table)
+                      for w, s in zip(w_offs, s_offs)], dim=1)
+
+
 # ------------------------------------------------------------------------------- activations
 def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
     """ue8m0 scale: 2^ceil(log2(max(amax, floor) / qmax)), an exact power of two (float32)."""

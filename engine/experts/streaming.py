@@ -302,6 +302,11 @@ class StreamingExperts(ExpertProvider):
             self._drop_prefetches()
             raise
 
+    def can_acquire(self, n: int) -> bool:
+        user = self.cache.pinned() - self._held
+        acquired = sum(len(keys) for keys in self._acquired.values())
+        return n <= self.cache.capacity_slots - len(user) - acquired
+
     def release(self, layer: int) -> None:
         """Drop the holds of `acquire(layer)`."""
         for key in self._acquired.pop(layer, ()):

@@ -9,6 +9,7 @@ from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
 from engine.state import LayerState, new_layer_state
 from engine.runtime import SHORT_PREFILL
+from kernels.fp4_moe import GROUPED_MIN_CELLS
 from engine.warmup import plan_warmup
 from kernels.fp8_gemm import GEMV_MAX_M
 
@@ -63,9 +64,12 @@ def test_the_warm_up_runs_every_bucket_on_the_gpu_and_little_on_the_cpu():
     assert [s.capacity for s in full if s.kind == "decode"] == capacity_buckets(4096, 4) == [16, 32, 64, 128, 256,
                                                                                              512, 1024, 2048]
     assert len(plan_warmup(args, config, full=False)) == 2
-    # with a graph runner, chunks of at most SHORT_PREFILL tokens replay the decode step: no buckets for them
+    # with a graph runner, chunks of at most SHORT_PREFILL tokens replay the decode step: no buckets for
+    # them, but one chunk just longer (few cells per expert: the grouped GEMV, not the dequantising path)
     graphed = plan_warmup(args, config, full=True, graphed_short=True)
-    assert [s.tokens for s in graphed if s.kind == "prefill"] == [n for n in chunk_buckets(256) if n > SHORT_PREFILL]
+    assert [s.tokens for s in graphed if s.kind == "prefill"] == [n for n in chunk_buckets(256) if n > SHORT_PREFILL] + [
+        SHORT_PREFILL + 1]
+    assert (SHORT_PREFILL + 1) * args.n_activated_experts < GROUPED_MIN_CELLS <= 32 * args.n_activated_experts
     assert [s for s in graphed if s.kind == "decode"] == [s for s in full if s.kind == "decode"]
 
 

@@ -313,7 +313,7 @@ def test_arena_cells_equal_the_per_expert_loop(files):
     idx, w = moe.route(x, ids)
     looped = moe._expert_loop(x, idx, w, files.experts)  # the per-expert loop
     celled = moe._arena_cells(x, idx, w, files.experts)
-    assert moe._cells_in_arena(files.experts)  # what __call__ takes here, on the CPU as on CUDA
+    assert moe._batched(files.experts) and files.experts.all_resident()  # what __call__ takes here, on the CPU as on CUDA
     assert celled.shape == looped.shape and celled.dtype == looped.dtype
     assert torch.equal(celled, looped)  # the reference computes each row on its own either way
 

@@ -1,5 +1,5 @@
 """The one expert-provider interface through `Engine`: the model gets the provider itself, so a
-fully resident arena takes the one-launch MoE path (counted on the CPU reference backend, which
+fully resident arena, or a cache that holds a call's experts, takes the one-launch MoE path (counted on the CPU reference backend, which
 runs the same dispatch as CUDA), and every use is counted once, by the provider."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from converter.convert import convert
 from engine.chat import ChatTokenizer
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.events import TurnFinished
+from engine.events import TextDelta, TurnFinished
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.sampling import SamplingParams
@@ -61,7 +61,7 @@ def test_engine_native_prefill_on_a_resident_arena_is_one_launch_per_layer(tiny)
     eng = _engine(pack, ckpt, backend, chunk=8)
     try:
         assert eng.experts.load_all() and eng.experts.all_resident()
-        assert eng.experts.arena is not None and eng.model.blocks[0].ffn._cells_in_arena(eng.experts)
+        assert eng.experts.arena is not None and eng.model.blocks[0].ffn._batched(eng.experts)
         before = eng.experts.stats()
         sess = eng.new_session()
         fin = list(eng.generate(sess, "Hello there, how are you today?", SamplingParams(temperature=0, max_tokens=3)))[-1]
@@ -84,9 +84,49 @@ def test_engine_native_prefill_on_a_resident_arena_is_one_launch_per_layer(tiny)
         eng.close()
 
 
-def test_bounded_cache_takes_the_per_expert_loop_and_counts_the_same_uses(tiny):
-    """Below the pool the arena is not complete: the MoE streams expert by expert; the uses the
-    provider counts equal the cache's lookups of the main layers."""
+def _greedy_text(eng: Engine, prompt: str, tokens: int) -> tuple[str, TurnFinished]:
+    events = list(eng.generate(eng.new_session(), prompt, SamplingParams(temperature=0, max_tokens=tokens)))
+    assert isinstance(events[-1], TurnFinished)
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
+
+
+def test_bounded_cache_holding_a_layer_streams_prefill_through_one_call_per_layer(tiny):
+    """Below the pool, but with room for one layer's experts: each MoE call holds the experts it
+    needs (`acquire`, each read once per call, prefill's whole chunk included) and runs all its
+    cells in one fp4_moe call, like the resident arena, with the same text as a resident engine."""
+    ckpt, pack = tiny
+    resident = _engine(pack, ckpt, CountingBackend(), chunk=8)
+    try:
+        assert resident.experts.load_all()
+        want, _ = _greedy_text(resident, "Hello there, how are you today?", 3)
+    finally:
+        resident.close()
+    backend = CountingBackend()
+    full = open_model(pack)
+    record, per_layer = full.experts.store.record_bytes, full.args.n_routed_experts
+    full.close()
+    files = open_model(pack, cache_bytes=(per_layer + 2) * record)
+    model = Transformer(files.get, files.args, Numerics.named("native", backend))
+    eng = Engine(files, model, ChatTokenizer.from_dir(ckpt), EngineConfig(numerics="native", prefill_chunk=8))
+    try:
+        assert not eng.experts.all_resident()
+        got, fin = _greedy_text(eng, "Hello there, how are you today?", 3)
+        assert got == want
+        s, n = fin.stats, eng.args.n_layers
+        chunks, steps = -(-s.prefill_tokens // 8), s.completion_tokens - 1
+        assert backend.calls["fp4_gemm"] == 0  # never the per-expert loop
+        assert backend.calls["fp4_moe"] == n * (chunks + steps)
+        st = eng.experts.stats()
+        assert st.misses > 0 and sum(eng.experts.usage.layer_uses) == sum(st.layer_hits[:n]) + sum(st.layer_misses[:n])
+        assert st.misses <= sum(eng.experts.usage.layer_uses)  # each use read at most once
+    finally:
+        eng.close()
+
+
+def test_bounded_cache_smaller_than_a_call_takes_the_per_expert_loop_and_counts_the_same_uses(tiny):
+    """A cache smaller than a call's experts streams them one at a time (the per-expert loop);
+    calls that fit take the one-call path; the uses the provider counts equal the cache's
+    lookups of the main layers."""
     ckpt, pack = tiny
     backend = CountingBackend()
     full = open_model(pack)
@@ -99,7 +139,7 @@ def test_bounded_cache_takes_the_per_expert_loop_and_counts_the_same_uses(tiny):
         sess = eng.new_session()
         fin = list(eng.generate(sess, "Hi", SamplingParams(temperature=0, max_tokens=2)))[-1]
         assert isinstance(fin, TurnFinished)
-        assert backend.calls["fp4_moe"] == 0 and backend.calls["fp4_gemm"] > 0
+        assert backend.calls["fp4_gemm"] > 0  # a prefill chunk's experts outnumber the 8 slots
         st, n = eng.experts.stats(), eng.args.n_layers
         assert sum(eng.experts.usage.layer_uses) == sum(st.layer_hits[:n]) + sum(st.layer_misses[:n]) > 0
         assert st.misses > 0

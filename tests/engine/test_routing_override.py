@@ -77,6 +77,9 @@ class _Spy:
         self.calls.append(("acquire", layer, list(ids)))
         self.inner.acquire(layer, ids)
 
+    def can_acquire(self, n):
+        return self.inner.can_acquire(n)
+
     def record(self, layer, ids):
         self.calls.append(("record", layer, list(ids)))
         self.inner.record(layer, ids)

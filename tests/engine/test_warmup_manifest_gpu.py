@@ -28,14 +28,14 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.events import TurnFinished
 from engine.sampling import SamplingParams
-from kernels.backend import compiled_kernels
+from kernels.backend import built_kernels, compiled_kernels
 
 phases = []
 t = time.perf_counter()
 eng = Engine.load(sys.argv[1], EngineConfig(device="cuda", backend="tilelang", max_seq_len=8192),
                   progress=lambda p: phases.append(p.phase))
 load_s = time.perf_counter() - t
-at_load = compiled_kernels()
+at_load, built = compiled_kernels(), built_kernels()
 sess = eng.new_session()
 for words in (3, 40, 700, 1500, 12):
     events = list(eng.generate(sess, " ".join(f"w{i % 97}" for i in range(words)),
@@ -43,12 +43,13 @@ for words in (3, 40, 700, 1500, 12):
     assert isinstance(events[-1], TurnFinished), events[-1]
 eng.close()
 print("RESULT " + json.dumps({"phases": sorted(set(phases)), "load_s": load_s, "at_load": at_load,
-                              "during_chat": compiled_kernels() - at_load}))
+                              "during_chat": compiled_kernels() - at_load,
+                              "compiled_in_chat": sorted(built_kernels() - built)}))
 '''
 
 
 def _run(pack: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, "-c", CHILD, str(pack)], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=1200)
     found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]

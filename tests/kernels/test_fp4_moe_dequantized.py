@@ -1,7 +1,8 @@
 """The prefill path of the routed experts on the tensor cores (kernels/fp4_moe.py:
-`fp4_moe_dequantized`, `dequant_fp4_bf16`, `expert_spans`), on the CPU: it is pure torch apart
-from the SwiGLU quantisation it is handed, so the reference's can be used here and the CUDA
-run (tests/kernels/test_kernels_gpu.py) only adds the backend's."""
+`fp4_moe_dequantized`, `expert_spans`; `reference.dequant_fp4_bf16` and `fp4_dequant_slots`),
+on the CPU: it is pure torch apart from the SwiGLU quantisation and the dequantisation it is
+handed, so the reference's can be used here and the CUDA run (tests/kernels/test_kernels_gpu.py)
+only adds the backend's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from expert_arena import expert_arena
 
 from kernels import reference as ref
-from kernels.fp4_moe import dequant_fp4_bf16, expert_spans, fp4_moe_dequantized
+from kernels.fp4_moe import EXPERTS_PER_DEQUANT, expert_spans, fp4_moe_dequantized
 
 
 def arena(slots: int, inter: int, dim: int, gen: torch.Generator):
@@ -19,10 +20,11 @@ def arena(slots: int, inter: int, dim: int, gen: torch.Generator):
 
 
 def test_dequant_fp4_bf16_is_the_reference_exactly():
+    """Every byte value and a range of scales: bit for bit `dequant_fp4`'s values."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(0, 256, (3, 64, 128), generator=gen, dtype=torch.uint8)  # every byte value occurs
     s = torch.randint(100, 150, (3, 64, 8), generator=gen, dtype=torch.uint8)
-    got = dequant_fp4_bf16(w, s)
+    got = ref.dequant_fp4_bf16(w, s)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 64, 256)
     for i in range(3):
         assert torch.equal(got[i].float(), ref.dequant_fp4(w[i], s[i]))
@@ -55,3 +57,39 @@ def test_fp4_moe_dequantized_matches_the_per_cell_reference(per_expert):
     err = ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
     assert err.max().item() < 2e-2
     assert (got == want).all(dim=1).float().mean().item() > 0.5
+
+
+def test_fp4_dequant_slots_reads_the_arena_rows_of_the_slots_and_stacks_the_parts():
+    """Group g holds slot g's w1 then w3 (rows 0..n-1, n..2n-1), each `dequant_fp4` of the record's bytes."""
+    gen = torch.Generator().manual_seed(2)
+    inter, dim = 64, 128
+    data, fields = arena(5, inter, dim, gen)
+    slots = torch.tensor([3, 0, 3], dtype=torch.int32)
+    off = {name: f.offset for name, f in fields.items()}
+    got = ref.fp4_dequant_slots(data, (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"]),
+                                inter, dim, slots)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 2 * inter, dim)
+
+    def field(slot, name):
+        f = fields[name]
+        return data[slot, f.offset:f.offset + f.shape[0] * f.shape[1]].view(f.shape)
+    for g, slot in enumerate(slots.tolist()):
+        for p, name in enumerate(("w1", "w3")):
+            want = ref.dequant_fp4(field(slot, f"{name}.weight"), field(slot, f"{name}.scale"))
+            assert torch.equal(got[g, p * inter:(p + 1) * inter].float(), want)
+
+
+def test_fp4_moe_dequantized_splits_many_experts_into_groups():
+    """More experts than EXPERTS_PER_DEQUANT: several grouped GEMMs, the same cells as one group."""
+    gen = torch.Generator().manual_seed(3)
+    inter, dim, limit = 128, 256, 10.0
+    data, fields = arena(7, inter, dim, gen)
+    slots = torch.randint(0, 7, (70,), generator=gen, dtype=torch.int32)
+    x = torch.randn(70, dim, generator=gen).to(torch.bfloat16)
+    w = torch.rand(70, generator=gen)
+    q, s = ref.act_quant(x, 128)
+    order, spans = expert_spans(slots)
+    assert len(spans) == 7 < EXPERTS_PER_DEQUANT
+    whole = fp4_moe_dequantized(q, s, data, fields, order, spans, w, limit)
+    split = fp4_moe_dequantized(q, s, data, fields, order, spans, w, limit, experts_per_group=3)
+    assert torch.equal(whole, split)

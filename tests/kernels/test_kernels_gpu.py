@@ -439,10 +439,28 @@ def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
         assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
 
 
+@pytest.mark.parametrize("parts", [("w1", "w3"), ("w2",)])
+def test_fp4_dequant_slots_equals_the_reference_bit_for_bit(parts, gen):
+    """The one-pass dequantisation of arena rows (slots repeated and out of order, every byte
+    value) equals the reference's lookup, bit for bit, signed zeros included."""
+    from kernels.fp4_dequant import fp4_dequant_slots
+    inter, dim = 2048, 4096
+    data, fields, _ = _arena(6, inter, dim, gen)
+    slots = torch.tensor([4, 0, 5, 4, 2], dtype=torch.int32, device=DEV)
+    w_offs = tuple(fields[f"{p}.weight"].offset for p in parts)
+    s_offs = tuple(fields[f"{p}.scale"].offset for p in parts)
+    n, k = fields[f"{parts[0]}.weight"].shape[0], fields[f"{parts[0]}.weight"].shape[1] * 2
+    got = fp4_dequant_slots(data, w_offs, s_offs, n, k, slots)
+    want = ref.fp4_dequant_slots(data, w_offs, s_offs, n, k, slots)
+    assert got.shape == want.shape == (5, len(parts) * n, k)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen):
     """A prefill's cells (64 per expert) take `fp4_moe_dequantized` (bf16 GEMMs on dequantised
     weights, the backend's swiglu_quant) and match the per-cell reference."""
     from kernels.act_quant import act_quant
+    from kernels.fp4_dequant import fp4_dequant_slots
     from kernels.fp4_moe import GROUPED_MIN_CELLS, expert_spans, fp4_moe, fp4_moe_dequantized
     from kernels.swiglu_quant import swiglu_quant
     inter, dim, limit = 2048, 4096, 10.0
@@ -453,7 +471,8 @@ def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen)
     wts = torch.rand(512, generator=gen, device=DEV)
     out = fp4_moe(x, data, fields, slots, wts, limit)
     q, s = act_quant(x, 128)
-    assert torch.equal(out, fp4_moe_dequantized(q, s, data, fields, *expert_spans(slots), wts, limit, swiglu_quant))
+    assert torch.equal(out, fp4_moe_dequantized(q, s, data, fields, *expert_spans(slots), wts, limit, swiglu_quant,
+                                                fp4_dequant_slots))
     want = ref.fp4_moe(x, data, fields, slots, wts, limit)
     worst = max(rel_err(out[g:g + 1], want[g:g + 1]) for g in range(0, 512, 7))
     print(f"fp4_moe prefill (64 cells per expert): worst rel err {worst:.2e}")
