@@ -8,8 +8,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
   layer L's state), which never evicts the `keep` experts (the current layer's); hints never
   change results, only residency; `prefetch_stats()` counts them (engine/experts/prefetch.py);
   `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
-  that read them through its slot table (`can_acquire(n)`: whether n of them fit now); `record(layer, ids)` counts uses made that way (the
-  one-launch prefill, a replayed decode step); `all_resident()`; `load_all(on_unit)`;
+  that read them through its slot table (`can_acquire(n)`: whether n of them fit now);
+  `record(layer, ids)` counts uses made that way (the one-launch prefill, a replayed decode
+  step); `all_resident()`; `load_all(on_unit)`;
 * `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
