@@ -116,7 +116,7 @@ class Engine:
 
         if full:  # replays the kernel manifest when there is one (engine/warmup.py)
             manifest = engine_manifest(self.args, self.config, self.files.converted, self.device,
-                                       self.experts.all_resident())
+                                       self.experts.all_resident(), steps)
             warm_up_kernels(steps, run, manifest, report)
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))

@@ -11,7 +11,7 @@ so no factory takes a list). The key (`manifest_key`) changes with everything th
 the set of kernels: the model's ModelArgs, the EngineConfig fields that pick shapes and code paths
 (prefill_chunk, max_seq_len, numerics, cuda_graphs), whether every expert is resident (a bounded
 cache streams experts through other kernels), the model layout (converted or official), the GPU's
-compute capability, TileLang's version and the source of the kernels package.
+compute capability, TileLang's version, the source of the kernels package and the warm-up's plan.
 """
 
 from __future__ import annotations
@@ -62,14 +62,15 @@ def kernels_source_digest(root: Path = KERNELS_DIR) -> str:
 
 
 def manifest_key(args: ModelArgs, config: EngineConfig, converted: bool, arch: tuple[int, int],
-                 tilelang_version: str, source_digest: str, resident: bool) -> str:
+                 tilelang_version: str, source_digest: str, resident: bool, plan: tuple = ()) -> str:
     """The manifest's key: a digest of everything that can change which kernels the engine builds
     (see the module docstring). `resident`: every expert fits the cache (a bounded cache streams
-    experts through other kernels: per-expert GEMMs, layered decode graphs)."""
+    experts through other kernels: per-expert GEMMs, layered decode graphs). `plan`: the full
+    warm-up's steps as tuples of scalars (a manifest recorded by another plan may miss kernels)."""
     inputs = {"model": dataclasses.asdict(args), "prefill_chunk": config.prefill_chunk,
               "max_seq_len": config.max_seq_len, "numerics": config.numerics, "cuda_graphs": config.cuda_graphs,
               "converted": converted, "arch": list(arch), "tilelang": tilelang_version, "kernels": source_digest,
-              "resident": resident}
+              "resident": resident, "plan": [list(step) for step in plan]}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -9,7 +9,9 @@ On scratch states (discarded afterwards):
 2. for every compressed-cache capacity up to `max_seq_len` (`engine.buckets.capacity_buckets`),
    the one-token decode step (the graph runner's path on CUDA) at positions whose steps complete
    no window, a ratio-4 window, and ratio-4 and ratio-128 windows at once — the three control
-   flows of a decode step (`Transformer.emitting`).
+   flows of a decode step (`Transformer.emitting`) — on a state whose caches have exactly that
+   capacity (the smallest one, too small for the position where every window completes, runs
+   just below its last position: the first decode steps of a short chat).
 
 With the torch reference backend nothing compiles, so `plan_warmup(..., full=False)` keeps only
 one short prefill and one decode step (the CPU path's first-call costs).
@@ -23,6 +25,7 @@ warm-up runs and rewrites it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -50,6 +53,8 @@ class WarmupStep:
     kind: str  # "prefill" or "decode"
     tokens: int = 0
     capacity: int = 0
+    base: int = 0  # decode: the position the steps start from (a state prefilled that far)
+    last: int = 0  # decode: the position the state's caches are reserved for (capacity entries)
 
     def describe(self) -> str:
         if self.kind == "prefill":
@@ -71,15 +76,24 @@ def plan_warmup(args: ModelArgs, config: EngineConfig, full: bool, graphed_short
         # expert for the dequantising path, which the longer buckets' repeated token takes)
         steps.append(WarmupStep("prefill", tokens=SHORT_PREFILL + 1))
     ratio = min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
-    caps = capacity_buckets(config.max_seq_len, ratio) if ratio else [0]
-    return steps + [WarmupStep("decode", capacity=c) for c in caps]
+    if not ratio:
+        return steps + [WarmupStep("decode", capacity=0)]
+    decode = []
+    for cap in capacity_buckets(config.max_seq_len, ratio):
+        last = min((cap - 1) * ratio, config.max_seq_len)  # reserving for this position makes `cap` entries
+        # DECODE_BASE's steps complete every kind of window; a capacity too small for their
+        # entries runs its last steps before growing (windows of the smallest ratio, and none)
+        fits = (DECODE_BASE + DECODE_STEPS) // ratio <= cap
+        base = DECODE_BASE if fits else max(0, cap * ratio - DECODE_STEPS)
+        decode.append(WarmupStep("decode", capacity=cap, base=base, last=last))
+    return steps + decode
 
 
 def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len: int,
                progress: Callable[[int, int, str], None]) -> None:
     """Run `steps` on scratch states through `runtime` (engine.runtime.Runtime); `progress(done,
     total, what)` is called before each step and once at the end."""
-    base = None
+    bases = {}  # base position -> a state prefilled that far
     total = len(steps)
     for i, step in enumerate(steps):
         progress(i, total, step.describe())
@@ -91,14 +105,13 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
             runtime.step(state, [token])
             runtime.step(state, [token])
             continue
-        if base is None:
-            base = model.new_state()
-            start = min(DECODE_BASE, max_seq_len - DECODE_STEPS)
+        start = min(step.base, max_seq_len - DECODE_STEPS)
+        if start not in bases:
+            bases[start] = model.new_state()
             for n in chunk_lengths(start, 64):
-                runtime.step(base, [token] * n)
-        state = base.clone()
-        ratio_4_last = (step.capacity - 1) * 4  # the last position whose entry fits `capacity`
-        runtime.reserve(state, min(ratio_4_last, max_seq_len))
+                runtime.step(bases[start], [token] * n)
+        state = bases[start].clone()
+        runtime.reserve(state, step.last)
         for _ in range(min(DECODE_STEPS, max_seq_len - state.pos)):
             runtime.step(state, [token])
         runtime.settle()
@@ -126,17 +139,17 @@ class KernelManifest:
 
 
 def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device,
-                    resident: bool) -> KernelManifest:
+                    resident: bool, steps: list[WarmupStep]) -> KernelManifest:
     """The manifest of an engine on the TileLang backend: the kernels package's factories, in
     TileLang's cache folder (tilelang_cache_dir), keyed for this model, config, GPU and TileLang,
-    and for a resident or a streamed expert cache (`resident`)."""
+    for a resident or a streamed expert cache (`resident`) and for the full warm-up's `steps`."""
     import tilelang
 
     from kernels.backend import kernel_factories, kernel_modules
     from kernels.toolkit import cuda_arch
 
     key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest(),
-                       resident)
+                       resident, tuple(dataclasses.astuple(step) for step in steps))
     current = torch.cuda.current_device()
     return KernelManifest(manifest_path(tilelang_cache_dir(), key), key, kernel_factories(kernel_modules()),
                           lambda: torch.cuda.set_device(current))

@@ -28,9 +28,12 @@ the hints against the route that settles them: in `experts` and `acquire`, befor
 the call is joined, a prefetched read is "in time" when its read has completed.
 
 With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
-RAM when the tier holds the record (one asynchronous host->device copy), else read from the
-disk into a tier slot and copied from there; without a tier (or when every tier slot is in
-transfer) it is read into a pinned staging buffer. On the CPU the arena is the only tier.
+RAM when the tier holds the record: one asynchronous host->device copy, enqueued by the engine
+thread on the provider's copy stream, which the kernels that read the slot wait for on the
+device (no host round trip; a later disk read into that tier slot waits for the copy); else it is read
+from the disk into a tier slot on an I/O thread and copied from there; without a tier (or when
+every tier slot is in transfer) it is read into a pinned staging buffer. On the CPU the arena
+is the only tier.
 
 Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
 while a forward call is running (another thread) is not supported (the cache is not
@@ -54,6 +57,21 @@ from engine.experts.io_pool import IOPool
 from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
 from engine.experts.weights import ExpertWeights
+
+
+class _DeviceCopy:
+    """A RAM-tier hit's read: one host->device copy enqueued on the provider's copy stream from
+    the engine thread (no I/O thread, no host wait). Joining it makes the consumer's stream wait
+    for `event` on the device; `done()` says whether the copy has completed."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def result(self) -> None:
+        self.event.synchronize()
 
 
 class _Hint(NamedTuple):
@@ -83,7 +101,7 @@ class StreamingExperts(ExpertProvider):
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
         self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
-        self._loads: dict[ExpertKey, Future] = {}  # reads started, not yet joined
+        self._loads: dict[ExpertKey, Future | _DeviceCopy] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
         self._deferred: _Hint | None = None  # a lookahead hint waiting for the call of its keep's layer
@@ -98,6 +116,10 @@ class StreamingExperts(ExpertProvider):
             raise ValueError("a host-RAM tier sits behind a device arena; this arena is in host memory already")
         self.tier = tier
         self._tiered: set[ExpertKey] = set()  # loads holding a tier slot
+        # RAM-tier hits: copies on one stream; a disk read into a tier slot first waits for the
+        # slot's last copy (the slot is released when its copy is joined, maybe still in flight)
+        self._copy = torch.cuda.Stream(arena.device) if tier is not None else None
+        self._copied: dict[int, torch.cuda.Event] = {}  # tier slot -> its last copy to the device
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -118,7 +140,7 @@ class StreamingExperts(ExpertProvider):
             self.cache.unpin(key)
 
     def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None,
-              src: tuple[int, bool] | None = None) -> None:
+              src: tuple[int, bool] | None = None, copying: torch.cuda.Event | None = None) -> None:
         """Runs on an I/O thread: bytes of record `key` into arena slot `slot`.
 
         Device arenas: the bytes come from host tier slot `src[0]` (read from the disk first
@@ -126,7 +148,8 @@ class StreamingExperts(ExpertProvider):
         buffer's own stream, so uploads overlap the compute stream's kernels. The copy first
         waits for `freed` (recorded on the compute stream when the slot was reassigned: kernels
         enqueued before may still read the record it held), and is complete before the read's
-        future resolves (the consumer joins it before enqueuing kernels that read the slot)."""
+        future resolves (the consumer joins it before enqueuing kernels that read the slot).
+        `copying`: the tier slot's last copy to the device, which a disk read into it waits for."""
         if self._staging is None:
             self.store.read_into(key[0], key[1], self.arena.host_buffer(slot))
             return
@@ -134,6 +157,8 @@ class StreamingExperts(ExpertProvider):
         try:
             if src is not None:
                 if src[1]:
+                    if copying is not None:  # the slot's previous record may still be copying out
+                        copying.synchronize()
                     self.tier.read(key, src[0])
                 host = self.tier.data[src[0]]
             else:
@@ -147,7 +172,9 @@ class StreamingExperts(ExpertProvider):
             self._staging.put((buf, stream))
 
     def _start(self, key: ExpertKey, slot: int) -> None:
-        """Start the read of admitted `key` into arena slot `slot` (from the host tier if any)."""
+        """Start the read of admitted `key` into arena slot `slot` (from the host tier if any).
+        A RAM-tier hit is one copy enqueued here on the copy stream (`_DeviceCopy`); a read from
+        the disk runs on an I/O thread (`_load`)."""
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             freed = torch.cuda.Event()
@@ -156,7 +183,17 @@ class StreamingExperts(ExpertProvider):
                 src = self.tier.hold(key)
                 if src is not None:
                     self._tiered.add(key)
-        self._loads[key] = self.pool.submit(self._load, key, slot, freed, src)
+        if src is not None and not src[1]:
+            self._copy.wait_event(freed)
+            with torch.cuda.stream(self._copy):
+                self.arena.data[slot].copy_(self.tier.data[src[0]], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy)
+            self._copied[src[0]] = done
+            self._loads[key] = _DeviceCopy(done)
+            return
+        copying = self._copied.pop(src[0], None) if src is not None else None
+        self._loads[key] = self.pool.submit(self._load, key, slot, freed, src, copying)
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -177,6 +214,11 @@ class StreamingExperts(ExpertProvider):
         """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
         fut = self._loads.pop(key, None)
         if fut is None:
+            return
+        if isinstance(fut, _DeviceCopy):  # kernels enqueued from now on wait for the copy on the device
+            torch.cuda.current_stream(self.arena.device).wait_event(fut.event)
+            self._tiered.remove(key)
+            self.tier.done(key)
             return
         try:
             fut.result()
@@ -242,10 +284,11 @@ class StreamingExperts(ExpertProvider):
             while ready or loading or waiting:
                 if ready:
                     key = ready.popleft()
-                elif loading:
-                    if not any(f.done() for f in loading.values()):
+                elif loading:  # a RAM-tier copy is consumed at once (its kernels wait on the device)
+                    key = next((k for k, f in loading.items() if isinstance(f, _DeviceCopy) or f.done()), None)
+                    if key is None:
                         wait(list(loading.values()), return_when=FIRST_COMPLETED)
-                    key = next(k for k, f in loading.items() if f.done())
+                        key = next(k for k, f in loading.items() if f.done())
                     del loading[key]
                 else:
                     self._drop_prefetches()  # their slots are needed now
@@ -434,7 +477,10 @@ class StreamingExperts(ExpertProvider):
             return
         self._closed = True
         for fut in self._loads.values():
-            wait([fut])
+            if isinstance(fut, _DeviceCopy):
+                fut.result()
+            else:
+                wait([fut])
         self._loads.clear()
         self.pool.close()
         self.store.close()

@@ -84,3 +84,58 @@ def test_prefill_runs_in_bucketed_chunks(tmp_path):
         assert [r.tokens for r in results] == [32, 32, 8, 2, 1] and state.pos == 75
     finally:
         eng.close()
+
+
+def test_each_decode_bucket_steps_at_its_own_capacity():
+    """The warm-up's decode steps of capacity bucket c run on caches of exactly c entries of the
+    smallest ratio (no growth mid-bucket): the smallest bucket too, whose steps cannot reach the
+    position where every kind of window completes (the first decode steps of a short chat)."""
+    from engine.buckets import MIN_ENTRIES
+    from engine.warmup import DECODE_BASE, run_warmup
+
+    args = ModelArgs.from_dict(synth.flash_config(43), "flash")
+    ratio = min(r for r in args.compress_ratios if r)
+
+    def capacity(last: int) -> int:
+        cap = MIN_ENTRIES
+        while cap < last // ratio + 1:
+            cap *= 2
+        return cap
+
+    class State:
+        def __init__(self, pos=0, cap=MIN_ENTRIES):
+            self.pos, self.cap = pos, cap
+
+        def clone(self):
+            return State(self.pos, self.cap)
+
+    class Runtime:  # the engine's runtime as run_warmup uses it: caches grow as positions need
+        seen: list[tuple[int, int]] = []
+
+        def step(self, state, tokens):
+            if len(tokens) == 1:
+                self.seen.append((state.cap, state.pos))
+            state.cap = max(state.cap, capacity(state.pos + len(tokens) - 1))
+            state.pos += len(tokens)
+
+        def reserve(self, state, last):
+            state.cap = max(state.cap, capacity(last))
+
+        def settle(self):
+            pass
+
+    class Model:
+        def new_state(self):
+            return State()
+
+    config = EngineConfig(prefill_chunk=2048, max_seq_len=4096)
+    decode = [s for s in plan_warmup(args, config, full=True, graphed_short=True) if s.kind == "decode"]
+    assert decode[0].capacity == MIN_ENTRIES and decode[0].base < DECODE_BASE <= decode[1].base
+    for step in decode:
+        rt = Runtime()
+        rt.seen = []
+        run_warmup([step], rt, Model(), 7, config.max_seq_len, lambda *a: None)
+        caps = {cap for cap, pos in rt.seen if pos >= step.base}
+        assert caps == {step.capacity}, (step, rt.seen)
+        windows = {pos for cap, pos in rt.seen if pos >= step.base and (pos + 1) % ratio == 0}
+        assert windows  # a step completes a window of the smallest ratio
