@@ -109,15 +109,16 @@ def state_bytes(args: ModelArgs, max_seq_len: int, dtype: torch.dtype, mtp: bool
 
 def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
     """Transient memory of the largest step: a prefill chunk's residual streams and temporaries
-    (8 stream-sized fp32 buffers per token), its routed-expert activations (w1|w3 outputs and the
-    FP8 copies of the inputs, per selected expert), the bf16 weights of the experts that prefill
-    dequantises at once (kernels/fp4_moe.py: w1 and w3 of EXPERTS_PER_DEQUANT experts, and their
-    w2 while the first are freed: the reference's lookup buffer on the CPU is as large), its attention scores against the longest context (fp32, one
-    row per head), and one row of fp32 logits per chunk token."""
+    (8 stream-sized fp32 buffers per token), its routed experts' per-cell temporaries
+    (kernels/fp4_moe.py `fp4_moe_dequantized`: the cells' bf16 activations and their dequantised
+    copy, w1|w3's bf16 output, w2's FP8 and bf16 inputs, its bf16 output, two fp32 copies of it
+    and the MoE's fp32 cells), the buffer of the experts' bf16 weights (w1|w3 of
+    EXPERTS_PER_DEQUANT experts, reused for their w2), its attention scores against the longest
+    context (fp32, one row per head), and one row of fp32 logits per chunk token."""
     chunk = config.prefill_chunk
     streams = chunk * args.hc_mult * args.dim * 4 * 8
-    moe = chunk * args.n_activated_experts * (2 * args.moe_inter_dim * 4 + args.dim * 2)
-    dequantised = EXPERTS_PER_DEQUANT * 3 * args.moe_inter_dim * args.dim * 2
+    moe = chunk * args.n_activated_experts * (args.dim * (2 + 2 + 2 + 4 + 4 + 4) + args.moe_inter_dim * (4 + 1 + 2))
+    dequantised = EXPERTS_PER_DEQUANT * 2 * args.moe_inter_dim * args.dim * 2
     scores = chunk * args.n_heads * min(config.max_seq_len, args.window_size + args.index_topk) * 4
     logits = chunk * args.vocab_size * 4
     return streams + moe + dequantised + scores + logits

@@ -71,9 +71,9 @@ def fp4_dequant_kernel(n: int, k: int, w_off: tuple[int, ...], s_off: tuple[int,
 
 
 def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tuple[int, ...], n: int, k: int,
-                      slots: torch.Tensor) -> torch.Tensor:
+                      slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.fp4_dequant_slots` on CUDA: arena uint8 [S, R] (R a multiple of 16), slots [G]
-    int32 on its device -> bf16 [G, P·n, k], one launch."""
+    int32 on its device -> bf16 [G, P·n, k] (into `out`, contiguous, when given), one launch."""
     parts = len(w_offs)
     if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.shape[1] % 16 or not arena.is_contiguous():
         raise KernelInputError("fp4_dequant_slots: the arena must be contiguous uint8 [slots, bytes] with rows "
@@ -91,7 +91,12 @@ def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tupl
     if slots.dtype != torch.int32 or slots.dim() != 1 or slots.device != arena.device:
         raise KernelInputError(f"fp4_dequant_slots: slots must be int32 [G] on the arena's device, got "
                                f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")
-    y = torch.empty(slots.shape[0], parts * n, k, dtype=torch.bfloat16, device=arena.device)
+    shape = (slots.shape[0], parts * n, k)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous()
+                            or out.device != arena.device):
+        raise KernelInputError(f"fp4_dequant_slots: out must be contiguous bf16 {list(shape)} on the arena's "
+                               f"device, got {out.dtype} {tuple(out.shape)}")
+    y = torch.empty(shape, dtype=torch.bfloat16, device=arena.device) if out is None else out
     if slots.shape[0]:
         fp4_dequant_kernel(n, k, tuple(w_offs), tuple(s_offs), cuda_arch(arena.device))(
             arena.view(torch.int32), arena, slots, y)

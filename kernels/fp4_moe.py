@@ -316,20 +316,26 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
         ends = [start + n - c0 for _, start, n in group]
         meta = torch.tensor([[slot for slot, _, _ in group], ends], dtype=torch.int32).to(q.device, non_blocking=True)
         groups.append((c0, c0 + ends[-1], meta[0], meta[1]))
-    gu = torch.empty(g, 2 * inter, dtype=torch.bfloat16, device=q.device)  # [gate | up] per cell
-    for c0, c1, slots, ends in groups:
-        w13 = dequant(arena, (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"]), inter, dim,
-                      slots)  # [E, 2I, D]
-        gu[c0:c1] = F.grouped_mm(a[c0:c1], w13.transpose(1, 2), offs=ends)
-        del w13
+    # one buffer of a fixed size for every group's weights, w1|w3 then w2 (the caching allocator
+    # reuses one block from call to call instead of blocks of every expert count)
+    buf = torch.empty(experts_per_group * 2 * inter * dim, dtype=torch.bfloat16, device=q.device)
+
+    def weights_of(slots: torch.Tensor, names: tuple[str, ...], n: int, k: int) -> torch.Tensor:
+        out = buf[:slots.shape[0] * len(names) * n * k].view(slots.shape[0], len(names) * n, k)
+        return dequant(arena, tuple(off[f"{x}.weight"] for x in names), tuple(off[f"{x}.scale"] for x in names),
+                       n, k, slots, out=out)
+
+    def grouped(x: torch.Tensor, names: tuple[str, ...], n: int, k: int) -> torch.Tensor:
+        """x's cells times their experts' weights `names` ([n, k] each): [G, len(names)·n] bf16."""
+        outs = [F.grouped_mm(x[c0:c1], weights_of(slots, names, n, k).transpose(1, 2), offs=ends)
+                for c0, c1, slots, ends in groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    gu = grouped(a, ("w1", "w3"), inter, dim)  # [gate | up] per cell
+    del a
     hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float().index_select(0, order), limit)
     del gu
-    h = act_dequant_bf16(hq, hs)
-    y = torch.empty(g, dim, dtype=torch.bfloat16, device=q.device)
-    for c0, c1, slots, ends in groups:
-        w2 = dequant(arena, (off["w2.weight"],), (off["w2.scale"],), dim, inter, slots)  # [E, D, I]
-        y[c0:c1] = F.grouped_mm(h[c0:c1], w2.transpose(1, 2), offs=ends)
-        del w2
+    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter)
     return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y.float())
 
 

@@ -111,17 +111,19 @@ def dequant_fp4_bf16(w: torch.Tensor, w_scale: torch.Tensor, table: torch.Tensor
 
 
 def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tuple[int, ...], n: int, k: int,
-                      slots: torch.Tensor) -> torch.Tensor:
+                      slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """FP4 weights read from arena rows, dequantised exactly to bf16: arena uint8 [S, R], slots
-    [G] int32 -> bf16 [G, P·n, k], where rows p·n..(p+1)·n of group g are the weight [n, k/2]
-    (record order) at byte w_offs[p] of row slots[g], scaled by its e8m0 scales [n, k/32] at
-    byte s_offs[p] (e.g. an expert's w1 and w3 stacked: one GEMM for both)."""
+    [G] int32 -> bf16 [G, P·n, k] (into `out` when given), where rows p·n..(p+1)·n of group g are
+    the weight [n, k/2] (record order) at byte w_offs[p] of row slots[g], scaled by its e8m0
+    scales [n, k/32] at byte s_offs[p] (e.g. an expert's w1 and w3 stacked: one GEMM for both)."""
     rows = arena.index_select(0, slots.long())
     g = rows.shape[0]
     table = fp4_pair_table(arena.device)
-    return torch.cat([dequant_fp4_bf16(rows[:, w:w + n * k // 2].view(g, n, k // 2),
-                                       rows[:, s:s + n * k // 32].view(g, n, k // 32), table)
-                      for w, s in zip(w_offs, s_offs)], dim=1)
+    out = torch.empty(g, len(w_offs) * n, k, dtype=torch.bfloat16, device=arena.device) if out is None else out
+    for p, (w, s) in enumerate(zip(w_offs, s_offs)):
+        out[:, p * n:(p + 1) * n] = dequant_fp4_bf16(rows[:, w:w + n * k // 2].view(g, n, k // 2),
+                                                     rows[:, s:s + n * k // 32].view(g, n, k // 32), table)
+    return out
 
 
 # ------------------------------------------------------------------------------- activations
