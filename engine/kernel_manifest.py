@@ -1,10 +1,12 @@
 """The kernel manifest: which TileLang kernels a full warm-up built, so that a later process builds
-the same set (each a load from TileLang's on-disk cache) without running the model.
+the same set (each a load from TileLang's on-disk cache) without running the model; and kernel
+hints: the kernels other manifests of the same shapes list (`shape_key`, `read_hints`), compiled
+in parallel before a first full warm-up, which then finds them built.
 
 A manifest is a JSON file in `<TileLang's cache dir>/dsv4-chat-manifests/<key>.json`:
 
-    {"format": 1, "key": "<key>", "kernels": [{"factory": "kernels.fp8_gemm.fp8_gemv_kernel",
-                                                "args": [1, 4096, ...], "kwargs": {}}, ...]}
+    {"format": 1, "key": "<key>", "shape": "<shape key>",
+     "kernels": [{"factory": "kernels.fp8_gemm.fp8_gemv_kernel", "args": [1, 4096, ...], "kwargs": {}}, ...]}
 
 Arguments are JSON scalars or arrays; an array stands for a tuple (factory arguments are hashable,
 so no factory takes a list). The key (`manifest_key`) changes with everything that can change
@@ -31,6 +33,7 @@ from engine.experts.io_pool import IOPool
 FORMAT = 1
 MANIFEST_DIR = "dsv4-chat-manifests"
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+HINTS_DIR = Path(__file__).resolve().parent / "kernel_hints"
 
 
 class ManifestError(Exception):
@@ -74,6 +77,49 @@ def manifest_key(args: ModelArgs, config: EngineConfig, converted: bool, arch: t
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def shape_key(args: ModelArgs, config: EngineConfig, converted: bool, arch: tuple[int, int],
+              tilelang_version: str) -> str:
+    """The key of the kernel *shapes* an engine builds: manifest_key's inputs without those that
+    only add or drop variants of the same shapes (the model's depth, expert count and hash-layer
+    count, the compression ratios' order, max_seq_len, residency, the warm-up plan) or change
+    their code (the kernels' source). Kernel hints (`read_hints`) are matched on it."""
+    model = dataclasses.asdict(args)
+    for name in ("n_layers", "n_routed_experts", "n_hash_layers", "compress_ratios"):
+        model.pop(name)
+    model["ratios"] = sorted({r for r in args.compress_ratios if r})
+    inputs = {"model": model, "prefill_chunk": config.prefill_chunk, "numerics": config.numerics,
+              "cuda_graphs": config.cuda_graphs, "converted": converted, "arch": list(arch),
+              "tilelang": tilelang_version}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def hint_sources(cache_dir: Path) -> list[Path]:
+    """Where kernel hints come from: the hint files shipped in engine/kernel_hints/ (recorded by
+    `python -m bench.kernel_hints` on a GPU) and every manifest in TileLang's cache folder."""
+    return sorted(HINTS_DIR.glob("*.json")) + sorted((Path(cache_dir) / MANIFEST_DIR).glob("*.json"))
+
+
+def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[KernelCall]:
+    """The calls of every manifest or hint file in `paths` written for `shape` (its "shape"
+    field), without repeats, in file order: the kernels an engine of these shapes will probably
+    build, to compile in parallel before a full warm-up. Best effort: an unreadable file, another
+    shape, a malformed entry or an unknown factory is skipped."""
+    calls: dict[KernelCall, None] = {}
+    for path in paths:
+        try:
+            body = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(body, dict) or body.get("shape") != shape or not isinstance(body.get("kernels"), list):
+            continue
+        for entry in body["kernels"]:
+            if (isinstance(entry, dict) and entry.get("factory") in factories and isinstance(entry.get("args"), list)
+                    and isinstance(entry.get("kwargs", {}), dict)):
+                calls[KernelCall(entry["factory"], _decode(entry["args"]),
+                                 tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items())))] = None
+    return list(calls)
+
+
 def manifest_path(cache_dir: Path, key: str) -> Path:
     return Path(cache_dir) / MANIFEST_DIR / f"{key}.json"
 
@@ -103,10 +149,11 @@ def _one_line(err: Exception) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
-def write_manifest(path: Path, key: str, calls: list[KernelCall]) -> None:
+def write_manifest(path: Path, key: str, calls: list[KernelCall], shape: str = "") -> None:
     """Write the manifest atomically: a temporary file in the same folder, then renamed over `path`
-    (a reader sees the old manifest or the new one, never part of one)."""
-    body = {"format": FORMAT, "key": key,
+    (a reader sees the old manifest or the new one, never part of one). `shape`: the engine's
+    `shape_key`, so that engines of the same shapes can take the manifest as hints."""
+    body = {"format": FORMAT, "key": key, "shape": shape,
             "kernels": [{"factory": c.factory, "args": _encode(c.args),
                          "kwargs": {k: _encode(v) for k, v in c.kwargs}} for c in calls]}
     text = json.dumps(body, indent=1)
@@ -147,12 +194,15 @@ def read_manifest(path: Path, key: str, factories: Mapping[str, object]) -> list
 
 
 def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: int,
-           progress: Callable[[int, int], None], worker_setup: Callable[[], None] | None = None) -> None:
+           progress: Callable[[int, int], None], worker_setup: Callable[[], None] | None = None,
+           failed: list[str] | None = None) -> None:
     """Call every factory of `calls` with its recorded arguments on `workers` named threads (an
     engine.experts.io_pool.IOPool, "kernel-replay-N", started and joined here; each call runs
     `worker_setup` first; 1 or fewer: in the calling thread). `progress(done, total)` is called in
     the calling thread, before the first call and after each. Raises ManifestError naming the
-    first call that failed; the calls not yet started are then cancelled."""
+    first call that failed; the calls not yet started are then cancelled. With a `failed` list
+    (hints: best effort), each failure's one-line message is appended to it instead, and the
+    other calls go on."""
     total = len(calls)
     progress(0, total)
 
@@ -162,7 +212,9 @@ def replay(calls: list[KernelCall], factories: Mapping[str, object], workers: in
                 setup()
             factories[c.factory](*c.args, **dict(c.kwargs))
         except Exception as err:  # a stale entry (TypeError, KernelInputError) or a failed build
-            raise ManifestError(f"replaying {c.factory}{c.args} failed: {_one_line(err)}") from err
+            if failed is None:
+                raise ManifestError(f"replaying {c.factory}{c.args} failed: {_one_line(err)}") from err
+            failed.append(f"{c.factory}{c.args}: {_one_line(err)}")
 
     if workers <= 1 or total <= 1:
         for done, c in enumerate(calls, 1):

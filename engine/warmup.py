@@ -17,8 +17,10 @@ With the torch reference backend nothing compiles, so `plan_warmup(..., full=Fal
 one short prefill and one decode step (the CPU path's first-call costs).
 
 On the TileLang backend (`warm_up_kernels`), the first full warm-up for a kernel manifest key
-(engine/kernel_manifest.py) writes the manifest of the kernels it built; a later load replays the
-manifest instead (each kernel loaded from TileLang's on-disk cache, "loading kernels k/n") and runs
+(engine/kernel_manifest.py) first compiles, in parallel, the kernel hints for the engine's shapes
+(the hint files shipped with the engine and the other manifests in TileLang's cache), then runs
+the steps (which find those kernels built) and writes the manifest of the kernels built; a later
+load replays the manifest instead (each kernel loaded from TileLang's on-disk cache, "loading kernels k/n") and runs
 no model step. A manifest that cannot be used is reported in one progress message, and the full
 warm-up runs and rewrites it.
 """
@@ -26,6 +28,7 @@ warm-up runs and rewrites it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -36,8 +39,9 @@ from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
 from engine.runtime import SHORT_PREFILL
 from engine.events import LoadProgress
-from engine.kernel_manifest import (ManifestError, built_calls, kernels_source_digest, manifest_key, manifest_path,
-                                    read_manifest, replay, tilelang_cache_dir, write_manifest)
+from engine.kernel_manifest import (ManifestError, built_calls, hint_sources, kernels_source_digest, manifest_key,
+                                    manifest_path, read_hints, read_manifest, replay, shape_key, tilelang_cache_dir,
+                                    write_manifest)
 
 # A base position whose next five decode steps complete: a ratio-4 window (123), none (124..126),
 # ratio-4 and ratio-128 windows (127).
@@ -123,19 +127,29 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
 REPLAY_WORKERS = 4
 COMPILING = "compiling kernels"
 LOADING = "loading kernels"
+PRECOMPILING = "precompiling kernels"
+
+
+def precompile_workers() -> int:
+    """Threads compiling kernel hints: one per CPU (a compile is mostly the CUDA compiler, a
+    child process), at most 16."""
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
 class KernelManifest:
     """Where the manifest for one engine's kernels lives (`path`), its `key`, the kernel factories
-    (qualified name -> kernels.toolkit.KernelFactory) it records and replays, and what a replay
+    (qualified name -> kernels.toolkit.KernelFactory) it records and replays, what a replay
     thread runs before each call (`worker_setup`: the engine makes the loading thread's CUDA device
-    current)."""
+    current), and the engine's shape key and hint files (a first full warm-up compiles the hints
+    for its shapes in parallel first)."""
 
     path: Path
     key: str
     factories: Mapping[str, object]
     worker_setup: Callable[[], None] | None = None
+    shape: str = ""  # kernel_manifest.shape_key: hints are read for it
+    hints: tuple[Path, ...] = ()  # files of hints (kernel_manifest.hint_sources)
 
 
 def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, device: torch.device,
@@ -151,18 +165,22 @@ def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, devi
     key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest(),
                        resident, tuple(dataclasses.astuple(step) for step in steps))
     current = torch.cuda.current_device()
-    return KernelManifest(manifest_path(tilelang_cache_dir(), key), key, kernel_factories(kernel_modules()),
-                          lambda: torch.cuda.set_device(current))
+    path = manifest_path(tilelang_cache_dir(), key)
+    return KernelManifest(path, key, kernel_factories(kernel_modules()), lambda: torch.cuda.set_device(current),
+                          shape_key(args, config, converted, cuda_arch(device), tilelang.__version__),
+                          tuple(p for p in hint_sources(tilelang_cache_dir()) if p != path))
 
 
 def warm_up_kernels(steps: list[WarmupStep], run: Callable[[Callable[[int, int, str], None]], None],
                     manifest: KernelManifest, report: Callable[[LoadProgress], None],
-                    workers: int = REPLAY_WORKERS) -> bool:
+                    workers: int = REPLAY_WORKERS, hint_workers: int | None = None) -> bool:
     """Build every kernel of the engine before the first prompt. When `manifest` exists: replay it
     on `workers` threads ("loading kernels" progress) and return True. Otherwise, or when the
-    replay fails (one progress message says why): `run(progress)` runs `steps` (run_warmup;
-    "compiling kernels" progress), the manifest of every kernel the factories have built is
-    written, and False is returned."""
+    replay fails (one progress message says why): the kernel hints for the engine's shapes are
+    compiled on `hint_workers` threads (default `precompile_workers()`; "precompiling kernels"
+    progress; a hint that fails is skipped), then `run(progress)` runs `steps` (run_warmup;
+    "compiling kernels" progress: what the hints missed), the manifest of every kernel the
+    factories have built is written, and False is returned."""
     if manifest.path.is_file():
         try:
             calls = read_manifest(manifest.path, manifest.key, manifest.factories)
@@ -177,9 +195,19 @@ def warm_up_kernels(steps: list[WarmupStep], run: Callable[[Callable[[int, int, 
             return True
         except ManifestError as err:
             report(LoadProgress(COMPILING, 0, len(steps), "shapes", f"{err}; running the full warm-up instead"))
+    hints = read_hints(manifest.hints, manifest.shape, manifest.factories) if manifest.shape else []
+    if hints:
+        failed: list[str] = []
+        replay(hints, manifest.factories, precompile_workers() if hint_workers is None else hint_workers,
+               lambda done, total: report(LoadProgress(PRECOMPILING, done, total, "kernels",
+                                                       "hints compiled" if done == total else "kernel hints")),
+               manifest.worker_setup, failed)
+        if failed:
+            report(LoadProgress(PRECOMPILING, len(hints), len(hints), "kernels",
+                                f"{len(failed)} kernel hint(s) failed and were skipped (first: {failed[0]})"))
     run(lambda done, total, what: report(LoadProgress(COMPILING, done, total, "shapes", what)))
     try:
-        write_manifest(manifest.path, manifest.key, built_calls(manifest.factories))
+        write_manifest(manifest.path, manifest.key, built_calls(manifest.factories), manifest.shape)
     except (OSError, ManifestError) as err:
         report(LoadProgress(COMPILING, len(steps), len(steps), "shapes",
                             f"the kernel manifest {manifest.path} was not written ({err}); the next load "

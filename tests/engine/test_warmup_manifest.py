@@ -14,8 +14,9 @@ import pytest
 from converter import synth
 from engine.config import EngineConfig, ModelArgs
 from engine.kernel_manifest import (KernelCall, ManifestError, built_calls, kernels_source_digest, manifest_key,
-                                    manifest_path, read_manifest, replay, tilelang_cache_dir, write_manifest)
-from engine.warmup import COMPILING, LOADING, KernelManifest, WarmupStep, warm_up_kernels
+                                    manifest_path, read_hints, read_manifest, replay, shape_key, tilelang_cache_dir,
+                                    write_manifest)
+from engine.warmup import COMPILING, LOADING, PRECOMPILING, KernelManifest, WarmupStep, warm_up_kernels
 from kernels.backend import kernel_factories
 
 # A kernels module of the test's own: two factories that log every build (with the building
@@ -306,3 +307,82 @@ def test_the_warm_ups_lookups_are_not_in_the_expert_statistics(tmp_path):
         assert c.hits + c.misses > 0 and sum(experts.usage.layer_uses) > 0 and len(experts.hottest(3)) == 3
     finally:
         eng.close()
+
+
+def test_the_shape_key_ignores_what_only_adds_variants_of_the_same_shapes():
+    args = ModelArgs.from_dict(synth.flash_config(43), "flash")
+    config = EngineConfig(prefill_chunk=2048, max_seq_len=4096)
+    base = dict(args=args, config=config, converted=True, arch=(9, 0), tilelang_version="0.1.15")
+    same = [dict(args=dataclasses.replace(args, n_layers=4, compress_ratios=args.compress_ratios[:4])),
+            dict(args=dataclasses.replace(args, n_routed_experts=24)),
+            dict(config=dataclasses.replace(config, max_seq_len=65536, cache_bytes=1 << 30))]
+    other = [dict(args=dataclasses.replace(args, dim=2048)), dict(arch=(12, 1)), dict(tilelang_version="0.1.16"),
+             dict(config=dataclasses.replace(config, prefill_chunk=1024)), dict(converted=False)]
+    key = shape_key(**base)
+    assert all(shape_key(**{**base, **v}) == key for v in same)
+    assert len({shape_key(**{**base, **v}) for v in other} | {key}) == len(other) + 1
+
+
+def test_hints_are_the_calls_of_every_file_of_the_shape_once(tmp_path):
+    module = fake_kernels()
+    factories = kernel_factories([module])
+    build_some(module)
+    calls = built_calls(factories)
+    write_manifest(tmp_path / "a.json", "key-a", calls[:3], shape="s1")
+    write_manifest(tmp_path / "b.json", "key-b", calls[2:], shape="s1")  # overlaps a.json by one call
+    write_manifest(tmp_path / "c.json", "key-c", [KernelCall("fake_kernels.gemv_kernel", (64, 64, (9, 0)))],
+                   shape="s2")  # another shape
+    body = json.loads((tmp_path / "b.json").read_text())
+    body["kernels"] += [{"factory": "fake_kernels.gone_kernel", "args": [1]}, {"args": 3}, "junk"]
+    (tmp_path / "b.json").write_text(json.dumps(body))
+    (tmp_path / "d.json").write_text("{not json")
+    paths = [tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json", "missing.json")]
+    assert read_hints(paths, "s1", factories) == calls
+    assert read_hints(paths, "s3", factories) == []
+
+
+def test_a_first_warm_up_compiles_the_hints_in_parallel_first_and_skips_failing_ones(tmp_path):
+    first = fake_kernels()
+    build_some(first)
+    hints = built_calls(kernel_factories([first])) + [KernelCall("fake_kernels.norm_kernel", (-1, 1e-6, True, ()))]
+    hint_file = tmp_path / "hints.json"
+    write_manifest(hint_file, "hints", hints, shape="flash")
+
+    fresh, ran, events = fake_kernels(), [], []
+    manifest = dataclasses.replace(manifest_for(fresh, tmp_path), shape="flash", hints=(hint_file,))
+    assert warm_up_kernels(STEPS, full_warm_up(fresh, ran), manifest, events.append, hint_workers=3) is False
+    assert ran == [True]
+    pre = [e for e in events if e.phase == PRECOMPILING]
+    assert [(e.done, e.total) for e in pre[:len(hints) + 1]] == [(d, len(hints)) for d in range(len(hints) + 1)]
+    assert len([e for e in pre if "failed" in e.message]) == 1 and "no kernel for d=-1" in pre[-1].message
+    assert events.index(pre[-1]) < min(events.index(e) for e in events if e.phase == COMPILING)
+    builds = [entry for entry in fresh.LOG]
+    assert {thread for *_, thread in builds} <= {f"kernel-replay-{i}" for i in range(3)}  # the hints built them all
+    assert not [t for t in threading.enumerate() if t.name.startswith("kernel-replay-")]
+    written = json.loads(manifest.path.read_text())
+    assert written["shape"] == "flash" and len(written["kernels"]) == len(hints) - 1
+
+    other, ran, events = fake_kernels(), [], []  # hints of another shape: the warm-up alone
+    manifest = dataclasses.replace(manifest_for(other, tmp_path / "o"), shape="tiny", hints=(hint_file,))
+    warm_up_kernels(STEPS, full_warm_up(other, ran), manifest, events.append)
+    assert ran == [True] and not [e for e in events if e.phase == PRECOMPILING]
+
+
+def test_the_shipped_hints_name_real_factories_with_arguments_they_take():
+    """engine/kernel_hints/*.json (bench/kernel_hints.py): every entry a factory of the kernels
+    package, its arguments bound by the factory's signature (stale hints would be skipped: this
+    says when to record them again)."""
+    import inspect
+
+    from engine.kernel_manifest import HINTS_DIR
+    from kernels.backend import kernel_modules
+
+    factories = kernel_factories(kernel_modules())
+    files = sorted(HINTS_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        body = json.loads(path.read_text())
+        calls = read_hints([path], body["shape"], factories)
+        assert body["format"] == 1 and len(calls) == len(body["kernels"]) > 0, path
+        for call in calls:
+            inspect.signature(factories[call.factory].__wrapped__).bind(*call.args, **dict(call.kwargs))
