@@ -168,7 +168,8 @@ def child(a) -> dict:
     cache = None if a.share >= 1.0 else int(pool * a.share)
     cuda = a.device == "cuda"  # the CPU runs only check this script (torch reference, no graphs)
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
-                          max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace)
+                          max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
+                          host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per turn")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--host-cache-gb", type=float, help="cap the pinned host-RAM tier (default: sized by the memory "
+                   "plan from free host RAM); misses beyond it are read from the pack")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -364,6 +367,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "bench.full_depth", "--child", "--pack", str(pack), "--share", str(share),
                "--prompts", ",".join(map(str, a.prompts)), "--tokens", str(a.tokens),
                "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads)]
+        if a.host_cache_gb is not None:
+            cmd += ["--host-cache-gb", str(a.host_cache_gb)]
         if a.routing_trace:
             cmd += ["--routing-trace", str(Path(a.routing_trace).resolve())]
         t = time.perf_counter()

@@ -15,6 +15,8 @@ are joined before it returns); the expert provider's I/O threads (streaming layo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gc
 import threading
 from pathlib import Path
@@ -86,6 +88,12 @@ class Engine:
         plan = plan_memory(path, config)
         report(LoadProgress("memory plan", 1, 1, "plan", "; ".join(line.strip() for line in plan.lines()[1:])))
         files = open_model_files(path, config, plan)
+        if files.host_cache < plan.host_cache:  # the system would not pin that much host RAM
+            plan = replace(plan, host_cache=files.host_cache, notes=plan.notes + (
+                f"the host RAM tier was planned at {plan.host_cache / 2**30:.2f} GiB but only "
+                f"{files.host_cache / 2**30:.2f} GiB could be pinned (a locked-memory or container limit); "
+                "the tier uses that",))
+            report(LoadProgress("memory plan", 1, 1, "plan", plan.notes[-1]))
         try:
             model = build_model(path, files, config, report)
             engine = cls(files, model, load_tokenizer(path, files.args.vocab_size), config, plan, progress)

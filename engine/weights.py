@@ -33,6 +33,7 @@ class ModelFiles:
     experts: ExpertProvider
     converted: bool = False
     closers: list = field(default_factory=list)
+    host_cache: int = 0  # bytes of the pinned host-RAM tier actually allocated (engine/experts/host_tier.py)
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -90,14 +91,15 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     from them never reads a mapping that a truncated file would turn into SIGBUS.
 
     With a device arena smaller than the pool, `host_cache_bytes` (capped to the pool) of host
-    RAM become a HostTier behind it (engine/experts/host_tier.py); on the CPU the arena is the
-    only tier and the setting is unused.
+    RAM become a HostTier behind it (engine/experts/host_tier.py; halved until it can be pinned,
+    `ModelFiles.host_cache` says what was); on the CPU the arena is the only tier and the
+    setting is unused.
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
     from engine.experts.arena import ExpertArena
     from engine.experts.cache import ExpertCache
-    from engine.experts.host_tier import HostTier
+    from engine.experts.host_tier import pinned_tier
     from engine.experts.io_pool import IOPool
     from engine.experts.streaming import StreamingExperts
     from engine.experts.store import ExpertStore
@@ -120,12 +122,13 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     pool = IOPool(io_threads).start()
     tier = None
     if host_cache_bytes and not arena.on_host and cache.capacity_slots < len(manifest.units) * manifest.count:
-        tier = HostTier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers, policy=policy)
+        tier = pinned_tier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers,
+                           policy=policy)
     provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
                                 tier=tier)
     get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
     return ModelFiles(path=path, args=args, index=index, get=get, experts=provider,
-                      converted=True, closers=[provider.close])
+                      converted=True, closers=[provider.close], host_cache=0 if tier is None else tier.nbytes)
 
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",

@@ -97,3 +97,19 @@ class HostTier:
 
     def stats(self) -> CacheStats:
         return self.cache.stats()
+
+
+def pinned_tier(store: ExpertStore, budget_bytes: int, *, num_layers: int, policy: str = "lru",
+                make=HostTier) -> HostTier | None:
+    """A HostTier (`make`) of `budget_bytes`, or of half that, and so on, when its page-locked
+    allocation fails: the memory the system lets a process pin can be less than its free RAM
+    (container limits, locked-memory caps), which no probe sees. None when not even one record
+    can be pinned. Other errors propagate."""
+    while budget_bytes >= store.record_bytes:
+        try:
+            return make(store, budget_bytes, num_layers=num_layers, policy=policy)
+        except RuntimeError as err:  # torch.AcceleratorError "CUDA error: out of memory" from cudaHostAlloc
+            if "out of memory" not in str(err):
+                raise
+            budget_bytes //= 2
+    return None

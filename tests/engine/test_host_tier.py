@@ -13,7 +13,7 @@ from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.experts.cache import ExpertCacheError
-from engine.experts.host_tier import HostTier
+from engine.experts.host_tier import HostTier, pinned_tier
 from engine.experts.store import ExpertChecksumError, ExpertReadError, ExpertStore
 from engine.weights import open_model
 
@@ -145,3 +145,31 @@ def test_config_and_cpu_have_one_tier(pack):
         assert files.experts.tier is None and files.experts.arena.on_host  # the arena is the RAM tier
     finally:
         files.close()
+
+
+def test_a_tier_that_cannot_be_pinned_is_halved_until_it_can(pack):
+    """The memory a process may pin can be less than free RAM (container or locked-memory
+    limits): the tier halves its budget until the allocation succeeds, or gives up below one
+    record; other errors are not swallowed."""
+    store = ExpertStore(pack, layout.read_manifest(pack))
+    record = store.record_bytes
+    tried = []
+
+    def make(limit):
+        def build(store, budget, **kw):
+            tried.append(budget)
+            if budget > limit:
+                raise RuntimeError("CUDA error: out of memory")
+            return HostTier(store, budget, pin_memory=False, **kw)
+        return build
+
+    tier = pinned_tier(store, 10 * record, num_layers=4, make=make(3 * record))
+    assert tried == [10 * record, 5 * record, 5 * record // 2] and tier.slots == 2
+    tried.clear()
+    assert pinned_tier(store, 4 * record, num_layers=4, make=make(0)) is None and tried == [4 * record, 2 * record, record]
+
+    def broken(store, budget, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pinned_tier(store, 4 * record, num_layers=4, make=broken)
+    store.close()
