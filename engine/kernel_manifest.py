@@ -115,8 +115,12 @@ def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[Kerne
         for entry in body["kernels"]:
             if (isinstance(entry, dict) and entry.get("factory") in factories and isinstance(entry.get("args"), list)
                     and isinstance(entry.get("kwargs", {}), dict)):
-                calls[KernelCall(entry["factory"], _decode(entry["args"]),
-                                 tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items())))] = None
+                call = KernelCall(entry["factory"], _decode(entry["args"]),
+                                  tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items())))
+                try:
+                    calls[call] = None
+                except TypeError:  # an argument no factory takes (a JSON object): not a call
+                    continue
     return list(calls)
 
 

@@ -333,7 +333,8 @@ def test_hints_are_the_calls_of_every_file_of_the_shape_once(tmp_path):
     write_manifest(tmp_path / "c.json", "key-c", [KernelCall("fake_kernels.gemv_kernel", (64, 64, (9, 0)))],
                    shape="s2")  # another shape
     body = json.loads((tmp_path / "b.json").read_text())
-    body["kernels"] += [{"factory": "fake_kernels.gone_kernel", "args": [1]}, {"args": 3}, "junk"]
+    body["kernels"] += [{"factory": "fake_kernels.gone_kernel", "args": [1]}, {"args": 3}, "junk",
+                        {"factory": "fake_kernels.gemv_kernel", "args": [{"m": 1}, 2, [9, 0]]}]
     (tmp_path / "b.json").write_text(json.dumps(body))
     (tmp_path / "d.json").write_text("{not json")
     paths = [tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json", "missing.json")]
