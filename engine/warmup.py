@@ -20,9 +20,9 @@ On the TileLang backend (`warm_up_kernels`), the first full warm-up for a kernel
 (engine/kernel_manifest.py) first compiles, in parallel, the kernel hints for the engine's shapes
 (the hint files shipped with the engine and the other manifests in TileLang's cache), then runs
 the steps (which find those kernels built) and writes the manifest of the kernels built; a later
-load replays the manifest instead (each kernel loaded from TileLang's on-disk cache, "loading kernels k/n") and runs
-no model step. A manifest that cannot be used is reported in one progress message, and the full
-warm-up runs and rewrites it.
+load replays the manifest instead (each kernel loaded from TileLang's on-disk cache, "loading
+kernels k/n") and runs no model step. A manifest that cannot be used is reported in one progress
+message, and the full warm-up runs and rewrites it.
 """
 
 from __future__ import annotations
