@@ -16,7 +16,9 @@
    load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
    fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
    reports it and its median step; a follow-up turn's TTFT; the graphed decode step timed on its
-   own; hit rate and miss bandwidth; peak device memory against the memory plan;
+   own, with the expert bytes it reads and their rate (against pinned H2D); the hit rate
+   (prefetched experts count as hits) and the prefetch counters; peak device memory against the
+   memory plan;
 4. prints one table; `--json FILE` also writes every figure.
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
@@ -38,6 +40,7 @@ experts a layer; the roofline is those bytes at the copy bandwidth measured here
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -110,22 +113,28 @@ def _text_of(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _graphed_step_ms(eng, session, sync, steps: int = 32) -> float:
-    """Median wall time of one decode step replayed through the runner on a clone of the
-    session's state, the device synchronised after each (no host work between steps)."""
+def _graphed_step_ms(eng, session, sync, steps: int = 32) -> tuple[float, float, float]:
+    """(median wall time of one decode step in ms, expert bytes read per step, those bytes per
+    second of step time): decode steps replayed through the runner on a clone of the session's
+    state, the device synchronised after each (no host work between steps); the reads are the
+    expert cache's over the steps after the first two (nothing else runs meanwhile)."""
     runtime = eng.runtime
     state = session.state.clone()
     runtime.reserve(state, state.pos + steps + 1)
     token = torch.tensor([eng.tokenizer.bos_id], device=eng.device)
-    times = []
+    times, read = [], []
     for _ in range(steps + 2):
+        snap = eng.stats().cache
+        read.append(snap.bytes_read if snap is not None else 0)
         sync()
         t = time.perf_counter()
         runtime.step(state, token)
         sync()
         times.append(1e3 * (time.perf_counter() - t))
     runtime.settle()
-    return statistics.median(times[2:])
+    snap = eng.stats().cache
+    per_step = ((snap.bytes_read if snap is not None else 0) - read[2]) / steps
+    return statistics.median(times[2:]), per_step, per_step / (1e-3 * statistics.fmean(times[2:]))
 
 
 def _captures(eng) -> int:
@@ -193,7 +202,6 @@ def child(a) -> dict:
     built = built_kernels()
     greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
-    decode_s_all = 0.0
     session = None
     for n in a.prompts:
         session = eng.new_session()
@@ -208,7 +216,6 @@ def child(a) -> dict:
             raise SystemExit(f"bench.full_depth: the {n}-token turn failed: {fin}")
         st = fin.stats
         steps = sorted(st.step_ms)
-        decode_s_all += st.decode_s
         out["prompts"].append({"n": n, "prompt_tokens": st.prompt_tokens, "ttft_s": st.ttft_s,
                                "prefill_s": st.prefill_s, "prefill_tok_s": st.prefill_tokens / st.prefill_s,
                                "completion_tokens": st.completion_tokens, "decode_tok_s": st.tok_per_s,
@@ -224,12 +231,17 @@ def child(a) -> dict:
     out["compiled_in_chat"] = sorted(built_kernels() - built)
     for name in out["compiled_in_chat"]:
         print(f"  compiled during the chat: {name}", file=sys.stderr, flush=True)
-    out["graphed_step_ms"] = _graphed_step_ms(eng, session, sync)
+    out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync)
     snap = eng.stats().cache
     if snap is not None:
         out["hit_rate"] = snap.hit_rate
-        out["miss_gb"] = (snap.bytes_read - bytes_read0) / 1e9
-        out["miss_gb_s"] = out["miss_gb"] / decode_s_all if decode_s_all else 0.0
+        out["miss_gb"] = (snap.bytes_read - bytes_read0) / 1e9  # the whole run: prefill, decode, graphed steps
+        out["step_read_gb"] = step_bytes / 1e9  # per graphed step
+        out["miss_gb_s"] = step_rate / 1e9  # expert reads per second of graphed decode steps
+        out["prefetch"] = {src: dataclasses.asdict(stats) | {"accuracy": stats.accuracy}
+                           for src, stats in eng.experts.prefetch_stats().items()}
+        for stats in eng.experts.prefetch_stats().values():
+            print(f"  {stats.line()}", file=sys.stderr, flush=True)
     allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
     out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
     out["peak_allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
@@ -282,7 +294,7 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
              "",
              "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
              "| median step ms | graphed step ms (% roofline) | follow-up: TTFT ms, decode tok/s | hit rate "
-             "| miss GB/s | peak GiB / plan GiB | compiles in chat |",
+             "| graphed step reads: GB, GB/s (% of H2D) | peak GiB / plan GiB | compiles in chat |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peak = r["peak_reserved"] / GiB
@@ -298,7 +310,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
                 + " | " + (f"{1e3 * r['followup']['ttft_s']:.0f} ({r['followup']['new_tokens']} new), "
                            f"{r['followup']['decode_tok_s']:.1f}" if first else "")
                 + f" | {p['hit_rate']:.3f} | "
-                + (f"{r.get('miss_gb_s', 0.0):.2f}" if first else "")
+                + (f"{r.get('step_read_gb', 0.0):.2f}, {r.get('miss_gb_s', 0.0):.1f} "
+                   f"({100 * 1e9 * r.get('miss_gb_s', 0.0) / ceil['h2d_pinned']:.0f} %)" if first else "")
                 + " | " + (f"{peak:.1f} / {plan:.1f}" if first else "")
                 + " | " + (f"{r['kernels_during_chat']}" if first else "") + " |")
     return "\n".join(lines)
