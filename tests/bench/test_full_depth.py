@@ -1,0 +1,35 @@
+"""bench/full_depth.py's per-process measurement, run on the CPU (the torch reference, no graphs)
+on the tiny model: the figures the yardstick table is made of."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import full_depth
+from converter import synth
+from converter.convert import convert
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("full_depth")
+    ckpt = synth.write_checkpoint(root / "ckpt", synth.tiny_config(vocab_size=129280), synth.SynthOptions(seed=0))
+    return convert(ckpt, root / "pack", resume=False)
+
+
+def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters(pack, capsys):
+    assert full_depth.main(["--child", "--pack", str(pack), "--share", "0.5", "--device", "cpu", "--prompts", "16",
+                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert r["graphed_step_ms"] > 0 and r["kernels_during_chat"] == 0 and r["pool_bytes"] > r["cache_bytes"] > 0
+    # the graphed steps' own reads: some per step at half the pool, all inside the run's total
+    assert 0 < 32 * r["step_read_gb"] <= r["miss_gb"]
+    assert r["miss_gb_s"] == pytest.approx(r["step_read_gb"] / (r["graphed_step_ms"] / 1e3), rel=0.5)
+    lookahead = r["prefetch"]["lookahead"]
+    assert lookahead["issued"] > 0 and 0 < lookahead["accuracy"] <= 1
+    assert "lookahead prefetch: accuracy" in out.err
+    table = full_depth.table([dict(r, label="cpu")], {"hbm_copy": 1e12, "h2d_pinned": 5e10}, 10**9)
+    assert "graphed step reads: GB, GB/s (% of H2D)" in table and "| 50 % cpu |" in table
