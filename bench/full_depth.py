@@ -238,9 +238,10 @@ def child(a) -> dict:
         out["miss_gb"] = (snap.bytes_read - bytes_read0) / 1e9  # the whole run: prefill, decode, graphed steps
         out["step_read_gb"] = step_bytes / 1e9  # per graphed step
         out["miss_gb_s"] = step_rate / 1e9  # expert reads per second of graphed decode steps
+        prefetch = eng.experts.prefetch_stats()
         out["prefetch"] = {src: dataclasses.asdict(stats) | {"accuracy": stats.accuracy}
-                           for src, stats in eng.experts.prefetch_stats().items()}
-        for stats in eng.experts.prefetch_stats().values():
+                           for src, stats in prefetch.items()}
+        for stats in prefetch.values():
             print(f"  {stats.line()}", file=sys.stderr, flush=True)
     allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
     out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0

@@ -115,10 +115,8 @@ def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[Kerne
         for entry in body["kernels"]:
             if (isinstance(entry, dict) and entry.get("factory") in factories and isinstance(entry.get("args"), list)
                     and isinstance(entry.get("kwargs", {}), dict)):
-                call = KernelCall(entry["factory"], _decode(entry["args"]),
-                                  tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items())))
                 try:
-                    calls[call] = None
+                    calls[_entry_call(entry)] = None
                 except TypeError:  # an argument no factory takes (a JSON object): not a call
                     continue
     return list(calls)
@@ -145,6 +143,12 @@ def _encode(value):
 
 def _decode(value):
     return tuple(_decode(v) for v in value) if isinstance(value, list) else value
+
+
+def _entry_call(entry: dict) -> KernelCall:
+    """The KernelCall of a manifest entry already checked to have a factory, args and kwargs."""
+    return KernelCall(entry["factory"], _decode(entry["args"]),
+                      tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items())))
 
 
 def _one_line(err: Exception) -> str:
@@ -192,8 +196,7 @@ def read_manifest(path: Path, key: str, factories: Mapping[str, object]) -> list
         if entry.get("factory") not in factories:
             raise ManifestError(f"kernel manifest {path}: entry {i} names an unknown kernel factory "
                                 f"{entry.get('factory')!r}")
-        calls.append(KernelCall(entry["factory"], _decode(entry["args"]),
-                                tuple(sorted((k, _decode(v)) for k, v in entry.get("kwargs", {}).items()))))
+        calls.append(_entry_call(entry))
     return calls
 
 

@@ -65,10 +65,10 @@ class MoE:
         idx, w = routed if routed is not None else self.route(x, ids)
         if not self._batched(provider):
             return self._expert_loop(x, idx, w, provider)
-        if provider.all_resident():
-            provider.record(self.layer, idx.unique().tolist())  # usage and cache statistics; the layer's one host sync
-            return self._arena_cells(x, idx, w, provider)
         wanted = idx.unique().tolist()  # the layer's one host sync
+        if provider.all_resident():
+            provider.record(self.layer, wanted)  # usage and cache statistics
+            return self._arena_cells(x, idx, w, provider)
         if not provider.can_acquire(len(wanted)):
             return self._expert_loop(x, idx, w, provider)
         provider.acquire(self.layer, wanted)  # every expert of the call read once, then held

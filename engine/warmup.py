@@ -165,10 +165,11 @@ def engine_manifest(args: ModelArgs, config: EngineConfig, converted: bool, devi
     key = manifest_key(args, config, converted, cuda_arch(device), tilelang.__version__, kernels_source_digest(),
                        resident, tuple(dataclasses.astuple(step) for step in steps))
     current = torch.cuda.current_device()
-    path = manifest_path(tilelang_cache_dir(), key)
+    cache = tilelang_cache_dir()
+    path = manifest_path(cache, key)
     return KernelManifest(path, key, kernel_factories(kernel_modules()), lambda: torch.cuda.set_device(current),
                           shape_key(args, config, converted, cuda_arch(device), tilelang.__version__),
-                          tuple(p for p in hint_sources(tilelang_cache_dir()) if p != path))
+                          tuple(p for p in hint_sources(cache) if p != path))
 
 
 def warm_up_kernels(steps: list[WarmupStep], run: Callable[[Callable[[int, int, str], None]], None],

@@ -346,9 +346,8 @@ class StreamingExperts(ExpertProvider):
             raise
 
     def can_acquire(self, n: int) -> bool:
-        user = self.cache.pinned() - self._held
         acquired = sum(len(keys) for keys in self._acquired.values())
-        return n <= self.cache.capacity_slots - len(user) - acquired
+        return n <= self.cache.capacity_slots - len(self.pinned()) - acquired
 
     def release(self, layer: int) -> None:
         """Drop the holds of `acquire(layer)`."""
