@@ -40,9 +40,12 @@ experts a layer; the roofline is those bytes at the copy bandwidth measured here
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import io
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -113,14 +116,17 @@ def _text_of(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _graphed_step_ms(eng, session, sync, steps: int = 32) -> tuple[float, float, float]:
+def _graphed_step_ms(eng, session, sync, steps: int = 32,
+                     profile: cProfile.Profile | None = None) -> tuple[float, float, float]:
     """(median wall time of one decode step in ms, expert bytes read per step, those bytes per
     second of step time): decode steps replayed through the runner on a clone of the session's
     state, the device synchronised after each (no host work between steps); the reads are the
-    expert cache's over the steps after the first two (nothing else runs meanwhile)."""
+    expert cache's over the steps after the first two (nothing else runs meanwhile). `profile`
+    (cProfile) records the host's calls during 8 more steps, after the timed ones (the profiler
+    slows the host down)."""
     runtime = eng.runtime
     state = session.state.clone()
-    runtime.reserve(state, state.pos + steps + 1)
+    runtime.reserve(state, state.pos + steps + 11)
     token = torch.tensor([eng.tokenizer.bos_id], device=eng.device)
     times, read = [], []
     for _ in range(steps + 2):
@@ -134,6 +140,13 @@ def _graphed_step_ms(eng, session, sync, steps: int = 32) -> tuple[float, float,
     runtime.settle()
     snap = eng.stats().cache
     per_step = ((snap.bytes_read if snap is not None else 0) - read[2]) / steps
+    if profile is not None:
+        profile.enable()
+        for _ in range(8):
+            runtime.step(state, token)
+            sync()
+        profile.disable()
+        runtime.settle()
     return statistics.median(times[2:]), per_step, per_step / (1e-3 * statistics.fmean(times[2:]))
 
 
@@ -220,6 +233,7 @@ def child(a) -> dict:
                                "prefill_s": st.prefill_s, "prefill_tok_s": st.prefill_tokens / st.prefill_s,
                                "completion_tokens": st.completion_tokens, "decode_tok_s": st.tok_per_s,
                                "median_step_ms": steps[len(steps) // 2] if steps else float("nan"),
+                               "step_ms": [round(x, 3) for x in st.step_ms],
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "graph_captures": _captures(eng) - captures})
     follow = list(eng.generate(session, "And then?", greedy))[-1]
@@ -231,7 +245,14 @@ def child(a) -> dict:
     out["compiled_in_chat"] = sorted(built_kernels() - built)
     for name in out["compiled_in_chat"]:
         print(f"  compiled during the chat: {name}", file=sys.stderr, flush=True)
-    out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync)
+    profile = cProfile.Profile() if a.host_profile else None
+    out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync, profile=profile)
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(a.host_profile)
+        out["host_profile"] = text.getvalue()
+        print(f"  host calls during 8 graphed steps (by own time):\n{text.getvalue()}", file=sys.stderr,
+              flush=True)
     snap = eng.stats().cache
     if snap is not None:
         out["hit_rate"] = snap.hit_rate
@@ -244,6 +265,10 @@ def child(a) -> dict:
         for stats in prefetch.values():
             print(f"  {stats.line()}", file=sys.stderr, flush=True)
     allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    if cuda:  # the device's own count: CUDA graphs and kernel modules are outside the allocator's
+        free, total = torch.cuda.mem_get_info()
+        out["device_used"] = total - free
+    out["graph_captures"] = _captures(eng)
     out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
     out["peak_allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
     out["info"] = {k: v for k, v in eng.info.items() if k != "memory_plan"}
@@ -342,6 +367,9 @@ def main(argv=None) -> int:
                    help="with --timing-pack: experts per layer of the real pack it is made from")
     p.add_argument("--tilelang-cache", help="TileLang's kernel cache folder (default: WORKDIR/tilelang-cache, "
                    "empty on a fresh machine, so the first process compiles)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="profile the host's calls (cProfile) during 8 graphed steps after the timed ones; "
+                        "print the top N by own time")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pack", help=argparse.SUPPRESS)
     p.add_argument("--share", type=float, help=argparse.SUPPRESS)
@@ -380,7 +408,8 @@ def main(argv=None) -> int:
     for share, label in runs:
         cmd = [sys.executable, "-m", "bench.full_depth", "--child", "--pack", str(pack), "--share", str(share),
                "--prompts", ",".join(map(str, a.prompts)), "--tokens", str(a.tokens),
-               "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads)]
+               "--max-seq-len", str(a.max_seq_len), "--io-threads", str(a.io_threads),
+               "--host-profile", str(a.host_profile)]
         if a.host_cache_gb is not None:
             cmd += ["--host-cache-gb", str(a.host_cache_gb)]
         if a.routing_trace:
@@ -399,6 +428,8 @@ def main(argv=None) -> int:
         print(f"{share:.0%} {label}: process {r['process_s']:.0f} s, load {r['load_s']:.1f} s "
               f"({', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())}), "
               f"kernels {r['kernels_after_load']} at load, {r['kernels_during_chat']} during the chat; "
+              f"{r['graph_captures']} graph sets captured, device memory in use {r.get('device_used', 0) / GiB:.2f} GiB "
+              f"(allocator's peak reserved {r['peak_reserved'] / GiB:.2f}); "
               f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
               f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)
         if r["routing"]:

@@ -24,11 +24,14 @@ step can be captured once and replayed. Two modes:
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
-compressed entries, so the runner keeps one graph set per pattern (at most three). Graphs
-capture tensor addresses, so the sets are re-captured when the sequence state's buffers change
-identity (another conversation or snapshot, or `LayerState.reserve` growing the compressed
-caches — geometric, so rarely). The step that needs a missing set runs eagerly (it also
-compiles any kernel it needs) and the set is captured right after it for the following steps.
+compressed entries, so the runner keeps one graph set per pattern (at most three) and mode. Graphs
+capture tensor addresses: the sets are captured on a *home*'s state buffers
+(engine/graph_homes.py: one per shape signature, i.e. per compressed-cache capacity), and a state
+is moved into its home before it steps, so another conversation or snapshot of the same capacity
+replays the same graphs; the warm-up's decode steps leave a home and its sets for every capacity
+bucket. The step that needs a missing set runs eagerly (it also compiles any kernel it needs)
+and the set is captured right after it for the following steps. All sets share one memory pool:
+they never run concurrently, and each set's outputs are read before another set replays.
 On the CPU the same step runs eagerly (no graphs): the tests check it against
 `Transformer.forward`.
 """
@@ -41,6 +44,7 @@ from typing import Callable
 import torch
 
 from engine.experts.provider import ExpertProvider
+from engine.graph_homes import GraphHomes
 from engine.model import DecodeCarry, Transformer
 from engine.state import SequenceState
 
@@ -82,10 +86,11 @@ class DecodeRunner:
         self._side = torch.cuda.Stream(self.device) if self.graphs else None
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.at = model.decode_position(self.device)  # static position inputs, set per step
-        # One graph set per emission pattern (which compression ratios complete a window at this
-        # token: none, 4, or 4 and 128): the step's control flow differs only in that.
-        self._sets: dict[tuple[bool, frozenset[int]], _GraphSet] = {}  # by (whole, emitting)
-        self._key: tuple | None = None  # the state buffers the graph sets were captured on
+        # Per home (state buffers of one capacity), one graph set per mode and emission pattern
+        # (which compression ratios complete a window at this token: none, 4, or 4 and 128): the
+        # step's control flow differs only in that. Home.sets: (whole, emitting) -> _GraphSet.
+        self.homes = GraphHomes()
+        self._pool = None  # the graph memory pool every set shares (module docstring)
         self.captures = 0  # graph sets captured so far
         self.capture_error: str | None = None  # why graphs were given up, if they were
         # a whole-mode step's routes until settle(): (position, host [n_layers, k], CUDA event or None)
@@ -142,7 +147,9 @@ class DecodeRunner:
         """Record the graphs of one emission pattern on the current state buffers (nothing runs
         during capture). Whole mode: one graph; layered: one per segment, sharing a pool."""
         torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         n = len(self.model.blocks)
         out = _Outputs([None] * n)
         parts = [list(range(n + 1))] if self.whole else [[i] for i in range(n + 1)]
@@ -160,11 +167,6 @@ class DecodeRunner:
     def _replay(self, gs: _GraphSet) -> _Outputs:
         self._run(gs.out, lambda i: gs.graphs[i].replay(), len(gs.graphs))
         return gs.out
-
-    @staticmethod
-    def _buffers(state: SequenceState) -> tuple:
-        """Addresses of every state tensor a captured step reads or writes (views follow `kv`)."""
-        return tuple(t.data_ptr() for st in state.layers for t in st.tensors())
 
     # ------------------------------------------------------------------ routes of whole steps
     def _to_host(self, routes: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -196,7 +198,8 @@ class DecodeRunner:
         """Drop every captured graph set (their private memory pools go with them) and the
         pinned route buffer; the runner captures anew if it steps again."""
         self.settle()
-        self._sets, self._key = {}, None
+        self.homes.clear()
+        self._pool = None
         self._routes_host = None
 
     # ------------------------------------------------------------------ the step
@@ -219,10 +222,8 @@ class DecodeRunner:
         if self.model.routing is not None:  # forced routing (timing only): this position's ids, before the step
             self.model.routing.set_position(state.pos)
         emitting = self.model.emitting(state.pos)
-        key = self._buffers(state)
-        if key != self._key:  # other buffers: every captured set is stale
-            self._sets, self._key = {}, key
-        gs = self._sets.get((self.whole, emitting))
+        home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
+        gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
             out = self._run_eager(state, emitting)
         elif gs is None:
@@ -237,7 +238,7 @@ class DecodeRunner:
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         if self.graphs and gs is None:  # capture after this step's results are taken
             try:
-                self._sets[self.whole, emitting] = self._capture(state, emitting)
+                home.sets[self.whole, emitting] = self._capture(state, emitting)
             except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
         self.settle()  # the previous step's routes, while this one runs (it was queued after it)

@@ -5,7 +5,8 @@
     plan = make_plan(footprint, config, machine)     # raises MemoryPlanError when it cannot fit
 
 The plan takes, in order: the resident (non-expert) weights, the session state for
-`max_seq_len` (the live state, a working copy and the session's snapshots), the workspace of the
+`max_seq_len` (the live state, a working copy, the session's snapshots and the decode graphs'
+vacant homes: engine/graph_homes.py), the workspace of the
 largest step, the framework's overhead (allocator slack, CUDA graphs, cuBLAS workspaces, kernel
 modules) and a safety margin; the expert cache gets what is left of the limit, capped by the
 expert pool. The limit is
@@ -216,7 +217,9 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
         limit, where = config.memory_bytes, "--memory-gb"
     limit = max(0, limit)
     dtype = torch.bfloat16 if config.numerics == "native" else torch.float32
-    state = (max_snapshots + 2) * state_bytes(args, config.max_seq_len, dtype)
+    # + 2: the live state and a working copy; + 2 more: the graph homes' buffers that no state
+    # uses, one per capacity bucket (powers of two: together under two states at max_seq_len)
+    state = (max_snapshots + 4) * state_bytes(args, config.max_seq_len, dtype)
     workspace = workspace_bytes(args, config)
     framework = framework_bytes(machine)
     margin = int(MARGIN_FRACTION * limit)

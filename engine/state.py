@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -89,6 +90,23 @@ class LayerState:
         if self.indexer is not None:
             out.append(self.indexer.entries)
         return out
+
+    def use(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Take `tensors` (ordered and shaped as `tensors()` returns them) as this layer's buffers,
+        without copying; the views (`window`, the attention entries) follow `kv`."""
+        it = iter(tensors)
+        self.kv = next(it)
+        for comp in (self.compressor, self.indexer):
+            if comp is not None:
+                comp.buf_kv, comp.buf_gate = next(it), next(it)
+                if comp.prev_kv is not None:
+                    comp.prev_kv, comp.prev_gate = next(it), next(it)
+        if self.compressor is not None:
+            self.compressor.entries = self.kv[self.window_size:]
+        if self.indexer is not None:
+            self.indexer.entries = next(it)
+        if next(it, None) is not None:
+            raise ValueError("LayerState.use: more tensors than the layer holds")
 
     def reserve(self, n_entries: int) -> bool:
         """Make room for `n_entries` compressed entries (attention and indexer), growing to the

@@ -4,6 +4,7 @@ on the tiny model: the figures the yardstick table is made of."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -21,7 +22,7 @@ def pack(tmp_path_factory):
 
 def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters(pack, capsys):
     assert full_depth.main(["--child", "--pack", str(pack), "--share", "0.5", "--device", "cpu", "--prompts", "16",
-                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2"]) == 0
+                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2", "--host-profile", "40"]) == 0
     out = capsys.readouterr()
     r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert r["graphed_step_ms"] > 0 and r["kernels_during_chat"] == 0 and r["pool_bytes"] > r["cache_bytes"] > 0
@@ -31,5 +32,8 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     lookahead = r["prefetch"]["lookahead"]
     assert lookahead["issued"] > 0 and 0 < lookahead["accuracy"] <= 1
     assert "lookahead prefetch: accuracy" in out.err
+    # the host's own calls during the measured steps: the 40 with the most own time
+    assert "function calls" in r["host_profile"] and "Ordered by: internal time" in r["host_profile"]
+    assert len(re.findall(r"^ +\d+(?:/\d+)? +\d+\.\d+ ", r["host_profile"], re.M)) == 40
     table = full_depth.table([dict(r, label="cpu")], {"hbm_copy": 1e12, "h2d_pinned": 5e10}, 10**9)
     assert "graphed step reads: GB, GB/s (% of H2D)" in table and "| 50 % cpu |" in table

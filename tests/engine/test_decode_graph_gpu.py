@@ -1,6 +1,7 @@
 """CUDA-graph decode on the GPU: graph replays equal the eager step on the same device and backend
-(whole graph and per-layer graphs through a small cache), including the re-capture after the
-compressed caches grow and after switching to another sequence state."""
+(whole graph and per-layer graphs through a small cache), including the capture after the
+compressed caches grow, and other sequence states of one capacity replaying the same graphs
+(engine/graph_homes.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
         state = model.new_state()
         tok = model.forward(PROMPT.to(dev), state, files.experts, last_only=True).argmax(-1)
         for i in range(steps):
-            if i == steps // 2:  # another sequence state object: the runner must re-capture
+            if i == steps // 2:  # another sequence state object: it moves into the graphs' home
                 state = state.clone()
             eager_state = state.clone()
             want = model.forward(tok, eager_state, files.experts, last_only=True)
@@ -68,13 +69,46 @@ def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
 @pytest.mark.parametrize("backend", ["torch", "tilelang"])
 def test_whole_graph_equals_eager(packed, backend):
     errs, agree, captures = _run(packed, backend, None, 100)  # positions 40..139: growth, ratio 128
-    assert captures >= 3  # first step, capacity growth, the cloned state
+    assert captures >= 3  # the step's control flows, again after the capacity grows
     assert max(errs) <= 1e-2 and agree >= 98
 
 
 def test_layered_graphs_through_a_small_cache_equal_eager(packed):
     errs, agree, captures = _run(packed, "tilelang", 12, 24)
     assert max(errs) <= 1e-2 and agree >= 23
+
+
+def test_conversations_of_one_capacity_take_turns_in_the_same_graphs_and_stay_exact(packed):
+    """Two sequence states of one capacity decode alternately through one runner: after each has
+    stepped through every control flow, no capture happens, and every replay equals the eager step."""
+    dev = torch.device("cuda")
+    files = open_model(packed, device="cuda")
+    whole = files.experts.load_all()
+    model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                        Numerics.named("native", make_backend("tilelang", dev)))
+    runner = DecodeRunner(model, files.experts, whole=whole, graphs=True)
+    errs, captures = [], []
+    with torch.inference_mode():
+        states, toks = [], []
+        for start in (0, 7):  # two conversations, prompts of 40 and 33 tokens
+            state = model.new_state()
+            model.reserve(state, 120)
+            toks.append(model.forward(PROMPT[start:].to(dev), state, files.experts, last_only=True).argmax(-1))
+            states.append(state)
+        for i in range(48):
+            which = i % 2
+            eager_state = states[which].clone()
+            want = model.forward(toks[which], eager_state, files.experts, last_only=True)
+            got = runner.step(states[which], toks[which])
+            errs.append(((got - want).abs().max() / want.abs().max()).item())
+            toks[which] = got.argmax(-1)
+            captures.append(runner.captures)
+    moves = runner.homes.moves
+    files.close()
+    print(f"alternating states: max rel diff {max(errs):.2e}, captures {captures[-1]}, moves {moves}")
+    assert max(errs) <= 1e-2
+    assert captures[16] == captures[-1] <= 3  # none, ratio 4: captured once for both states
+    assert moves >= 40  # every step after the first moved the other state in
 
 
 def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
