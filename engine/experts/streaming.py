@@ -46,6 +46,7 @@ from __future__ import annotations
 import queue
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -62,16 +63,30 @@ from engine.experts.weights import ExpertWeights
 class _DeviceCopy:
     """A RAM-tier hit's read: one host->device copy enqueued on the provider's copy stream from
     the engine thread (no I/O thread, no host wait). Joining it makes the consumer's stream wait
-    for `event` on the device; `done()` says whether the copy has completed."""
+    for `event` on the device; `done()` says whether the copy has completed. The copies of one
+    provider call share the event recorded after the last of them (`_Batch`)."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None  # set when the call's copies are all enqueued
 
     def done(self) -> bool:
-        return self.event.query()
+        return self.event is not None and self.event.query()
 
     def result(self) -> None:
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class _Batch:
+    """The device-side bookkeeping of one provider call's admissions, done once for all of them:
+    the event after the compute stream's work so far (no admitted slot is written before the
+    kernels enqueued earlier, which may read the records it held, are done), and the call's
+    RAM-tier copies, enqueued together after one wait for that event."""
+
+    def __init__(self, compute: torch.cuda.Stream) -> None:
+        self.freed = torch.cuda.Event()
+        self.freed.record(compute)
+        self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
 class _Hint(NamedTuple):
@@ -120,6 +135,8 @@ class StreamingExperts(ExpertProvider):
         # slot's last copy (the slot is released when its copy is joined, maybe still in flight)
         self._copy = torch.cuda.Stream(arena.device) if tier is not None else None
         self._copied: dict[int, torch.cuda.Event] = {}  # tier slot -> its last copy to the device
+        self._batch: _Batch | None = None  # the current call's (`_batched`), made at its first admission
+        self._batching = 0  # depth of `_batched` contexts
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -177,23 +194,51 @@ class StreamingExperts(ExpertProvider):
         the disk runs on an I/O thread (`_load`)."""
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
-            freed = torch.cuda.Event()
-            freed.record(torch.cuda.current_stream(self.arena.device))
+            if self._batch is None:
+                self._batch = _Batch(torch.cuda.current_stream(self.arena.device))
+            freed = self._batch.freed
             if self.tier is not None:
                 src = self.tier.hold(key)
                 if src is not None:
                     self._tiered.add(key)
-        if src is not None and not src[1]:
-            self._copy.wait_event(freed)
-            with torch.cuda.stream(self._copy):
-                self.arena.data[slot].copy_(self.tier.data[src[0]], non_blocking=True)
+        if src is not None and not src[1]:  # enqueued with the batch's other copies (`_close_batch`)
+            copy = _DeviceCopy()
+            self._batch.copies.append((copy, slot, src[0]))
+            self._loads[key] = copy
+        else:
+            copying = self._copied.pop(src[0], None) if src is not None else None
+            self._loads[key] = self.pool.submit(self._load, key, slot, freed, src, copying)
+        if not self._batching:  # an admission outside a provider call's batch (a user pin)
+            self._close_batch()
+
+    def _close_batch(self) -> None:
+        """Enqueue the batch's RAM-tier copies on the copy stream (after the compute stream's work
+        before the batch), record the event after them, and write the slot table."""
+        batch, self._batch = self._batch, None
+        if batch is not None and batch.copies:
             done = torch.cuda.Event()
-            done.record(self._copy)
-            self._copied[src[0]] = done
-            self._loads[key] = _DeviceCopy(done)
-            return
-        copying = self._copied.pop(src[0], None) if src is not None else None
-        self._loads[key] = self.pool.submit(self._load, key, slot, freed, src, copying)
+            with torch.cuda.stream(self._copy):
+                self._copy.wait_event(batch.freed)
+                for _, slot, tier_slot in batch.copies:
+                    self.arena.data[slot].copy_(self.tier.data[tier_slot], non_blocking=True)
+                done.record(self._copy)
+            for copy, _, tier_slot in batch.copies:
+                copy.event = done
+                self._copied[tier_slot] = done
+        self.arena.sync_table()
+
+    @contextmanager
+    def _batched(self) -> Iterator[None]:
+        """One provider call's admissions (`_Batch`): the event after its RAM-tier copies and the
+        slot table's writes (`ExpertArena.sync_table`) come once, at the end; nested calls join
+        the outer batch."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if not self._batching:
+                self._close_batch()
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -210,13 +255,18 @@ class StreamingExperts(ExpertProvider):
         self._start(key, slot)
         return True
 
-    def _join(self, key: ExpertKey, reraise: bool = True) -> None:
-        """Wait for the read of `key` if one is pending; a failed read un-admits the key."""
+    def _join(self, key: ExpertKey, reraise: bool = True, waited: set | None = None) -> None:
+        """Wait for the read of `key` if one is pending; a failed read un-admits the key.
+        `waited`: the copy events the current stream waits for already (the copies of one call
+        share an event), collected by a caller joining several keys on one stream."""
         fut = self._loads.pop(key, None)
         if fut is None:
             return
         if isinstance(fut, _DeviceCopy):  # kernels enqueued from now on wait for the copy on the device
-            torch.cuda.current_stream(self.arena.device).wait_event(fut.event)
+            if waited is None or fut.event not in waited:
+                torch.cuda.current_stream(self.arena.device).wait_event(fut.event)
+                if waited is not None:
+                    waited.add(fut.event)
             self._tiered.remove(key)
             self.tier.done(key)
             return
@@ -262,10 +312,11 @@ class StreamingExperts(ExpertProvider):
 
         def issue() -> bool:
             started = False
-            while waiting and not unprotected and self._admit(waiting[0], user):
-                key = waiting.popleft()
-                loading[key] = self._loads[key]
-                started = True
+            with self._batched():
+                while waiting and not unprotected and self._admit(waiting[0], user):
+                    key = waiting.popleft()
+                    loading[key] = self._loads[key]
+                    started = True
             return started
 
         self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
@@ -280,7 +331,8 @@ class StreamingExperts(ExpertProvider):
                     if not self._hold(key, user):
                         unprotected.add(key)
             issue()
-            self._issue_deferred(layer)  # after this call's own reads are queued
+            with self._batched():
+                self._issue_deferred(layer)  # after this call's own reads are queued
             while ready or loading or waiting:
                 if ready:
                     key = ready.popleft()
@@ -324,22 +376,24 @@ class StreamingExperts(ExpertProvider):
             self._settle(key)
         held: list[ExpertKey] = []
         self._acquired[layer] = held
-        for key in keys:
-            hit = self.cache.lookup(key) is not None
-            ok = self._hold(key, user) if hit else self._admit(key, user)
-            if not ok and not hit:
-                self._drop_prefetches()
-                ok = self._admit(key, user)
-            if not ok:
-                self.release(layer)
-                raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
-                                     f"{self.cache.capacity_slots} cache slots; unpin some or give the "
-                                     "expert cache a larger budget")
-            held.append(key)
-        self._issue_deferred(layer)
-        try:
+        with self._batched():
             for key in keys:
-                self._join(key)
+                hit = self.cache.lookup(key) is not None
+                ok = self._hold(key, user) if hit else self._admit(key, user)
+                if not ok and not hit:
+                    self._drop_prefetches()
+                    ok = self._admit(key, user)
+                if not ok:
+                    self.release(layer)
+                    raise CacheFullError(f"cannot hold the {len(keys)} experts of layer {layer} at once in "
+                                         f"{self.cache.capacity_slots} cache slots; unpin some or give the "
+                                         "expert cache a larger budget")
+                held.append(key)
+            self._issue_deferred(layer)
+        try:
+            waited: set = set()
+            for key in keys:
+                self._join(key, waited=waited)
         except BaseException:
             self.release(layer)
             self._drop_prefetches()
@@ -414,21 +468,22 @@ class StreamingExperts(ExpertProvider):
                 if key not in self._held and self.cache.peek(key) is not None and key not in user
                 and self._hold(key, user)]
         try:
-            mine = self._prefetched.setdefault(layer, [])
-            for e in ids:
-                key = (layer, e)
-                if key in self._held:
-                    continue
-                if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
-                    break
-                if self.cache.peek(key) is not None:
-                    if not self._hold(key, user):
+            with self._batched():
+                mine = self._prefetched.setdefault(layer, [])
+                for e in ids:
+                    key = (layer, e)
+                    if key in self._held:
+                        continue
+                    if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
                         break
-                elif not self._admit(key, user):
-                    break
-                else:
-                    self.prefetches.issued(key, source)
-                mine.append(key)
+                    if self.cache.peek(key) is not None:
+                        if not self._hold(key, user):
+                            break
+                    elif not self._admit(key, user):
+                        break
+                    else:
+                        self.prefetches.issued(key, source)
+                    mine.append(key)
         finally:
             for key in kept:
                 self._release(key)
