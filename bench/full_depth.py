@@ -236,11 +236,17 @@ def child(a) -> dict:
                                "step_ms": [round(x, 3) for x in st.step_ms],
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "graph_captures": _captures(eng) - captures})
+    read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
     follow = list(eng.generate(session, "And then?", greedy))[-1]
+    follow_read = (eng.stats().cache.bytes_read if eng.stats().cache else 0) - read0
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
                        "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,
-                       "median_step_ms": fsteps[len(fsteps) // 2] if fsteps else float("nan")}
+                       "median_step_ms": fsteps[len(fsteps) // 2] if fsteps else float("nan"),
+                       # expert reads of the whole turn (its few prompt tokens replay decode steps)
+                       "prefill_s": follow.stats.prefill_s, "decode_s": follow.stats.decode_s,
+                       "read_gb": follow_read / 1e9,
+                       "read_gb_s": follow_read / 1e9 / (follow.stats.prefill_s + follow.stats.decode_s)}
     out["kernels_during_chat"] = compiled_kernels() - out["kernels_after_load"]
     out["compiled_in_chat"] = sorted(built_kernels() - built)
     for name in out["compiled_in_chat"]:
@@ -320,7 +326,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
              "",
              "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
              "| median step ms | graphed step ms (% roofline) | follow-up: TTFT ms, decode tok/s | hit rate "
-             "| graphed step reads: GB, GB/s (% of H2D) | peak GiB / plan GiB | compiles in chat |",
+             "| graphed step reads: GB, GB/s (% of H2D); follow-up turn's reads GB/s (% of H2D) "
+             "| peak GiB / plan GiB | compiles in chat |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         peak = r["peak_reserved"] / GiB
@@ -337,7 +344,9 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
                            f"{r['followup']['decode_tok_s']:.1f}" if first else "")
                 + f" | {p['hit_rate']:.3f} | "
                 + (f"{r.get('step_read_gb', 0.0):.2f}, {r.get('miss_gb_s', 0.0):.1f} "
-                   f"({100 * 1e9 * r.get('miss_gb_s', 0.0) / ceil['h2d_pinned']:.0f} %)" if first else "")
+                   f"({100 * 1e9 * r.get('miss_gb_s', 0.0) / ceil['h2d_pinned']:.0f} %); "
+                   f"{r['followup']['read_gb_s']:.1f} ({100 * 1e9 * r['followup']['read_gb_s'] / ceil['h2d_pinned']:.0f} %)"
+                   if first else "")
                 + " | " + (f"{peak:.1f} / {plan:.1f}" if first else "")
                 + " | " + (f"{r['kernels_during_chat']}" if first else "") + " |")
     return "\n".join(lines)

@@ -146,6 +146,7 @@ class DecodeRunner:
     def _capture(self, state: SequenceState, emitting: frozenset[int]) -> _GraphSet:
         """Record the graphs of one emission pattern on the current state buffers (nothing runs
         during capture). Whole mode: one graph; layered: one per segment, sharing a pool."""
+        self.provider.arena.sync_table()  # no table write may fall inside the capture
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

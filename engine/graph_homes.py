@@ -16,8 +16,10 @@ first state of a new signature lends its own buffers: it becomes the home. The g
 captured on a home's buffers live in `Home.sets` (the runner's) and go with the home.
 
 Memory: a home's buffers are some state's own while it is the occupant; a vacant home (its last
-occupant grew, or ended) keeps one state's buffers of its signature. At most `limit` homes are
-kept, the least recently entered dropped first (with its graph sets).
+occupant grew, or ended) keeps one state's buffers of its signature. Each captured graph set
+also holds device memory outside the caching allocator (engine/memory_plan.py counts it), so at
+most `limit` homes are kept (HOMES by default), the least recently entered dropped first with
+its graph sets.
 """
 
 from __future__ import annotations
@@ -63,10 +65,15 @@ def _use(state: SequenceState, buffers: list[torch.Tensor]) -> None:
         at += n
 
 
+# Homes kept by default: a conversation's current capacity and the two before it (or those of
+# other conversations); every further capacity captures its graphs again on first use.
+HOMES = 3
+
+
 class GraphHomes:
     """The homes of one decode runner (module docstring)."""
 
-    def __init__(self, limit: int = 12):
+    def __init__(self, limit: int = HOMES):
         if limit < 1:
             raise ValueError("GraphHomes needs room for at least one home")
         self.limit = limit

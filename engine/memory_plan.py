@@ -34,6 +34,7 @@ import torch
 
 from engine.config import EngineConfig, ModelArgs
 from engine.memory import MemInfo, is_unified, read_meminfo
+from engine.graph_homes import HOMES
 from engine.state import SequenceState, new_layer_state
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT
 
@@ -125,11 +126,19 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
     return streams + moe + dequantised + scores + logits
 
 
-def framework_bytes(machine: Machine) -> int:
-    """What the framework holds beyond our tensors: on CUDA the caching allocator's slack, CUDA
-    graph pools, cuBLAS workspaces and kernel modules (1 GiB); on the CPU, the interpreter, torch
+# Device memory a captured decode graph set holds outside the caching allocator, per layer
+# (H200, 43 layers: 0.14 GiB a set, whole graph or one graph per layer alike).
+GRAPH_SET_BYTES_PER_LAYER = 3_500_000
+
+
+def framework_bytes(machine: Machine, n_layers: int) -> int:
+    """What the framework holds beyond our tensors: on CUDA the caching allocator's slack,
+    cuBLAS workspaces and kernel modules (1 GiB) and the decode graph sets the graph homes keep
+    (engine/graph_homes.py: three control flows per home); on the CPU, the interpreter, torch
     and the tokenizer (0.5 GiB)."""
-    return GiB if machine.device.startswith("cuda") else GiB // 2
+    if not machine.device.startswith("cuda"):
+        return GiB // 2
+    return GiB + HOMES * 3 * GRAPH_SET_BYTES_PER_LAYER * n_layers
 
 
 @dataclass(frozen=True)
@@ -218,10 +227,10 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
     limit = max(0, limit)
     dtype = torch.bfloat16 if config.numerics == "native" else torch.float32
     # + 2: the live state and a working copy; + 2 more: the graph homes' buffers that no state
-    # uses, one per capacity bucket (powers of two: together under two states at max_seq_len)
+    # uses (at most HOMES capacities, powers of two: together under two states at max_seq_len)
     state = (max_snapshots + 4) * state_bytes(args, config.max_seq_len, dtype)
     workspace = workspace_bytes(args, config)
-    framework = framework_bytes(machine)
+    framework = framework_bytes(machine, args.n_layers)
     margin = int(MARGIN_FRACTION * limit)
     fixed = footprint.weights + state + workspace + framework + margin
     pool, record = footprint.pool, footprint.record

@@ -523,6 +523,7 @@ class StreamingExperts(ExpertProvider):
         evicted = self.cache.flush()
         for key in evicted:
             self.arena.clear(*key)
+        self.arena.sync_table()
         return evicted
 
     def close(self) -> None:

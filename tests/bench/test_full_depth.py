@@ -36,4 +36,8 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     assert "function calls" in r["host_profile"] and "Ordered by: internal time" in r["host_profile"]
     assert len(re.findall(r"^ +\d+(?:/\d+)? +\d+\.\d+ ", r["host_profile"], re.M)) == 40
     table = full_depth.table([dict(r, label="cpu")], {"hbm_copy": 1e12, "h2d_pinned": 5e10}, 10**9)
-    assert "graphed step reads: GB, GB/s (% of H2D)" in table and "| 50 % cpu |" in table
+    assert "graphed step reads: GB, GB/s (% of H2D); follow-up turn's reads" in table and "| 50 % cpu |" in table
+    # the follow-up turn's own reads, per second of that turn
+    f = r["followup"]
+    assert 0 < f["read_gb"] <= r["miss_gb"]
+    assert f["read_gb_s"] == pytest.approx(f["read_gb"] / (f["prefill_s"] + f["decode_s"]))

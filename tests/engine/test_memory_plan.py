@@ -169,3 +169,16 @@ def test_a_context_beyond_the_model_is_refused_at_load(packs):
     _, conv = packs
     with pytest.raises(ConfigError, match="max_seq_len 2,000,000 is outside 1..1,048,576"):
         Engine.load(conv, EngineConfig(max_seq_len=2_000_000), warmup=False)
+
+
+def test_the_framework_term_counts_the_decode_graph_sets_the_homes_keep():
+    """CUDA: 1 GiB plus three control flows' graph sets for each kept home, per layer (0.14 GiB a
+    set at 43 layers on the H200, outside the caching allocator); the CPU keeps no graphs."""
+    from engine.graph_homes import HOMES
+    from engine.memory_plan import framework_bytes
+
+    full = make_plan(flash_footprint(), EngineConfig(device="cuda"), H200).framework
+    assert full == framework_bytes(H200, 43) and 2 * GiB < full < 3 * GiB and HOMES == 3
+    assert framework_bytes(H200, 4) < framework_bytes(H200, 43)
+    assert framework_bytes(Machine("cpu", unified=True, total=24 * GiB, available=20 * GiB, host_total=24 * GiB,
+                                   host_available=20 * GiB), 43) == GiB // 2
