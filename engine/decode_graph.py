@@ -18,10 +18,9 @@ step can be captured once and replayed. Two modes:
   `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
   experts follow from the token id, so their reads start with the step (`provider.prefetch`).
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
-  experts (`Transformer.predict_next`, in the graph); once layer i's experts are held and
-  segment i+1 (layer i's FFN and layer i+1's attention) is launched, they go to
-  `provider.prefetch_predicted`, so the host's bookkeeping and the reads overlap that segment;
-  `provider.fence()` before the launch lets those reads wait only for the work before it.
+  experts (`Transformer.predict_next`, in the graph); once layer i's experts are held, they go
+  to `provider.prefetch_predicted`, so their reads overlap segment i+1 (layer i's FFN and layer
+  i+1's attention).
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
@@ -129,16 +128,12 @@ class DecodeRunner:
         """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
         resident (and holds them) around the segment that uses them."""
         for i in range(n_segments):
-            ahead = None
             if i and not self.whole:
                 self.provider.acquire(i - 1, self._routes(out, i - 1))
-                if i - 1 in out.ahead:
-                    ahead = out.ahead[i - 1][0].tolist()
-                    self.provider.fence()  # segment i reads only layer i-1's experts, held now
+                if i - 1 in out.ahead:  # layer i-1's experts are held: guess layer i's
+                    self.provider.prefetch_predicted(i, out.ahead[i - 1][0].tolist())
             try:
                 segment(i)
-                if ahead is not None:  # guess layer i's experts while segment i runs (evicting none it reads)
-                    self.provider.prefetch_predicted(i, ahead)
             finally:
                 if i and not self.whole:
                     self.provider.release(i - 1)

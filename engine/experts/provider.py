@@ -100,12 +100,6 @@ class ExpertProvider(ABC):
         """Hint: `layer` will probably need these experts (router lookahead); never evicts a
         resident expert of `keep`. Nothing to do when every expert is resident."""
 
-    def fence(self) -> None:
-        """Mark the device work enqueued so far: the kernels enqueued from now until the next
-        provider call read only experts held now, so that call's reads need not wait for them
-        (the decode runner launches a layer's segment, then hints the next layer's experts).
-        `release` drops an unused mark. Nothing to do by default."""
-
     def prefetch_stats(self) -> dict[str, PrefetchStats]:
         """Per hint source ("hash", "lookahead"): accuracy, reads issued, used in time or in flight."""
         return self.prefetches.stats()

@@ -83,12 +83,9 @@ class _Batch:
     kernels enqueued earlier, which may read the records it held, are done), and the call's
     RAM-tier copies, enqueued together after one wait for that event."""
 
-    def __init__(self, compute: torch.cuda.Stream, fence: torch.cuda.Event | None = None) -> None:
-        """`fence`: recorded earlier (`StreamingExperts.fence`); the work after it reads only held experts."""
-        if fence is None:
-            fence = torch.cuda.Event()
-            fence.record(compute)
-        self.freed = fence
+    def __init__(self, compute: torch.cuda.Stream) -> None:
+        self.freed = torch.cuda.Event()
+        self.freed.record(compute)
         self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
@@ -140,8 +137,6 @@ class StreamingExperts(ExpertProvider):
         self._copied: dict[int, torch.cuda.Event] = {}  # tier slot -> its last copy to the device
         self._batch: _Batch | None = None  # the current call's (`_batched`), made at its first admission
         self._batching = 0  # depth of `_batched` contexts
-        self._fence: torch.cuda.Event | None = None  # `fence()`, for the next batch
-        self._batch_fence: torch.cuda.Event | None = None  # the current batch's
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -200,8 +195,7 @@ class StreamingExperts(ExpertProvider):
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             if self._batch is None:
-                fence = self._batch_fence if self._batching else None
-                self._batch = _Batch(torch.cuda.current_stream(self.arena.device), fence)
+                self._batch = _Batch(torch.cuda.current_stream(self.arena.device))
             freed = self._batch.freed
             if self.tier is not None:
                 src = self.tier.hold(key)
@@ -238,21 +232,13 @@ class StreamingExperts(ExpertProvider):
         """One provider call's admissions (`_Batch`): the event after its RAM-tier copies and the
         slot table's writes (`ExpertArena.sync_table`) come once, at the end; nested calls join
         the outer batch."""
-        if not self._batching:
-            self._batch_fence, self._fence = self._fence, None
         self._batching += 1
         try:
             yield
         finally:
             self._batching -= 1
             if not self._batching:
-                self._batch_fence = None
                 self._close_batch()
-
-    def fence(self) -> None:
-        if self._staging is not None:
-            self._fence = torch.cuda.Event()
-            self._fence.record(torch.cuda.current_stream(self.arena.device))
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -418,8 +404,7 @@ class StreamingExperts(ExpertProvider):
         return n <= self.cache.capacity_slots - len(self.pinned()) - acquired
 
     def release(self, layer: int) -> None:
-        """Drop the holds of `acquire(layer)` (and an unused `fence`: what it covered may read them)."""
-        self._fence = None
+        """Drop the holds of `acquire(layer)`."""
         for key in self._acquired.pop(layer, ()):
             self._settle(key)
 
