@@ -65,9 +65,10 @@ def _use(state: SequenceState, buffers: list[torch.Tensor]) -> None:
         at += n
 
 
-# Homes kept by default: a conversation's current capacity and the two before it (or those of
-# other conversations); every further capacity captures its graphs again on first use.
-HOMES = 3
+# Homes kept by default: every capacity bucket of the default context (16..2048 entries at
+# max_seq_len 4096). A capacity whose home was dropped captures its graphs again on first use:
+# ~0.3 s with every expert resident, ~3 s with streamed experts (one graph per layer).
+HOMES = 8
 
 
 class GraphHomes:

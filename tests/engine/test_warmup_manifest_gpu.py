@@ -63,5 +63,7 @@ def test_a_later_process_replays_the_manifest_and_compiles_nothing_during_a_chat
     first = _run(pack)  # writes the manifest (or replays one an earlier run wrote)
     later = _run(pack)
     assert "loading kernels" in later["phases"] and "compiling kernels" not in later["phases"], later
-    assert later["at_load"] == first["at_load"]  # the manifest holds every kernel the warm-up built
+    # the manifest holds every kernel the first process built (a test running beside this one on
+    # the same TileLang cache may have rewritten the manifest of this key with more: its hints)
+    assert later["at_load"] >= first["at_load"]
     assert later["at_load"] > 0 and later["during_chat"] == 0 and first["during_chat"] == 0, (first, later)
