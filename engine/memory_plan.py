@@ -16,8 +16,7 @@ expert pool. The limit is
   `UNIFIED_CEILING` of physical memory (what other processes and the kernel use now is counted,
   page cache excepted since it is reclaimable), or `memory_bytes` if smaller. GB10 owners report
   hard lock-ups, not OOM errors, above ~92 %. Expert reads through the page cache would hold the
-  same bytes twice on unified memory, so a unified CUDA plan reads experts with O_DIRECT (as does
-  a discrete GPU's plan with a host tier, for the same reason).
+  same bytes twice on unified memory, so a unified CUDA plan reads experts with O_DIRECT.
 
 `cache_bytes` (``--cache-gb``) fixes the cache instead of "what is left"; it is capped to the
 pool. A plan whose fixed parts plus the smallest usable cache (one layer's top-k experts) exceed
@@ -268,11 +267,7 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
         host_left = machine.host_available - max(4 * GiB, int(HOST_HEADROOM * machine.host_total))
         want = (pool - cache) if config.host_cache_bytes is None else min(config.host_cache_bytes, pool - cache)
         host_cache = max(0, min(want, host_left)) // record * record
-    # Reads bypass the page cache where a RAM tier holds the experts already: on unified memory
-    # (the arena) and behind a discrete GPU's pinned host tier. On the H200's disk, random record
-    # reads ran at 1.69 GB/s with O_DIRECT (8 in flight) against 1.22 GB/s buffered (4 in flight).
-    direct = bool(config.o_direct) or (footprint.streamed and machine.device.startswith("cuda")
-                                       and (machine.unified or host_cache > 0))
+    direct = bool(config.o_direct) or (machine.unified and machine.device.startswith("cuda") and footprint.streamed)
     return MemoryPlan(machine=machine, limit=limit, weights=footprint.weights, state=state, workspace=workspace,
                       framework=framework, margin=margin, cache=cache, host_cache=host_cache, pool=pool,
                       record=record, cache_fixed=cache_fixed, direct_reads=direct, notes=tuple(notes))

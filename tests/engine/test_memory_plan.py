@@ -49,11 +49,7 @@ def test_discrete_h200_gives_the_cache_what_is_left_and_plans_a_host_tier():
     assert plan.total + plan.margin <= plan.limit
     # the host tier holds what the device cache cannot, within free host RAM minus the headroom
     assert plan.host_cache == min(fp.pool - plan.cache, 110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
-    assert plan.direct_reads  # the host tier holds the experts: the page cache would hold them twice
-    no_tier = make_plan(fp, EngineConfig(device="cuda"), Machine("cuda:0", False, total=143 * GiB,
-                                                                  available=140 * GiB, host_total=16 * GiB,
-                                                                  host_available=3 * GiB))
-    assert no_tier.host_cache == 0 and not no_tier.direct_reads  # no tier: the page cache is the RAM tier
+    assert not plan.direct_reads  # discrete: buffered reads unless asked (--o-direct)
     text = "\n".join(plan.lines())
     assert "expert cache" in text and "host RAM tier" in text and "% of the pool" in text
 
