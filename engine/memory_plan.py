@@ -267,6 +267,9 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
         host_left = machine.host_available - max(4 * GiB, int(HOST_HEADROOM * machine.host_total))
         want = (pool - cache) if config.host_cache_bytes is None else min(config.host_cache_bytes, pool - cache)
         host_cache = max(0, min(want, host_left)) // record * record
+    # Behind a discrete GPU's host tier reads stay buffered: the tier is inclusive (it also holds
+    # records the device cache holds), so some misses fall past it, and the page cache serves them
+    # (50 % cache on the H200: 21.8 tok/s buffered, 16.8 with O_DIRECT).
     direct = bool(config.o_direct) or (machine.unified and machine.device.startswith("cuda") and footprint.streamed)
     return MemoryPlan(machine=machine, limit=limit, weights=footprint.weights, state=state, workspace=workspace,
                       framework=framework, margin=margin, cache=cache, host_cache=host_cache, pool=pool,

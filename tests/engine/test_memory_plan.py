@@ -49,7 +49,7 @@ def test_discrete_h200_gives_the_cache_what_is_left_and_plans_a_host_tier():
     assert plan.total + plan.margin <= plan.limit
     # the host tier holds what the device cache cannot, within free host RAM minus the headroom
     assert plan.host_cache == min(fp.pool - plan.cache, 110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
-    assert not plan.direct_reads  # discrete: buffered reads unless asked (--o-direct)
+    assert not plan.direct_reads  # discrete: buffered reads unless asked (EngineConfig.o_direct)
     text = "\n".join(plan.lines())
     assert "expert cache" in text and "host RAM tier" in text and "% of the pool" in text
 
