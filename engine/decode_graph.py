@@ -196,7 +196,7 @@ class DecodeRunner:
                 self.on_routes(layer, position, ids)
 
     def close(self) -> None:
-        """Drop every captured graph set (their private memory pools go with them) and the
+        """Drop every home and captured graph set (their memory pool goes with them) and the
         pinned route buffer; the runner captures anew if it steps again."""
         self.settle()
         self.homes.clear()

@@ -6,8 +6,9 @@ aligned so O_DIRECT reads can land in a slot directly). The slot table `table` i
 device. `assign`/`clear` only note the change on the host; `sync_table` applies every noted
 change in one host->device copy and one scatter on the current stream (a streamed decode step
 admits ~60 experts: two kernel launches each cost more host time than the step's copies), and
-reading `table` syncs first. The ExpertWeights of every slot are built once as zero-copy views into the slot bytes at
-the record layout's field offsets, so nothing is allocated on the decode path.
+reading `table` syncs first. The ExpertWeights of every slot are built once as zero-copy views
+into the slot bytes at the record layout's field offsets, so nothing is allocated on the decode
+path.
 """
 
 from __future__ import annotations
