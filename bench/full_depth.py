@@ -15,10 +15,12 @@
    finds it empty (cold load: compiles), the later ones load from it (warm load). Per process:
    load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
    fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
-   reports it and its median step; a follow-up turn's TTFT; the graphed decode step timed on its
-   own, with the expert bytes it reads and their rate (against pinned H2D); the hit rate
-   (prefetched experts count as hits) and the prefetch counters; peak device memory against the
-   memory plan;
+   reports it (each step's time in the JSON); a follow-up turn's TTFT, decode rate and expert
+   reads per second; the graphed decode step timed on its own, with the expert bytes it reads and
+   their rate (against pinned H2D); the hit rate (prefetched experts count as hits) and the
+   prefetch counters; the graph sets captured; peak device memory against the memory plan, and
+   the device's memory in use (CUDA graphs hold memory outside the allocator). `--host-profile
+   N` adds the host's top N calls (cProfile) over 8 more graphed steps;
 4. prints one table; `--json FILE` also writes every figure.
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
@@ -42,8 +44,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import json
 import io
+import json
 import os
 import pstats
 import shutil
