@@ -149,6 +149,15 @@ class ExpertCache:
             self._layer_misses[key[0]] += 1
         return slot
 
+    def touch(self, key: ExpertKey) -> bool:
+        """Tell the policy that resident, unpinned `key` was used without a lookup (no hit or miss
+        is counted); False when `key` is not resident."""
+        if key not in self._slots:
+            return False
+        if key not in self._pinned:
+            self._policy.touch(key)
+        return True
+
     def peek(self, key: ExpertKey) -> int | None:
         """Slot of `key` if resident, else None; changes no statistics or order."""
         return self._slots.get(key)

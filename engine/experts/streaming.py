@@ -251,6 +251,8 @@ class StreamingExperts(ExpertProvider):
             return False
         if evicted is not None:
             self.arena.clear(*evicted)
+            if self.tier is not None:
+                self.tier.refresh(evicted)
         self.arena.assign(key[0], key[1], slot)
         self._start(key, slot)
         return True

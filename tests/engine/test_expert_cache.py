@@ -68,6 +68,17 @@ def test_lru_evicts_least_recently_used():
     assert use(cache, (0, 6)) == (None, (0, 1))
 
 
+def test_touch_is_a_use_for_the_policy_but_not_a_lookup():
+    cache = make(3, "lru")
+    for e in (1, 2, 3):
+        use(cache, (0, e))
+    before = cache.stats()
+    assert cache.touch((0, 1)) and not cache.touch((0, 9))  # (0, 9) is not resident
+    after = cache.stats()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+    assert use(cache, (0, 4)) == (None, (0, 2))  # (0, 1) was touched: (0, 2) is the oldest now
+
+
 def test_lfu_evicts_lowest_frequency_then_least_recent():
     cache = make(3, "lfu")
     for e in (1, 2, 3):

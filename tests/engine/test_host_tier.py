@@ -95,6 +95,23 @@ def test_admission_hits_eviction_and_holds(pack):
     store.close()
 
 
+def test_a_record_the_device_drops_is_refreshed_in_the_tier_without_counting_a_lookup(pack):
+    store = _store(pack)
+    tier = HostTier(store, 2 * store.record_bytes, num_layers=6, policy="lru", pin_memory=False)
+    for e in (0, 1):  # (1, 0) read first: the tier's least recently used
+        slot, _ = tier.hold((1, e))
+        tier.read((1, e), slot)
+        tier.done((1, e))
+    before = tier.stats()
+    tier.refresh((1, 0))  # the device evicted it: its next miss will come here
+    tier.refresh((4, 4))  # not in the tier: nothing happens
+    after = tier.stats()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+    tier.hold((2, 2))  # a new record evicts (1, 1) now, not (1, 0)
+    assert (1, 0) in tier and (1, 1) not in tier and (4, 4) not in tier
+    store.close()
+
+
 def test_never_exceeds_its_budget_and_io_errors_leave_it_consistent(pack):
     store = _store(pack)
     r = store.record_bytes
