@@ -29,7 +29,7 @@ import random
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -129,14 +129,16 @@ def _new_cache(policy: str, capacity: int, trace: Sequence[ExpertKey]) -> Expert
     )
 
 
-def _run(cache: ExpertCache, calls: Sequence[Call]) -> int:
+def serve_calls(cache: ExpertCache, calls: Sequence[Call], on_miss: Callable[[ExpertKey], None] | None = None,
+         on_evict: Callable[[ExpertKey], None] | None = None) -> int:
     """Demand-fetch `calls` through `cache` in the engine's order; returns the hits.
 
     As StreamingExperts.experts does for one call: every key is looked up first; hits are
     held (pinned) until used, misses held and admitted (an admission evicts only unheld
     keys); hits are used first, then the misses, and each key is released (unpinned) after its
     use. When the call needs more slots than can be held at once, the oldest held keys are
-    used and released first to make room."""
+    used and released first to make room. `on_miss(key)` is told each miss before it is
+    admitted (where its bytes come from), `on_evict(key)` each key an admission evicted."""
     hits = 0
     for call in calls:
         held: list[ExpertKey] = []
@@ -152,6 +154,8 @@ def _run(cache: ExpertCache, calls: Sequence[Call]) -> int:
                 except ExpertCacheError:  # every slot held: use it at once
                     pass
         for key in waiting:
+            if on_miss is not None:
+                on_miss(key)
             while True:
                 try:
                     cache.pin(key)
@@ -159,11 +163,13 @@ def _run(cache: ExpertCache, calls: Sequence[Call]) -> int:
                     cache.unpin(held.pop(0))
                     continue
                 try:
-                    cache.admit(key)
+                    _, evicted = cache.admit(key)
                 except CacheFullError:
                     cache.unpin(key)
                     cache.unpin(held.pop(0))
                     continue
+                if evicted is not None and on_evict is not None:
+                    on_evict(evicted)
                 held.append(key)
                 break
         for key in held:
@@ -174,16 +180,16 @@ def _run(cache: ExpertCache, calls: Sequence[Call]) -> int:
 def policy_hits(calls: Sequence[Call], policy: str, capacity: int,
                 warm: Sequence[Call] = (), keep: bool = True) -> int:
     """Hits of the ExpertCache policy `policy` (a POLICIES name) with `capacity` slots,
-    replaying `calls` in the engine's order (`_run`).
+    replaying `calls` in the engine's order (`serve_calls`).
 
     `warm`: replayed first, uncounted; then the cache keeps its contents (keep=True) or is
     flushed, keeping only the policy's own usage history (keep=False).
     """
     cache = _new_cache(policy, capacity, flatten(calls) + flatten(warm))
-    _run(cache, warm)
+    serve_calls(cache, warm)
     if not keep:
         cache.flush()
-    return _run(cache, calls)
+    return serve_calls(cache, calls)
 
 
 def layer_split(trace: Sequence[ExpertKey], capacity: int) -> dict[int, int]:
@@ -352,7 +358,7 @@ def horizon_hits(calls: Sequence[Call], capacity: int, tokens: int,
     Keys the horizon says are needed are evicted last, farthest next use first (with every
     future known this is Belady's MIN); the others by next-use's expected next use (the
     NextUsePolicy formula with the same gamma and prior, re-computed by a scan of the
-    resident keys: O(capacity) per eviction). Calls in the engine's order (`_run`)."""
+    resident keys: O(capacity) per eviction). Calls in the engine's order (`serve_calls`)."""
     cycle = len({call[0][0] for call in calls})
     horizon = tokens * cycle
     uses: dict[ExpertKey, list[int]] = defaultdict(list)  # key -> indices of its calls

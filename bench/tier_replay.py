@@ -4,10 +4,10 @@
     python bench/tier_replay.py TRACE.csv --device-slots 1024,2560 --tier-slots rest,1927 --passes 3
     python bench/tier_replay.py --uniform --layers 43 --experts 24 --device-slots 516 --tier-slots rest
 
-Each route CSV row is one engine call (one layer of one token), replayed as
-`StreamingExperts` serves it (bench/cache_replay.py `_run`): the GPU cache looks every expert
-up, and each miss is served by the host tier when the tier holds the record (a RAM hit: one
-host->device copy), else read from the disk. The tier, like `engine.experts.host_tier.HostTier`,
+Each route CSV row is one engine call (one layer of one token), replayed as `StreamingExperts`
+serves it (bench/cache_replay.py `serve_calls`): the GPU cache looks every expert up, and each
+miss is served by the host tier when the tier holds the record (a RAM hit: one host->device
+copy), else read from the disk. The tier, like `engine.experts.host_tier.HostTier`,
 admits every record read from the disk (inclusive). Both tiers use `--policy` (the engine gives
 the tier the cache's policy). Tier modes:
 
@@ -39,9 +39,9 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cache_replay import (EXPERT_RECORD_BYTES, Call, ReplayError, read_route_csv,  # noqa: E402
-                                route_calls)
-from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey  # noqa: E402
+from bench.cache_replay import (EXPERT_RECORD_BYTES, Call, ReplayError, read_route_csv, route_calls,  # noqa: E402
+                                serve_calls)
+from engine.experts.cache import ExpertCache, ExpertKey  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 
 MODES = ("inclusive", "refresh", "demote")
@@ -81,61 +81,26 @@ class TwoTiers:
         self.tier = (ExpertCache(tier_slots, 1, num_layers=num_layers, num_experts=num_experts, policy=policy)
                      if tier_slots else None)
 
-    def _fetch(self, key: ExpertKey, counts: PassCounts) -> None:
-        """A GPU miss: from the tier when it holds `key`, else from the disk (into the tier)."""
-        if self.tier is not None and self.tier.lookup(key) is not None:
-            counts.ram_hits += 1
-            return
-        counts.disk_reads += 1
-        if self.tier is not None:
-            self.tier.admit(key)
-
-    def _evicted(self, key: ExpertKey, counts: PassCounts) -> None:
-        if self.tier is None or self.mode == "inclusive":
-            return
-        if self.tier.touch(key):  # refresh and demote alike: the eviction is a use in the tier
-            return
-        if self.mode == "demote":
-            self.tier.admit(key)
-            counts.demotions += 1
-
     def run(self, calls: Sequence[Call], counts: PassCounts) -> None:
-        """Serve `calls` as the engine does (bench/cache_replay.py `_run`), counting into `counts`."""
-        device = self.device
-        for call in calls:
-            held: list[ExpertKey] = []
-            waiting: list[ExpertKey] = []
-            for key in call:
-                counts.uses += 1
-                if device.lookup(key) is None:
-                    waiting.append(key)
-                    continue
-                counts.device_hits += 1
-                try:
-                    device.pin(key)
-                    held.append(key)
-                except ExpertCacheError:  # every slot held: used at once
-                    pass
-            for key in waiting:
-                self._fetch(key, counts)
-                while True:
-                    try:
-                        device.pin(key)
-                    except ExpertCacheError:
-                        device.unpin(held.pop(0))
-                        continue
-                    try:
-                        _, evicted = device.admit(key)
-                    except CacheFullError:
-                        device.unpin(key)
-                        device.unpin(held.pop(0))
-                        continue
-                    if evicted is not None:
-                        self._evicted(evicted, counts)
-                    held.append(key)
-                    break
-            for key in held:
-                device.unpin(key)
+        """Serve `calls` as the engine does (bench/cache_replay.py `serve_calls`), counting into `counts`."""
+
+        def fetch(key: ExpertKey) -> None:  # a GPU miss: from the tier if it holds `key`, else the disk
+            if self.tier is not None and self.tier.lookup(key) is not None:
+                counts.ram_hits += 1
+                return
+            counts.disk_reads += 1
+            if self.tier is not None:
+                self.tier.admit(key)  # inclusive: every record read passes through the tier
+
+        def evicted(key: ExpertKey) -> None:
+            if self.tier is None or self.mode == "inclusive" or self.tier.touch(key):
+                return  # refresh and demote alike: the eviction is a use in the tier
+            if self.mode == "demote":
+                self.tier.admit(key)
+                counts.demotions += 1
+
+        counts.uses += sum(len(call) for call in calls)
+        counts.device_hits += serve_calls(self.device, calls, on_miss=fetch, on_evict=evicted)
 
 
 def replay(calls: Sequence[Call], tokens: int, device_slots: int, tier_slots: int, mode: str,

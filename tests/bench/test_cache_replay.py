@@ -291,7 +291,7 @@ def test_engine_call_order_never_evicts_an_expert_of_the_call():
     cache.admit = admit
     for call in trace:
         current[:] = call
-        replay_mod._run(cache, [call])
+        replay_mod.serve_calls(cache, [call])
     assert not cache.pinned()  # every hold released
     # a call needing more slots than the cache has runs in waves: (0, 1) is used and released
     # to make room for (0, 3); the second call finds (0, 2) and (0, 3)
