@@ -50,6 +50,11 @@ def test_discrete_h200_gives_the_cache_what_is_left_and_plans_a_host_tier():
     # the host tier holds what the device cache cannot, within free host RAM minus the headroom
     assert plan.host_cache == min(fp.pool - plan.cache, 110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
     assert not plan.direct_reads  # discrete: buffered reads unless asked (EngineConfig.o_direct)
+    # asked for, the tier may hold the whole pool (it is inclusive), within free host RAM
+    small = make_plan(fp, EngineConfig(device="cuda", cache_bytes=100 * GiB, host_cache_bytes=80 * GiB), H200)
+    assert small.host_cache == 80 * GiB // fp.record * fp.record > fp.pool - small.cache
+    huge = make_plan(fp, EngineConfig(device="cuda", cache_bytes=100 * GiB, host_cache_bytes=400 * GiB), H200)
+    assert huge.host_cache == (110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
     text = "\n".join(plan.lines())
     assert "expert cache" in text and "host RAM tier" in text and "% of the pool" in text
 
