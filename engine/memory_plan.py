@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelArgs
-from engine.memory import MemInfo, is_unified, read_meminfo
 from engine.graph_homes import HOMES
+from engine.memory import MemInfo, is_unified, read_meminfo
 from engine.state import SequenceState, new_layer_state
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT
 
