@@ -16,7 +16,8 @@ reference's ~20 (widened indices, a lookup, a multiply). Memory-bound by design;
 import torch
 
 from kernels.lowbit import e8m0_bits_to_float
-from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, cuda_arch, kernel_factory
+from kernels.toolkit import (UNGUARDED, KernelInputError, check_fp4_parts, compile_kernel, cuda_arch,
+                             kernel_factory)
 
 THREADS = 256
 
@@ -84,10 +85,7 @@ def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tupl
     steps = {b - a for a, b in zip(w_offs, w_offs[1:])}, {b - a for a, b in zip(s_offs, s_offs[1:])}
     if len(steps[0]) > 1 or len(steps[1]) > 1:
         raise KernelInputError("fp4_dequant_slots: the parts' offsets must be evenly spaced")
-    for w, s in zip(w_offs, s_offs):
-        if w % 16 or w + n * k // 2 > arena.shape[1] or s + n * k // 32 > arena.shape[1]:
-            raise KernelInputError("fp4_dequant_slots: each weight must lie inside the arena row at a 16-byte "
-                                   "aligned offset, and its scales too")
+    check_fp4_parts("fp4_dequant_slots", arena.shape[1], w_offs, arena.shape[1], s_offs, n, k)
     if slots.dtype != torch.int32 or slots.dim() != 1 or slots.device != arena.device:
         raise KernelInputError(f"fp4_dequant_slots: slots must be int32 [G] on the arena's device, got "
                                f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_dequant_bf16, act_quant
 from kernels.fp4_dequant import fp4_dequant_slots
-from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, compile_kernel, cuda_arch, kernel_factory,
-                             pad_rows_to_bucket, tile_params)
+from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, check_fp4_parts, compile_kernel, cuda_arch,
+                             kernel_factory, pad_rows_to_bucket, tile_params)
 from kernels import reference as ref
 from kernels.gemv import as_words, gemv_rows
 from kernels.swiglu_quant import swiglu_quant
@@ -175,10 +175,7 @@ def _check(x: torch.Tensor, n: int, k: int, what: str) -> None:
 
 def _check_arena(wb: torch.Tensor, w_offs, sb: torch.Tensor, s_offs, n: int, k: int, slots: torch.Tensor,
                  g: int, table: torch.Tensor | None = None) -> None:
-    for w_off, s_off in zip(w_offs, s_offs):
-        if w_off % 16 or wb.shape[1] % 16 or w_off + n * k // 2 > wb.shape[1] or s_off + n * k // 32 > sb.shape[1]:
-            raise KernelInputError("fp4_gemm_grouped: the weight must lie inside the arena row at a "
-                                   "16-byte aligned offset (and the arena row length be a multiple of 16)")
+    check_fp4_parts("fp4_gemm_grouped", wb.shape[1], w_offs, sb.shape[1], s_offs, n, k)
     want = torch.int32 if table is None else torch.int64  # slots, or expert ids looked up in table
     if slots.dtype != want or slots.shape != (g,):
         raise KernelInputError(f"fp4_gemm_grouped: {'slots' if table is None else 'expert ids'} must be {want} "

@@ -93,6 +93,16 @@ def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict
     return tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
 
 
+def check_fp4_parts(caller: str, w_row: int, w_offs, s_row: int, s_offs, n: int, k: int) -> None:
+    """Raise KernelInputError unless every FP4 weight part [n, k/2] (at byte w_offs[p] of an
+    arena row of `w_row` bytes, a multiple of 16) starts 16-byte aligned and ends inside the row,
+    and its e8m0 scales [n, k/32] (at byte s_offs[p] of a row of `s_row` bytes) end inside theirs."""
+    for w_off, s_off in zip(w_offs, s_offs):
+        if w_off % 16 or w_row % 16 or w_off + n * k // 2 > w_row or s_off + n * k // 32 > s_row:
+            raise KernelInputError(f"{caller}: the weight must lie inside the arena row at a 16-byte aligned "
+                                   "offset (and the arena row length be a multiple of 16), and its scales too")
+
+
 def aligned16(t: torch.Tensor) -> torch.Tensor:
     """t contiguous on a 16-byte aligned base, which the kernels' 16-byte loads need (a
     misaligned view is copied)."""
