@@ -178,6 +178,7 @@ def child(a) -> dict:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.events import TurnFinished
+    from engine.experts.streaming import StreamingExperts
     from engine.sampling import SamplingParams
     from engine.weights import model_footprint
     from kernels.backend import built_kernels, compiled_kernels
@@ -239,8 +240,17 @@ def child(a) -> dict:
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "graph_captures": _captures(eng) - captures})
     read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
+    tier = eng.experts.tier if isinstance(eng.experts, StreamingExperts) else None
+    tier0 = tier.stats() if tier is not None else None
     follow = list(eng.generate(session, "And then?", greedy))[-1]
     follow_read = (eng.stats().cache.bytes_read if eng.stats().cache else 0) - read0
+    if tier is not None:  # the device's misses in the follow-up turn: RAM hits, and reads from the disk
+        t1 = tier.stats()
+        out["tier_followup"] = {"ram_hits": t1.hits - tier0.hits, "disk_reads": t1.misses - tier0.misses,
+                                "tier_hit_rate_run": t1.hit_rate}
+        print(f"  host tier, follow-up turn: {out['tier_followup']['ram_hits']} RAM hits, "
+              f"{out['tier_followup']['disk_reads']} disk reads; over the run {t1.hits} / {t1.misses}",
+              file=sys.stderr, flush=True)
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
                        "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,

@@ -1,8 +1,9 @@
 """HostTier: the host-RAM tier between the disk and a device arena (GPU arena <- RAM <- disk).
 
 Fixed-size record slots in one host allocation of `budget_bytes // record_bytes` records
-(pinned when CUDA is available, so that a slot is the source of one asynchronous host->device
-copy; 4 KiB aligned, so that O_DIRECT disk reads land in a slot directly). Which records it
+(page-locked when CUDA is available, engine/experts/page_locked.py, so that a slot is the source
+of one asynchronous host->device copy; 4 KiB aligned, so that O_DIRECT disk reads land in a slot
+directly; `close()` unlocks it). Which records it
 holds is decided by its own ExpertCache (its own eviction policy instance, its own hit/miss
 counters); it never holds more than its budget. On the CPU (and on unified memory) there is no
 such tier: the arena itself is in RAM and is filled by direct reads.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.experts.cache import CacheFullError, CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.page_locked import PageLocked, PinError
 from engine.experts.store import ExpertStore, aligned_empty
 
 
@@ -40,8 +42,10 @@ class HostTier:
         self.store = store
         self.cache = ExpertCache(budget_bytes, record, num_layers=num_layers, num_experts=store.count, policy=policy)
         self.pinned_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.data = aligned_empty(self.cache.capacity_slots * record,
-                                  pin_memory=self.pinned_memory).view(self.cache.capacity_slots, record)
+        nbytes = self.cache.capacity_slots * record
+        self._locked = PageLocked(nbytes) if self.pinned_memory else None
+        flat = aligned_empty(nbytes) if self._locked is None else self._locked.tensor
+        self.data = flat.view(self.cache.capacity_slots, record)
         self._views = [memoryview(self.data[s].numpy()) for s in range(self.slots)]
         self._held: set[ExpertKey] = set()  # keys with a transfer in flight
 
@@ -106,6 +110,12 @@ class HostTier:
     def stats(self) -> CacheStats:
         return self.cache.stats()
 
+    def close(self) -> None:
+        """Unlock the slots' memory (no transfer may be in flight; the owner has joined them).
+        Idempotent; the tier's records stay readable."""
+        if self._locked is not None:
+            self._locked.close()
+
 
 def pinned_tier(store: ExpertStore, budget_bytes: int, *, num_layers: int, policy: str = "lru",
                 make=HostTier) -> HostTier | None:
@@ -116,8 +126,6 @@ def pinned_tier(store: ExpertStore, budget_bytes: int, *, num_layers: int, polic
     while budget_bytes >= store.record_bytes:
         try:
             return make(store, budget_bytes, num_layers=num_layers, policy=policy)
-        except RuntimeError as err:  # torch.AcceleratorError "CUDA error: out of memory" from cudaHostAlloc
-            if "out of memory" not in str(err):
-                raise
+        except PinError:
             budget_bytes //= 2
     return None

@@ -539,5 +539,9 @@ class StreamingExperts(ExpertProvider):
             else:
                 wait([fut])
         self._loads.clear()
+        if self._copy is not None:  # RAM-tier copies joined on the device only may still run
+            self._copy.synchronize()
         self.pool.close()
         self.store.close()
+        if self.tier is not None:
+            self.tier.close()

@@ -14,6 +14,7 @@ from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.config import ConfigError, EngineConfig
 from engine.experts.cache import ExpertCacheError
 from engine.experts.host_tier import HostTier, pinned_tier
+from engine.experts.page_locked import PinError
 from engine.experts.store import ExpertChecksumError, ExpertReadError, ExpertStore
 from engine.weights import open_model
 
@@ -176,7 +177,7 @@ def test_a_tier_that_cannot_be_pinned_is_halved_until_it_can(pack):
         def build(store, budget, **kw):
             tried.append(budget)
             if budget > limit:
-                raise RuntimeError("CUDA error: out of memory")
+                raise PinError("cudaHostRegister failed")
             return HostTier(store, budget, pin_memory=False, **kw)
         return build
 

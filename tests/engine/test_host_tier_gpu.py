@@ -11,6 +11,7 @@ import torch
 
 from converter.convert import convert
 from engine.decode_graph import DecodeRunner
+from engine.experts.page_locked import ALIGNMENT, PageLocked
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.weights import open_model
@@ -48,7 +49,7 @@ def test_tier_serves_misses_with_the_same_bytes(packed):
     try:
         assert plain.experts.tier is None and tiered.experts.tier is not None
         tier = tiered.experts.tier
-        assert tier.pinned_memory and tier.nbytes <= pool * record
+        assert tier.pinned_memory and tier.nbytes <= pool * record and tier.data.is_pinned()
         dev = torch.device("cuda")
         ms = [Transformer(lambda n, f=f: f.get(n).to(dev), f.args, Numerics.named("native", make_backend("torch", dev)))
               for f in (plain, tiered)]
@@ -65,6 +66,7 @@ def test_tier_serves_misses_with_the_same_bytes(packed):
     finally:
         plain.close()
         tiered.close()
+    assert not tier.data.is_pinned()  # closing the files unlocked the tier's memory
 
 
 def test_layered_graph_decode_through_the_tier_equals_eager(packed):
@@ -90,3 +92,18 @@ def test_layered_graph_decode_through_the_tier_equals_eager(packed):
         assert files.experts.tier.stats().hits > 0 and files.experts.tier.held() == frozenset()
     finally:
         files.close()
+
+
+def test_page_locked_buffer_is_exactly_sized_aligned_pinned_and_unlocks_once():
+    size = 3 * ALIGNMENT + 123  # not a power of two: torch's pinned allocator would round it up
+    buf = PageLocked(size)
+    t = buf.tensor
+    assert t.numel() == size and t.data_ptr() % ALIGNMENT == 0 and t.is_pinned() and buf.locked
+    t.copy_(torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8))
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dev.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), t)
+    buf.close()
+    buf.close()  # idempotent
+    assert not buf.locked and not t.is_pinned() and t[5].item() == 5  # ordinary memory, still readable
