@@ -24,6 +24,9 @@ def add_chat_options(p: argparse.ArgumentParser, suppress: bool = False) -> None
     p.add_argument("--config", type=Path, default=default(None), help="settings file (TOML)")
     p.add_argument("--cache-gb", type=float, default=default(None),
                    help="expert-cache budget in GiB (default: what the memory plan leaves)")
+    p.add_argument("--host-cache-gb", type=float, default=default(None),
+                   help="cap on the pinned host-RAM expert tier in GiB (discrete GPU; default: the whole "
+                        "expert pool when free RAM allows)")
     p.add_argument("--memory-gb", type=float, default=default(None),
                    help="cap on the whole memory plan in GiB (default: the device's free memory; "
                         "unified memory: 90%% of the machine)")
@@ -44,7 +47,7 @@ def config_from_namespace(args: argparse.Namespace, env: dict[str, str]) -> AppC
     flags = {
         "model": options["model"].expanduser() if options.get("model") else None,
         "plain": options.get("plain") or options.get("command") == "run",
-        **{key: options.get(key) for key in ("demo", "cache_gb", "memory_gb", "numerics", "device", "backend",
+        **{key: options.get(key) for key in ("demo", "cache_gb", "host_cache_gb", "memory_gb", "numerics", "device", "backend",
                                               "cuda_graphs", "max_tokens", "temperature", "system")},
     }
     config_file = options["config"].expanduser() if options.get("config") else None

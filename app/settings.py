@@ -5,6 +5,7 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     model = "/data/dsv4-flash"      # converted model directory (else: newest under data_dir/models)
     data_dir = "/data/dsv4-chat"    # converted models, transcripts, saved conversations
     cache_gb = 40                    # expert-cache budget (GiB); absent = sized by the memory plan
+    host_cache_gb = 64               # pinned host-RAM expert tier (GiB, discrete GPU); absent = the whole pool if RAM allows
     memory_gb = 100                  # cap on the whole memory plan (GiB); absent = what the machine has free
     numerics = "native"              # or "exact"
     device = "cuda"                  # or "cpu"; absent = cuda when available
@@ -193,6 +194,7 @@ _KEYS: dict[str, _Key] = {
     "data_dir": _Key("path"),
     "demo": _Key("bool"),
     "cache_gb": _Key("number", _positive),
+    "host_cache_gb": _Key("number", _positive),
     "memory_gb": _Key("number", _positive),
     "numerics": _Key("text", _choice("native", "exact")),
     "device": _Key("text", _choice("cpu", "cuda")),
@@ -209,8 +211,8 @@ _KEYS: dict[str, _Key] = {
     "think": _Key("bool"),
 }
 # The settings that configure the engine (AppConfig.engine): EngineConfig fields, budgets in GiB.
-_ENGINE_KEYS = ("cache_gb", "memory_gb", "numerics", "device", "backend", "cuda_graphs", "cache_policy",
-                "io_threads", "max_seq_len")
+_ENGINE_KEYS = ("cache_gb", "host_cache_gb", "memory_gb", "numerics", "device", "backend", "cuda_graphs",
+                "cache_policy", "io_threads", "max_seq_len")
 # DSV4_* variables that are not settings but are read by dsv4-chat.
 _ENV_NOT_SETTINGS = ("DSV4_CONFIG",)
 
@@ -298,7 +300,7 @@ def build_config(
     if problem:
         raise SettingsError(f"generation settings: {problem}")
     engine = {k: merged.pop(k) for k in list(merged) if k in _ENGINE_KEYS}
-    for key in ("cache_gb", "memory_gb"):
+    for key in ("cache_gb", "host_cache_gb", "memory_gb"):
         engine[key.replace("_gb", "_bytes")] = gib_to_bytes(engine.pop(key, None), key)
     return AppConfig(
         config_file=config_file, plain=bool(flags.get("plain")), gen=SamplingParams(**gen),

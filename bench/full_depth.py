@@ -374,9 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per turn")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--io-threads", type=int, default=8)
-    p.add_argument("--host-cache-gb", type=float, help="the pinned host-RAM tier's size, up to the whole pool "
-                   "(default: the pool beyond the GPU cache, within free host RAM); misses beyond it are read "
-                   "from the pack")
+    p.add_argument("--host-cache-gb", type=float, help="cap on the pinned host-RAM tier, up to the whole pool "
+                   "(default: the whole pool when free host RAM allows); misses beyond it are read from the pack")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")

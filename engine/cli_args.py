@@ -75,17 +75,21 @@ def output_file(text: str) -> Path:
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
-    """--cache-gb and --memory-gb, as every entry point spells them (engine/memory_plan.py)."""
+    """--cache-gb, --host-cache-gb and --memory-gb, as every entry point spells them (engine/memory_plan.py)."""
     p.add_argument("--cache-gb", type=positive_gb, default=None,
                    help="expert cache budget in GiB (converted layout); default: what the memory plan leaves")
+    p.add_argument("--host-cache-gb", type=positive_gb, default=None,
+                   help="cap on the pinned host-RAM expert tier in GiB (discrete GPU); default: the whole "
+                        "expert pool when free RAM allows")
     p.add_argument("--memory-gb", type=positive_gb, default=None,
                    help="cap on the whole memory plan in GiB (weights, state, workspace, expert cache); "
                         "default: the device's free memory (unified memory: 90 %% of the machine)")
 
 
 def memory_bytes(a: argparse.Namespace) -> dict[str, int | None]:
-    """EngineConfig's cache_bytes and memory_bytes from the parsed --cache-gb / --memory-gb."""
+    """EngineConfig's cache_bytes, host_cache_bytes and memory_bytes from the parsed options."""
     return {"cache_bytes": gib_to_bytes(a.cache_gb, "--cache-gb"),
+            "host_cache_bytes": gib_to_bytes(a.host_cache_gb, "--host-cache-gb"),
             "memory_bytes": gib_to_bytes(a.memory_gb, "--memory-gb")}
 
 

@@ -21,8 +21,8 @@ expert pool. The limit is
 `cache_bytes` (``--cache-gb``) fixes the cache instead of "what is left"; it is capped to the
 pool. A plan whose fixed parts plus the smallest usable cache (one layer's top-k experts) exceed
 the limit is refused with the numbers and the fix. On a discrete GPU with a streamed cache, a
-pinned host-RAM tier is planned from free host RAM (`host_headroom` kept free) for the experts
-the device cache cannot hold; on unified memory there is no second RAM tier.
+pinned host-RAM tier of the whole expert pool is planned when free host RAM allows
+(`HOST_HEADROOM` kept free), else of what it allows; on unified memory there is no second RAM tier.
 """
 
 from __future__ import annotations
@@ -263,17 +263,20 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
     else:
         cache, cache_fixed = min(pool, left // record * record), False
     host_cache = 0
+    direct = bool(config.o_direct) or (machine.unified and machine.device.startswith("cuda") and footprint.streamed)
     if footprint.streamed and not machine.unified and cache < pool:
         host_left = machine.host_available - max(4 * GiB, int(HOST_HEADROOM * machine.host_total))
-        # by default the pool beyond the device cache; asked for (host_cache_bytes), up to the
-        # whole pool: the tier is inclusive, so only then does it hold every miss
-        # (bench/tier_replay.py: ~half the misses pass a tier of the rest under uniform routing)
-        want = (pool - cache) if config.host_cache_bytes is None else min(config.host_cache_bytes, pool)
+        # The tier is inclusive (every record the device reads passes through it), so by default
+        # it takes the whole pool when free RAM allows: a tier of only the pool beyond the device
+        # cache let misses fall past it to the disk (50 % cache on the H200: 22.6 tok/s, 30.7 with
+        # the whole pool, docs/performance-log.md 2026-12-02 05:50). `host_cache_bytes` caps it.
+        want = pool if config.host_cache_bytes is None else min(config.host_cache_bytes, pool)
         host_cache = max(0, min(want, host_left)) // record * record
-    # Behind a discrete GPU's host tier reads stay buffered: the tier is inclusive (it also holds
-    # records the device cache holds), so some misses fall past it, and the page cache serves them
-    # (50 % cache on the H200: 21.8 tok/s buffered, 16.8 with O_DIRECT).
-    direct = bool(config.o_direct) or (machine.unified and machine.device.startswith("cuda") and footprint.streamed)
+        # Holding the whole pool, the tier reads each record from the disk once: O_DIRECT, so that
+        # the page cache does not hold a second copy. A smaller tier keeps buffered reads: the
+        # misses that fall past it are then served by the page cache (21.8 tok/s against 16.8
+        # with O_DIRECT, 2026-12-02 04:35).
+        direct = direct or host_cache >= pool
     return MemoryPlan(machine=machine, limit=limit, weights=footprint.weights, state=state, workspace=workspace,
                       framework=framework, margin=margin, cache=cache, host_cache=host_cache, pool=pool,
                       record=record, cache_fixed=cache_fixed, direct_reads=direct, notes=tuple(notes))

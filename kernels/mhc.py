@@ -7,6 +7,8 @@ runs two per layer. Here it is two launches:
 1. `hc_mix_kernel`, grid (n·D / CHUNK, S): each CTA widens CHUNK channels of the flattened
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
+   From MIX_GEMM_TOKENS tokens (prefill chunks) the mix is instead one fp32 GEMM with fn and a
+   sum of squares (torch): partials of a single chunk, the same sums in another order;
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
    warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
@@ -17,9 +19,9 @@ The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
 tolerance (tests/kernels/test_kernels_gpu.py prints the errors).
 
-HCPost (`hc_post_kernel`): one thread per (stream k, channel d): new = post_k · out_d + Σ_j
-comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into the streams'
-dtype: one launch instead of ~5.
+HCPost (`hc_post_kernel`): one thread per `VEC` channels d of every new stream k: new = post_k ·
+out_d + Σ_j comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into
+the streams' dtype: one launch instead of ~5.
 
 `hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
 (the decode step did not move; docs/performance-log.md, 2026-12-01).
@@ -39,7 +41,11 @@ from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
 DEFAULT_TILE = {"chunk": 256, "threads": 128}
-VEC = 8  # channels per thread and step of hc_gate's collapse
+VEC = 8  # channels per thread and step of hc_gate's collapse and of hc_post
+# From this many tokens (prefill chunks) hc_pre's mix is one fp32 GEMM (cuBLAS) instead of
+# hc_mix_kernel, which re-reads fn's chunk for every (token, chunk) CTA: 0.83 ms per call at
+# 2,048 tokens on the H200, 14 % of a prefill's GPU time.
+MIX_GEMM_TOKENS = 64
 
 
 @kernel_factory
@@ -163,30 +169,45 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
 
 @kernel_factory
 def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
-    """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Comb [S, n, n]) -> Y [S, n, d] dtype."""
+    """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Comb [S, n, n]) -> Y [S, n, d] dtype.
+
+    Each thread makes `VEC` channels of all n new streams: it loads those channels of every old
+    stream and of O once (vectorised), so each input is read once, not once per new stream."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    if d % VEC:
+        raise KernelInputError(f"hc_post: D = {d} is not a multiple of {VEC}")
     tokens = T.dynamic("tokens")
 
     @T.prim_func
     def hc_post(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
                 Post: T.Tensor((tokens, n), "float32"), Comb: T.Tensor((tokens, n, n), "float32"),
                 Y: T.Tensor((tokens, n, d), dtype)):
-        with T.Kernel(T.ceildiv(n * d, threads), tokens, threads=threads) as (bx, bs):
+        with T.Kernel(T.ceildiv(d // VEC, threads), tokens, threads=threads) as (bx, bs):
             tx = T.get_thread_binding(0)
             m = T.alloc_local((1,), "float32")
+            xs = T.alloc_local((n, VEC), dtype)
+            ov = T.alloc_local((VEC,), dtype)
+            ys = T.alloc_local((VEC,), dtype)
             pdl.begin(T, arch)
-            e = bx * threads + tx  # (stream k, channel c) of the new streams
-            k = e // d
-            c = e % d
-            if e < n * d:
-                m[0] = 0.0
+            c0 = (bx * threads + tx) * VEC  # first channel of this thread
+            if c0 < d:
                 for j in T.unroll(n):
-                    m[0] = fp32_call(T, "__fadd_rn", m[0],
-                                     fp32_call(T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", X[bs, j, c])))
-                Y[bs, k, c] = T.Cast(dtype, fp32_call(T, "__fadd_rn", fp32_call(T, "__fmul_rn", Post[bs, k],
-                                                                                T.Cast("float32", O[bs, c])), m[0]))
+                    for u in T.vectorized(VEC):
+                        xs[j, u] = X[bs, j, c0 + u]
+                for u in T.vectorized(VEC):
+                    ov[u] = O[bs, c0 + u]
+                for k in T.unroll(n):
+                    for u in T.unroll(VEC):
+                        m[0] = 0.0
+                        for j in T.unroll(n):
+                            m[0] = fp32_call(T, "__fadd_rn", m[0], fp32_call(
+                                T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", xs[j, u])))
+                        ys[u] = T.Cast(dtype, fp32_call(T, "__fadd_rn", fp32_call(
+                            T, "__fmul_rn", Post[bs, k], T.Cast("float32", ov[u])), m[0]))
+                    for u in T.vectorized(VEC):
+                        Y[bs, k, c0 + u] = ys[u]
 
     return compile_kernel(hc_post, arch)
 
@@ -213,13 +234,19 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     check_n(n)
     x3 = streams.contiguous()
     dt = TORCH_TO_TL[streams.dtype]
-    partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
+    if s >= MIX_GEMM_TOKENS:  # one fp32 GEMM for every token: partials of a single "chunk"
+        flat = x3.view(s, nd).float()
+        partial = torch.cat([flat @ fn.float().t(), flat.square().sum(-1, keepdim=True)], dim=1).view(s, 1, cols + 1)
+        del flat
+    else:
+        partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
+        if s:
+            hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
     if s:
-        hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
-        hc_gate_kernel(n, d, nd // chunk, int(iters), float(hc_eps), float(eps), dt, arch)(
+        hc_gate_kernel(n, d, partial.shape[1], int(iters), float(hc_eps), float(eps), dt, arch)(
             partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
     return x, post, comb.view(s, n, n)
 

@@ -296,3 +296,16 @@ def test_memory_gb_reaches_the_engine_from_flag_env_and_file(tmp_path):
     assert config_from_args(["--config", str(toml)], {}).engine.memory_bytes == 64 * 2**30
     with pytest.raises(Exception, match="memory_gb"):
         config_from_args([], {"DSV4_MEMORY_GB": "nan", "XDG_CONFIG_HOME": str(tmp_path)})
+
+
+def test_host_cache_gb_caps_the_host_tier_from_flag_env_and_file(tmp_path):
+    from app.__main__ import config_from_args
+    home = {"XDG_CONFIG_HOME": str(tmp_path)}
+    assert config_from_args([], home).engine.host_cache_bytes is None  # the plan sizes it
+    assert config_from_args(["--host-cache-gb", "24"], home).engine.host_cache_bytes == 24 * 2**30
+    assert config_from_args([], {**home, "DSV4_HOST_CACHE_GB": "8.5"}).engine.host_cache_bytes == int(8.5 * 2**30)
+    toml = tmp_path / "c.toml"
+    toml.write_text("host_cache_gb = 64\n")
+    assert config_from_args(["--config", str(toml)], {}).engine.host_cache_bytes == 64 * 2**30
+    with pytest.raises(Exception, match="host_cache_gb"):
+        config_from_args(["--host-cache-gb", "-1"], home)

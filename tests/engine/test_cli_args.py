@@ -25,8 +25,8 @@ def _engine_parser(**kwargs) -> argparse.ArgumentParser:
 
 def test_the_engine_options_are_spelled_as_dsv4_chat_spells_them():
     engine = _options(_engine_parser())
-    assert engine == {"--ckpt", "--model", "--numerics", "--device", "--backend", "--cache-gb", "--memory-gb",
-                      "--max-seq-len", "--no-cuda-graphs"}
+    assert engine == {"--ckpt", "--model", "--numerics", "--device", "--backend", "--cache-gb", "--host-cache-gb",
+                      "--memory-gb", "--max-seq-len", "--no-cuda-graphs"}
     # every engine option but --ckpt (dsv4-chat: --model) and --max-seq-len (a settings-file key there)
     assert engine - {"--ckpt", "--max-seq-len"} <= _options(app_parser())
     assert _options(_engine_parser(turns=False)) == engine - {"--max-seq-len", "--no-cuda-graphs"}
@@ -42,10 +42,10 @@ def test_defaults_give_the_default_engine_config():
 def test_every_option_reaches_the_engine_config_and_gib_become_bytes():
     a = _engine_parser().parse_args(["--model", "m", "--numerics", "exact", "--backend", "tilelang",
                                      "--cache-gb", "1.5", "--memory-gb", "3", "--max-seq-len", "128",
-                                     "--no-cuda-graphs"])
+                                     "--no-cuda-graphs", "--host-cache-gb", "2"])
     assert cli_args.engine_config_from_args(a) == EngineConfig(
         device="cpu", numerics="exact", backend="tilelang", cache_bytes=3 * 2**29, memory_bytes=3 * 2**30,
-        max_seq_len=128, cuda_graphs=False)
+        host_cache_bytes=2 * 2**30, max_seq_len=128, cuda_graphs=False)
 
 
 def test_python_m_engine_generate_uses_the_shared_options():

@@ -47,14 +47,24 @@ def test_discrete_h200_gives_the_cache_what_is_left_and_plans_a_host_tier():
     assert plan.cache == left // fp.record * fp.record  # whole records only
     assert 0 < plan.cache < fp.pool and not plan.resident
     assert plan.total + plan.margin <= plan.limit
-    # the host tier holds what the device cache cannot, within free host RAM minus the headroom
-    assert plan.host_cache == min(fp.pool - plan.cache, 110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
-    assert not plan.direct_reads  # discrete: buffered reads unless asked (EngineConfig.o_direct)
-    # asked for, the tier may hold the whole pool (it is inclusive), within free host RAM
+    # the host tier wants the whole pool (it is inclusive); here free host RAM minus the headroom
+    # is less, so it takes that, and reads stay buffered (the page cache serves what falls past it)
+    host_left = 110 * GiB - int(0.15 * 125 * GiB)
+    assert host_left < fp.pool and plan.host_cache == host_left // fp.record * fp.record
+    assert not plan.direct_reads
+    # asked for, the tier is capped to what was asked
     small = make_plan(fp, EngineConfig(device="cuda", cache_bytes=100 * GiB, host_cache_bytes=80 * GiB), H200)
     assert small.host_cache == 80 * GiB // fp.record * fp.record > fp.pool - small.cache
     huge = make_plan(fp, EngineConfig(device="cuda", cache_bytes=100 * GiB, host_cache_bytes=400 * GiB), H200)
-    assert huge.host_cache == (110 * GiB - int(0.15 * 125 * GiB)) // fp.record * fp.record
+    assert huge.host_cache == host_left // fp.record * fp.record
+    # a host with RAM for the whole pool: the tier holds all of it, and reads each record once,
+    # with O_DIRECT (the page cache would hold a second copy)
+    big_host = Machine("cuda:0", unified=False, total=143 * GiB, available=140 * GiB, host_total=512 * GiB,
+                       host_available=480 * GiB)
+    whole = make_plan(fp, EngineConfig(device="cuda"), big_host)
+    assert whole.host_cache == fp.pool and whole.direct_reads and not whole.resident
+    capped = make_plan(fp, EngineConfig(device="cuda", host_cache_bytes=fp.pool // 2), big_host)
+    assert capped.host_cache == fp.pool // 2 // fp.record * fp.record and not capped.direct_reads
     text = "\n".join(plan.lines())
     assert "expert cache" in text and "host RAM tier" in text and "% of the pool" in text
 
