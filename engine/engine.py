@@ -40,7 +40,7 @@ from engine.session import Session, SessionError
 from engine.stats import MemoryBudget, StepStats
 from engine.step_meter import Gauges, StepMeter
 from engine.turn import Turns
-from engine.warmup import engine_manifest, plan_warmup, run_warmup, warm_up_kernels
+from engine.warmup import engine_manifest, plan_warmup, run_warmup, warm_sampling, warm_up_kernels
 
 ProgressFn = Callable[[LoadProgress], None]
 
@@ -128,6 +128,7 @@ class Engine:
             warm_up_kernels(steps, run, manifest, report)
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
+        warm_sampling(self.runtime, self.args.vocab_size, self.device)
         self.experts.reset_stats()  # the statistics start with the user's first prompt
 
     @property

@@ -59,6 +59,12 @@ class Sampler:
         return sample(logits.reshape(-1), self.params, self.generator)
 
 
+def checked(chosen: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The chosen id, or -1 when `logits` has a non-finite value: one 0-d tensor, so that the one
+    copy of a token to the host also says whether the model's output was sound."""
+    return torch.where(torch.isfinite(logits).all(), chosen, -1)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits [V] fp32 with everything outside top-k / the top-p nucleus set to -inf.
 

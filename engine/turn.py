@@ -28,7 +28,7 @@ from engine.errors import EngineError
 from engine.events import EngineFailure, Event, StepUpdate, TurnFinished
 from engine.model import Transformer
 from engine.runtime import Runtime
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, checked
 from engine.session import Session, Snapshot
 from engine.stats import CacheSnapshot, TurnStats
 from engine.step_meter import StepMeter
@@ -167,7 +167,7 @@ class Turns:
                 chosen = sampler(logits)  # queued after the step that writes `logits`
                 last = len(completion) + 1 >= max_new  # this token ends the turn, whatever it is
                 # its copy to the host starts first; -1 if the logits row is not finite (same copy)
-                value = self.runtime.read(torch.where(torch.isfinite(logits).all(), chosen, -1))
+                value = self.runtime.read(checked(chosen, logits))
                 ran, ahead = ahead, (None if last else self.runtime.launch(work.state, chosen.reshape(1)))
                 token = value()  # the one host transfer per token: `ran` has run by now
                 if token < 0:

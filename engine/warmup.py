@@ -38,6 +38,7 @@ import torch
 from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
 from engine.config import EngineConfig, ModelArgs
 from engine.runtime import SHORT_PREFILL
+from engine.sampling import Sampler, SamplingParams, checked
 from engine.events import LoadProgress
 from engine.kernel_manifest import (ManifestError, built_calls, hint_sources, kernels_source_digest, manifest_key,
                                     manifest_path, read_hints, read_manifest, replay, shape_key, tilelang_cache_dir,
@@ -128,6 +129,18 @@ REPLAY_WORKERS = 4
 COMPILING = "compiling kernels"
 LOADING = "loading kernels"
 PRECOMPILING = "precompiling kernels"
+
+
+def warm_sampling(runtime, vocab_size: int, device: torch.device) -> None:
+    """Run the decode loop's per-token work once outside the model, on a row of zero logits:
+    greedy and filtered sampling (engine/sampling.py), the finiteness check and the read of the
+    chosen id (`Runtime.read`). On CUDA their kernels' modules load on first launch and the first
+    read allocates its pinned buffer: without this the first turn after a load paid that in its
+    first decode step."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_p=0.95, top_k=40, seed=0)):
+        chosen = Sampler(params, device)(logits)
+        runtime.read(checked(chosen, logits))()
 
 
 def precompile_workers() -> int:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingError, SamplingParams, filter_logits, sample
+from engine.sampling import Sampler, SamplingError, SamplingParams, checked, filter_logits, sample
 
 LOGITS = torch.tensor([1.0, 3.0, 0.5, 2.5, -1.0, 2.0])  # order by value: 1, 3, 5, 0, 2, 4
 
@@ -88,3 +88,28 @@ def test_cuda_sampling_returns_a_device_tensor():
     logits = LOGITS.cuda()
     out = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0), "cuda")(logits)
     assert out.device.type == "cuda" and int(out) in (1, 3, 5)
+
+
+def test_checked_gives_the_id_or_minus_one_when_the_logits_are_not_finite():
+    logits = torch.tensor([0.5, 2.0, -1.0])
+    chosen = sample(logits, SamplingParams(temperature=0.0))
+    assert checked(chosen, logits).item() == 1
+    for bad in (float("nan"), float("inf")):
+        assert checked(chosen, torch.tensor([0.5, bad, -1.0])).item() == -1
+
+
+def test_warm_sampling_runs_the_decode_loops_per_token_work_once_per_mode():
+    from engine.warmup import warm_sampling
+
+    class Reads:
+        def __init__(self):
+            self.values = []
+
+        def read(self, token):
+            self.values.append(token)
+            return lambda: int(token)
+
+    runtime = Reads()
+    warm_sampling(runtime, 50, torch.device("cpu"))
+    assert len(runtime.values) == 2  # greedy, then filtered sampling
+    assert all(t.dim() == 0 and t.dtype == torch.int64 and 0 <= int(t) < 50 for t in runtime.values)
