@@ -241,3 +241,18 @@ def test_norm_rope_writes_buffer_rows_in_place():
     assert ref.norm_rope(x, w, 1e-6, pos, inv_freq, 64, buf, rows) is None
     assert torch.equal(buf[rows], want)
     assert torch.equal(buf[[1, 2, 4]], before[[1, 2, 4]])
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 300), (128, 128)])
+def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
+    """kernels.fp8_gemm.dequant_fp8_bf16 (the prefill GEMMs' weights) equals the fp32 reference
+    rounded to bf16, bit for bit: e4m3 times a power of two fits bf16; ragged edge blocks too."""
+    from kernels.fp8_gemm import dequant_fp8_bf16
+
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exps = torch.randint(127 - 30, 127 + 10, (-(-n // 128), -(-k // 128)), generator=gen, dtype=torch.uint8)
+    scale = exps.view(torch.float8_e8m0fnu)
+    got = dequant_fp8_bf16(w, scale)
+    want = ref.dequant_fp8_block(w, scale)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want.float())
