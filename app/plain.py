@@ -81,6 +81,10 @@ def stats_lines(stats: StepStats) -> list[str]:
              f"hit rate: {c.hit_rate:.1%} cumulative, {c.hit_rate_window:.1%} recent; {c.hits} hits, "
              f"{c.misses} misses, {c.evictions} evictions, {_gib(c.bytes_read)} read "
              f"({_gib(stats.read_bytes_per_s)}/s)",
+             *([] if c.tier is None else [
+                 f"host RAM tier: {c.tier.entries}/{c.tier.capacity_entries} entries, {_gib(c.tier.used_bytes)} of "
+                 f"{_gib(c.tier.capacity_bytes)}; the cache's misses: {c.tier.ram_hits} from RAM "
+                 f"({c.tier.hit_rate:.1%}), {c.tier.disk_reads} read from disk"]),
              "per layer: " + " ".join(f"{i}:{r:.0%}" for i, r in enumerate(c.per_layer_hit_rate)),
              f"last {' · '.join(t.lines())}; {stats.tok_per_s:.1f} tok/s; position {stats.position}",
              f"memory ({'unified' if m.unified else 'discrete GPU'}, {_gib(m.total)}): "

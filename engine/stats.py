@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class TierSnapshot:
+    """The pinned host-RAM tier behind a device cache (engine/experts/host_tier.py): its fill,
+    and where the device cache's misses came from (RAM hits; disk reads, the tier's misses)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    capacity_entries: int
+    ram_hits: int
+    disk_reads: int
+    hit_rate: float  # ram_hits / (ram_hits + disk_reads), 0 when nothing was looked up
+
+
+@dataclass(frozen=True)
 class CacheSnapshot:
     """Expert-cache state: fill, hit rates and I/O, straight from the cache's counters."""
 
@@ -26,6 +40,7 @@ class CacheSnapshot:
     hit_rate: float  # cumulative, 0..1 (0 when nothing was looked up)
     hit_rate_window: float  # over the last `window` lookups
     per_layer_hit_rate: tuple[float, ...] = ()  # one value per layer, cumulative
+    tier: TierSnapshot | None = None  # the host-RAM tier behind the cache, if there is one
 
 
 @dataclass(frozen=True)
@@ -103,17 +118,24 @@ class TurnStats:
     reused_tokens: int = 0  # prompt tokens whose state was kept from earlier turns
 
 
-def cache_snapshot(cache, args, layer_uses: list[int]) -> CacheSnapshot:
-    """The expert-cache figures the app shows: from `cache` (engine.experts.cache.ExpertCache), or,
-    when every expert is resident without a cache (None), from the per-layer use counts."""
+def cache_snapshot(cache, args, layer_uses: list[int], tier=None) -> CacheSnapshot:
+    """The expert-cache figures the app shows: from `cache` (engine.experts.cache.ExpertCache) and
+    the host-RAM `tier` behind it (engine.experts.host_tier.HostTier, or None), or, when every
+    expert is resident without a cache (None), from the per-layer use counts."""
     if cache is not None:
         s = cache.stats()
+        t = None if tier is None else tier.stats()
         return CacheSnapshot(capacity_bytes=s.capacity_entries * s.entry_bytes, used_bytes=s.used_bytes,
                              entries=s.entries, capacity_entries=s.capacity_entries, pinned=s.pinned,
                              hits=s.hits, misses=s.misses, evictions=s.evictions + s.flushed, bytes_read=s.bytes_read,
                              hit_rate=s.hit_rate, hit_rate_window=s.hit_rate_window,
                              # the main layers only: the MTP block's slot row is never routed
-                             per_layer_hit_rate=s.per_layer_hit_rate[:args.n_layers])
+                             per_layer_hit_rate=s.per_layer_hit_rate[:args.n_layers],
+                             tier=None if t is None else TierSnapshot(
+                                 capacity_bytes=t.capacity_entries * t.entry_bytes, used_bytes=t.used_bytes,
+                                 entries=t.entries,
+                                 capacity_entries=t.capacity_entries, ram_hits=t.hits, disk_reads=t.misses,
+                                 hit_rate=t.hit_rate))
     n = args.n_layers * args.n_routed_experts
     total = n * args.expert_record_bytes()
     hits = sum(layer_uses)

@@ -11,7 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from app.widgets.bars import bar, fmt_bytes, fmt_pct
+from app.widgets.bars import bar, fmt_bytes, fmt_pct, tier_text
 from engine.stats import StepStats
 
 MAX_CONTENT_ROWS = 2000
@@ -74,6 +74,7 @@ class StatsScreen(Screen):
             f"hit {fmt_pct(c.hit_rate)} (recent {fmt_pct(c.hit_rate_window)}) · "
             f"{c.hits} hits · {c.misses} misses · {c.evictions} evictions · "
             f"read {fmt_bytes(c.bytes_read)}"
+            + ("" if c.tier is None else "\n" + tier_text(c.tier))
         ))
         layers = self.query_one("#layers-table", DataTable)
         layers.clear()

@@ -35,6 +35,13 @@ def fmt_pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+def tier_text(tier) -> str:
+    """The host-RAM tier (engine.stats.TierSnapshot) in one line: its fill, and where the GPU
+    cache's misses were served from."""
+    return (f"RAM tier {fmt_bytes(tier.used_bytes)} / {fmt_bytes(tier.capacity_bytes)} · "
+            f"misses served from RAM {fmt_pct(tier.hit_rate)} · disk reads {tier.disk_reads}")
+
+
 def part_colour(name: str, index: int) -> str:
     return PART_COLOURS.get(name.lower(), _SPARE[index % len(_SPARE)])
 

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from app.widgets.bars import bar, fmt_bytes, fmt_pct, heat_row, part_colour, stacked_bar
+from app.widgets.bars import bar, fmt_bytes, fmt_pct, heat_row, part_colour, stacked_bar, tier_text
 from engine.stats import StepStats
 
 STEP_PHASES = {"graph replay": "graphs"}  # the status label's words for engine step phases
@@ -64,6 +64,7 @@ class CachePane(Pane):
             f"entries {c.entries} / {c.capacity_entries} · pinned {c.pinned}\n"
             f"evicted {c.evictions} · read {fmt_bytes(c.bytes_read)}"
             f" ({fmt_bytes(stats.read_bytes_per_s)}/s)"
+            + ("" if c.tier is None else "\n" + tier_text(c.tier))
         ))
 
 

@@ -110,6 +110,10 @@ class HostTier:
     def stats(self) -> CacheStats:
         return self.cache.stats()
 
+    def reset_stats(self) -> None:
+        """Zero the counters (what the tier holds, and its policy's history, stay)."""
+        self.cache.reset_stats()
+
     def close(self) -> None:
         """Unlock the slots' memory (no transfer may be in flight; the owner has joined them).
         Idempotent; the tier's records stay readable."""

@@ -14,7 +14,8 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
 * `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
-  resident without one;
+  resident without one; `tier`: the pinned host-RAM tier behind a device arena
+  (engine.experts.host_tier.HostTier), or None;
 * controls: `flush`, `pin` (all or nothing; never the slots a turn needs), `unpin`, `pinned`,
   `contents`, `hottest`, `stats`;
 * `usage`: every use counted once, here, whichever path used the expert (`experts`, `acquire`,
@@ -66,6 +67,7 @@ class ExpertProvider(ABC):
 
     arena = None  # engine.experts.arena.ExpertArena | None
     cache: ExpertCache | None = None
+    tier = None  # engine.experts.host_tier.HostTier | None
 
     def __init__(self, n_layers: int, n_experts: int, top_k: int) -> None:
         """`n_layers` main layers (the MTP block, if any, is layer n_layers), `n_experts` per
@@ -227,3 +229,5 @@ class ExpertProvider(ABC):
         self.usage.reset()
         if self.cache is not None:
             self.cache.reset_stats(history=True)
+        if self.tier is not None:
+            self.tier.reset_stats()

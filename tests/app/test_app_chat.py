@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 from fake_engine import ANSWER, THINKING, FakeBackend, FakeEngine
 from app_helpers import start_turn, type_and_send, wait_for, wait_idle
@@ -16,7 +17,7 @@ from app.widgets.bars import fmt_bytes, fmt_pct
 from app.widgets.message import AssistantMessage, NoteMessage, UserMessage
 from app.widgets.panes import CachePane, HitRatePane, MemoryPane, ThroughputPane
 from engine.events import EngineFailure, TextDelta, TurnFinished
-from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming, TurnStats
+from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming, TierSnapshot, TurnStats
 
 SIZE = (120, 45)
 
@@ -130,6 +131,14 @@ def test_panes_format_known_numbers(config):
             await pilot.pause()
             tp = app.chat.query_one(ThroughputPane).plain()
             assert "step 3.8 ms: CUDA graph 3.2" in tp and "expert wait 0.5" in tp and "attn" not in tp
+            assert "RAM tier" not in app.chat.query_one(CachePane).plain()  # no tier: no line
+            tiered = replace(stats, cache=replace(stats.cache, tier=TierSnapshot(
+                capacity_bytes=16 * 2**30, used_bytes=4 * 2**30, entries=320, capacity_entries=1280,
+                ram_hits=240, disk_reads=10, hit_rate=0.96)))
+            app.chat.show_stats(tiered, [tiered])
+            await pilot.pause()
+            cache = app.chat.query_one(CachePane).plain()
+            assert "RAM tier 4 GiB / 16 GiB · misses served from RAM 96.0% · disk reads 10" in cache
 
     run(go())
 

@@ -205,3 +205,22 @@ def test_unwritable_history_file_on_a_terminal(ckpt, tmp_path):
         assert "Traceback" not in term.text and term.text.count("input history is kept in memory") == 1
     finally:
         term.close()
+
+
+def test_stats_lines_show_the_host_tier_when_there_is_one():
+    from dataclasses import replace
+
+    from app.plain import stats_lines
+    from engine.stats import CacheSnapshot, MemoryBudget, StepStats, StepTiming, TierSnapshot
+
+    GiB = 2**30
+    cache = CacheSnapshot(capacity_bytes=8 * GiB, used_bytes=6 * GiB, entries=480, capacity_entries=640, pinned=0,
+                          hits=750, misses=250, evictions=9, bytes_read=3 * GiB, hit_rate=0.75, hit_rate_window=0.9)
+    stats = StepStats("decode", 1, 10, StepTiming(1.0, 2.0, 3.0, 4.0), 42.5, 1.5, cache,
+                      MemoryBudget(False, 141 * GiB, (("expert cache", 8 * GiB), ("free", 133 * GiB))))
+    assert not any("host RAM tier" in line for line in stats_lines(stats))
+    tier = TierSnapshot(capacity_bytes=16 * GiB, used_bytes=4 * GiB, entries=320, capacity_entries=1280,
+                        ram_hits=240, disk_reads=10, hit_rate=0.96)
+    lines = stats_lines(replace(stats, cache=replace(cache, tier=tier)))
+    assert ("host RAM tier: 320/1280 entries, 4.00 GiB of 16.00 GiB; the cache's misses: 240 from RAM (96.0%), "
+            "10 read from disk") in lines

@@ -191,3 +191,31 @@ def test_a_tier_that_cannot_be_pinned_is_halved_until_it_can(pack):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         pinned_tier(store, 4 * record, num_layers=4, make=broken)
     store.close()
+
+
+def test_the_cache_snapshot_reports_the_tier_and_where_misses_came_from(pack):
+    """The app's panes and /stats show the tier (engine.stats.cache_snapshot): its fill, RAM hits
+    and disk reads; reset_stats (after the warm-up) zeroes the counters, not what it holds."""
+    from types import SimpleNamespace
+
+    from engine.experts.cache import ExpertCache
+    from engine.stats import cache_snapshot
+
+    store = _store(pack)
+    r = store.record_bytes
+    tier = HostTier(store, 4 * r, num_layers=6, pin_memory=False)
+    device = ExpertCache(2 * r, r, num_layers=6, num_experts=store.count)
+    args = SimpleNamespace(n_layers=6)
+    assert cache_snapshot(device, args, [0] * 6).tier is None
+    for key in ((1, 0), (1, 1), (1, 0)):  # two disk reads, then a RAM hit
+        slot, must_read = tier.hold(key)
+        if must_read:
+            tier.read(key, slot)
+        tier.done(key)
+    t = cache_snapshot(device, args, [0] * 6, tier).tier
+    assert (t.ram_hits, t.disk_reads, t.entries, t.capacity_entries) == (1, 2, 2, 4)
+    assert t.used_bytes == 2 * r and t.capacity_bytes == 4 * r and t.hit_rate == pytest.approx(1 / 3)
+    tier.reset_stats()
+    t = cache_snapshot(device, args, [0] * 6, tier).tier
+    assert (t.ram_hits, t.disk_reads, t.entries) == (0, 0, 2)
+    store.close()
