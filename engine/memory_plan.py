@@ -269,7 +269,7 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
         # The tier is inclusive (every record the device reads passes through it), so by default
         # it takes the whole pool when free RAM allows: a tier of only the pool beyond the device
         # cache let misses fall past it to the disk (50 % cache on the H200: 22.6 tok/s, 30.7 with
-        # the whole pool, docs/performance-log.md 2026-12-02 05:50). `host_cache_bytes` caps it.
+        # the whole pool, docs/performance-log.md 2026-12-02 05:47). `host_cache_bytes` caps it.
         want = pool if config.host_cache_bytes is None else min(config.host_cache_bytes, pool)
         host_cache = max(0, min(want, host_left)) // record * record
         # Holding the whole pool, the tier reads each record from the disk once: O_DIRECT, so that

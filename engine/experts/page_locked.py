@@ -7,10 +7,10 @@
 torch's pinned allocator (`torch.empty(..., pin_memory=True)`) rounds every request up to a
 power of two and faults the pages in on one thread while it locks them. Here the pages are
 faulted in first by torch's intra-op threads (`fill_`), then `cudaHostRegister` locks exactly
-the bytes asked for (measured on the H200 host: 12.85 GiB took 7.0 s with the allocator, 4.7 s
-registered without the parallel fill). The buffer is the source of asynchronous host->device
-copies like any pinned tensor. After `close()` the memory is ordinary again; views of `tensor`
-stay valid (copies from them are then synchronous).
+the bytes asked for (a 13 GiB host tier on the H200 host: 7.0-7.9 s with the allocator, 1.5-1.8 s
+this way). The buffer is the source of asynchronous host->device copies like any pinned tensor.
+After `close()` the memory is ordinary again; views of `tensor` stay valid (copies from them are
+then synchronous).
 """
 
 from __future__ import annotations
