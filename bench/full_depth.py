@@ -178,7 +178,6 @@ def child(a) -> dict:
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.events import TurnFinished
-    from engine.experts.streaming import StreamingExperts
     from engine.sampling import SamplingParams
     from engine.weights import model_footprint
     from kernels.backend import built_kernels, compiled_kernels
@@ -239,17 +238,16 @@ def child(a) -> dict:
                                "step_ms": [round(x, 3) for x in st.step_ms],
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "graph_captures": _captures(eng) - captures})
-    read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
-    tier = eng.experts.tier if isinstance(eng.experts, StreamingExperts) else None
-    tier0 = tier.stats() if tier is not None else None
+    before = eng.stats().cache
     follow = list(eng.generate(session, "And then?", greedy))[-1]
-    follow_read = (eng.stats().cache.bytes_read if eng.stats().cache else 0) - read0
-    if tier is not None:  # the device's misses in the follow-up turn: RAM hits, and reads from the disk
-        t1 = tier.stats()
-        out["tier_followup"] = {"ram_hits": t1.hits - tier0.hits, "disk_reads": t1.misses - tier0.misses,
+    after = eng.stats().cache
+    follow_read = (after.bytes_read - before.bytes_read) if after else 0
+    if after is not None and after.tier is not None:  # the follow-up's misses: RAM hits, reads from the disk
+        t0, t1 = before.tier, after.tier
+        out["tier_followup"] = {"ram_hits": t1.ram_hits - t0.ram_hits, "disk_reads": t1.disk_reads - t0.disk_reads,
                                 "tier_hit_rate_run": t1.hit_rate}
         print(f"  host tier, follow-up turn: {out['tier_followup']['ram_hits']} RAM hits, "
-              f"{out['tier_followup']['disk_reads']} disk reads; over the run {t1.hits} / {t1.misses}",
+              f"{out['tier_followup']['disk_reads']} disk reads; over the run {t1.ram_hits} / {t1.disk_reads}",
               file=sys.stderr, flush=True)
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
