@@ -306,7 +306,7 @@ class StreamingExperts(ExpertProvider):
     def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield (id, weights) once per distinct id: hits first, then misses as they arrive."""
         keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
-        user = self.cache.pinned() - self._held
+        user = self.pinned()
         ready: deque[ExpertKey] = deque()
         waiting: deque[ExpertKey] = deque()
         unprotected: set[ExpertKey] = set()  # hits we could not hold: admit nothing until used
@@ -372,7 +372,7 @@ class StreamingExperts(ExpertProvider):
         count as hits/misses like `experts`; misses are read before this returns. Raises
         CacheFullError when the budget cannot hold all of them at the same time."""
         keys = [(layer, e) for e in dict.fromkeys(int(i) for i in ids)]
-        user = self.cache.pinned() - self._held
+        user = self.pinned()
         self.prefetches.route(layer, [k[1] for k in keys], self._arrival)
         for key in set(self._prefetched.pop(layer, ())) - set(keys):
             self._settle(key)
@@ -465,7 +465,7 @@ class StreamingExperts(ExpertProvider):
     def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
         ids = list(dict.fromkeys(int(i) for i in ids))
         self.prefetches.predict(layer, ids, source)
-        user = self.cache.pinned() - self._held
+        user = self.pinned()
         kept = [key for key in dict.fromkeys(keep)
                 if key not in self._held and self.cache.peek(key) is not None and key not in user
                 and self._hold(key, user)]
