@@ -130,7 +130,7 @@ def _new_cache(policy: str, capacity: int, trace: Sequence[ExpertKey]) -> Expert
 
 
 def serve_calls(cache: ExpertCache, calls: Sequence[Call], on_miss: Callable[[ExpertKey], None] | None = None,
-         on_evict: Callable[[ExpertKey], None] | None = None) -> int:
+                on_evict: Callable[[ExpertKey], None] | None = None) -> int:
     """Demand-fetch `calls` through `cache` in the engine's order; returns the hits.
 
     As StreamingExperts.experts does for one call: every key is looked up first; hits are

@@ -15,10 +15,9 @@ are joined before it returns); the expert provider's I/O threads (streaming layo
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import gc
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 from weakref import WeakSet
