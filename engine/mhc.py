@@ -24,7 +24,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: 
     """HCHead: collapse the streams with sigmoid weights (no post, no Sinkhorn); `norm` is an
     RMSNorm with the reference's signature (the numerics mode's)."""
     sf = streams.float()
-    mixes = norm(sf.flatten(1), None, eps) @ fn.T  # [S, n]
+    mixes = ref.matmul(norm(sf.flatten(1), None, eps), fn.T)  # [S, n]
     pre = torch.sigmoid(mixes * scale + base) + hc_eps
     return (pre.unsqueeze(-1) * sf).sum(dim=1).to(streams.dtype)
 

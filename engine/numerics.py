@@ -228,7 +228,7 @@ class Exact(Numerics):
         return ref.dequant_fp8_block(weight, scale)  # fp32 [N, K]
 
     def fp8_linear(self, w, x):
-        return x.float() @ w.T
+        return ref.matmul(x.float(), w.T)
 
     def grouped_weight(self, weight, scale, groups):
         w = ref.dequant_fp8_block(weight, scale)  # fp32 [G*R, H*D/G]
@@ -237,20 +237,20 @@ class Exact(Numerics):
     def grouped_linear(self, w, o, groups):
         s = o.shape[0]
         u = o.to(w.dtype).view(s, groups, -1)  # [S, G, H*D/G]
-        return torch.einsum("sgi,gri->sgr", u, w).reshape(s, -1)
+        return ref.grouped_matmul(u, w).reshape(s, -1)
 
     def float_weight(self, w):
         return w.float()
 
     def indexer_weights(self, x, w, scale):
-        return (x.float() @ w.T).float() * scale
+        return ref.matmul(x.float(), w.T).float() * scale
 
     def compressor_weight(self, wkv, wgate):
         return wkv.float(), wgate.float()
 
     def compressor_project(self, w, x):
         xf = x.float()
-        return xf @ w[0].T, xf @ w[1].T  # fp32 products of the widened weights
+        return ref.matmul(xf, w[0].T), ref.matmul(xf, w[1].T)  # fp32 products of the widened weights
 
     def compressor_project_rows(self, w, x, ape, row, buf_kv, buf_gate):
         kv, gate = self.compressor_project(w, x)
@@ -282,8 +282,8 @@ class Exact(Numerics):
         w3 = ref.dequant_fp4(e.w3, e.w3_scale)
         w2 = ref.dequant_fp4(e.w2, e.w2_scale)
         xf = x.float()
-        h = ref.swiglu(xf @ w1.T, xf @ w3.T, limit) * weight.unsqueeze(1)
-        return h @ w2.T
+        h = ref.swiglu(ref.matmul(xf, w1.T), ref.matmul(xf, w3.T), limit) * weight.unsqueeze(1)
+        return ref.matmul(h, w2.T)
 
     def arena_experts(self, x, arena, layer, idx, w, limit):
         x = unquantized(x)
@@ -354,7 +354,7 @@ class Native(Numerics):
     def compressor_project(self, w, x):
         xf = x.float()  # widened once for both projections
         c = w.shape[0] // 2
-        return xf @ w[:c].float().T, xf @ w[c:].float().T
+        return ref.matmul(xf, w[:c].float().T), ref.matmul(xf, w[c:].float().T)
 
     def compressor_project_rows(self, w, x, ape, row, buf_kv, buf_gate):
         self.backend.compressor_project(x, w, ape, row, buf_kv, buf_gate)  # one launch on CUDA

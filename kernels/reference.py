@@ -202,13 +202,42 @@ def hadamard_qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- GEMMs
+ROW_STABLE_M = 4  # CPU products of fewer rows than this are padded (`matmul`)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] with rows that do not depend on M, so that a token's product is the
+    same in a prefill chunk and in a one-token decode step. On the CPU, MKL multiplies fewer than
+    4 rows along another code path that rounds differently (AMD Zen 4, fp32, MKL_CBWR=AUTO,STRICT:
+    a row alone differs in the last bits from the same row among 24, which a later FP8
+    quantisation can turn into a 3 % difference in the logits); such an `a` is padded with zero
+    rows to ROW_STABLE_M. Other devices multiply as given."""
+    m = a.shape[0]
+    if a.device.type != "cpu" or m >= ROW_STABLE_M:
+        return a @ b
+    padded = a.new_zeros((ROW_STABLE_M, *a.shape[1:]))
+    padded[:m] = a
+    return (padded @ b)[:m]
+
+
+def grouped_matmul(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """u [S, G, K] times each group's w [G, R, K] -> [S, G, R] (fp32 accumulation), rows
+    independent of S as in `matmul`."""
+    s = u.shape[0]
+    if u.device.type != "cpu" or s >= ROW_STABLE_M:
+        return torch.einsum("sgi,gri->sgr", u, w)
+    padded = u.new_zeros((ROW_STABLE_M, *u.shape[1:]))
+    padded[:s] = u
+    return torch.einsum("sgi,gri->sgr", padded, w)[:s]
+
+
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP8 linear: FP8-quantised activations × FP8 block-scaled weights, fp32 accumulate.
 
     x [M, K] -> bf16 [M, N]. Equal to dequant(act_quant(x)) @ dequant(w).T.
     """
     q, s = act_quant(x, 128)
-    return (act_dequant(q, s, 128) @ dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
+    return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
@@ -218,7 +247,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
     s, n = x.shape[0], w.shape[0]
     wd = dequant_fp8_block(w, w_scale).to(x.dtype).view(groups, n // groups, -1)  # [G, R, K]
     u = x.view(s, groups, -1)  # [S, G, K]
-    return torch.einsum("sgi,gri->sgr", u, wd).reshape(s, n)
+    return grouped_matmul(u, wd).reshape(s, n)
 
 
 def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row: torch.Tensor,
@@ -228,8 +257,8 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
     ape[row] into the same rows of buf_gate (both fp32, written in place)."""
     c = buf_kv.shape[1]
     xf = x.float()
-    buf_kv.index_copy_(0, row, xf @ w[:c].float().T)
-    buf_gate.index_copy_(0, row, xf @ w[c:].float().T + ape[row])
+    buf_kv.index_copy_(0, row, matmul(xf, w[:c].float().T))
+    buf_gate.index_copy_(0, row, matmul(xf, w[c:].float().T) + ape[row])
 
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -239,12 +268,12 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 def fp4_gemm_dequantized(xd: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """`fp4_gemm` from its activations' exact FP8 values xd = act_dequant(q, s) (fp32) -> bf16."""
-    return (xd @ dequant_fp4(w, w_scale).T).to(torch.bfloat16)
+    return matmul(xd, dequant_fp4(w, w_scale).T).to(torch.bfloat16)
 
 
 def head_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The output head: x [M, D] × weight [V, D] (bf16 on disk) in fp32 -> logits [M, V] fp32."""
-    return x.float() @ w.float().T
+    return matmul(x.float(), w.float().T)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
@@ -259,7 +288,7 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     weigh; ties -> lowest index), or `hash_ids` [N, k] on hash layers (bias None); weights = the
     chosen scores normalised to sum 1 (+1e-20 against a sqrt-softplus underflow), times
     route_scale -> (ids [N, k] int64, weights [N, k] fp32)."""
-    scores = torch.nn.functional.softplus(x.float() @ weight.T).sqrt()  # [N, E]
+    scores = torch.nn.functional.softplus(matmul(x.float(), weight.T)).sqrt()  # [N, E]
     idx = hash_ids if bias is None else topk_desc(scores + bias, k)
     w = scores.gather(1, idx)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -269,7 +298,7 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """`fp8_gemm` on activations already quantised by `act_quant` (q [M, K] e4m3, s [M, K/128])
     -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale)."""
-    return (act_dequant(q, s, 128) @ dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
+    return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
 def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None, limit: float,
@@ -458,7 +487,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     post [S, n] fp32, comb [S, n, n] fp32). fn [2n + n², n·D], scale and base [2n + n²] (scale
     spread over the mix columns: pre, post, comb)."""
     sf = streams.float()
-    m = rms_norm(sf.flatten(1), None, eps) @ fn.T  # [S, 2n + n²], stream 0 first
+    m = matmul(rms_norm(sf.flatten(1), None, eps), fn.T)  # [S, 2n + n²], stream 0 first
     z = m * scale + base
     gates = torch.sigmoid(z[:, :2 * n])  # pre and post columns in one launch
     pre = gates[:, :n] + hc_eps
@@ -502,7 +531,7 @@ def indexer_weights(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Ten
     """The lightning indexer's per-head weights in native numerics (§C.6): x [S, D] times the bf16
     weights_proj w [IH, D] in fp32, rounded to bf16 (the official bf16 matmul), widened and
     times `scale` (n_heads^-1/2) -> fp32 [S, IH]."""
-    return (x.float() @ w.float().T).to(torch.bfloat16).float() * scale
+    return matmul(x.float(), w.float().T).to(torch.bfloat16).float() * scale
 
 
 def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,

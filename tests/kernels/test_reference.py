@@ -108,6 +108,26 @@ def test_fp8_gemm_equals_dequantised_product():
     assert torch.equal(ref.fp8_gemm(x, w, s), want)
 
 
+def test_a_rows_product_does_not_depend_on_how_many_rows_are_multiplied():
+    """A token's product is the same alone (a decode step) and among others (a prefill chunk):
+    on some CPUs MKL rounds products of fewer than 4 rows differently (ref.matmul pads them)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 256, generator=g)
+    for k, n in ((256, 512), (256, 24)):
+        w = torch.randn(n, k, generator=g)
+        full = ref.matmul(x[:, :k], w.T)
+        for m in (1, 2, 3, 4, 5, 17):
+            for start in (0, 5):
+                assert torch.equal(ref.matmul(x[start:start + m, :k], w.T), full[start:start + m])
+        assert torch.equal(full, x[:, :k] @ w.T)  # four rows and more: the plain product
+    u = torch.randn(24, 4, 32, generator=g)  # [S, G, K]
+    wg = torch.randn(4, 16, 32, generator=g)  # [G, R, K]
+    whole = ref.grouped_matmul(u, wg)
+    assert whole.shape == (24, 4, 16)
+    assert all(torch.equal(ref.grouped_matmul(u[i:i + 1], wg), whole[i:i + 1]) for i in range(24))
+    assert torch.allclose(whole, torch.einsum("sgi,gri->sgr", u, wg))
+
+
 def test_hadamard_is_orthonormal_sylvester():
     eye = torch.eye(8)
     h = ref.hadamard(eye)
