@@ -319,6 +319,7 @@ class EngineConfig:
     cache_bytes: int | None = None  # expert cache budget; None = sized by the memory plan (engine/memory_plan.py)
     memory_bytes: int | None = None  # cap on the whole memory plan; None = what the machine has free
     host_cache_bytes: int | None = None  # pinned host-RAM expert tier (discrete GPU); None = sized by the plan
+    fill_host_tier: bool = True  # read the records the host tier lacks in the background after load
     cache_policy: str = DEFAULT_POLICY  # a name in engine/experts/policy.py POLICIES
     io_threads: int = 8  # expert reads in flight at once (bench.decode_engine --io-threads 2,8: 8 streamed 1.7x faster)
     o_direct: bool = False

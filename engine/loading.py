@@ -31,13 +31,15 @@ def plan_memory(path: str | Path, config: EngineConfig) -> MemoryPlan:
 
 def open_model_files(path: str | Path, config: EngineConfig, plan: MemoryPlan):
     """engine.weights.ModelFiles for `path`: a converted directory (manifest.json) streams its
-    experts through a cache of plan.cache bytes on config.device; an official checkpoint keeps every
-    expert resident in its mmapped shards (copied to a GPU per use)."""
+    experts through a cache of plan.cache bytes on config.device, behind it a host tier of
+    plan.host_cache bytes (reads bypass the page cache when the plan forces it, or when the tier
+    holds the whole pool: engine.weights.open_converted decides once the tier is pinned); an
+    official checkpoint keeps every expert resident in its mmapped shards (copied to a GPU per use)."""
     from engine.weights import open_model
 
     return open_model(path, cache_bytes=plan.cache, policy=config.cache_policy,
-                      io_threads=config.io_threads, o_direct=plan.direct_reads, device=config.device,
-                      host_cache_bytes=plan.host_cache)
+                      io_threads=config.io_threads, o_direct=plan.forced_direct, device=config.device,
+                      host_cache_bytes=plan.host_cache, fill_tier=config.fill_host_tier)
 
 
 def build_model(path: Path, files, config: EngineConfig, report: Callable[[LoadProgress], None]) -> Transformer:

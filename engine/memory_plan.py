@@ -158,8 +158,14 @@ class MemoryPlan:
     pool: int
     record: int
     cache_fixed: bool  # True when the cache size came from cache_bytes (--cache-gb)
-    direct_reads: bool  # expert reads bypass the page cache
+    forced_direct: bool  # expert reads bypass the page cache whatever the tier (--o-direct, unified memory)
     notes: tuple[str, ...] = ()
+
+    @property
+    def direct_reads(self) -> bool:
+        """Expert reads bypass the page cache: when forced, or when the host tier holds the whole
+        pool (it reads each record once; the page cache would hold a second copy)."""
+        return self.forced_direct or 0 < self.pool <= self.host_cache
 
     @property
     def resident(self) -> bool:
@@ -272,14 +278,12 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
         # the whole pool, docs/performance-log.md 2026-12-02 05:47). `host_cache_bytes` caps it.
         want = pool if config.host_cache_bytes is None else min(config.host_cache_bytes, pool)
         host_cache = max(0, min(want, host_left)) // record * record
-        # Holding the whole pool, the tier reads each record from the disk once: O_DIRECT, so that
-        # the page cache does not hold a second copy. A smaller tier keeps buffered reads: the
-        # misses that fall past it are then served by the page cache (21.8 tok/s against 16.8
-        # with O_DIRECT, 2026-12-02 04:35).
-        direct = direct or host_cache >= pool
+        # Holding the whole pool, the tier reads each record from the disk once: O_DIRECT then
+        # (`direct_reads`). A smaller tier keeps buffered reads: the misses that fall past it are
+        # then served by the page cache (21.8 tok/s against 16.8 with O_DIRECT, 2026-12-02 04:35).
     return MemoryPlan(machine=machine, limit=limit, weights=footprint.weights, state=state, workspace=workspace,
                       framework=framework, margin=margin, cache=cache, host_cache=host_cache, pool=pool,
-                      record=record, cache_fixed=cache_fixed, direct_reads=direct, notes=tuple(notes))
+                      record=record, cache_fixed=cache_fixed, forced_direct=direct, notes=tuple(notes))
 
 
 def gib_to_bytes(value: float | None, name: str) -> int | None:

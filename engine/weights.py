@@ -84,7 +84,7 @@ def open_official(path: str | Path, device: str | torch.device = "cpu") -> Model
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
                    io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-                   host_cache_bytes: int | None = None) -> ModelFiles:
+                   host_cache_bytes: int | None = None, fill_tier: bool = False) -> ModelFiles:
     """Open a converted (expert-pack) directory: routed experts streamed through a cache of
     `cache_bytes` (None = room for every expert) by positional reads (engine/experts/store.py).
     Resident tensors come from the mmaps; on the CPU `get` returns copies, so that a model built
@@ -93,7 +93,11 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     With a device arena smaller than the pool, `host_cache_bytes` (capped to the pool) of host
     RAM become a HostTier behind it (engine/experts/host_tier.py; halved until it can be pinned,
     `ModelFiles.host_cache` says what was); on the CPU the arena is the only tier and the
-    setting is unused.
+    setting is unused. Reads use O_DIRECT when `o_direct` asks for it, and when the tier that
+    could be pinned holds every record: the tier then reads each record once, and the page cache
+    would only hold a second copy (a smaller tier keeps buffered reads, so that the misses
+    falling past it find the page cache). `fill_tier`: fill the tier's free slots from the disk
+    in the background (engine/experts/tier_fill.py).
 
     Starts `io_threads` named I/O threads; `ModelFiles.close()` stops them.
     """
@@ -121,11 +125,16 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
     tier = None
-    if host_cache_bytes and not arena.on_host and cache.capacity_slots < len(manifest.units) * manifest.count:
+    records = len(manifest.units) * manifest.count
+    if host_cache_bytes and not arena.on_host and cache.capacity_slots < records:
         tier = pinned_tier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers,
                            policy=policy)
+        if tier is not None and tier.slots >= records:
+            store.use_direct_reads()
     provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
                                 tier=tier)
+    if fill_tier:
+        provider.fill_tier()
     get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
     return ModelFiles(path=path, args=args, index=index, get=get, experts=provider,
                       converted=True, closers=[provider.close], host_cache=0 if tier is None else tier.nbytes)
@@ -133,12 +142,13 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
                io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-               host_cache_bytes: int | None = None) -> ModelFiles:
+               host_cache_bytes: int | None = None, fill_tier: bool = False) -> ModelFiles:
     """Open either layout: a converted directory (manifest.json) streams its experts with the
     given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
-        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, host_cache_bytes)
+        return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, host_cache_bytes,
+                              fill_tier)
     if (path / INDEX_NAME).is_file():
         return open_official(path, device)
     raise _not_a_model(path)

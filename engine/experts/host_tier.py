@@ -17,9 +17,19 @@ Protocol (bookkeeping on the engine thread, bytes on the I/O threads):
 
 A held slot is never evicted nor reassigned, so a transfer from or into it cannot race another
 key's. A failed read leaves the key out of the tier, its slot free, nothing held.
+
+A background filler (engine/experts/tier_fill.py) takes free slots from its own thread:
+
+    slot = tier.claim_free(key)  # filler thread: a free slot held for key, or None
+    tier.read(key, slot); tier.done(key, ok)
+
+so the bookkeeping methods take one lock (uncontended but for the filler's few calls); the
+slot bytes are never touched under it.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -48,6 +58,7 @@ class HostTier:
         self.data = flat.view(self.cache.capacity_slots, record)
         self._views = [memoryview(self.data[s].numpy()) for s in range(self.slots)]
         self._held: set[ExpertKey] = set()  # keys with a transfer in flight
+        self._lock = threading.Lock()  # the bookkeeping: the engine thread's and the filler's
 
     @property
     def slots(self) -> int:
@@ -63,18 +74,36 @@ class HostTier:
         the disk first (a miss: admitted, evicting the least valuable unheld record), (slot,
         False) on a RAM hit; None when every slot is held (read past the tier) or `key` is
         already held. Counts a lookup in the tier's statistics."""
-        if key in self._held:
-            return None
-        slot = self.cache.lookup(key)
-        must_read = slot is None
-        if must_read:
-            try:
-                slot, _ = self.cache.admit(key)
-            except CacheFullError:
+        with self._lock:
+            if key in self._held:
                 return None
-        self.cache.pin(key)
-        self._held.add(key)
-        return slot, must_read
+            slot = self.cache.lookup(key)
+            must_read = slot is None
+            if must_read:
+                try:
+                    slot, _ = self.cache.admit(key)
+                except CacheFullError:
+                    return None
+            self.cache.pin(key)
+            self._held.add(key)
+            return slot, must_read
+
+    def claim_free(self, key: ExpertKey) -> int | None:
+        """For a background fill: admit `key` into a free slot and hold it (read it, then
+        `done`); None when `key` is already in the tier or no slot is free. Never evicts and
+        counts no lookup."""
+        with self._lock:
+            if key in self.cache or len(self.cache) >= self.cache.capacity_slots:
+                return None
+            slot, _ = self.cache.admit(key)
+            self.cache.pin(key)
+            self._held.add(key)
+            return slot
+
+    @property
+    def full(self) -> bool:
+        """Every slot holds a record (held or not)."""
+        return len(self.cache) >= self.cache.capacity_slots
 
     def read(self, key: ExpertKey, slot: int) -> None:
         """Runs on an I/O thread: record `key` from the disk into `slot` (checked by the store)."""
@@ -86,33 +115,40 @@ class HostTier:
         least recently used and leaves the tier just before the device drops it too (trace
         replay, bench/tier_replay.py: at a 50 % cache with uniform routing, 53 % of the device's
         misses were RAM hits without, 61 % with)."""
-        self.cache.touch(key)
+        with self._lock:
+            self.cache.touch(key)
 
     def done(self, key: ExpertKey, ok: bool = True) -> None:
         """End the transfer of `hold(key)`; when it failed (`ok` False) the key leaves the tier."""
-        if key not in self._held:
-            raise ExpertCacheError(f"expert {key!r} is not held in the host tier")
-        self._held.remove(key)
-        self.cache.unpin(key)
-        if not ok:
-            self.cache.discard(key)
+        with self._lock:
+            if key not in self._held:
+                raise ExpertCacheError(f"expert {key!r} is not held in the host tier")
+            self._held.remove(key)
+            self.cache.unpin(key)
+            if not ok:
+                self.cache.discard(key)
 
     def held(self) -> frozenset[ExpertKey]:
-        return frozenset(self._held)
+        with self._lock:
+            return frozenset(self._held)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.cache
+        with self._lock:
+            return key in self.cache
 
     def flush(self) -> list[ExpertKey]:
         """Drop every record not in transfer; returns them."""
-        return self.cache.flush()
+        with self._lock:
+            return self.cache.flush()
 
     def stats(self) -> CacheStats:
-        return self.cache.stats()
+        with self._lock:
+            return self.cache.stats()
 
     def reset_stats(self) -> None:
         """Zero the counters (what the tier holds, and its policy's history, stay)."""
-        self.cache.reset_stats()
+        with self._lock:
+            self.cache.reset_stats()
 
     def close(self) -> None:
         """Unlock the slots' memory (no transfer may be in flight; the owner has joined them).

@@ -5,7 +5,8 @@
     pool.close()                      # finishes queued work, joins every thread
 
 Work items run in submission order per thread; a failing item sets its future's exception and
-the thread carries on. After `close` nothing can be submitted.
+the thread carries on. `pending` counts the items submitted and not yet finished (a background
+reader yields to them). After `close` nothing can be submitted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class IOPool:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._state = "new"
+        self._lock = threading.Lock()  # guards _pending
+        self._pending = 0
 
     def start(self) -> "IOPool":
         if self._state != "new":
@@ -43,8 +46,15 @@ class IOPool:
         if self._state != "running":
             raise RuntimeError(f"IOPool {self.name} is {self._state}; cannot submit")
         fut: Future = Future()
+        with self._lock:
+            self._pending += 1
         self._queue.put((fut, fn, args))
         return fut
+
+    @property
+    def pending(self) -> int:
+        """Items submitted and not yet finished (queued or running)."""
+        return self._pending
 
     def _work(self) -> None:
         while True:
@@ -52,12 +62,16 @@ class IOPool:
             if item is _STOP:
                 return
             fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # delivered to whoever waits on the future
-                fut.set_exception(e)
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # delivered to whoever waits on the future
+                    fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
     def threads(self) -> list[str]:
         """Names of the live worker threads."""

@@ -80,16 +80,27 @@ class ExpertStore:
             self._digests.clear()
         self._fds: dict[int, int] = {}
         self._retired: list[int] = []
-        if o_direct and not hasattr(os, "O_DIRECT"):
-            self.o_direct_note = "O_DIRECT is not available on this platform; using buffered reads"
-        elif o_direct:
-            try:
-                self._open(os.O_DIRECT)
-                self.o_direct, self.o_direct_note = True, "active"
-            except OSError as e:
-                self._reopen_buffered(f"the filesystem refused O_DIRECT at open ({e.strerror})")
+        if o_direct:
+            self.use_direct_reads()
         if not self._fds:
             self._open(0)
+
+    def use_direct_reads(self) -> None:
+        """Read with O_DIRECT from now on, or say in `o_direct_note` why not (the platform or the
+        filesystem refuses it: buffered reads then). Call it before reads are in flight (at open,
+        e.g. once the host tier's size is known)."""
+        if self.o_direct:
+            return
+        if not hasattr(os, "O_DIRECT"):
+            self.o_direct_note = "O_DIRECT is not available on this platform; using buffered reads"
+            return
+        try:
+            fds = self._fds
+            self._open(os.O_DIRECT)
+            self._retired.extend(fds.values())
+            self.o_direct, self.o_direct_note = True, "active"
+        except OSError as e:
+            self._reopen_buffered(f"the filesystem refused O_DIRECT at open ({e.strerror})")
 
     def _open(self, flags: int) -> None:
         fds = {}

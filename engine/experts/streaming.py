@@ -57,6 +57,7 @@ from engine.experts.host_tier import HostTier
 from engine.experts.io_pool import IOPool
 from engine.experts.provider import ExpertProvider
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
+from engine.experts.tier_fill import TierFill, fill_order
 from engine.experts.weights import ExpertWeights
 
 
@@ -137,6 +138,7 @@ class StreamingExperts(ExpertProvider):
         self._copied: dict[int, torch.cuda.Event] = {}  # tier slot -> its last copy to the device
         self._batch: _Batch | None = None  # the current call's (`_batched`), made at its first admission
         self._batching = 0  # depth of `_batched` contexts
+        self.fill: TierFill | None = None  # the tier's background filler (`fill_tier`)
         self._closed = False
 
     # ------------------------------------------------------------------ holds and reads
@@ -528,11 +530,25 @@ class StreamingExperts(ExpertProvider):
         self.arena.sync_table()
         return evicted
 
+    def fill_tier(self) -> TierFill | None:
+        """Start filling the host tier's free slots from the disk in the background, the main
+        layers' experts (engine/experts/tier_fill.py), yielding to this provider's reads; None
+        without a tier. Once; `close` stops it."""
+        if self.tier is None or self.fill is not None or self._closed:
+            return None
+        layers = [layer for layer in self.store.layers() if layer < self.n_layers]
+        self.fill = TierFill(self.tier, fill_order(layers, self.store.count),
+                             busy=lambda: self.pool.pending > 0).start()
+        return self.fill
+
     def close(self) -> None:
-        """Finish pending reads, stop the I/O threads, close the files. Idempotent."""
+        """Stop the tier's filler, finish pending reads, stop the I/O threads, close the files.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.fill is not None:
+            self.fill.stop()
         for fut in self._loads.values():
             if isinstance(fut, _DeviceCopy):
                 fut.result()

@@ -4,6 +4,7 @@ CUDA-graph decode through it equals the eager step."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,12 @@ def packed(separated_ckpt, tmp_path_factory) -> Path:
     return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
 
 
-def _open(packed, host: int | None):
+def _open(packed, host: int | None, fill: bool = False):
     full = open_model(packed)
     record, pool = full.experts.store.record_bytes, len(full.experts.store.layers()) * full.experts.store.count
     full.close()
-    return open_model(packed, cache_bytes=12 * record, device="cuda", host_cache_bytes=host), record, pool
+    return (open_model(packed, cache_bytes=12 * record, device="cuda", host_cache_bytes=host, fill_tier=fill),
+            record, pool)
 
 
 def _pass(files, model) -> list[torch.Tensor]:
@@ -92,6 +94,39 @@ def test_layered_graph_decode_through_the_tier_equals_eager(packed):
         assert files.experts.tier.stats().hits > 0 and files.experts.tier.held() == frozenset()
     finally:
         files.close()
+
+
+def test_a_whole_pool_tier_reads_direct_fills_in_the_background_and_then_serves_every_miss(packed):
+    """With a tier of the whole pool the store reads with O_DIRECT (unless the filesystem refuses
+    it) and the background fill reads every record once; a pass then finds every miss in RAM, with
+    the logits of the plain cache. A tier of half the pool keeps buffered reads."""
+    plain, record, pool = _open(packed, None)
+    half, _, _ = _open(packed, (pool // 2) * record)
+    whole, _, _ = _open(packed, pool * record, fill=True)
+    try:
+        assert not half.experts.store.o_direct and half.experts.fill is None
+        store = whole.experts.store
+        assert store.o_direct or "refused" in store.o_direct_note
+        fill = whole.experts.fill
+        for _ in range(3000):
+            if not fill.running:
+                break
+            time.sleep(0.01)
+        assert not fill.running and fill.error is None
+        tier = whole.experts.tier
+        main = whole.args.n_layers * store.count  # the fill reads the main layers' experts
+        assert fill.filled == main and len(tier.cache) == main and tier.stats().misses == 0
+        dev = torch.device("cuda")
+        ms = [Transformer(lambda n, f=f: f.get(n).to(dev), f.args, Numerics.named("native", make_backend("torch", dev)))
+              for f in (plain, whole)]
+        want, got = _pass(plain, ms[0]), _pass(whole, ms[1])
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        s = tier.stats()
+        assert s.hits > 0 and s.misses == 0 and whole.experts.cache.stats().misses > 0  # every miss from RAM
+    finally:
+        for f in (plain, half, whole):
+            f.close()
+    assert not fill.running
 
 
 def test_page_locked_buffer_is_exactly_sized_aligned_pinned_and_unlocks_once():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,6 +64,10 @@ def test_discrete_h200_gives_the_cache_what_is_left_and_plans_a_host_tier():
                        host_available=480 * GiB)
     whole = make_plan(fp, EngineConfig(device="cuda"), big_host)
     assert whole.host_cache == fp.pool and whole.direct_reads and not whole.resident
+    assert not whole.forced_direct  # the tier decides: pinned smaller (a locked-memory limit), buffered again
+    assert not replace(whole, host_cache=fp.pool // 2).direct_reads
+    forced = make_plan(fp, EngineConfig(device="cuda", o_direct=True), big_host)
+    assert forced.forced_direct and replace(forced, host_cache=fp.pool // 2).direct_reads
     capped = make_plan(fp, EngineConfig(device="cuda", host_cache_bytes=fp.pool // 2), big_host)
     assert capped.host_cache == fp.pool // 2 // fp.record * fp.record and not capped.direct_reads
     text = "\n".join(plan.lines())
