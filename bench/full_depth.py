@@ -193,7 +193,8 @@ def child(a) -> dict:
     cuda = a.device == "cuda"  # the CPU runs only check this script (torch reference, no graphs)
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
                           max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
-                          host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB))
+                          host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB),
+                          fill_host_tier=not a.no_tier_fill)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -222,9 +223,11 @@ def child(a) -> dict:
         session = eng.new_session()
         t_turn = time.perf_counter()
         captures = _captures(eng)
+        tier = eng.stats().cache.tier if eng.stats().cache else None  # how full the host tier is now
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
         print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
-              f"{_captures(eng) - captures} graph captures",
+              f"{_captures(eng) - captures} graph captures"
+              + (f", host tier {tier.entries}/{tier.capacity_entries} records at its start" if tier else ""),
               file=sys.stderr, flush=True)
         fin = events[-1]
         if not isinstance(fin, TurnFinished):
@@ -237,6 +240,7 @@ def child(a) -> dict:
                                "median_step_ms": steps[len(steps) // 2] if steps else float("nan"),
                                "step_ms": [round(x, 3) for x in st.step_ms],
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
+                               "tier_entries_at_start": tier.entries if tier else None,
                                "graph_captures": _captures(eng) - captures})
     before = eng.stats().cache
     follow = list(eng.generate(session, "And then?", greedy))[-1]
@@ -249,6 +253,8 @@ def child(a) -> dict:
         print(f"  host tier, follow-up turn: {out['tier_followup']['ram_hits']} RAM hits, "
               f"{out['tier_followup']['disk_reads']} disk reads; over the run {t1.ram_hits} / {t1.disk_reads}",
               file=sys.stderr, flush=True)
+    print(f"  follow-up turn: TTFT {1e3 * follow.stats.ttft_s:.1f} ms, of which its {follow.stats.prefill_tokens} "
+          f"new tokens' steps {1e3 * follow.stats.prefill_s:.1f} ms", file=sys.stderr, flush=True)
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
                        "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,
@@ -261,6 +267,17 @@ def child(a) -> dict:
     out["compiled_in_chat"] = sorted(built_kernels() - built)
     for name in out["compiled_in_chat"]:
         print(f"  compiled during the chat: {name}", file=sys.stderr, flush=True)
+    if a.host_profile:  # one more follow-up turn to its first token, profiled (the table's turn was not)
+        profile = cProfile.Profile()
+        profile.enable()
+        again = list(eng.generate(session, "Go on.", SamplingParams(temperature=0.0, max_tokens=1)))[-1]
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(a.host_profile)
+        out["followup_host_profile"] = text.getvalue()
+        print(f"  host calls of another follow-up turn ({again.stats.prefill_tokens} new tokens, TTFT "
+              f"{1e3 * again.stats.ttft_s:.1f} ms profiled), by cumulative time:\n{text.getvalue()}",
+              file=sys.stderr, flush=True)
     profile = cProfile.Profile() if a.host_profile else None
     out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync, profile=profile)
     if profile is not None:
@@ -374,6 +391,8 @@ def main(argv=None) -> int:
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--host-cache-gb", type=float, help="cap on the pinned host-RAM tier, up to the whole pool "
                    "(default: the whole pool when free host RAM allows); misses beyond it are read from the pack")
+    p.add_argument("--no-tier-fill", action="store_true",
+                   help="fill the host-RAM tier on demand only (no background fill after load)")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -431,6 +450,8 @@ def main(argv=None) -> int:
                "--host-profile", str(a.host_profile)]
         if a.host_cache_gb is not None:
             cmd += ["--host-cache-gb", str(a.host_cache_gb)]
+        if a.no_tier_fill:
+            cmd += ["--no-tier-fill"]
         if a.routing_trace:
             cmd += ["--routing-trace", str(Path(a.routing_trace).resolve())]
         t = time.perf_counter()
@@ -440,7 +461,8 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stdout[-4000:])
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
-        r["label"] = label + (" forced routing" if a.routing_trace else "") + (" TIMING PACK" if a.timing_pack else "")
+        r["label"] = (label + (" forced routing" if a.routing_trace else "") + (" TIMING PACK" if a.timing_pack else "")
+                      + (" no tier fill" if a.no_tier_fill else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)
