@@ -101,5 +101,5 @@ def test_fp8_readers_stack_in_native_when_the_block_scales_stack():
     assert [rows for _, rows in FP8Linears([b, a], native).groups] == [[64], [128]]  # 64 rows: no stacking
     assert [rows for _, rows in FP8Linears([a, b], exact).groups] == [[128], [64]]
     ea, eb = FP8Linears([a, b], exact)(x)
-    assert torch.equal(ea, x.float() @ ref.dequant_fp8_block(*a).T)
-    assert torch.equal(eb, x.float() @ ref.dequant_fp8_block(*b).T)
+    assert torch.equal(ea, ref.matmul(x.float(), ref.dequant_fp8_block(*a).T))
+    assert torch.equal(eb, ref.matmul(x.float(), ref.dequant_fp8_block(*b).T))
