@@ -15,7 +15,7 @@ only when `reserve` grows the capacity; everything else is written in place.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -108,6 +108,15 @@ class LayerState:
         if next(it, None) is not None:
             raise ValueError("LayerState.use: more tensors than the layer holds")
 
+    def clone(self) -> "LayerState":
+        """An independent copy: every tensor of `tensors()` copied once, the views re-made on the
+        copies (one device copy per buffer; no deepcopy machinery per tensor)."""
+        other = LayerState(kv=self.kv, window_size=self.window_size,
+                           compressor=None if self.compressor is None else replace(self.compressor),
+                           indexer=None if self.indexer is None else replace(self.indexer))
+        other.use([t.clone() for t in self.tensors()])
+        return other
+
     def reserve(self, n_entries: int) -> bool:
         """Make room for `n_entries` compressed entries (attention and indexer), growing to the
         power of two that holds them, at least doubling; True when the buffers were reallocated
@@ -138,8 +147,12 @@ class SequenceState:
     extra: dict = field(default_factory=dict)
 
     def clone(self) -> "SequenceState":
-        """An independent deep copy (tensors copied; views stay views of their copied buffer)."""
-        return copy.deepcopy(self)
+        """An independent deep copy (tensors copied; views stay views of their copied buffer).
+        Each layer copies its own buffers (`LayerState.clone`): copy.deepcopy took ~45 ms for the
+        43 layers' 626 tensors on the H200 host, before a follow-up turn's first token."""
+        return SequenceState(layers=[layer.clone() for layer in self.layers],
+                             mtp=None if self.mtp is None else self.mtp.clone(), pos=self.pos,
+                             extra=copy.deepcopy(self.extra))
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (for the memory budget); views are not counted twice."""
