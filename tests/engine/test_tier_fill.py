@@ -1,7 +1,7 @@
 """TierFill (engine/experts/tier_fill.py) on the CPU: the background fill of a host-RAM tier reads
 every record the tier lacks into its free slots with the store's bytes, never evicts, yields to
 demand reads, stops on request and on a failed read (leaving the tier consistent), and runs on
-one named thread. Also HostTier.claim_free and IOPool.pending, which it relies on."""
+named threads. Also HostTier.claim_free and IOPool.pending, which it relies on."""
 
 from __future__ import annotations
 
@@ -67,19 +67,19 @@ def test_fill_order_takes_a_block_of_every_layer_in_turn():
     assert len(set(fill_order(range(43), 256))) == 43 * 256
 
 
-def test_a_whole_pool_tier_is_filled_with_the_stores_bytes_on_a_named_thread(pack):
+def test_a_whole_pool_tier_is_filled_with_the_stores_bytes_on_named_threads(pack):
     store = _store(pack)
     layers = store.layers()
     keys = fill_order(layers, store.count)
     tier = HostTier(store, len(keys) * store.record_bytes, num_layers=len(layers), pin_memory=False)
     tier.hold(keys[3])  # the engine reads this one itself: the filler skips it
-    fill = TierFill(tier, keys, busy=lambda: False)
+    fill = TierFill(tier, keys, busy=lambda: False, threads=3)
     store.gate = threading.Event()
     fill.start()
-    names = [t.name for t in threading.enumerate()]
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith("dsv4-tier-fill"))
     store.gate.set()
     _finish(fill)
-    assert "dsv4-tier-fill" in names
+    assert names == ["dsv4-tier-fill-0", "dsv4-tier-fill-1", "dsv4-tier-fill-2"]
     tier.done(keys[3], ok=False)  # the engine's read failed: the key leaves the tier
     assert fill.error is None and fill.progress() == (len(keys) - 1, len(keys))
     assert sorted(store.reads) == sorted(k for k in keys if k != keys[3])  # each record read once
@@ -99,7 +99,7 @@ def test_a_smaller_tier_fills_its_free_slots_with_a_share_of_every_layer_and_nev
     store = _store(pack)
     layers = store.layers()
     tier = HostTier(store, 2 * len(layers) * store.record_bytes, num_layers=len(layers), pin_memory=False)
-    fill = TierFill(tier, fill_order(layers, store.count, block=2), busy=lambda: False).start()
+    fill = TierFill(tier, fill_order(layers, store.count, block=2), busy=lambda: False, threads=1).start()
     _finish(fill)
     assert tier.full and fill.filled == tier.slots and len(store.reads) == tier.slots
     assert sorted(tier.cache.resident()) == [(layer, e) for layer in layers for e in (0, 1)]
@@ -134,12 +134,22 @@ def test_a_failed_read_stops_the_fill_and_leaves_the_tier_consistent(pack):
     bad = keys[5]
     store.bad = {bad}
     tier = HostTier(store, len(keys) * store.record_bytes, num_layers=len(store.layers()), pin_memory=False)
-    fill = TierFill(tier, keys, busy=lambda: False).start()
+    fill = TierFill(tier, keys, busy=lambda: False, threads=1).start()
     _finish(fill)
     assert fill.filled == 5 and f"expert {bad[1]} of layer {bad[0]}" in fill.error
     assert "Input/output error" in fill.error
     assert bad not in tier and tier.held() == frozenset() and len(tier.cache) == 5
     assert all(k in tier for k in keys[:5])
+    store.close()
+    store = _store(pack)  # several threads: every one stops; the tier stays consistent
+    store.bad = {bad}
+    tier = HostTier(store, len(keys) * store.record_bytes, num_layers=len(store.layers()), pin_memory=False)
+    fill = TierFill(tier, keys, busy=lambda: False, threads=4).start()
+    _finish(fill)
+    assert fill.error is not None and bad not in tier and tier.held() == frozenset()
+    assert len(tier.cache) == fill.filled < len(keys)
+    with pytest.raises(ValueError, match="at least one thread"):
+        TierFill(tier, keys, busy=lambda: False, threads=0)
     store.close()
 
 
