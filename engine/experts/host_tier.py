@@ -18,9 +18,9 @@ Protocol (bookkeeping on the engine thread, bytes on the I/O threads):
 A held slot is never evicted nor reassigned, so a transfer from or into it cannot race another
 key's. A failed read leaves the key out of the tier, its slot free, nothing held.
 
-A background filler (engine/experts/tier_fill.py) takes free slots from its own thread:
+A background filler (engine/experts/tier_fill.py) takes free slots from its own threads:
 
-    slot = tier.claim_free(key)  # filler thread: a free slot held for key, or None
+    slot = tier.claim_free(key)  # a filler thread: a free slot held for key, or None
     tier.read(key, slot); tier.done(key, ok)
 
 so the bookkeeping methods take one lock (uncontended but for the filler's few calls); the

@@ -12,17 +12,16 @@ device cache, against tens of ms once the tier holds the records). Named threads
 * Several threads, because a record's first read is also checked against its sha256 (the
   store): one thread alternated disk and hash and filled at ~0.5 GB/s on the H200 (294 of 1,032
   records in a 10.6 s load); with FILL_THREADS reads the disk's own rate is the limit.
-
 * It never evicts: it stops when the tier is full (a tier smaller than the pool keeps what it
   read first, and the cache policy takes over from there).
 * It yields to demand reads: while `busy()` says the engine's I/O threads have work, it waits
-  (a demand read waits at most for the one record the filler is reading).
+  (a demand read waits at most for the records the filler's threads are reading).
 * `keys`, the order of the fill: `fill_order` takes each layer's experts a block at a time
   across all layers, so that a tier smaller than the pool holds a share of every layer, and
   a layer's experts arrive together (one visit of the layer for a policy that follows the
   layer cycle, engine/experts/policy.py).
 * A record that fails to read (I/O error, checksum) leaves the tier consistent (`done(key,
-  ok=False)`) and stops the fill; `error` says why. Demand reads of that record then report it
+  ok=False)`) and stops every thread of the fill; `error` says why. Demand reads of that record then report it
   as they would without a filler.
 """
 
