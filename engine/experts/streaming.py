@@ -123,10 +123,6 @@ class StreamingExperts(ExpertProvider):
         self._deferred: _Hint | None = None  # a lookahead hint waiting for the call of its keep's layer
         self._prefetch_limit = int(cache.capacity_slots * prefetch_share)
         self._staging: queue.SimpleQueue | None = None
-        # the device as an index: torch.cuda.current_stream(torch.device("cuda")) resolves the
-        # current device on every call (~25 us; a streamed decode step asks ~90 times)
-        self._device_index = (None if arena.on_host else
-                              arena.device.index if arena.device.index is not None else torch.cuda.current_device())
         if not arena.on_host:  # device arena: read into pinned host buffers, then copy on own streams
             self._staging = queue.SimpleQueue()  # (pinned buffer, copy stream) pairs, one per I/O thread
             for _ in range(pool.size):
@@ -201,7 +197,7 @@ class StreamingExperts(ExpertProvider):
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             if self._batch is None:
-                self._batch = _Batch(torch.cuda.current_stream(self._device_index))
+                self._batch = _Batch(torch.cuda.current_stream(self.arena.device))
             freed = self._batch.freed
             if self.tier is not None:
                 src = self.tier.hold(key)
@@ -272,7 +268,7 @@ class StreamingExperts(ExpertProvider):
             return
         if isinstance(fut, _DeviceCopy):  # kernels enqueued from now on wait for the copy on the device
             if waited is None or fut.event not in waited:
-                torch.cuda.current_stream(self._device_index).wait_event(fut.event)
+                torch.cuda.current_stream(self.arena.device).wait_event(fut.event)
                 if waited is not None:
                     waited.add(fut.event)
             self._tiered.remove(key)
