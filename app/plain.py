@@ -84,7 +84,9 @@ def stats_lines(stats: StepStats) -> list[str]:
              *([] if c.tier is None else [
                  f"host RAM tier: {c.tier.entries}/{c.tier.capacity_entries} entries, {_gib(c.tier.used_bytes)} of "
                  f"{_gib(c.tier.capacity_bytes)}; the cache's misses: {c.tier.ram_hits} from RAM "
-                 f"({c.tier.hit_rate:.1%}), {c.tier.disk_reads} read from disk"]),
+                 f"({c.tier.hit_rate:.1%}), {c.tier.disk_reads} read from disk"
+                 + (f"; its background fill stopped: {c.tier.fill_error}" if c.tier.fill_error else
+                    "; filling in the background" if c.tier.filling else "")]),
              "per layer: " + " ".join(f"{i}:{r:.0%}" for i, r in enumerate(c.per_layer_hit_rate)),
              f"last {' · '.join(t.lines())}; {stats.tok_per_s:.1f} tok/s; position {stats.position}",
              f"memory ({'unified' if m.unified else 'discrete GPU'}, {_gib(m.total)}): "

@@ -22,6 +22,8 @@ class TierSnapshot:
     ram_hits: int
     disk_reads: int
     hit_rate: float  # ram_hits / (ram_hits + disk_reads), 0 when nothing was looked up
+    filling: bool = False  # its background fill (engine/experts/tier_fill.py) is still reading
+    fill_error: str | None = None  # why that fill stopped early (a record that failed to read)
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,11 @@ class TurnStats:
     reused_tokens: int = 0  # prompt tokens whose state was kept from earlier turns
 
 
-def cache_snapshot(cache, args, layer_uses: list[int], tier=None) -> CacheSnapshot:
-    """The expert-cache figures the app shows: from `cache` (engine.experts.cache.ExpertCache) and
-    the host-RAM `tier` behind it (engine.experts.host_tier.HostTier, or None), or, when every
-    expert is resident without a cache (None), from the per-layer use counts."""
+def cache_snapshot(cache, args, layer_uses: list[int], tier=None, fill=None) -> CacheSnapshot:
+    """The expert-cache figures the app shows: from `cache` (engine.experts.cache.ExpertCache),
+    the host-RAM `tier` behind it (engine.experts.host_tier.HostTier, or None) and the tier's
+    background `fill` (engine.experts.tier_fill.TierFill, or None), or, when every expert is
+    resident without a cache (None), from the per-layer use counts."""
     if cache is not None:
         s = cache.stats()
         t = None if tier is None else tier.stats()
@@ -135,7 +138,8 @@ def cache_snapshot(cache, args, layer_uses: list[int], tier=None) -> CacheSnapsh
                                  capacity_bytes=t.capacity_entries * t.entry_bytes, used_bytes=t.used_bytes,
                                  entries=t.entries,
                                  capacity_entries=t.capacity_entries, ram_hits=t.hits, disk_reads=t.misses,
-                                 hit_rate=t.hit_rate))
+                                 hit_rate=t.hit_rate, filling=fill is not None and fill.running,
+                                 fill_error=None if fill is None else fill.error))
     n = args.n_layers * args.n_routed_experts
     total = n * args.expert_record_bytes()
     hits = sum(layer_uses)

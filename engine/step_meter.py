@@ -36,7 +36,8 @@ class Gauges:
         self._weights_bytes, self._sessions = weights_bytes, sessions
 
     def cache(self) -> CacheSnapshot:
-        return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses, self.experts.tier)
+        return cache_snapshot(self.experts.cache, self.args, self.experts.usage.layer_uses, self.experts.tier,
+                              self.experts.fill)
 
     def memory(self) -> MemoryBudget:
         """The MemoryBudget now (engine.memory): `sessions` hold the state."""

@@ -36,9 +36,11 @@ def fmt_pct(x: float) -> str:
 
 
 def tier_text(tier) -> str:
-    """The host-RAM tier (engine.stats.TierSnapshot) in one line: its fill, and where the GPU
-    cache's misses were served from."""
-    return (f"RAM tier {fmt_bytes(tier.used_bytes)} / {fmt_bytes(tier.capacity_bytes)} · "
+    """The host-RAM tier (engine.stats.TierSnapshot) in one line: its fill (and whether its
+    background fill still reads, or why it stopped), and where the GPU cache's misses were served
+    from."""
+    state = (f" (fill stopped: {tier.fill_error})" if tier.fill_error else " (filling)" if tier.filling else "")
+    return (f"RAM tier {fmt_bytes(tier.used_bytes)} / {fmt_bytes(tier.capacity_bytes)}{state} · "
             f"misses served from RAM {fmt_pct(tier.hit_rate)} · disk reads {tier.disk_reads}")
 
 

@@ -15,7 +15,8 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
   resident without one; `tier`: the pinned host-RAM tier behind a device arena
-  (engine.experts.host_tier.HostTier), or None;
+  (engine.experts.host_tier.HostTier), or None; `fill`: that tier's background filler
+  (engine.experts.tier_fill.TierFill), or None;
 * controls: `flush`, `pin` (all or nothing; never the slots a turn needs), `unpin`, `pinned`,
   `contents`, `hottest`, `stats`;
 * `usage`: every use counted once, here, whichever path used the expert (`experts`, `acquire`,
@@ -68,6 +69,7 @@ class ExpertProvider(ABC):
     arena = None  # engine.experts.arena.ExpertArena | None
     cache: ExpertCache | None = None
     tier = None  # engine.experts.host_tier.HostTier | None
+    fill = None  # engine.experts.tier_fill.TierFill | None: the tier's background filler
 
     def __init__(self, n_layers: int, n_experts: int, top_k: int) -> None:
         """`n_layers` main layers (the MTP block, if any, is layer n_layers), `n_experts` per

@@ -139,6 +139,15 @@ def test_panes_format_known_numbers(config):
             await pilot.pause()
             cache = app.chat.query_one(CachePane).plain()
             assert "RAM tier 4 GiB / 16 GiB · misses served from RAM 96.0% · disk reads 10" in cache
+            filling = replace(tiered, cache=replace(tiered.cache, tier=replace(tiered.cache.tier, filling=True)))
+            app.chat.show_stats(filling, [filling])
+            await pilot.pause()
+            assert "RAM tier 4 GiB / 16 GiB (filling) · misses" in app.chat.query_one(CachePane).plain()
+            stopped = replace(filling, cache=replace(filling.cache, tier=replace(
+                filling.cache.tier, filling=False, fill_error="expert 3 of layer 7: Input/output error")))
+            app.chat.show_stats(stopped, [stopped])
+            await pilot.pause()
+            assert "(fill stopped: expert 3 of layer 7: Input/output error)" in app.chat.query_one(CachePane).plain()
 
     run(go())
 

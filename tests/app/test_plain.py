@@ -224,3 +224,9 @@ def test_stats_lines_show_the_host_tier_when_there_is_one():
     lines = stats_lines(replace(stats, cache=replace(cache, tier=tier)))
     assert ("host RAM tier: 320/1280 entries, 4.00 GiB of 16.00 GiB; the cache's misses: 240 from RAM (96.0%), "
             "10 read from disk") in lines
+    lines = stats_lines(replace(stats, cache=replace(cache, tier=replace(tier, filling=True))))
+    assert any(line.endswith("10 read from disk; filling in the background") for line in lines)
+    failed = replace(tier, fill_error="filling the host RAM tier stopped at expert 3 of layer 7: EIO")
+    lines = stats_lines(replace(stats, cache=replace(cache, tier=failed)))
+    assert any(line.endswith("its background fill stopped: filling the host RAM tier stopped at expert 3 of "
+                             "layer 7: EIO") for line in lines)

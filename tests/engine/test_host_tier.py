@@ -215,7 +215,13 @@ def test_the_cache_snapshot_reports_the_tier_and_where_misses_came_from(pack):
     t = cache_snapshot(device, args, [0] * 6, tier).tier
     assert (t.ram_hits, t.disk_reads, t.entries, t.capacity_entries) == (1, 2, 2, 4)
     assert t.used_bytes == 2 * r and t.capacity_bytes == 4 * r and t.hit_rate == pytest.approx(1 / 3)
+    assert not t.filling and t.fill_error is None  # no fill
     tier.reset_stats()
     t = cache_snapshot(device, args, [0] * 6, tier).tier
     assert (t.ram_hits, t.disk_reads, t.entries) == (0, 0, 2)
+    running = SimpleNamespace(running=True, error=None)  # a TierFill's figures (engine/experts/tier_fill.py)
+    assert cache_snapshot(device, args, [0] * 6, tier, running).tier.filling
+    failed = SimpleNamespace(running=False, error="filling the host RAM tier stopped at expert 3 of layer 1: EIO")
+    t = cache_snapshot(device, args, [0] * 6, tier, failed).tier
+    assert not t.filling and t.fill_error == failed.error
     store.close()

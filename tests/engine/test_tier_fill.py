@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine import pack as layout
+from engine.experts.cache import ExpertCache
 from engine.experts.host_tier import HostTier
 from engine.experts.io_pool import IOPool
 from engine.experts.store import ExpertReadError, ExpertStore
 from engine.experts.tier_fill import TierFill, fill_order
+from engine.stats import cache_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +143,9 @@ def test_a_failed_read_stops_the_fill_and_leaves_the_tier_consistent(pack):
     assert "Input/output error" in fill.error
     assert bad not in tier and tier.held() == frozenset() and len(tier.cache) == 5
     assert all(k in tier for k in keys[:5])
+    device = ExpertCache(store.record_bytes, store.record_bytes, num_layers=len(store.layers()), num_experts=store.count)
+    shown = cache_snapshot(device, SimpleNamespace(n_layers=len(store.layers())), [0], tier, fill).tier
+    assert not shown.filling and shown.fill_error == fill.error  # what the app's panes and /stats show
     store.close()
     store = _store(pack)  # several threads: every one stops; the tier stays consistent
     store.bad = {bad}
