@@ -217,13 +217,15 @@ def child(a) -> dict:
            "cache_bytes": eng.plan.cache, "pool_bytes": eng.plan.pool, "prompts": []}
     built = built_kernels()
     greedy = SamplingParams(temperature=0.0, max_tokens=a.tokens)
-    bytes_read0 = eng.stats().cache.bytes_read if eng.stats().cache else 0
+    cache0 = eng.stats().cache
+    bytes_read0 = cache0.bytes_read if cache0 else 0
     session = None
     for n in a.prompts:
         session = eng.new_session()
         t_turn = time.perf_counter()
         captures = _captures(eng)
-        tier = eng.stats().cache.tier if eng.stats().cache else None  # how full the host tier is now
+        now = eng.stats().cache
+        tier = now.tier if now else None  # how full the host tier is now
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
         print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
               f"{_captures(eng) - captures} graph captures"

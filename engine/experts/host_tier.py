@@ -93,7 +93,7 @@ class HostTier:
         `done`); None when `key` is already in the tier or no slot is free. Never evicts and
         counts no lookup."""
         with self._lock:
-            if key in self.cache or len(self.cache) >= self.cache.capacity_slots:
+            if key in self.cache or self.full:
                 return None
             slot, _ = self.cache.admit(key)
             self.cache.pin(key)

@@ -94,13 +94,14 @@ class ExpertStore:
         if not hasattr(os, "O_DIRECT"):
             self.o_direct_note = "O_DIRECT is not available on this platform; using buffered reads"
             return
+        buffered = self._fds  # open already when called after __init__; kept if O_DIRECT is refused
         try:
-            fds = self._fds
             self._open(os.O_DIRECT)
-            self._retired.extend(fds.values())
-            self.o_direct, self.o_direct_note = True, "active"
         except OSError as e:
-            self._reopen_buffered(f"the filesystem refused O_DIRECT at open ({e.strerror})")
+            self.o_direct_note = f"the filesystem refused O_DIRECT at open ({e.strerror}); using buffered reads"
+            return
+        self._retired.extend(buffered.values())
+        self.o_direct, self.o_direct_note = True, "active"
 
     def _open(self, flags: int) -> None:
         fds = {}
