@@ -54,6 +54,7 @@ class _Outputs:
     """A step's static intermediates: the carries between segments and the logits."""
 
     carry: list[DecodeCarry | None]
+    final: torch.Tensor | None = None  # [1, n_hc, D] the streams after the last block
     logits: torch.Tensor | None = None
     ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> predicted ids [1, k] of layer + 1
 
@@ -103,7 +104,8 @@ class DecodeRunner:
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
         """Segment i of the step: FFN half of block i-1 (if any), then the attention half of
-        block i, or the head after the last block. Reads/writes `out`."""
+        block i; after the last block, its streams go to `out.final` (the head is `_head`).
+        Reads/writes `out`."""
         blocks = self.model.blocks
         if i == 0:
             streams = self.model.decode_begin(self.ids)
@@ -116,7 +118,10 @@ class DecodeRunner:
                 if predicted is not None:
                     out.ahead[i] = predicted
         else:
-            out.logits = self.model.logits(streams)
+            out.final = streams
+
+    def _head(self, out: _Outputs) -> None:
+        out.logits = self.model.logits(out.final)
 
     def _routes(self, out: _Outputs, layer: int) -> list[int]:
         ids = out.carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
@@ -138,14 +143,17 @@ class DecodeRunner:
                 if i and not self.whole:
                     self.provider.release(i - 1)
 
-    def _run_eager(self, state: SequenceState, emitting: frozenset[int]) -> _Outputs:
+    def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool) -> _Outputs:
         out = _Outputs([None] * len(self.model.blocks))
         self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1)
+        if logits:
+            self._head(out)
         return out
 
     def _capture(self, state: SequenceState, emitting: frozenset[int]) -> _GraphSet:
         """Record the graphs of one emission pattern on the current state buffers (nothing runs
-        during capture). Whole mode: one graph; layered: one per segment, sharing a pool."""
+        during capture). Whole mode: one graph for the blocks; layered: one per segment; then
+        one for the head (a prefill token's step skips it). They share a pool."""
         self.provider.arena.sync_table()  # no table write may fall inside the capture
         torch.cuda.synchronize(self.device)
         if self._pool is None:
@@ -155,18 +163,23 @@ class DecodeRunner:
         out = _Outputs([None] * n)
         parts = [list(range(n + 1))] if self.whole else [[i] for i in range(n + 1)]
         graphs = []
-        for seg in parts:
+        for seg in parts + [None]:  # None: the head
             g = torch.cuda.CUDAGraph()
             # thread_local: the app's other threads may touch CUDA (e.g. an I/O thread's copy)
             with torch.cuda.graph(g, pool=pool, stream=self._side, capture_error_mode="thread_local"):
-                for i in seg:
+                if seg is None:
+                    self._head(out)
+                for i in seg or ():
                     self._segment(i, state, emitting, out)
             graphs.append(g)
         self.captures += 1
         return _GraphSet(graphs, out)
 
-    def _replay(self, gs: _GraphSet) -> _Outputs:
-        self._run(gs.out, lambda i: gs.graphs[i].replay(), len(gs.graphs))
+    def _replay(self, gs: _GraphSet, logits: bool) -> _Outputs:
+        *body, head = gs.graphs
+        self._run(gs.out, lambda i: body[i].replay(), len(body))
+        if logits:
+            head.replay()
         return gs.out
 
     # ------------------------------------------------------------------ routes of whole steps
@@ -204,9 +217,10 @@ class DecodeRunner:
         self._routes_host = None
 
     # ------------------------------------------------------------------ the step
-    def step(self, state: SequenceState, token: torch.Tensor | int) -> torch.Tensor:
-        """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor); state.pos += 1.
-        A whole-mode step's routes are counted by the next step (after its launch) or `settle()`."""
+    def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
+        """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor), or None without
+        `logits` (a prefill token's step: the head is skipped); state.pos += 1. A whole-mode
+        step's routes are counted by the next step (after its launch) or `settle()`."""
         self.model.reserve(state, state.pos)
         self.whole = self.prefer_whole and self.provider.all_resident()
         if not self.whole:
@@ -226,16 +240,16 @@ class DecodeRunner:
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
         gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
-            out = self._run_eager(state, emitting)
+            out = self._run_eager(state, emitting, logits)
         elif gs is None:
             side = self._side  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                out = self._run_eager(state, emitting)  # this step, eagerly; compiles its kernels
+                out = self._run_eager(state, emitting, logits)  # this step, eagerly; compiles its kernels
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            out = self._replay(gs)
-        logits = out.logits.clone()
+            out = self._replay(gs, logits)
+        result = out.logits.clone() if logits else None
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         if self.graphs and gs is None:  # capture after this step's results are taken
             try:
@@ -246,7 +260,7 @@ class DecodeRunner:
         if routes is not None:
             self._pending = (state.pos, *self._to_host(routes))
         state.pos += 1
-        return logits
+        return result
 
 
 def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,

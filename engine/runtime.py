@@ -54,9 +54,10 @@ class StepTimer:
 
 @dataclass(frozen=True)
 class Launched:
-    """A forward call queued on the device (`Runtime.launch`): its logits, once it has run."""
+    """A forward call queued on the device (`Runtime.launch`): its logits, once it has run (None:
+    launched without them)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     tokens: int
     graphed: bool
     timer: StepTimer
@@ -92,10 +93,12 @@ class Runtime:
         """Process `ids` (a prefill chunk, or one token) from state.pos; advances the state."""
         return self.finish(self.launch(state, ids))
 
-    def launch(self, state: SequenceState, ids: Sequence[int] | torch.Tensor) -> Launched:
+    def launch(self, state: SequenceState, ids: Sequence[int] | torch.Tensor, logits: bool = True) -> Launched:
         """Queue the forward call of `step` on the device without waiting for it (on the CPU it
         has run when this returns); the state has advanced. `finish` waits for it. `ids` may be
-        a device tensor (a sampled token that the host has not read)."""
+        a device tensor (a sampled token that the host has not read). Without `logits`, a
+        replayed one-token step skips the head (its Launched.logits is None): a prefill token
+        whose logits nobody reads."""
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
         graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
@@ -110,15 +113,16 @@ class Runtime:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 if graphed:  # a host token id spares the runner a device read
-                    logits = self.runner.step(state, ids if host is None else host[0])[0]
+                    out = self.runner.step(state, ids if host is None else host[0], logits)
+                    out = None if out is None else out[0]
                 else:
-                    logits = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
+                    out = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
             wait = self.experts.usage.wait_s - wait0
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
-        return Launched(logits, n, graphed, timer, t0, wait, done)
+        return Launched(out, n, graphed, timer, t0, wait, done)
 
     def finish(self, launched: Launched) -> StepResult:
         """Wait for a launched call (not for work queued after it); its result, timed from its
@@ -194,11 +198,11 @@ class Runtime:
         return self.runner is not None and length <= SHORT_PREFILL
 
     def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> StepResult:
-        """`ids` one token per replayed decode step, launched back to back; one result for them
-        (the last token's logits, timed from the first launch)."""
-        first = self.launch(state, ids[:1])
+        """`ids` one token per replayed decode step, launched back to back, the head only for
+        the last; one result for them (its logits, timed from the first launch)."""
+        first = self.launch(state, ids[:1], logits=len(ids) == 1)
         last, wait = first, first.wait_s
-        for token in ids[1:]:
-            last = self.launch(state, [token])
+        for i, token in enumerate(ids[1:], 2):
+            last = self.launch(state, [token], logits=i == len(ids))
             wait += last.wait_s
         return self.finish(replace(last, tokens=len(ids), t0=first.t0, wait_s=wait))

@@ -349,6 +349,38 @@ def test_whole_steps_count_their_routes_after_the_next_launch(files):
     assert all(len(set(ids)) == files.args.n_activated_experts for _, _, ids in seen)
 
 
+class _CountingHeads(DecodeRunner):
+    """A runner that counts the steps that ran the head."""
+
+    heads = 0
+
+    def _head(self, out):
+        self.heads += 1
+        super()._head(out)
+
+
+def test_a_short_prefill_runs_the_head_once_and_a_step_without_logits_leaves_the_same_state(files):
+    """Replayed prefill tokens skip the head but the last; a step without logits returns None and
+    leaves the state as a step with them does."""
+    import threading
+
+    from engine.runtime import Runtime
+
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    runner = _CountingHeads(model, files.experts, whole=True)
+    runtime = Runtime(model, files.experts, torch.device("cpu"), threading.RLock(), None, runner)
+    state = model.new_state()
+    (result,) = runtime.prefill(state, PROMPT[:8], 16)  # one chunk of 8
+    assert runner.heads == 1 and result.graphed and result.logits.shape == (files.args.vocab_size,)
+    a, b = state.clone(), state.clone()
+    assert runner.step(a, 5, logits=False) is None and runner.heads == 1
+    runner.step(b, 5)
+    assert a.pos == b.pos
+    for x, y in zip(a.layers, b.layers):
+        assert all(torch.equal(t, u) for t, u in zip(x.tensors(), y.tensors()))
+    assert torch.equal(runner.step(a, 7), runner.step(b, 7))
+
+
 def test_short_prefill_chunks_replay_the_decode_step(packed):
     """With a runner, Runtime.prefill runs a chunk of at most SHORT_PREFILL tokens as decode
     steps (one result for the chunk, flagged graphed) and a longer chunk eagerly; the logits and
