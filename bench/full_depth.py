@@ -20,7 +20,8 @@
    their rate (against pinned H2D); the hit rate (prefetched experts count as hits) and the
    prefetch counters; the graph sets captured; peak device memory against the memory plan, and
    the device's memory in use (CUDA graphs hold memory outside the allocator). `--host-profile
-   N` adds the host's top N calls (cProfile) over 8 more graphed steps;
+   N` adds the host's top N calls (cProfile) over 8 more graphed steps, and `--trace DIR` a
+   torch.profiler Chrome trace of 4 more;
 4. prints one table; `--json FILE` also writes every figure.
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
@@ -118,25 +119,31 @@ def _text_of(tokenizer, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _graphed_step_ms(eng, session, sync, steps: int = 32,
-                     profile: cProfile.Profile | None = None) -> tuple[float, float, float]:
+def _graphed_step_ms(eng, session, sync, steps: int = 32, profile: cProfile.Profile | None = None,
+                     trace: Path | None = None) -> tuple[float, float, float]:
     """(median wall time of one decode step in ms, expert bytes read per step, those bytes per
     second of step time): decode steps replayed through the runner on a clone of the session's
-    state, the device synchronised after each (no host work between steps); the reads are the
-    expert cache's over the steps after the first two (nothing else runs meanwhile). `profile`
-    (cProfile) records the host's calls during 8 more steps, after the timed ones (the profiler
-    slows the host down)."""
+    state, each on the greedy token of the step before (a chat's routing: one token repeated
+    routes alike every step and would hit the cache more), the device synchronised after each
+    (no other host work between steps); the reads are the expert cache's over the steps after
+    the first two (nothing else runs meanwhile). `profile` (cProfile) records the host's calls
+    during 8 more steps, after the timed ones (the profiler slows the host down); `trace` writes
+    a torch.profiler Chrome trace of 4 more steps (host calls, kernels, copies) to that file."""
     runtime = eng.runtime
     state = session.state.clone()
-    runtime.reserve(state, state.pos + steps + 11)
+    runtime.reserve(state, state.pos + steps + 15)
     token = torch.tensor([eng.tokenizer.bos_id], device=eng.device)
     times, read = [], []
+
+    def step() -> torch.Tensor:
+        return runtime.step(state, token).logits.argmax().reshape(1)
+
     for _ in range(steps + 2):
         snap = eng.stats().cache
         read.append(snap.bytes_read if snap is not None else 0)
         sync()
         t = time.perf_counter()
-        runtime.step(state, token)
+        token = step()
         sync()
         times.append(1e3 * (time.perf_counter() - t))
     runtime.settle()
@@ -145,10 +152,21 @@ def _graphed_step_ms(eng, session, sync, steps: int = 32,
     if profile is not None:
         profile.enable()
         for _ in range(8):
-            runtime.step(state, token)
+            token = step()
             sync()
         profile.disable()
         runtime.settle()
+    if trace is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+        with torch_profile(activities=activities, with_stack=True) as prof:  # with the Python calls
+            for _ in range(4):
+                token = step()
+                sync()
+        runtime.settle()
+        prof.export_chrome_trace(str(trace))
     return statistics.median(times[2:]), per_step, per_step / (1e-3 * statistics.fmean(times[2:]))
 
 
@@ -281,7 +299,8 @@ def child(a) -> dict:
               f"{1e3 * again.stats.ttft_s:.1f} ms profiled), by cumulative time:\n{text.getvalue()}",
               file=sys.stderr, flush=True)
     profile = cProfile.Profile() if a.host_profile else None
-    out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync, profile=profile)
+    trace = Path(a.trace) / f"trace_{a.share:g}.json" if a.trace else None
+    out["graphed_step_ms"], step_bytes, step_rate = _graphed_step_ms(eng, session, sync, profile=profile, trace=trace)
     if profile is not None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(a.host_profile)
@@ -410,6 +429,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="profile the host's calls (cProfile) during 8 graphed steps after the timed ones; "
                         "print the top N by own time")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler Chrome trace of 4 decode steps per "
+                   "configuration to DIR/trace_SHARE.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pack", help=argparse.SUPPRESS)
     p.add_argument("--share", type=float, help=argparse.SUPPRESS)
@@ -454,6 +475,9 @@ def main(argv=None) -> int:
             cmd += ["--host-cache-gb", str(a.host_cache_gb)]
         if a.no_tier_fill:
             cmd += ["--no-tier-fill"]
+        if a.trace:
+            Path(a.trace).mkdir(parents=True, exist_ok=True)
+            cmd += ["--trace", a.trace]
         if a.routing_trace:
             cmd += ["--routing-trace", str(Path(a.routing_trace).resolve())]
         t = time.perf_counter()

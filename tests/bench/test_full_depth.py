@@ -20,9 +20,10 @@ def pack(tmp_path_factory):
     return convert(ckpt, root / "pack", resume=False)
 
 
-def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters(pack, capsys):
+def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters(pack, capsys, tmp_path):
     assert full_depth.main(["--child", "--pack", str(pack), "--share", "0.5", "--device", "cpu", "--prompts", "16",
-                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2", "--host-profile", "40"]) == 0
+                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2", "--host-profile", "40",
+                            "--trace", str(tmp_path)]) == 0
     out = capsys.readouterr()
     r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     assert r["graphed_step_ms"] > 0 and r["kernels_during_chat"] == 0 and r["pool_bytes"] > r["cache_bytes"] > 0
@@ -41,3 +42,6 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     f = r["followup"]
     assert 0 < f["read_gb"] <= r["miss_gb"]
     assert f["read_gb_s"] == pytest.approx(f["read_gb"] / (f["prefill_s"] + f["decode_s"]))
+    # the Chrome trace of 4 more steps: the runner's steps are in it
+    events = json.loads((tmp_path / "trace_0.5.json").read_text())["traceEvents"]
+    assert sum(bool(re.fullmatch(r"engine/runtime\.py\(\d+\): step", e.get("name", ""))) for e in events) == 4
