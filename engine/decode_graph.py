@@ -18,9 +18,12 @@ step can be captured once and replayed. Two modes:
   `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
   experts follow from the token id, so their reads start with the step (`provider.prefetch`).
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
-  experts (`Transformer.predict_next`, in the graph); once layer i's experts are held, they go
-  to `provider.prefetch_predicted`, so their reads overlap segment i+1 (layer i's FFN and layer
-  i+1's attention).
+  experts (`Transformer.predict_next`, in the graph, beside layer i's route: one host read for
+  both). Once layer i's experts are held and segment i+1 is launched, they go to
+  `provider.prefetch_predicted` with a fence taken before that launch: the hint's bookkeeping
+  runs on the host while segment i+1 runs on the device, and its reads wait only for the work
+  before the fence (segment i+1 reads only layer i's experts, which are held until the hint
+  is issued), so they overlap segment i+1 (layer i's FFN and layer i+1's attention).
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
@@ -56,7 +59,8 @@ class _Outputs:
     carry: list[DecodeCarry | None]
     final: torch.Tensor | None = None  # [1, n_hc, D] the streams after the last block
     logits: torch.Tensor | None = None
-    ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> predicted ids [1, k] of layer + 1
+    # layer -> [1, 2k] its routed ids, then layer + 1's predicted ids (router lookahead)
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,29 +120,40 @@ class DecodeRunner:
             if self._lookahead and not self.whole:
                 predicted = self.model.predict_next(i, out.carry[i].hidden, self.ids)
                 if predicted is not None:
-                    out.ahead[i] = predicted
+                    out.picks[i] = torch.cat((out.carry[i].routed[0], predicted), dim=1)
         else:
             out.final = streams
 
     def _head(self, out: _Outputs) -> None:
         out.logits = self.model.logits(out.final)
 
-    def _routes(self, out: _Outputs, layer: int) -> list[int]:
-        ids = out.carry[layer].routed[0][0].tolist()  # the segment boundary's one host sync
+    def _routes(self, out: _Outputs, layer: int) -> tuple[list[int], list[int] | None]:
+        """(layer's routed ids, layer + 1's predicted ids or None): the segment boundary's one host sync."""
+        picks = out.picks.get(layer)
+        if picks is None:
+            ids, predicted = out.carry[layer].routed[0][0].tolist(), None
+        else:
+            both = picks[0].tolist()
+            ids, predicted = both[:len(both) // 2], both[len(both) // 2:]
         if self.on_routes is not None:
             self.on_routes(layer, self.at.host, ids)
-        return ids
+        return ids, predicted
 
     def _run(self, out: _Outputs, segment, n_segments: int) -> None:
         """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
-        resident (and holds them) around the segment that uses them."""
+        resident (and holds them) around the segment that uses them, and hands the next layer's
+        predicted experts to the provider once that segment is launched (module docstring)."""
         for i in range(n_segments):
+            predicted = fence = None
             if i and not self.whole:
-                self.provider.acquire(i - 1, self._routes(out, i - 1))
-                if i - 1 in out.ahead:  # layer i-1's experts are held: guess layer i's
-                    self.provider.prefetch_predicted(i, out.ahead[i - 1][0].tolist())
+                ids, predicted = self._routes(out, i - 1)
+                self.provider.acquire(i - 1, ids)
+                if predicted is not None:
+                    fence = self.provider.fence()  # before segment i: its reads need not wait for it
             try:
                 segment(i)
+                if predicted is not None:  # layer i-1's experts are held: guess layer i's
+                    self.provider.prefetch_predicted(i, predicted, fence=fence)
             finally:
                 if i and not self.whole:
                     self.provider.release(i - 1)

@@ -4,8 +4,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
 
 * data: `experts(layer, ids)` yields (id, ExpertWeights) once per distinct id, in any order;
   `prefetch(layer, ids)` is a hint (hash layers know their experts from the token ids);
-  `prefetch_predicted(layer, ids, keep)` a predicted one (router lookahead: layer L+1's gate on
-  layer L's state), which never evicts the `keep` experts (the current layer's); hints never
+  `prefetch_predicted(layer, ids, keep, fence)` a predicted one (router lookahead: layer L+1's
+  gate on layer L's state), which never evicts the `keep` experts (the current layer's), its
+  reads waiting only for the device work before `fence()` when given one; hints never
   change results, only residency; `prefetch_stats()` counts them (engine/experts/prefetch.py);
   `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
   that read them through its slot table (`can_acquire(n)`: whether n of them fit now);
@@ -100,9 +101,18 @@ class ExpertProvider(ABC):
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Hint: `layer` will need these experts soon."""
 
-    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
+    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = (),
+                           fence: object | None = None) -> None:
         """Hint: `layer` will probably need these experts (router lookahead); never evicts a
-        resident expert of `keep`. Nothing to do when every expert is resident."""
+        resident expert of `keep`. `fence` (from `fence()`, taken before launching work that
+        reads only experts held until this call): the hint's reads into freed slots wait only for
+        the device work before it, not for that launch. Nothing to do when every expert is
+        resident."""
+
+    def fence(self) -> object | None:
+        """A point in the device's queued work, for `prefetch_predicted` (None: nothing is queued
+        asynchronously, e.g. an arena in host memory)."""
+        return None
 
     def prefetch_stats(self) -> dict[str, PrefetchStats]:
         """Per hint source ("hash", "lookahead"): accuracy, reads issued, used in time or in flight."""

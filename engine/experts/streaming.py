@@ -23,7 +23,8 @@ holding the resident `keep` keys (the current layer's route) while it admits, so
 the current layer needs is evicted for a guess. With `keep` (the eager model hints before the
 current layer's call) the hint waits until that call has queued its own reads (the I/O queue is
 FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
-the current layer's experts are held) it is issued at once. `prefetches` (engine/experts/prefetch.py) counts
+the current layer's experts are held) it is issued at once, and with a `fence()` taken before the
+runner launched work that reads only held experts, its reads wait only for the work before it. `prefetches` (engine/experts/prefetch.py) counts
 the hints against the route that settles them: in `experts` and `acquire`, before any read of
 the call is joined, a prefetched read is "in time" when its read has completed.
 
@@ -84,9 +85,11 @@ class _Batch:
     kernels enqueued earlier, which may read the records it held, are done), and the call's
     RAM-tier copies, enqueued together after one wait for that event."""
 
-    def __init__(self, compute: torch.cuda.Stream) -> None:
-        self.freed = torch.cuda.Event()
-        self.freed.record(compute)
+    def __init__(self, compute: torch.cuda.Stream, freed: torch.cuda.Event | None = None) -> None:
+        if freed is None:
+            freed = torch.cuda.Event()
+            freed.record(compute)
+        self.freed = freed  # or a fence taken earlier (`StreamingExperts.fence`)
         self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
@@ -445,17 +448,27 @@ class StreamingExperts(ExpertProvider):
         """Start reading these experts of `layer` now and keep them until its next call."""
         self._prefetch(layer, ids, "hash", ())
 
-    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = ()) -> None:
+    def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = (),
+                           fence: torch.cuda.Event | None = None) -> None:
         """`prefetch` of predicted experts; the resident `keep` keys are held meanwhile (never
         evicted). With `keep`, issued when the call of keep's layer has queued its reads (module
-        docstring)."""
+        docstring); without, at once, its reads waiting for the device work before `fence` (if
+        given) instead of all work queued so far."""
         keep = list(dict.fromkeys(keep))
         if self._deferred is not None:  # an older hint whose call never came: issue it now
             self._issue_deferred(self._deferred.after)
         if keep:
             self._deferred = _Hint(layer, list(ids), keep)
         else:
-            self._prefetch(layer, ids, "lookahead", ())
+            self._prefetch(layer, ids, "lookahead", (), fence)
+
+    def fence(self) -> torch.cuda.Event | None:
+        """An event recorded on the compute stream now (device arenas; None for a host arena)."""
+        if self._staging is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.arena.device))
+        return event
 
     def _issue_deferred(self, layer: int) -> None:
         """Issue the hint waiting for `layer`'s call, if any."""
@@ -464,7 +477,8 @@ class StreamingExperts(ExpertProvider):
             self._deferred = None
             self._prefetch(hint.layer, hint.ids, "lookahead", hint.keep)
 
-    def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey]) -> None:
+    def _prefetch(self, layer: int, ids: Iterable[int], source: str, keep: Iterable[ExpertKey],
+                  fence: torch.cuda.Event | None = None) -> None:
         ids = list(dict.fromkeys(int(i) for i in ids))
         self.prefetches.predict(layer, ids, source)
         user = self.pinned()
@@ -473,6 +487,8 @@ class StreamingExperts(ExpertProvider):
                 and self._hold(key, user)]
         try:
             with self._batched():
+                if fence is not None and self._batch is None:  # this hint's reads wait for the fence only
+                    self._batch = _Batch(torch.cuda.current_stream(self.arena.device), fence)
                 mine = self._prefetched.setdefault(layer, [])
                 for e in ids:
                     key = (layer, e)

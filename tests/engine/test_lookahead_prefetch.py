@@ -248,3 +248,90 @@ def test_layered_cuda_graphs_with_lookahead_equal_those_without(packed, record, 
         finally:
             files.close()
     _assert_same_steps_and_hints(out, steps=12)
+
+
+class _OrderSpy:
+    """A provider passing calls on to `inner` and logging the runner's, with the segments the runner ran."""
+
+    def __init__(self, inner, log: list):
+        self.inner, self.log = inner, log
+        self.arena, self.cache = inner.arena, inner.cache
+
+    def acquire(self, layer, ids):
+        self.log.append(("acquire", layer))
+        self.inner.acquire(layer, ids)
+
+    def release(self, layer):
+        self.log.append(("release", layer))
+        self.inner.release(layer)
+
+    def fence(self):
+        self.log.append(("fence",))
+        return "the fence"
+
+    def prefetch_predicted(self, layer, ids, keep=(), fence=None):
+        self.log.append(("hint", layer, fence))
+        self.inner.prefetch_predicted(layer, ids, keep)
+
+    def prefetch(self, layer, ids):
+        self.inner.prefetch(layer, ids)
+
+    def record(self, layer, ids):
+        self.inner.record(layer, ids)
+
+    def all_resident(self):
+        return self.inner.all_resident()
+
+
+class _SegmentLog(DecodeRunner):
+    def __init__(self, *args, log: list, **kw):
+        super().__init__(*args, **kw)
+        self.log = log
+
+    def _segment(self, i, state, emitting, out):
+        self.log.append(("segment", i))
+        super()._segment(i, state, emitting, out)
+
+
+def test_the_hint_follows_the_launch_of_the_segment_with_a_fence_taken_before_it(packed, record):
+    """Layered steps: layer i-1's experts are acquired, a fence is taken, segment i is launched,
+    then layer i's predicted experts are hinted with that fence, and only then layer i-1's
+    experts are released (the fenced reads never go to a slot that segment i reads)."""
+    files = open_model(packed, cache_bytes=6 * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("exact"), lookahead=True)
+        state = model.new_state()
+        model.forward(PROMPT, state, files.experts)
+        log: list = []
+        runner = _SegmentLog(model, _OrderSpy(files.experts, log), whole=False, graphs=False, log=log)
+        runner.step(state, 5)
+        hinted = [entry[1] for entry in log if entry[0] == "hint"]
+        assert hinted and all(entry[2] == "the fence" for entry in log if entry[0] == "hint")
+        for layer in hinted:
+            at = log.index(("segment", layer))
+            assert log[at - 2:at + 3] == [("acquire", layer - 1), ("fence",), ("segment", layer),
+                                          ("hint", layer, "the fence"), ("release", layer - 1)]
+        assert files.experts.cache.pinned() == frozenset()
+    finally:
+        files.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_fenced_hint_reads_while_later_device_work_runs(packed, record):
+    """A hint with a fence taken before a long kernel has its experts on the device while that
+    kernel still runs; without the fence its reads wait for the kernel."""
+    for fenced in (True, False):
+        files = open_model(packed, cache_bytes=6 * record, device="cuda")
+        try:
+            p, stream = files.experts, torch.cuda.current_stream()
+            fence = p.fence() if fenced else None
+            torch.cuda._sleep(4_000_000_000)  # seconds of device work queued after the fence
+            p.prefetch_predicted(3, [0, 1], fence=fence)
+            p.acquire(3, [0, 1])  # joins the hint's reads
+            busy = not stream.query()
+            p.release(3)
+            torch.cuda.synchronize()
+            assert busy is fenced
+        finally:
+            files.close()
