@@ -200,7 +200,7 @@ class StreamingExperts(ExpertProvider):
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             if self._batch is None:
-                self._batch = _Batch(torch.cuda.current_stream(self.arena.device))
+                self._batch = _Batch(self.arena.current_stream())
             freed = self._batch.freed
             if self.tier is not None:
                 src = self.tier.hold(key)
@@ -271,7 +271,7 @@ class StreamingExperts(ExpertProvider):
             return
         if isinstance(fut, _DeviceCopy):  # kernels enqueued from now on wait for the copy on the device
             if waited is None or fut.event not in waited:
-                torch.cuda.current_stream(self.arena.device).wait_event(fut.event)
+                self.arena.current_stream().wait_event(fut.event)
                 if waited is not None:
                     waited.add(fut.event)
             self._tiered.remove(key)
@@ -467,7 +467,7 @@ class StreamingExperts(ExpertProvider):
         if self._staging is None:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.arena.device))
+        event.record(self.arena.current_stream())
         return event
 
     def _issue_deferred(self, layer: int) -> None:
@@ -488,7 +488,7 @@ class StreamingExperts(ExpertProvider):
         try:
             with self._batched():
                 if fence is not None and self._batch is None:  # this hint's reads wait for the fence only
-                    self._batch = _Batch(torch.cuda.current_stream(self.arena.device), fence)
+                    self._batch = _Batch(self.arena.current_stream(), fence)
                 mine = self._prefetched.setdefault(layer, [])
                 for e in ids:
                     key = (layer, e)
