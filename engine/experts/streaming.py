@@ -24,9 +24,10 @@ the current layer needs is evicted for a guess. With `keep` (the eager model hin
 current layer's call) the hint waits until that call has queued its own reads (the I/O queue is
 FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
 the current layer's experts are held) it is issued at once, and with a `fence()` taken before the
-runner launched work that reads only held experts, its reads wait only for the work before it. `prefetches` (engine/experts/prefetch.py) counts
-the hints against the route that settles them: in `experts` and `acquire`, before any read of
-the call is joined, a prefetched read is "in time" when its read has completed.
+runner launched work that reads only held experts, its reads wait only for the work before it.
+`prefetches` (engine/experts/prefetch.py) counts the hints against the route that settles them:
+in `experts` and `acquire`, before any read of the call is joined, a prefetched read is "in
+time" when its read has completed.
 
 With a device arena and a `HostTier` (engine/experts/host_tier.py), a miss is served from host
 RAM when the tier holds the record: one asynchronous host->device copy, enqueued by the engine
