@@ -21,7 +21,7 @@
    prefetch counters; the graph sets captured; peak device memory against the memory plan, and
    the device's memory in use (CUDA graphs hold memory outside the allocator). `--host-profile
    N` adds the host's top N calls (cProfile) over 8 more graphed steps, and `--trace DIR` a
-   torch.profiler Chrome trace of 4 more;
+   torch.profiler Chrome trace of 4 more (summarised by `python -m bench.step_trace`);
 4. prints one table; `--json FILE` also writes every figure.
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from bench import full_depth
+from bench import full_depth, step_trace
 from converter import synth
 from converter.convert import convert
 
@@ -45,3 +45,8 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     # the Chrome trace of 4 more steps: the runner's steps are in it
     events = json.loads((tmp_path / "trace_0.5.json").read_text())["traceEvents"]
     assert sum(bool(re.fullmatch(r"engine/runtime\.py\(\d+\): step", e.get("name", ""))) for e in events) == 4
+    # bench.step_trace reads it: 4 steps, none of whose time is on a device (the CPU has none)
+    steps = step_trace.summarise(step_trace.read_events(tmp_path / "trace_0.5.json"), 10)
+    assert len(steps) == 4 and all(s.wall > 0 and s.compute == s.copy == 0 for s in steps)
+    assert "engine/experts/provider.py: acquire" in step_trace.host_calls(step_trace.read_events(
+        tmp_path / "trace_0.5.json"), 4)
