@@ -205,6 +205,17 @@ def hadamard_qdq4(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 ROW_STABLE_M = 4  # CPU products of fewer rows than this are padded (`matmul`)
 
 
+def _row_stable(product, a: torch.Tensor) -> torch.Tensor:
+    """product(a) for a [M, ...] whose rows do not depend on M (`matmul`): on the CPU, an `a` of
+    fewer than ROW_STABLE_M rows is padded with zero rows, and the padding's rows dropped again."""
+    m = a.shape[0]
+    if a.device.type != "cpu" or m >= ROW_STABLE_M:
+        return product(a)
+    padded = a.new_zeros((ROW_STABLE_M, *a.shape[1:]))
+    padded[:m] = a
+    return product(padded)[:m]
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] with rows that do not depend on M, so that a token's product is the
     same in a prefill chunk and in a one-token decode step. On the CPU, MKL multiplies fewer than
@@ -212,23 +223,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a row alone differs in the last bits from the same row among 24, which a later FP8
     quantisation can turn into a 3 % difference in the logits); such an `a` is padded with zero
     rows to ROW_STABLE_M. Other devices multiply as given."""
-    m = a.shape[0]
-    if a.device.type != "cpu" or m >= ROW_STABLE_M:
-        return a @ b
-    padded = a.new_zeros((ROW_STABLE_M, *a.shape[1:]))
-    padded[:m] = a
-    return (padded @ b)[:m]
+    return _row_stable(lambda x: x @ b, a)
 
 
 def grouped_matmul(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """u [S, G, K] times each group's w [G, R, K] -> [S, G, R] (fp32 accumulation), rows
     independent of S as in `matmul`."""
-    s = u.shape[0]
-    if u.device.type != "cpu" or s >= ROW_STABLE_M:
-        return torch.einsum("sgi,gri->sgr", u, w)
-    padded = u.new_zeros((ROW_STABLE_M, *u.shape[1:]))
-    padded[:s] = u
-    return torch.einsum("sgi,gri->sgr", padded, w)[:s]
+    return _row_stable(lambda x: torch.einsum("sgi,gri->sgr", x, w), u)
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
