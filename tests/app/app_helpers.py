@@ -7,6 +7,7 @@ import time
 
 from rich.console import Console
 from textual.app import App
+from textual.errors import NoWidget
 from textual.pilot import Pilot
 
 
@@ -20,13 +21,35 @@ def screen_text(app: App) -> str:
     return console.export_text()
 
 
-async def wait_for(pilot: Pilot, condition, timeout: float = 5.0, what: str = "condition") -> None:
+async def wait_for(pilot: Pilot, condition, timeout: float = 15.0, what: str = "condition") -> None:
     """Let the app run until `condition()` holds (fails the test after `timeout` s)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await pilot.pause(0.02)
+
+
+def shown(app: App, selector: str) -> bool:
+    """Whether the widget `selector` is on the current screen, laid out, and the one a user would
+    see (and click) at its centre. A widget just mounted has an empty region until the next
+    layout: reading the screen or clicking before then sees nothing (a race only load shows)."""
+    found = app.screen.query(selector)
+    if not found:
+        return False
+    widget = found.first()
+    if not widget.region.area:
+        return False
+    try:
+        return app.get_widget_at(*widget.region.center)[0] is widget
+    except NoWidget:  # the compositor has not placed anything there yet
+        return False
+
+
+async def click(pilot: Pilot, app: App, selector: str) -> None:
+    """Click the widget `selector` once it is `shown`; fails if the click lands elsewhere."""
+    await wait_for(pilot, lambda: shown(app, selector), what=f"{selector} to be shown")
+    assert await pilot.click(selector), f"the click on {selector} landed on another widget"
 
 
 async def wait_idle(pilot: Pilot, app) -> None:

@@ -8,7 +8,7 @@ import functools
 import re
 
 from fake_engine import THINKING, FakeBackend, FakeEngine
-from app_helpers import app_test, screen_text, start_turn, type_and_send, wait_for, wait_idle
+from app_helpers import app_test, screen_text, shown, start_turn, type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
 from app.autosave import Autosaver
@@ -135,7 +135,9 @@ def test_error_lines_have_no_exception_class_names(config):
             line = app.screen.query_one("#job-line")
             await wait_for(pilot, lambda: "✗" in str(line.content))
             assert str(line.content) == "✗ Numpy is not available"
-            assert "RuntimeError" not in screen_text(app)
+            await wait_for(pilot, lambda: shown(app, "#job-line"), what="the progress screen shown")
+            text = screen_text(app)
+            assert "✗ Numpy is not available" in text and "RuntimeError" not in text
 
     asyncio.run(go())
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fake_engine import FakeBackend, FakeEngine
-from app_helpers import screen_text, type_and_send, wait_for, wait_idle
+from app_helpers import click, screen_text, shown, type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
 from app.screens.load_failed import LoadFailedScreen
@@ -50,7 +50,7 @@ def test_a_failed_load_offers_the_demo_then_the_demo_is_remembered(config):
         async with app.run_test(size=SIZE) as pilot:
             if expect_failure:
                 await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen)
-                               and app.screen.query("#load-failed-why"), what="the dialog")
+                               and shown(app, "#load-failed-why"), what="the dialog")
                 text = screen_text(app)
                 assert why in text and "RuntimeError" not in text
                 assert "Wizard (w)" in text and "Demo model (d)" in text
@@ -75,9 +75,9 @@ def test_a_failed_load_offers_another_model_and_the_wizard(config):
         app = ChatApp(replace(cfg, model=broken), backend)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: isinstance(app.screen, LoadFailedScreen)
-                           and app.screen.query("#load-failed-why"), what="the dialog")
+                           and shown(app, "#load-failed-why"), what="the dialog")
             if press == "other":
-                await pilot.click("#model-0")
+                await click(pilot, app, "#model-0")
                 await wait_idle(pilot, app)
                 assert backend.loaded[-1] == other and app.model_dir == other
                 assert app.chat.phase.content.plain.startswith("● ")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_engine import ANSWER, ConvertProgress, FakeBackend, FakeEngine
-from app_helpers import type_and_send, wait_for, wait_idle
+from app_helpers import click, type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
 from app.autosave import Autosaver, find_unfinished, read_transcript
@@ -94,7 +94,7 @@ def test_conversion_can_be_cancelled(config, tmp_path):
             await wait_for(pilot, lambda: isinstance(app.screen, SourceScreen))
             app.screen.query_one("#source-path").value = str(tmp_path / "src")
             await wait_for(pilot, lambda: not app.screen.query_one("#start").disabled)
-            await pilot.click("#start")
+            await click(pilot, app, "#start")
             await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen))
             await pilot.press("escape")
             line = app.screen.query_one("#job-line")
