@@ -212,7 +212,7 @@ def child(a) -> dict:
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
                           max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
                           host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB),
-                          fill_host_tier=not a.no_tier_fill)
+                          fill_host_tier=not a.no_tier_fill, lookahead_prefetch=not a.no_lookahead)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -414,6 +414,8 @@ def main(argv=None) -> int:
                    "(default: the whole pool when free host RAM allows); misses beyond it are read from the pack")
     p.add_argument("--no-tier-fill", action="store_true",
                    help="fill the host-RAM tier on demand only (no background fill after load)")
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="no router lookahead prefetch (EngineConfig.lookahead_prefetch off): its reads against its misses")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -475,6 +477,8 @@ def main(argv=None) -> int:
             cmd += ["--host-cache-gb", str(a.host_cache_gb)]
         if a.no_tier_fill:
             cmd += ["--no-tier-fill"]
+        if a.no_lookahead:
+            cmd += ["--no-lookahead"]
         if a.trace:
             Path(a.trace).mkdir(parents=True, exist_ok=True)
             cmd += ["--trace", a.trace]
@@ -488,7 +492,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
         r["label"] = (label + (" forced routing" if a.routing_trace else "") + (" TIMING PACK" if a.timing_pack else "")
-                      + (" no tier fill" if a.no_tier_fill else ""))
+                      + (" no tier fill" if a.no_tier_fill else "") + (" no lookahead" if a.no_lookahead else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)

@@ -50,3 +50,12 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     assert len(steps) == 4 and all(s.wall > 0 and s.compute == s.copy == 0 for s in steps)
     assert "engine/experts/provider.py: acquire" in step_trace.host_calls(step_trace.read_events(
         tmp_path / "trace_0.5.json"), 4)
+
+
+def test_no_lookahead_turns_the_hints_off(pack, capsys):
+    assert full_depth.main(["--child", "--pack", str(pack), "--share", "0.5", "--device", "cpu", "--prompts", "16",
+                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2", "--no-lookahead"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    lookahead = r["prefetch"]["lookahead"]
+    assert lookahead["hinted"] == lookahead["issued"] == 0 and r["miss_gb"] > 0
