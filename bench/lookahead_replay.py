@@ -82,7 +82,8 @@ def route_steps(rows: Sequence[RouteRow]) -> tuple[list[int], list[dict[int, lis
 def predict(route: list[int], accuracy: float, n_experts: int, rng: random.Random) -> list[int]:
     """The stand-in lookahead: each routed id kept with probability `accuracy`, else replaced by
     one the route does not hold, drawn uniformly."""
-    others = [e for e in range(n_experts) if e not in set(route)]
+    routed = set(route)
+    others = [e for e in range(n_experts) if e not in routed]
     return [e if rng.random() < accuracy or not others else rng.choice(others) for e in route]
 
 
