@@ -134,8 +134,8 @@ def serve_calls(cache: ExpertCache, calls: Sequence[Call], on_miss: Callable[[Ex
     """Demand-fetch `calls` through `cache` in the engine's order; returns the hits.
 
     As StreamingExperts.experts does for one call: every key is looked up first; hits are
-    held (pinned) until used, misses held and admitted (an admission evicts only unheld
-    keys); hits are used first, then the misses, and each key is released (unpinned) after its
+    held (`ExpertCache.hold`) until used, misses held and admitted (an admission evicts only
+    unheld keys); hits are used first, then the misses, and each key is released after its
     use. When the call needs more slots than can be held at once, the oldest held keys are
     used and released first to make room. `on_miss(key)` is told each miss before it is
     admitted (where its bytes come from), `on_evict(key)` each key an admission evicted."""
@@ -149,7 +149,7 @@ def serve_calls(cache: ExpertCache, calls: Sequence[Call], on_miss: Callable[[Ex
             else:
                 hits += 1
                 try:
-                    cache.pin(key)
+                    cache.hold(key)
                     held.append(key)
                 except ExpertCacheError:  # every slot held: use it at once
                     pass
@@ -158,22 +158,22 @@ def serve_calls(cache: ExpertCache, calls: Sequence[Call], on_miss: Callable[[Ex
                 on_miss(key)
             while True:
                 try:
-                    cache.pin(key)
+                    cache.hold(key)
                 except ExpertCacheError:
-                    cache.unpin(held.pop(0))
+                    cache.release(held.pop(0))
                     continue
                 try:
                     _, evicted = cache.admit(key)
                 except CacheFullError:
-                    cache.unpin(key)
-                    cache.unpin(held.pop(0))
+                    cache.release(key)
+                    cache.release(held.pop(0))
                     continue
                 if evicted is not None and on_evict is not None:
                     on_evict(evicted)
                 held.append(key)
                 break
         for key in held:
-            cache.unpin(key)
+            cache.release(key)
     return hits
 
 

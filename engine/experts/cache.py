@@ -10,6 +10,16 @@ calls `admit(key)` -> (slot, evicted key or None), loads the record into that sl
 load fails, calls `discard(key)` to give the slot back. `admit` may also be called without a
 prior miss (prefetch, e.g. hash layers 0-2).
 
+Two ways to keep a key from eviction: `pin` (the user's `/pin`: the key leaves the eviction
+policy until `unpin`) and `hold` (a provider's transient hold while a call uses the key, or
+while a transfer reads or writes it: `release` ends it). Holding a resident key tells the
+policy nothing (its lookups are its uses, as without the hold); only when the policy names a
+held key as its victim does `admit` set it aside (out of the policy, and picks again) until its
+release. A key admitted while held enters the policy at its release, with the uses made by
+then (so a prefetch the route never asked for counts one use, when it is let go, as a hit
+counts its use at its lookup). The hold/release pair of an expert a decode step finds resident
+thus costs no policy work; as pin/unpin it cost a removal and a re-insertion.
+
 Not thread-safe: call it from the engine thread only; `stats()` snapshots are immutable and
 may be handed to the UI.
 """
@@ -113,6 +123,8 @@ class ExpertCache:
         self._uses: dict[ExpertKey, int] = {}  # uses since admission, resident keys only
         self._free: list[int] = list(range(self.capacity_slots - 1, -1, -1))  # pop() -> 0 first
         self._pinned: set[ExpertKey] = set()
+        self._held: set[ExpertKey] = set()  # transient holds (`hold`)
+        self._suspended: set[ExpertKey] = set()  # held keys out of the policy since it named them victims
         self._history: Counter[ExpertKey] = Counter()  # all-time lookups, survives eviction
         self.reset_stats()
 
@@ -142,7 +154,7 @@ class ExpertCache:
             self._hits += 1
             self._layer_hits[key[0]] += 1
             self._uses[key] += 1
-            if key not in self._pinned:
+            if key not in self._pinned and key not in self._suspended:
                 self._policy.touch(key)
         else:
             self._misses += 1
@@ -154,7 +166,7 @@ class ExpertCache:
         is counted); False when `key` is not resident."""
         if key not in self._slots:
             return False
-        if key not in self._pinned:
+        if key not in self._pinned and key not in self._suspended:
             self._policy.touch(key)
         return True
 
@@ -178,17 +190,23 @@ class ExpertCache:
         evicted = None
         if not self._free:
             evicted = self._policy.victim()
+            while evicted is not None and evicted in self._held:  # out of the policy until released
+                self._policy.discard(evicted)
+                self._suspended.add(evicted)
+                evicted = self._policy.victim()
             if evicted is None:
                 raise CacheFullError(
                     f"cannot admit expert {key!r}: all {self.capacity_slots} slots hold pinned "
-                    f"experts; unpin some or give the cache a larger budget"
+                    f"or held experts; unpin some or give the cache a larger budget"
                 )
             self._remove(evicted)
             self._evictions += 1
         slot = self._free.pop()
         self._slots[key] = slot
         self._uses[key] = 1
-        if key not in self._pinned:
+        if key in self._held:  # the policy hears of it at its release, with the uses made by then
+            self._suspended.add(key)
+        elif key not in self._pinned:
             self._policy.add(key)
         self._admissions += 1
         return slot, evicted
@@ -196,6 +214,7 @@ class ExpertCache:
     def _remove(self, key: ExpertKey) -> int:
         slot = self._slots.pop(key)
         del self._uses[key]
+        self._suspended.discard(key)
         if key in self._policy:
             self._policy.discard(key)
         self._free.append(slot)
@@ -221,19 +240,57 @@ class ExpertCache:
                 f"pinned; unpin some first"
             )
         self._pinned.add(key)
+        self._suspended.discard(key)
         if key in self._policy:
             self._policy.discard(key)
         return key in self._slots
 
     def unpin(self, key: ExpertKey) -> bool:
         """Unpin `key`; returns whether it was pinned. A resident key becomes evictable again,
-        keeping its uses since admission (as the most recent among equals)."""
+        keeping its uses since admission (as the most recent among equals); a held one once
+        released."""
         if key not in self._pinned:
             return False
         self._pinned.remove(key)
         if key in self._slots:
-            self._policy.add(key, self._uses[key])
+            self._restore(key)
         return True
+
+    def _restore(self, key: ExpertKey) -> None:
+        """Give resident, unpinned `key` back to the policy (now, or at its release if held)."""
+        if key in self._held:
+            self._suspended.add(key)
+        else:
+            self._policy.add(key, self._uses[key])
+
+    def hold(self, key: ExpertKey) -> None:
+        """Keep `key` from eviction until `release(key)`, without telling the policy (module
+        docstring); it may be resident or about to be admitted. Idempotent. Raises
+        ExpertCacheError when capacity_slots keys are already pinned or held (a pinned key
+        takes no further slot)."""
+        if self._check(key) in self._held:
+            return
+        if key not in self._pinned and len(self._pinned) + len(self._held) >= self.capacity_slots:
+            raise ExpertCacheError(
+                f"cannot hold expert {key!r}: all {self.capacity_slots} slots are pinned or held"
+            )
+        self._held.add(key)
+
+    def release(self, key: ExpertKey) -> bool:
+        """End the hold of `key`; returns whether it was held. A key the policy named as a
+        victim while held goes back to it (as `unpin` does)."""
+        if key not in self._held:
+            return False
+        self._held.remove(key)
+        if key in self._suspended:
+            self._suspended.remove(key)
+            if key in self._slots and key not in self._pinned:
+                self._policy.add(key, self._uses[key])
+        return True
+
+    def held(self) -> frozenset[ExpertKey]:
+        """The keys held now (`hold`), resident or about to be admitted."""
+        return frozenset(self._held)
 
     def unpin_all(self) -> list[ExpertKey]:
         """Unpin every pinned key (the `/unpin` command without a list); returns them."""
@@ -247,8 +304,8 @@ class ExpertCache:
         return frozenset(self._pinned)
 
     def flush(self) -> list[ExpertKey]:
-        """Evict every unpinned resident key; returns them. Pinned keys stay."""
-        evicted = [k for k in self._slots if k not in self._pinned]
+        """Evict every resident key neither pinned nor held; returns them."""
+        evicted = [k for k in self._slots if k not in self._pinned and k not in self._held]
         for key in evicted:
             self._remove(key)
         self._flushed += len(evicted)

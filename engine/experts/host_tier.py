@@ -84,7 +84,7 @@ class HostTier:
                     slot, _ = self.cache.admit(key)
                 except CacheFullError:
                     return None
-            self.cache.pin(key)
+            self.cache.hold(key)
             self._held.add(key)
             return slot, must_read
 
@@ -96,7 +96,7 @@ class HostTier:
             if key in self.cache or self.full:
                 return None
             slot, _ = self.cache.admit(key)
-            self.cache.pin(key)
+            self.cache.hold(key)
             self._held.add(key)
             return slot
 
@@ -124,7 +124,7 @@ class HostTier:
             if key not in self._held:
                 raise ExpertCacheError(f"expert {key!r} is not held in the host tier")
             self._held.remove(key)
-            self.cache.unpin(key)
+            self.cache.release(key)
             if not ok:
                 self.cache.discard(key)
 

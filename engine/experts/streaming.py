@@ -37,9 +37,9 @@ from the disk into a tier slot on an I/O thread and copied from there; without a
 every tier slot is in transfer) it is read into a pinned staging buffer. On the CPU the arena
 is the only tier.
 
-Transient holds use `ExpertCache.pin`/`unpin` on keys the user has not pinned; a user pin made
-while a forward call is running (another thread) is not supported (the cache is not
-thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
+Transient holds use `ExpertCache.hold`/`release` (no policy work: a key's lookups and admission
+are its uses) on keys the user has not pinned; a user pin made while a forward call is running
+(another thread) is not supported (the cache is not thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
 once: it takes its slot now (counted as pinned), and the read is joined on the expert's next use.
 """
 
@@ -120,7 +120,7 @@ class StreamingExperts(ExpertProvider):
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
-        self._held: set[ExpertKey] = set()  # keys this provider pinned transiently
+        self._held: set[ExpertKey] = set()  # keys this provider holds transiently (`ExpertCache.hold`)
         self._loads: dict[ExpertKey, Future | _DeviceCopy] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
@@ -151,7 +151,7 @@ class StreamingExperts(ExpertProvider):
         if key in self._held or key in user:
             return True
         try:
-            self.cache.pin(key)
+            self.cache.hold(key)
         except ExpertCacheError:
             return False
         self._held.add(key)
@@ -160,7 +160,7 @@ class StreamingExperts(ExpertProvider):
     def _release(self, key: ExpertKey) -> None:
         if key in self._held:
             self._held.remove(key)
-            self.cache.unpin(key)
+            self.cache.release(key)
 
     def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None,
               src: tuple[int, bool] | None = None, copying: torch.cuda.Event | None = None) -> None:
@@ -519,13 +519,13 @@ class StreamingExperts(ExpertProvider):
     # ------------------------------------------------------------------ management
     def pinned(self) -> frozenset[ExpertKey]:
         """The keys the user pinned (not this provider's transient holds)."""
-        return self.cache.pinned() - self._held
+        return self.cache.pinned()
 
     def _pin_one(self, key: ExpertKey) -> None:
         """Pin `key` and, when it is not resident, admit it and start its read now."""
         self._drop_prefetches()  # their holds would count against the pin limit
         self.cache.pin(key)
-        self._held.discard(key)  # a transient hold becomes the user's pin
+        self._release(key)  # a transient hold becomes the user's pin
         if self.cache.peek(key) is None and not self._admit(key, frozenset({key})):
             self.cache.unpin(key)
             raise CacheFullError(f"cannot load pinned expert {key[1]} of layer {key[0]}: every cache "

@@ -110,7 +110,7 @@ def test_layered_mode_streams_through_a_small_cache(packed):
         lookups = (after.hits + after.misses) - (before.hits + before.misses)
         assert 6 * (units - 1) <= lookups <= 6 * (units - 1) * k  # distinct experts per main layer
         assert after.misses > before.misses and after.evictions > before.evictions
-        assert files.experts.cache.pinned() == frozenset()  # every hold released
+        assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()  # every hold released
         ref_files.close()
     finally:
         files.close()
@@ -129,7 +129,7 @@ def test_layered_mode_needs_room_for_one_layers_experts(packed):
         with pytest.raises(CacheFullError, match="larger budget"):
             for tok in range(20):  # some layer routes the token to k distinct experts
                 runner.step(state, tok)
-        assert files.experts.cache.pinned() == frozenset()
+        assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()
     finally:
         files.close()
 

@@ -145,12 +145,53 @@ def test_pinned_never_evicted_and_full_of_pins_raises(policy):
     _, evicted = use(cache, (3, 3))  # pending pin loads on next use, evicting the unpinned one
     assert evicted == (0, 7) and cache.pinned() == {(0, 1), (3, 3)}
     assert cache.stats().pinned == 2
-    with pytest.raises(CacheFullError, match="all 2 slots hold pinned experts"):
+    with pytest.raises(CacheFullError, match="all 2 slots hold pinned or held experts"):
         cache.admit((0, 9))
     assert cache.unpin((0, 1)) is True and cache.unpin((0, 1)) is False
     assert cache.admit((0, 9)) == (0, (0, 1))
     assert cache.unpin_all() == [(3, 3)] and cache.pinned() == frozenset()
     assert cache.admit((0, 10))[1] == (0, 9)  # unpinned (3, 3) re-entered as most recent
+
+
+def test_a_hold_tells_the_lru_order_nothing():
+    cache = make(2, "lru")
+    use(cache, (0, 1)), use(cache, (0, 2))  # (0, 1) is the least recent
+    cache.hold((0, 1))
+    assert cache.held() == {(0, 1)} and cache.pinned() == frozenset() and cache.stats().pinned == 0
+    assert cache.release((0, 1)) and not cache.release((0, 1))
+    assert cache.admit((0, 3))[1] == (0, 1)  # still the least recent: the hold moved nothing
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "next-use"])
+def test_a_held_victim_is_set_aside_and_back_in_the_policy_once_released(policy):
+    cache = make(2, policy)
+    use(cache, (0, 1)), use(cache, (0, 2)), use(cache, (0, 2))  # (0, 1): least recent, least used
+    cache.hold((0, 1))
+    assert cache.admit((0, 3))[1] == (0, 2)  # the policy named (0, 1): held, so the next one goes
+    assert cache.flush() == [(0, 3)] and (0, 1) in cache  # flush keeps held keys too
+    assert cache.admit((0, 4))[1] is None
+    with pytest.raises(CacheFullError, match="pinned or held"):
+        cache.hold((0, 4)), cache.admit((0, 5))  # every slot held
+    cache.release((0, 4))
+    assert cache.admit((0, 5))[1] == (0, 4)
+    cache.release((0, 1))  # back in the policy: evictable again
+    cache.hold((0, 5))
+    assert cache.admit((0, 6))[1] == (0, 1)
+
+
+def test_holds_and_pins_share_the_slots_and_an_unpinned_held_key_waits_for_its_release():
+    cache = make(2, "lru")
+    use(cache, (0, 1)), use(cache, (0, 2))
+    cache.pin((0, 1))
+    cache.hold((0, 2))
+    with pytest.raises(ExpertCacheError, match="all 2 slots are pinned or held"):
+        cache.hold((0, 3))
+    cache.hold((0, 1))  # pinned and held: released later, still pinned
+    cache.unpin((0, 1))  # held: not evictable before its release
+    with pytest.raises(CacheFullError):
+        cache.admit((0, 3))
+    cache.release((0, 1)), cache.release((0, 2))  # the failed admission set (0, 2) aside too
+    assert cache.admit((0, 3))[1] == (0, 1) and cache.admit((0, 4))[1] == (0, 2)
 
 
 def test_unpin_under_lfu_keeps_use_count():
@@ -225,7 +266,8 @@ def test_hottest_survives_eviction_and_reset_stats():
 
 KEYS = st.tuples(st.integers(0, 1), st.integers(0, 4))
 OPS = st.lists(
-    st.tuples(st.sampled_from(["use", "use", "use", "prefetch", "pin", "unpin", "flush", "discard"]), KEYS),
+    st.tuples(st.sampled_from(["use", "use", "use", "prefetch", "pin", "unpin", "hold", "release", "flush",
+                               "discard"]), KEYS),
     max_size=60,
 )
 
@@ -254,10 +296,12 @@ def test_invariants_under_random_operations(policy, slots, ops):
     cache = make(slots, policy, extra_bytes=E // 2)
     model = Model(policy)
     lookups = 0
+    suspended: set = set()  # held keys the policy named as victims: re-queued when released
     for op, key in ops:
         before = cache.resident()
-        pinned_before = cache.pinned()
-        expected_victim = model.victim([k for k in before if k not in pinned_before])
+        pinned_before, held_before = cache.pinned(), cache.held()
+        candidates = [k for k in before if k not in pinned_before and k not in held_before]
+        expected_victim = model.victim(candidates)
         evicted = None
         if op in ("use", "prefetch"):
             if op == "use":
@@ -270,14 +314,20 @@ def test_invariants_under_random_operations(policy, slots, ops):
             try:
                 slot, evicted = cache.admit(key)
             except CacheFullError:
-                assert len(before) == slots and set(before) <= pinned_before
+                assert len(before) == slots and not candidates
+                suspended |= set(before) - pinned_before  # every held key was named and set aside
                 continue
+            if evicted is not None and policy != "slru":  # held keys ranked before it were set aside
+                suspended |= {k for k in before if k in held_before and k not in pinned_before
+                              and model.victim([k, evicted]) == k}
             model.touch(key, 1)
+            if key in held_before and key not in pinned_before:
+                suspended.add(key)  # admitted while held: the policy hears of it at its release
             assert cache.resident()[key] == slot
             if len(before) < slots:
                 assert evicted is None and slot not in before.values()
             else:
-                assert evicted not in pinned_before and before[evicted] == slot
+                assert evicted not in pinned_before and evicted not in held_before and before[evicted] == slot
                 if policy != "slru":
                     assert evicted == expected_victim
         elif op == "pin":
@@ -286,22 +336,41 @@ def test_invariants_under_random_operations(policy, slots, ops):
                     cache.pin(key)
             else:
                 assert cache.pin(key) == (key in before)
+                suspended.discard(key)
         elif op == "unpin":
             assert cache.unpin(key) == (key in pinned_before)
             if key in pinned_before and key in before:
-                model.touch(key, model.uses[key])  # re-enters as most recent, uses kept
+                if key in held_before:
+                    suspended.add(key)  # re-enters when released
+                else:
+                    model.touch(key, model.uses[key])  # re-enters as most recent, uses kept
+        elif op == "hold":
+            if len(pinned_before) + len(held_before) >= slots and key not in held_before | pinned_before:
+                with pytest.raises(ExpertCacheError, match="pinned or held"):
+                    cache.hold(key)
+            else:
+                cache.hold(key)
+                assert key in cache.held() and cache.resident() == before  # no policy work, no admission
+        elif op == "release":
+            assert cache.release(key) == (key in held_before)
+            if key in suspended:
+                suspended.discard(key)
+                if key in before and key not in pinned_before:
+                    model.touch(key, model.uses[key])  # back in the policy as most recent
         elif op == "flush":
             flushed = cache.flush()
-            assert set(flushed) == set(before) - pinned_before
-            assert set(cache.resident()) == set(before) & pinned_before
+            assert set(flushed) == set(before) - pinned_before - held_before
+            assert set(cache.resident()) == set(before) & (pinned_before | held_before)
+            suspended &= set(cache.resident())
         elif op == "discard":
             assert cache.discard(key) == before.get(key)
+            suspended.discard(key)
         # invariants after every operation
         res = cache.resident()
         s = cache.stats()
         assert s.used_bytes == len(res) * E <= s.capacity_bytes
         assert len(set(res.values())) == len(res) and all(0 <= v < slots for v in res.values())
-        assert pinned_before - {key} <= cache.pinned()
+        assert pinned_before - {key} <= cache.pinned() and held_before - {key} <= cache.held()
         assert all(k in res for k in pinned_before & set(before) if op != "discard" or k != key)
         assert s.hits + s.misses == lookups == sum(s.layer_hits) + sum(s.layer_misses)
         assert s.pinned + s.pinned_pending == len(cache.pinned()) <= slots
@@ -368,7 +437,7 @@ def test_a_failed_pin_is_rolled_back_whole(tiny_pack):
             p.pin([(1, 0), (1, 1), (99, 0)])
         assert p.pinned() == {(0, 1)} and p.stats().pinned == 1
         assert (1, 0) not in p.cache.pinned() and (1, 1) not in p.cache.pinned()
-        assert p.cache.pinned() == {(0, 1)}  # no hold left behind either
+        assert p.cache.pinned() == {(0, 1)} and not p.cache.held()  # no hold left behind either
     finally:
         files.close()
 

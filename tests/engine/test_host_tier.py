@@ -143,9 +143,9 @@ def test_never_exceeds_its_budget_and_io_errors_leave_it_consistent(pack):
             got = tier.hold(key)
             if got is not None:
                 in_flight.append((key, *got))
-        # invariants: within budget, holds are pinned and resident, slots distinct
+        # invariants: within budget, holds are held (not pinned) and resident, slots distinct
         assert len(tier.cache) <= tier.slots and tier.nbytes <= 5 * r
-        assert tier.held() == {k for k, _, _ in in_flight} == tier.cache.pinned()
+        assert tier.held() == {k for k, _, _ in in_flight} == tier.cache.held() and not tier.cache.pinned()
         assert all(k in tier for k in tier.held())
         assert len(set(tier.cache.resident().values())) == len(tier.cache)
     assert failures > 0

@@ -64,7 +64,7 @@ def test_tier_serves_misses_with_the_same_bytes(packed):
         assert all(torch.equal(a, b) for a, b in zip(want, got2))
         second = tier.stats()
         assert second.hits > first.hits and second.misses == first.misses
-        assert tier.held() == frozenset() and tiered.experts.cache.pinned() == frozenset()
+        assert tier.held() == frozenset() and tiered.experts.cache.pinned() == tiered.experts.cache.held() == frozenset()
     finally:
         plain.close()
         tiered.close()

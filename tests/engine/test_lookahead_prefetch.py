@@ -53,7 +53,7 @@ def _layered_run(files, logits: list, before):
     lookahead counters then), after checking the counters and that no hold is left."""
     look = files.experts.prefetch_stats()["lookahead"]
     _check_counters(look)
-    assert files.experts.cache.pinned() == frozenset()
+    assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()
     return logits, look.routed - before.routed, look.predicted - before.predicted
 
 
@@ -88,7 +88,7 @@ def test_lookahead_is_bitwise_and_counted(tiny_ckpt, packed, record, slots):
         else:  # the current layer holds every slot while its call runs: no room for a guess
             assert look.issued == 0
         assert stats["hash"].accuracy == 1.0  # hash layers are known exactly from the token ids
-        assert files.experts.cache.pinned() == frozenset()  # no hold leaks
+        assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()  # no hold leaks
     finally:
         files.close()
 
@@ -147,7 +147,7 @@ def test_predicted_prefetch_never_evicts_the_current_layers_experts(packed, reco
         list(p.experts(4, [5, 9]))
         s = p.prefetch_stats()["lookahead"]
         assert (s.used, s.unused, s.predicted, s.routed) == (1, 1, 1, 2)
-        assert p.cache.pinned() == frozenset()
+        assert p.cache.pinned() == p.cache.held() == frozenset()
     finally:
         files.close()
 
@@ -169,7 +169,7 @@ def test_a_hint_before_a_call_queues_after_its_misses(packed, record):
         list(p.experts(4, [5, 6, 7]))
         s = p.prefetch_stats()["lookahead"]
         assert (s.issued, s.used, s.unused, s.predicted, s.routed) == (4, 3, 1, 3, 3)
-        assert p.cache.pinned() == frozenset() and not p._loads
+        assert p.cache.pinned() == p.cache.held() == frozenset() and not p._loads
     finally:
         files.close()
 
@@ -311,7 +311,7 @@ def test_the_hint_follows_the_launch_of_the_segment_with_a_fence_taken_before_it
             at = log.index(("segment", layer))
             assert log[at - 2:at + 3] == [("acquire", layer - 1), ("fence",), ("segment", layer),
                                           ("hint", layer, "the fence"), ("release", layer - 1)]
-        assert files.experts.cache.pinned() == frozenset()
+        assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()
     finally:
         files.close()
 

@@ -93,7 +93,7 @@ def test_logits_bitwise_equal_exact(packed, reference, record_bytes, budget):
     assert s.hits + s.misses == sum(n for _, n in calls)  # one lookup per distinct expert per call
     assert s.bytes_read == s.admissions * record_bytes and s.admissions >= s.misses
     assert s.used_bytes <= s.capacity_bytes and s.entries <= s.capacity_entries
-    assert s.pinned == s.pinned_pending == 0 and cache.pinned() == frozenset()  # no hold leaks
+    assert s.pinned == s.pinned_pending == 0 and cache.pinned() == cache.held() == frozenset()  # no hold leaks
     assert s.capacity_entries == (UNITS * E if slots is None else slots)
     if slots is None:
         assert s.evictions == 0 and s.misses + s.hits > s.misses
@@ -155,7 +155,7 @@ def test_early_stop_leaves_nothing_held(packed, record_bytes):
     gen = p.experts(1, [0, 1, 2, 3])
     next(gen)
     gen.close()
-    assert p.cache.pinned() == frozenset() and not p._loads
+    assert p.cache.pinned() == p.cache.held() == frozenset() and not p._loads
     assert len(list(p.experts(1, [4, 5, 6]))) == 3
     files.close()
 
@@ -168,18 +168,18 @@ def test_prefetch_then_hits(source, packed, record_bytes):
     assert (s.admissions, s.hits + s.misses) == (4, 0)
     assert [e for e, _ in p.experts(0, [9, 3, 4])][:2] == [3, 4]  # prefetched = hits, first
     s = p.stats()
-    assert (s.hits, s.misses) == (2, 1) and p.cache.pinned() == frozenset()
+    assert (s.hits, s.misses) == (2, 1) and p.cache.pinned() == p.cache.held() == frozenset()
     assert (0, 6) in p.cache and (0, 7) in p.cache  # an unused hint stays cached, unheld
     p.prefetch(1, [0, 1, 2, 3])
     p.prefetch(2, [0, 1])  # over the limit: ignored
     assert p.stats().admissions == 4 + 1 + 4 and (2, 0) not in p.cache
     list(p.experts(2, list(range(8))))  # 4 free slots: runs in two waves, layer 1 kept
-    assert p.cache.pinned() == {(1, 0), (1, 1), (1, 2), (1, 3)}
+    assert p.cache.held() == {(1, 0), (1, 1), (1, 2), (1, 3)} and p.cache.pinned() == frozenset()
     for key in p.cache.resident():
         if key[0] == 2:
             p.cache.pin(key)  # now every slot is pinned or held for layer 1
     assert [e for e, _ in p.experts(3, [0])] == [0]  # the layer-1 prefetch holds give way
-    assert p.cache.pinned() == {k for k in p.cache.resident() if k[0] == 2}
+    assert p.cache.pinned() == {k for k in p.cache.resident() if k[0] == 2} and p.cache.held() == frozenset()
     assert sum(k[0] == 1 for k in p.cache.resident()) == 3
     files.close()
 
@@ -191,9 +191,9 @@ def test_record_ends_the_layers_prefetch_holds(packed):
     p = files.experts
     assert p.load_all()
     p.prefetch(0, [1, 2, 3])
-    assert p.cache.pinned() == {(0, 1), (0, 2), (0, 3)}
+    assert p.cache.held() == {(0, 1), (0, 2), (0, 3)}
     p.record(0, [2, 5])
-    assert p.cache.pinned() == frozenset()
+    assert p.cache.held() == p.cache.pinned() == frozenset()
     files.close()
 
 
