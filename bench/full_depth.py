@@ -26,6 +26,8 @@
 
 `--routing-trace FILE` forces the experts of layers >= 3 from a route CSV (engine/routing_override.py)
 so that cache behaviour is realistic: TIMING ONLY, the generated text is meaningless (the run says so).
+Forced layers get no router lookahead hints unless `--lookahead-accuracy A` gives them a stand-in
+right a share A of the time; `--no-lookahead` turns the hints off everywhere.
 
 `--timing-pack` runs on a timing-only pack (bench/timing_pack.py) with `--experts` per layer made
 from the `--base-experts` pack: its expert records are file holes (zeros, no disk blocks), so 43
@@ -212,7 +214,8 @@ def child(a) -> dict:
     config = EngineConfig(device=a.device, backend="tilelang" if cuda else "torch", cache_bytes=cache,
                           max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
                           host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB),
-                          fill_host_tier=not a.no_tier_fill, lookahead_prefetch=not a.no_lookahead)
+                          fill_host_tier=not a.no_tier_fill, lookahead_prefetch=not a.no_lookahead,
+                          routing_lookahead=a.lookahead_accuracy)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -421,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write every figure to this file")
     p.add_argument("--routing-trace", metavar="FILE", help="force the experts of layers >= 3 from this route CSV "
                    "(../shared/traces): timing only, the generated text is meaningless")
+    p.add_argument("--lookahead-accuracy", type=float, metavar="A",
+                   help="with --routing-trace: forced layers get router lookahead hints from a stand-in right a "
+                        "share A of the time (engine/routing_override.py); without it they get none")
     p.add_argument("--timing-pack", action="store_true",
                    help="TIMING ONLY: --experts per layer in a pack whose expert records are file holes (zeros), "
                         "made from the --base-experts pack (bench/timing_pack.py); outputs are meaningless")
@@ -441,6 +447,9 @@ def main(argv=None) -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a)), flush=True)
         return 0
+    if a.lookahead_accuracy is not None and (not a.routing_trace or not 0.0 <= a.lookahead_accuracy <= 1.0):
+        raise SystemExit("bench.full_depth: --lookahead-accuracy takes a share in [0, 1] and needs --routing-trace "
+                         "(without a trace the router's own lookahead runs)")
     if a.routing_trace:  # fail before building anything; the child maps it onto the model
         from engine.routing_override import RoutingTraceError, read_route_csv
 
@@ -484,6 +493,8 @@ def main(argv=None) -> int:
             cmd += ["--trace", a.trace]
         if a.routing_trace:
             cmd += ["--routing-trace", str(Path(a.routing_trace).resolve())]
+        if a.lookahead_accuracy is not None:
+            cmd += ["--lookahead-accuracy", str(a.lookahead_accuracy)]
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # stderr: its progress, shown
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -491,7 +502,8 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stdout[-4000:])
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
-        r["label"] = (label + (" forced routing" if a.routing_trace else "") + (" TIMING PACK" if a.timing_pack else "")
+        r["label"] = (label + (" forced routing" if a.routing_trace else "")
+                      + (f" lookahead stand-in {a.lookahead_accuracy:.0%}" if a.lookahead_accuracy is not None else "") + (" TIMING PACK" if a.timing_pack else "")
                       + (" no tier fill" if a.no_tier_fill else "") + (" no lookahead" if a.no_lookahead else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t

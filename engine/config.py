@@ -329,6 +329,7 @@ class EngineConfig:
     prefill_chunk: int = 2048
     trace_path: str | None = None  # record routing decisions as JSONL
     routing_trace: str | None = None  # TIMING ONLY: force layers >= n_hash_layers' experts from this route CSV
+    routing_lookahead: float | None = None  # with routing_trace: a stand-in lookahead right this share of the time
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
     lookahead_prefetch: bool = True  # streaming: prefetch layer L+1's experts predicted by its gate on layer L's state
     extra: dict = field(default_factory=dict)
@@ -343,6 +344,10 @@ class EngineConfig:
             raise ConfigError(f"cache_policy must be one of {names}, got {self.cache_policy!r}")
         if self.prefill_chunk < 1 or self.max_seq_len < 1:
             raise ConfigError("prefill_chunk and max_seq_len must be positive")
+        if self.routing_lookahead is not None and (self.routing_trace is None
+                                                   or not 0.0 <= self.routing_lookahead <= 1.0):
+            raise ConfigError("routing_lookahead (a stand-in lookahead's accuracy, timing only) needs a "
+                              f"routing_trace and a value in [0, 1], got {self.routing_lookahead!r}")
         for name, value in (("cache_bytes", self.cache_bytes), ("memory_bytes", self.memory_bytes),
                             ("host_cache_bytes", self.host_cache_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):

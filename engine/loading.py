@@ -51,7 +51,8 @@ def build_model(path: Path, files, config: EngineConfig, report: Callable[[LoadP
     from kernels.backend import make_backend
 
     numerics = Numerics.named(config.numerics, make_backend(config.backend, device))
-    routing = forced_routing(config.routing_trace, files.args, device)  # timing only (None: the router)
+    routing = forced_routing(config.routing_trace, files.args, device,  # timing only (None: the router)
+                             config.routing_lookahead)
     model = Transformer(lambda name: files.get(name).to(device), files.args, numerics, routing=routing,
                         lookahead=config.lookahead_prefetch)  # router lookahead: acts only while streaming
     report(LoadProgress("loading", n, n, "layers", "model built"))

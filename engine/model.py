@@ -167,7 +167,7 @@ class Transformer:
             experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid_host[host_ids].flatten().tolist())))
         h = self.embed_tokens(ids)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
-        ahead = self._ahead(experts) if self.lookahead_active(experts) else None
+        ahead = self._ahead(experts, start) if self.lookahead_active(experts) else None
         for block, st in zip(self.blocks, state.layers):
             streams = block(streams, ids, start, st, experts, log, timer, ahead)
         state.pos = start + ids.shape[0]
@@ -177,23 +177,28 @@ class Transformer:
         """Router lookahead runs: asked for, and the provider streams (not every expert resident)."""
         return self.lookahead and experts.cache is not None and not experts.all_resident()
 
-    def predict_next(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    def predict_next(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
+                     start: int | None = None) -> torch.Tensor | None:
         """Router lookahead: layer+1's gate on `hidden` (layer's MoE input before its norm, [S, D])
         normed with layer+1's ffn_norm -> predicted expert ids [S, k] of layer+1 (no host sync);
         None when layer+1 is not a main layer routed by its router (hash layers are known from the
-        token ids; forced layers from the trace)."""
+        token ids). A forced layer (timing only) gets the trace's stand-in guesses, if any, for
+        positions start.. (start None: the current decode step's), engine/routing_override.py."""
         if layer + 1 >= len(self.blocks):
             return None
         nxt = self.blocks[layer + 1]
-        if nxt.ffn.gate.hash or nxt.routing is not None:
+        if nxt.ffn.gate.hash:
             return None
+        if nxt.routing is not None:
+            return nxt.routing.lookahead_ids(layer + 1, start, ids.shape[0])
         return nxt.ffn.route(nxt.norm(hidden, nxt.ffn_norm, nxt.eps), ids)[0]
 
-    def _ahead(self, experts: ExpertProvider) -> Lookahead:
-        """The eager path's lookahead: layer L+1's predicted experts to the provider with L's route as
-        `keep` (never evicted; the hint's reads queue after L's own, engine/experts/streaming.py)."""
+    def _ahead(self, experts: ExpertProvider, start: int) -> Lookahead:
+        """The eager path's lookahead for a call from position `start`: layer L+1's predicted
+        experts to the provider with L's route as `keep` (never evicted; the hint's reads queue
+        after L's own, engine/experts/streaming.py)."""
         def ahead(layer: int, hidden: torch.Tensor, ids: torch.Tensor, routed: torch.Tensor) -> None:
-            predicted = self.predict_next(layer, hidden, ids)
+            predicted = self.predict_next(layer, hidden, ids, start)
             if predicted is not None:
                 experts.prefetch_predicted(layer + 1, sorted(set(predicted.flatten().tolist())),
                                            keep=[(layer, e) for e in sorted(set(routed.flatten().tolist()))])

@@ -25,11 +25,20 @@ chunk's ids are `index_select`ed from it on the device (`prefill_ids`, no host s
 step's are a view of the static buffer `step` [n_layers, k], which `set_position(p)` fills with
 token p mod T (one device copy queued before the step), so a captured CUDA graph reads each
 step's forced ids (engine/decode_graph.py calls it before every step).
+
+Router lookahead (`Transformer.predict_next`: layer L+1's gate on layer L's state) means nothing
+on a forced layer, whose experts are not its router's. With `lookahead_accuracy` a, a stand-in
+takes its place: `guess` [n_layers, T, k] names each forced id with probability a, else an id
+the token does not route there (drawn uniformly, no repeats; seeded, so every run guesses the
+same), read like the forced ids (`lookahead_ids`), so that a streamed run at full depth can
+weigh the hints' reads against the misses they save on real routing. Without it a forced layer
+gets no hints.
 """
 
 from __future__ import annotations
 
 import csv
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,8 +127,13 @@ def map_choice(experts: tuple[int, ...], weights: tuple[float, ...], k: int, n_e
 class ForcedRouting:
     """Expert ids forced from a trace for the router-routed layers of one model (module docstring)."""
 
-    def __init__(self, routes: TraceRoutes, args: ModelArgs, device: torch.device | str):
+    def __init__(self, routes: TraceRoutes, args: ModelArgs, device: torch.device | str,
+                 lookahead_accuracy: float | None = None, seed: int = 0):
+        """`lookahead_accuracy`: the stand-in lookahead's share of right guesses (module docstring),
+        or None for no hints on forced layers."""
         k, n_experts = args.n_activated_experts, args.n_routed_experts
+        if lookahead_accuracy is not None and not 0.0 <= lookahead_accuracy <= 1.0:
+            raise RoutingTraceError(f"the stand-in lookahead's accuracy must be in [0, 1], got {lookahead_accuracy}")
         n_trace = len(routes.experts[0][0])
         if k > n_trace:
             raise RoutingTraceError(f"{routes.path}: the trace routes {n_trace} experts a token but the model routes "
@@ -136,10 +150,16 @@ class ForcedRouting:
                              for layer in range(self.first, args.n_layers)}
         self.table = table.to(device)  # [n_layers, T, k]
         self.step = torch.zeros(args.n_layers, k, dtype=torch.long, device=device)  # a decode step's ids
+        self.lookahead_accuracy = lookahead_accuracy
+        self.guess = self.guess_step = None
+        if lookahead_accuracy is not None:
+            self.guess = stand_in_guesses(table, self.first, n_experts, lookahead_accuracy, seed).to(device)
+            self.guess_step = torch.zeros_like(self.step)  # a decode step's guesses
 
     @classmethod
-    def from_csv(cls, path: str | Path, args: ModelArgs, device: torch.device | str) -> "ForcedRouting":
-        return cls(read_route_csv(path), args, device)
+    def from_csv(cls, path: str | Path, args: ModelArgs, device: torch.device | str,
+                 lookahead_accuracy: float | None = None) -> "ForcedRouting":
+        return cls(read_route_csv(path), args, device, lookahead_accuracy)
 
     def forces(self, layer: int) -> bool:
         """Whether `layer`'s experts come from the trace (router-routed main layers only)."""
@@ -155,12 +175,26 @@ class ForcedRouting:
         return self.table[layer].index_select(0, rows)
 
     def set_position(self, pos: int) -> None:
-        """Fill `step` with position pos's ids (a device copy on the current stream, no host sync)."""
+        """Fill `step` (and `guess_step`) with position pos's ids (device copies on the current
+        stream, no host sync)."""
         self.step.copy_(self.table[:, pos % self.tokens])
+        if self.guess is not None:
+            self.guess_step.copy_(self.guess[:, pos % self.tokens])
 
     def decode_ids(self, layer: int) -> torch.Tensor:
         """The current decode step's forced ids of `layer` [1, k]: a view of `step`."""
         return self.step[layer:layer + 1]
+
+    def lookahead_ids(self, layer: int, start: int | None = None, n: int = 1) -> torch.Tensor | None:
+        """The stand-in lookahead's guesses of forced `layer`'s ids: [n, k] of positions
+        start..start+n-1, or (start None) the current decode step's [1, k], a view of `guess_step`;
+        None without a stand-in."""
+        if self.guess is None:
+            return None
+        if start is None:
+            return self.guess_step[layer:layer + 1]
+        rows = torch.arange(start, start + n, device=self.guess.device).remainder_(self.tokens)
+        return self.guess[layer].index_select(0, rows)
 
     @property
     def note(self) -> str:
@@ -169,12 +203,41 @@ class ForcedRouting:
         layers = f"layers {self.first}..{a.n_layers - 1}" if self.first < a.n_layers else "no layer"
         parts = [f"routing forced from {self.path}: timing only (the generated text is meaningless)",
                  f"{layers} forced, {self.tokens} trace tokens cycled, {a.n_activated_experts} experts a token"]
+        if self.guess is not None:
+            parts.append(f"router lookahead on forced layers: a stand-in right {self.lookahead_accuracy:.0%} of the "
+                         "time (its wrong guesses drawn uniformly from the experts not routed)")
+        else:
+            parts.append("no router lookahead on forced layers")
         if self.max_expert >= a.n_routed_experts:
             parts.append(f"expert ids taken mod {a.n_routed_experts}, the model's experts a layer (the trace's "
                          f"reach {self.max_expert}; a repeat within a token moves to the next free id)")
         return "; ".join(parts)
 
 
-def forced_routing(trace: str | None, args: ModelArgs, device: torch.device | str) -> ForcedRouting | None:
-    """The ForcedRouting of `EngineConfig.routing_trace` (None: the router decides)."""
-    return None if trace is None else ForcedRouting.from_csv(trace, args, device)
+def stand_in_guesses(table: torch.Tensor, first: int, n_experts: int, accuracy: float, seed: int) -> torch.Tensor:
+    """[n_layers, T, k] guesses of `table`'s forced ids (layers >= first): each id kept with
+    probability `accuracy`, else an id not in that token's route nor already guessed, uniformly."""
+    rng = random.Random(seed)
+    guess = table.clone()
+    for layer in range(first, table.shape[0]):
+        for t in range(table.shape[1]):
+            route = table[layer, t].tolist()
+            keep = [rng.random() < accuracy for _ in route]
+            taken = set(route)
+            out = []
+            for e, kept in zip(route, keep):
+                if not kept and len(taken) < n_experts:
+                    e = rng.randrange(n_experts)
+                    while e in taken:  # uniform over the ids not taken
+                        e = rng.randrange(n_experts)
+                    taken.add(e)
+                out.append(e)
+            guess[layer, t] = torch.tensor(out)
+    return guess
+
+
+def forced_routing(trace: str | None, args: ModelArgs, device: torch.device | str,
+                   lookahead_accuracy: float | None = None) -> ForcedRouting | None:
+    """The ForcedRouting of `EngineConfig.routing_trace` (None: the router decides), with the
+    stand-in lookahead of `EngineConfig.routing_lookahead`."""
+    return None if trace is None else ForcedRouting.from_csv(trace, args, device, lookahead_accuracy)

@@ -4,6 +4,7 @@ on the tiny model: the figures the yardstick table is made of."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -59,3 +60,23 @@ def test_no_lookahead_turns_the_hints_off(pack, capsys):
     r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     lookahead = r["prefetch"]["lookahead"]
     assert lookahead["hinted"] == lookahead["issued"] == 0 and r["miss_gb"] > 0
+
+
+def test_forced_routing_takes_a_stand_in_lookahead(pack, capsys, tmp_path):
+    """--routing-trace with --lookahead-accuracy 1: the forced layers (3 and 4) are hinted, and
+    every routed expert of a hinted layer was named by its hint."""
+    rng = random.Random(0)
+    lines = ["pos,layer,n,e0,e1,e2,e3,e4,e5,w0,w1,w2,w3,w4,w5"]
+    for t in range(8):
+        for layer in (3, 4):
+            lines.append(",".join(map(str, [t, layer, 6, *rng.sample(range(16), 6), .3, .3, .2, .1, .05, .05])))
+    trace = tmp_path / "t.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    assert full_depth.main(["--child", "--pack", str(pack), "--share", "0.5", "--device", "cpu", "--prompts", "16",
+                            "--tokens", "4", "--max-seq-len", "512", "--io-threads", "2", "--routing-trace",
+                            str(trace), "--lookahead-accuracy", "1"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(next(line for line in out.out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    lookahead = r["prefetch"]["lookahead"]
+    assert lookahead["routed"] > 0 and lookahead["predicted"] == lookahead["routed"] and lookahead["issued"] > 0
+    assert "a stand-in right 100% of the time" in r["routing"]

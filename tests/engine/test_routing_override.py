@@ -217,6 +217,42 @@ def test_replaying_the_models_own_routes_reproduces_its_logits(packed, tmp_path)
         files.close()
 
 
+def test_a_stand_in_lookahead_guesses_forced_layers_with_its_accuracy(packed, tmp_path):
+    """Forced layers have no router to look ahead with: `lookahead_accuracy` names each forced id
+    with that probability, else an id the token does not route (no repeats), the same every run;
+    the model hands the guesses out as its lookahead (decode step: the current position's;
+    prefill: by position), and without a stand-in a forced layer gets no hint."""
+    trace = _write_trace(tmp_path / "t.csv", tokens=40)
+    files = open_model(packed)
+    args = files.args
+    exact = ForcedRouting.from_csv(trace, args, "cpu", lookahead_accuracy=1.0)
+    assert torch.equal(exact.guess, exact.table)
+    wrong = ForcedRouting.from_csv(trace, args, "cpu", lookahead_accuracy=0.0)
+    for layer in (3, 4):
+        for t in range(40):
+            guess, route = wrong.guess[layer, t].tolist(), wrong.table[layer, t].tolist()
+            assert not set(guess) & set(route) and len(set(guess)) == len(guess) == 4
+    half = ForcedRouting.from_csv(trace, args, "cpu", lookahead_accuracy=0.5)
+    pairs = zip(half.guess[3:5].flatten().tolist(), half.table[3:5].flatten().tolist())
+    assert 0.35 < sum(a == b for a, b in pairs) / (2 * 40 * 4) < 0.65
+    assert torch.equal(ForcedRouting.from_csv(trace, args, "cpu", lookahead_accuracy=0.5).guess, half.guess)
+    half.set_position(41)  # token 41 mod 40
+    assert half.lookahead_ids(4).tolist() == [half.guess[4, 1].tolist()]
+    assert half.lookahead_ids(4, 38, 3).tolist() == [half.guess[4, t].tolist() for t in (38, 39, 0)]
+    model = Transformer(files.get, args, Numerics.named("exact"), routing=half, lookahead=True)
+    hidden, ids = torch.zeros(3, args.dim), torch.tensor([1, 2, 3])
+    assert torch.equal(model.predict_next(3, hidden, ids, start=38), half.lookahead_ids(4, 38, 3))
+    assert torch.equal(model.predict_next(2, hidden[:1], ids[:1]), half.lookahead_ids(3))  # layer 3: forced
+    assert model.predict_next(4, hidden, ids, start=0) is None  # the last layer: nothing after it
+    bare = ForcedRouting.from_csv(trace, args, "cpu")
+    plain = Transformer(files.get, args, Numerics.named("exact"), routing=bare, lookahead=True)
+    assert plain.predict_next(3, hidden, ids, start=0) is None and bare.lookahead_ids(4) is None
+    assert "a stand-in right 50% of the time" in half.note and "no router lookahead on forced layers" in bare.note
+    with pytest.raises(RoutingTraceError, match="accuracy must be in \\[0, 1\\], got 1.5"):
+        ForcedRouting.from_csv(trace, args, "cpu", lookahead_accuracy=1.5)
+    files.close()
+
+
 def test_engine_forces_routing_from_its_config(tmp_path):
     """EngineConfig.routing_trace reaches the model through Engine.load: a chat turn uses exactly
     the forced experts on layers 3 and 4; without it the model has no forced routing."""
@@ -251,3 +287,15 @@ def test_full_depth_flag_says_timing_only(tmp_path, capsys):
         assert f"routing forced from {trace}: timing only" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="bench.full_depth: routing trace .*none.csv does not exist"):
         full_depth.main(["--routing-trace", str(tmp_path / "none.csv")])
+    with pytest.raises(SystemExit, match="--lookahead-accuracy takes a share in \\[0, 1\\] and needs --routing-trace"):
+        full_depth.main(["--lookahead-accuracy", "0.5"])
+
+
+def test_routing_lookahead_needs_a_trace_and_a_share():
+    from engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="routing_lookahead .* needs a routing_trace"):
+        EngineConfig(routing_lookahead=0.5)
+    with pytest.raises(ConfigError, match="in \\[0, 1\\], got 2"):
+        EngineConfig(routing_trace="t.csv", routing_lookahead=2)
+    assert EngineConfig(routing_trace="t.csv", routing_lookahead=0.87).routing_lookahead == 0.87
