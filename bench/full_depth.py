@@ -418,7 +418,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-tier-fill", action="store_true",
                    help="fill the host-RAM tier on demand only (no background fill after load)")
     p.add_argument("--no-lookahead", action="store_true",
-                   help="no router lookahead prefetch (EngineConfig.lookahead_prefetch off): its reads against its misses")
+                   help="no router lookahead prefetch (EngineConfig.lookahead_prefetch off): its reads against "
+                        "the misses it saves")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -503,8 +504,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench.full_depth: the {share:.0%} run failed (rc {proc.returncode})")
         r = json.loads(found[-1][len("RESULT "):])
         r["label"] = (label + (" forced routing" if a.routing_trace else "")
-                      + (f" lookahead stand-in {a.lookahead_accuracy:.0%}" if a.lookahead_accuracy is not None else "") + (" TIMING PACK" if a.timing_pack else "")
-                      + (" no tier fill" if a.no_tier_fill else "") + (" no lookahead" if a.no_lookahead else ""))
+                      + (f" lookahead stand-in {a.lookahead_accuracy:.0%}" if a.lookahead_accuracy is not None else "")
+                      + (" TIMING PACK" if a.timing_pack else "") + (" no tier fill" if a.no_tier_fill else "")
+                      + (" no lookahead" if a.no_lookahead else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)

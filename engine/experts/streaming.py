@@ -37,9 +37,10 @@ from the disk into a tier slot on an I/O thread and copied from there; without a
 every tier slot is in transfer) it is read into a pinned staging buffer. On the CPU the arena
 is the only tier.
 
-Transient holds use `ExpertCache.hold`/`release` (no policy work for a resident key; one admitted
-while held enters the policy at its release) on keys the user has not pinned; a user pin made while a forward call is running
-(another thread) is not supported (the cache is not thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
+Transient holds use `ExpertCache.hold`/`release` (no policy work for a resident key; one
+admitted while held enters the policy at its release) on keys the user has not pinned; a user
+pin made while a forward call is running (another thread) is not supported (the cache is not
+thread-safe anyway). A user pin (`pin`) of an expert that is not resident starts its read at
 once: it takes its slot now (counted as pinned), and the read is joined on the expert's next use.
 """
 

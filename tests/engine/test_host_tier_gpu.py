@@ -64,7 +64,8 @@ def test_tier_serves_misses_with_the_same_bytes(packed):
         assert all(torch.equal(a, b) for a, b in zip(want, got2))
         second = tier.stats()
         assert second.hits > first.hits and second.misses == first.misses
-        assert tier.held() == frozenset() and tiered.experts.cache.pinned() == tiered.experts.cache.held() == frozenset()
+        cache = tiered.experts.cache
+        assert tier.held() == frozenset() and cache.pinned() == cache.held() == frozenset()
     finally:
         plain.close()
         tiered.close()
