@@ -177,17 +177,29 @@ class Runtime:
                 self.runner.settle()
 
     def prefill(self, state: SequenceState, ids: Sequence[int], chunk: int,
-                cancel: threading.Event | None = None) -> Iterator[StepResult]:
+                cancel: threading.Event | None = None,
+                on_queued: Callable[[], None] | None = None) -> Iterator[StepResult]:
         """Process `ids` in chunks of `chunk` tokens and the remainder in powers of two
         (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), one result per
         chunk. Stops before a chunk when `cancel` is set (the state then holds the chunks done).
+        `on_queued()` is called once the last chunk is queued, before it is waited for: work the
+        caller queues then (a snapshot's copies of the state after `ids`) runs after it on the
+        device, and its host time overlaps the chunk's device time instead of following it.
         """
         start = 0
-        for length in chunk_lengths(len(ids), chunk):
+        lengths = chunk_lengths(len(ids), chunk)
+        for i, length in enumerate(lengths):
             if cancel is not None and cancel.is_set():
                 return
             part = ids[start:start + length]
-            yield self._graphed_tokens(state, part) if self._graphs_short(length) else self.step(state, part)
+            queued = on_queued if i == len(lengths) - 1 else None
+            if self._graphs_short(length):
+                yield self._graphed_tokens(state, part, queued)
+            else:
+                launched = self.launch(state, part)
+                if queued is not None:
+                    queued()
+                yield self.finish(launched)
             start += length
 
     def _graphs_short(self, length: int) -> bool:
@@ -197,12 +209,16 @@ class Runtime:
         short eager chunks, compiled per row count, are then never needed)."""
         return self.runner is not None and length <= SHORT_PREFILL
 
-    def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> StepResult:
+    def _graphed_tokens(self, state: SequenceState, ids: Sequence[int],
+                        on_queued: Callable[[], None] | None = None) -> StepResult:
         """`ids` one token per replayed decode step, launched back to back, the head only for
-        the last; one result for them (its logits, timed from the first launch)."""
+        the last; one result for them (its logits, timed from the first launch). `on_queued`:
+        called once they are all launched, before they are waited for (`prefill`)."""
         first = self.launch(state, ids[:1], logits=len(ids) == 1)
         last, wait = first, first.wait_s
         for i, token in enumerate(ids[1:], 2):
             last = self.launch(state, [token], logits=i == len(ids))
             wait += last.wait_s
+        if on_queued is not None:
+            on_queued()
         return self.finish(replace(last, tokens=len(ids), t0=first.t0, wait_s=wait))

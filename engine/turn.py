@@ -82,7 +82,8 @@ class Turns:
         self._meter.start_turn(work.state.pos)
         committed = False
         try:
-            prefill_s, logits = yield from self._prefill(session, work, plan, prompt_text, params, cancel)
+            prefill_s, logits, after_prompt = yield from self._prefill(session, work, plan, prompt_text, params,
+                                                                       cancel)
             if logits is None:  # cancelled during prefill: state as before the turn, messages kept
                 back = turn_start if plan.from_live else plan.base
                 session.commit(back.copy() if back is not None and back.length else self._empty(),
@@ -92,10 +93,9 @@ class Turns:
                 return
             if turn_start is not None:
                 session.keep(turn_start)  # the end of the previous turn: undo comes back here
-            if plan.suffix:
-                work.text, work.logits = prompt_text, logits
-                session.keep(work.copy())  # after the prompt: regenerate starts here
-                work.logits = None
+            if plan.suffix:  # after the prompt: regenerate starts here (state copied by _prefill)
+                work.text = prompt_text
+                session.keep(Snapshot(prompt_text, list(work.ids), after_prompt, [], logits))
             completion, step_ms, ttft, finish = yield from self._decode(work, max_new, params, cancel, logits,
                                                                         t_start)
             completion_text = tok.decode(completion)
@@ -116,31 +116,36 @@ class Turns:
 
     def _prefill(self, session: Session, work: Snapshot, plan, prompt_text: str, params: SamplingParams,
                  cancel: threading.Event):
-        """Run plan.suffix into work (chunked); returns (seconds, last logits or None if cancelled).
+        """Run plan.suffix into work (chunked); returns (seconds, last logits or None if cancelled,
+        a copy of the state after the suffix or None if none ran).
 
-        In thinking mode the final `<think>` runs as its own step after a snapshot, so that the
-        next turn (which drops this turn's reasoning) can resume right before it."""
+        The copy is queued once the suffix's last chunk is, while the device runs it
+        (`Runtime.prefill`'s `on_queued`): its host time (a tensor copy per state buffer, ~270 at
+        43 layers) no longer follows the prompt's steps before the first token. In thinking mode
+        the final `<think>` runs as its own step after a snapshot, so that the next turn (which
+        drops this turn's reasoning) can resume right before it."""
         suffix, think = plan.suffix, self.tokenizer.think_start_id
         parts = [suffix]
         if params.thinking and len(suffix) > 1 and suffix[-1] == think and prompt_text.endswith(THINK_START):
             parts = [suffix[:-1], suffix[-1:]]
-        seconds, logits = 0.0, plan.base.logits
+        seconds, logits, copy = 0.0, plan.base.logits, None
         for i, part in enumerate(parts):
-            done = 0
-            for res in self.runtime.prefill(work.state, part, self.config.prefill_chunk, cancel):
+            done, copies = 0, []
+            for res in self.runtime.prefill(work.state, part, self.config.prefill_chunk, cancel,
+                                            on_queued=lambda: copies.append(work.state.clone())):
                 work.ids += part[done:done + res.tokens]
                 done += res.tokens
                 seconds += res.seconds
                 logits = res.logits
                 yield StepUpdate(self._meter.step(res, work.state.pos, None))
             if done < len(part):
-                return seconds, None
+                return seconds, None, None
+            copy = copies[-1] if copies else None
             if i == 0 and len(parts) == 2:
-                work.pending, work.logits = [], logits
                 work.text = prompt_text[: -len(THINK_START)]
-                session.keep(work.copy())
+                session.keep(Snapshot(work.text, list(work.ids), copy, [], logits))
         work.pending, work.logits = [], None
-        return seconds, logits
+        return seconds, logits, copy
 
     def _decode(self, work: Snapshot, max_new: int, params: SamplingParams, cancel: threading.Event,
                 logits: torch.Tensor, t_start: float):

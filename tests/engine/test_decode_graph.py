@@ -419,3 +419,45 @@ def test_short_prefill_chunks_replay_the_decode_step(packed):
             assert [(r.tokens, r.graphed) for r in long] == [(24, False)]
         finally:
             files.close()
+
+
+def test_prefill_calls_on_queued_after_its_last_chunk_is_launched_and_before_it_is_waited_for(files):
+    """`Runtime.prefill(on_queued=)`: once, when the last chunk is queued and not yet waited for,
+    replayed (one launch per token) or eager (chunks 16 + 8); what it copies is the state after
+    the prompt (the turn's regenerate snapshot is taken there)."""
+    import threading
+
+    from engine.runtime import Runtime
+
+    class _Log(Runtime):
+        def __init__(self, *args, order: list):
+            super().__init__(*args)
+            self.order = order
+
+        def launch(self, state, ids, logits=True):
+            self.order.append("launch")
+            return super().launch(state, ids, logits)
+
+        def finish(self, launched):
+            self.order.append("finish")
+            return super().finish(launched)
+
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    runner = DecodeRunner(model, files.experts, whole=True)
+    prompt = PROMPT + [9, 31, 64, 2, 128, 7, 44, 19, 3, 250, 6]  # 24 tokens
+    for runner_, ids, chunk, want in ((runner, PROMPT[:8], 16, ["launch"] * 8 + ["queued", "finish"]),
+                                      (None, prompt, 16, ["launch", "finish", "launch", "queued", "finish"])):
+        log: list = []
+        runtime = _Log(model, files.experts, torch.device("cpu"), threading.RLock(), None, runner_, order=log)
+        state, copies = model.new_state(), []
+
+        def queued():
+            log.append("queued")
+            copies.append(state.clone())
+
+        results = list(runtime.prefill(state, ids, chunk, on_queued=queued))
+        assert log == want and len(copies) == 1 and sum(r.tokens for r in results) == len(ids)
+        assert copies[0].pos == state.pos == len(ids)
+        for x, y in zip(copies[0].layers, state.layers):
+            assert all(torch.equal(t, u) for t, u in zip(x.tensors(), y.tensors()))
+        runtime.settle()
