@@ -65,18 +65,23 @@ GiB = 2**30
 
 # ----------------------------------------------------------------------------- build
 
-def build_pack(workdir: Path, layers: int, experts: int) -> Path:
-    """The converted pack under workdir (built once; the source checkpoint is deleted after)."""
+def build_pack(workdir: Path, layers: int, experts: int, tiny: bool = False) -> Path:
+    """The converted pack under workdir (built once; the source checkpoint is deleted after): the
+    real dimensions, synthesised on the GPU, or with `tiny` the tiny model's, on the CPU and
+    without the MTP block (bench.lookahead_replay: it counts reads, records of a few KiB do)."""
     from converter.convert import convert
-    from converter.synth import SynthOptions, flash_config, write_checkpoint
+    from converter.synth import SynthOptions, flash_config, tiny_config, write_checkpoint
 
-    pack = workdir / f"pack_L{layers}_E{experts}"
+    pack = workdir / (f"pack_L{layers}_E{experts}" + ("_tiny" if tiny else ""))
     if (pack / "manifest.json").is_file():
         return pack
     src = workdir / "hf"
     t0 = time.perf_counter()
-    write_checkpoint(src, flash_config(layers, n_routed_experts=experts), SynthOptions(seed=0, n_shards=None,
-                                                                                      device="cuda"))
+    if tiny:
+        write_checkpoint(src, tiny_config(layers, n_routed_experts=experts), SynthOptions(with_mtp=False))
+    else:
+        write_checkpoint(src, flash_config(layers, n_routed_experts=experts), SynthOptions(seed=0, n_shards=None,
+                                                                                          device="cuda"))
     t1 = time.perf_counter()
     convert(src, pack)
     t2 = time.perf_counter()

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cache_replay import EXPERT_RECORD_BYTES, ReplayError, RouteRow, read_route_csv  # noqa: E402
+from bench.full_depth import build_pack  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.provider import ExpertProvider  # noqa: E402
 
@@ -109,20 +110,6 @@ def replay(provider: ExpertProvider, layers: Sequence[int], steps: Sequence[dict
                         hint_unused=ledger.unused - ledger0.unused)
 
 
-def build_pack(workdir: Path, n_layers: int, n_experts: int) -> Path:
-    """A converted tiny synthetic model with `n_layers` layers of `n_experts` routed experts (made
-    once; reused while its manifest exists)."""
-    from converter.convert import convert
-    from converter.synth import SynthOptions, tiny_config, write_checkpoint
-
-    pack = workdir / f"pack_L{n_layers}_E{n_experts}"
-    if (pack / "manifest.json").is_file():
-        return pack
-    ckpt = write_checkpoint(workdir / f"ckpt_L{n_layers}_E{n_experts}",
-                            tiny_config(n_layers, n_routed_experts=n_experts), SynthOptions(with_mtp=False))
-    return convert(ckpt, pack)
-
-
 def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]], slots: int,
         accuracy: float | None, policy: str = DEFAULT_POLICY, seed: int = 0) -> ReplayCounts:
     """One replay on a fresh StreamingExperts over `pack` with a cache of `slots` records."""
@@ -189,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench.lookahead_replay: {name}: {e}", file=sys.stderr)
             return 2
         n_experts = 1 + max(max(route[layer]) for route in steps for layer in layers)
-        pack = build_pack(Path(a.workdir), layers[-1] + 1, n_experts)
+        pack = build_pack(Path(a.workdir), layers[-1] + 1, n_experts, tiny=True)
         print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}")
         print(f"  {'slots':>6} {'hints':>6} | {'hit rate':>8} {'misses/use':>10} {'reads/use':>9} "
               f"{'hint reads used / unused':>24} {'GB/token':>8}")

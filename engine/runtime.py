@@ -192,14 +192,10 @@ class Runtime:
             if cancel is not None and cancel.is_set():
                 return
             part = ids[start:start + length]
-            queued = on_queued if i == len(lengths) - 1 else None
-            if self._graphs_short(length):
-                yield self._graphed_tokens(state, part, queued)
-            else:
-                launched = self.launch(state, part)
-                if queued is not None:
-                    queued()
-                yield self.finish(launched)
+            launched = self._graphed_tokens(state, part) if self._graphs_short(length) else self.launch(state, part)
+            if on_queued is not None and i == len(lengths) - 1:
+                on_queued()
+            yield self.finish(launched)
             start += length
 
     def _graphs_short(self, length: int) -> bool:
@@ -209,16 +205,12 @@ class Runtime:
         short eager chunks, compiled per row count, are then never needed)."""
         return self.runner is not None and length <= SHORT_PREFILL
 
-    def _graphed_tokens(self, state: SequenceState, ids: Sequence[int],
-                        on_queued: Callable[[], None] | None = None) -> StepResult:
+    def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> Launched:
         """`ids` one token per replayed decode step, launched back to back, the head only for
-        the last; one result for them (its logits, timed from the first launch). `on_queued`:
-        called once they are all launched, before they are waited for (`prefill`)."""
+        the last; one Launched for them (its logits, timed from the first launch)."""
         first = self.launch(state, ids[:1], logits=len(ids) == 1)
         last, wait = first, first.wait_s
         for i, token in enumerate(ids[1:], 2):
             last = self.launch(state, [token], logits=i == len(ids))
             wait += last.wait_s
-        if on_queued is not None:
-            on_queued()
-        return self.finish(replace(last, tokens=len(ids), t0=first.t0, wait_s=wait))
+        return replace(last, tokens=len(ids), t0=first.t0, wait_s=wait)

@@ -285,7 +285,7 @@ class ExpertCache:
         if key in self._suspended:
             self._suspended.remove(key)
             if key in self._slots and key not in self._pinned:
-                self._policy.add(key, self._uses[key])
+                self._restore(key)
         return True
 
     def held(self) -> frozenset[ExpertKey]:

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from bench.cache_replay import ReplayError, read_route_csv
-from bench.lookahead_replay import build_pack, main, predict, route_steps, run
+from bench.full_depth import build_pack
+from bench.lookahead_replay import main, predict, route_steps, run
 
 LAYERS = (3, 4)  # the tiny model's routed layers (0-2 are hash layers)
 EXPERTS = 16
@@ -16,7 +17,7 @@ EXPERTS = 16
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    return build_pack(tmp_path_factory.mktemp("lookahead_replay"), 5, EXPERTS)
+    return build_pack(tmp_path_factory.mktemp("lookahead_replay"), 5, EXPERTS, tiny=True)
 
 
 @pytest.fixture(scope="module")
