@@ -39,7 +39,8 @@ from engine.session import Session, SessionError
 from engine.stats import MemoryBudget, StepStats
 from engine.step_meter import Gauges, StepMeter
 from engine.turn import Turns
-from engine.warmup import engine_manifest, plan_warmup, run_warmup, warm_sampling, warm_up_kernels
+from engine.warmup import (CAPTURING, decode_steps, engine_manifest, plan_warmup, run_warmup, warm_sampling,
+                           warm_up_kernels)
 
 ProgressFn = Callable[[LoadProgress], None]
 
@@ -111,7 +112,8 @@ class Engine:
         """Run every shape bucket once on scratch states (engine/warmup.py): with the TileLang
         kernels this compiles each of them, or loads it from TileLang's on-disk cache, so that
         nothing compiles during a chat (a later load replays the kernel manifest the first one
-        wrote instead of running the model); with the torch reference, one short prefill and decode.
+        wrote instead, then runs only the decode steps, which capture the decode graphs of every
+        cache capacity); with the torch reference, one short prefill and decode.
         The expert statistics are zeroed afterwards: they count the user's lookups only."""
         self._open()
         full = self.config.backend == "tilelang"
@@ -124,7 +126,12 @@ class Engine:
         if full:  # replays the kernel manifest when there is one (engine/warmup.py)
             manifest = engine_manifest(self.args, self.config, self.files.converted, self.device,
                                        self.experts.all_resident(), steps)
-            warm_up_kernels(steps, run, manifest, report)
+            if warm_up_kernels(steps, run, manifest, report) and self.runtime.runner is not None:
+                # the kernels are built, but graphs belong to this process: capture every decode
+                # bucket's now, not in the first turn that reaches it
+                graphs = decode_steps(steps)
+                run_warmup(graphs, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len,
+                           lambda done, total, what: report(LoadProgress(CAPTURING, done, total, "shapes", what)))
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
         warm_sampling(self.runtime, self.args.vocab_size, self.device)

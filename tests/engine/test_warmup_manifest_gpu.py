@@ -1,5 +1,5 @@
-"""The kernel manifest on CUDA: a later process replays it (no model step at load) and still
-compiles nothing during a chat."""
+"""The kernel manifest on CUDA: a later process replays it (no prefill step at load) and still
+compiles nothing and captures no decode graph during a chat."""
 
 from __future__ import annotations
 
@@ -36,14 +36,17 @@ eng = Engine.load(sys.argv[1], EngineConfig(device="cuda", backend="tilelang", m
                   progress=lambda p: phases.append(p.phase))
 load_s = time.perf_counter() - t
 at_load, built = compiled_kernels(), built_kernels()
+captured = eng.runtime.runner.captures
 sess = eng.new_session()
 for words in (3, 40, 700, 1500, 12):
     events = list(eng.generate(sess, " ".join(f"w{i % 97}" for i in range(words)),
                                SamplingParams(temperature=0.0, max_tokens=8)))
     assert isinstance(events[-1], TurnFinished), events[-1]
+eng_captures = eng.runtime.runner.captures
 eng.close()
 print("RESULT " + json.dumps({"phases": sorted(set(phases)), "load_s": load_s, "at_load": at_load,
                               "during_chat": compiled_kernels() - at_load,
+                              "captured_in_chat": eng_captures - captured,
                               "compiled_in_chat": sorted(built_kernels() - built)}))
 '''
 
@@ -63,6 +66,8 @@ def test_a_later_process_replays_the_manifest_and_compiles_nothing_during_a_chat
     first = _run(pack)  # writes the manifest (or replays one an earlier run wrote)
     later = _run(pack)
     assert "loading kernels" in later["phases"] and "compiling kernels" not in later["phases"], later
+    assert "capturing decode graphs" in later["phases"] and later["captured_in_chat"] == 0, later
+    assert first["captured_in_chat"] == 0, first
     # the manifest holds every kernel the first process built (a test running beside this one on
     # the same TileLang cache may have rewritten the manifest of this key with more: its hints)
     assert later["at_load"] >= first["at_load"]
