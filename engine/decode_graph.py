@@ -238,7 +238,9 @@ class DecodeRunner:
         step's routes are counted by the next step (after its launch) or `settle()`."""
         self.model.reserve(state, state.pos)
         self.whole = self.prefer_whole and self.provider.all_resident()
-        if not self.whole:
+        if self.whole:  # no acquire sends the slot table: a hint's writes may not be on the device yet
+            self.provider.arena.sync_table()
+        else:
             self.settle()  # this step's provider calls come after the last one's statistics
         if not self.whole and self._hashed:  # start their reads now, overlapping earlier layers
             tok = int(token)

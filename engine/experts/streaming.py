@@ -25,6 +25,11 @@ current layer's call) the hint waits until that call has queued its own reads (t
 FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
 the current layer's experts are held) it is issued at once, and with a `fence()` taken before the
 runner launched work that reads only held experts, its reads wait only for the work before it.
+A hint's slot-table writes are not sent to the device by the hint (one host->device copy and an
+event fewer per layer of a streamed step): its experts are read through the table only by
+kernels launched after their layer's `acquire`, which sends the whole table, and a caller that
+reads the table without acquiring (a whole-graph step once every expert is resident) syncs it
+first (`arena.sync_table`, nothing when it is clean).
 `prefetches` (engine/experts/prefetch.py) counts the hints against the route that settles them:
 in `experts` and `acquire`, before any read of the call is joined, a prefetched read is "in
 time" when its read has completed.
@@ -218,9 +223,10 @@ class StreamingExperts(ExpertProvider):
         if not self._batching:  # an admission outside a provider call's batch (a user pin)
             self._close_batch()
 
-    def _close_batch(self) -> None:
+    def _close_batch(self, table: bool = True) -> None:
         """Enqueue the batch's RAM-tier copies on the copy stream (after the compute stream's work
-        before the batch), record the event after them, and write the slot table."""
+        before the batch), record the event after them, and write the slot table (`table`; a
+        hint's writes wait for the next call that syncs it, module docstring)."""
         batch, self._batch = self._batch, None
         if batch is not None and batch.copies:
             done = torch.cuda.Event()
@@ -232,20 +238,21 @@ class StreamingExperts(ExpertProvider):
             for copy, _, tier_slot in batch.copies:
                 copy.event = done
                 self._copied[tier_slot] = done
-        self.arena.sync_table()
+        if table:
+            self.arena.sync_table()
 
     @contextmanager
-    def _batched(self) -> Iterator[None]:
+    def _batched(self, table: bool = True) -> Iterator[None]:
         """One provider call's admissions (`_Batch`): the event after its RAM-tier copies and the
-        slot table's writes (`ExpertArena.sync_table`) come once, at the end; nested calls join
-        the outer batch."""
+        slot table's writes (`ExpertArena.sync_table`, unless not `table`) come once, at the
+        end; nested calls join the outer batch (whose `table` counts)."""
         self._batching += 1
         try:
             yield
         finally:
             self._batching -= 1
             if not self._batching:
-                self._close_batch()
+                self._close_batch(table)
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -488,7 +495,7 @@ class StreamingExperts(ExpertProvider):
                 if key not in self._held and self.cache.peek(key) is not None and key not in user
                 and self._hold(key, user)]
         try:
-            with self._batched():
+            with self._batched(table=False):
                 if fence is not None and self._batch is None:  # this hint's reads wait for the fence only
                     self._batch = _Batch(self.arena.current_stream(), fence)
                 mine = self._prefetched.setdefault(layer, [])
