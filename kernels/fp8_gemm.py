@@ -12,8 +12,12 @@ bf16 output (spec §B.4).
   finishes each row. Small grids split K between the warps of a CTA (`ksplit`), whose partial
   sums meet in shared memory in a fixed order. The weight is read once whatever M is;
   activations come from L1.
-* Prefill (larger M): both operands are dequantised exactly to bf16 (an e4m3 value times a
-  power of two has 4 significant bits) and multiplied by cuBLAS with fp32 accumulation.
+* Prefill (larger M) on sm_90 where the blocks tile the weight (N and K multiples of 128, K/128 a
+  multiple of 4): cuBLAS's FP8 GEMM with DeepSeek's block scales (`torch._scaled_mm`, 1×128
+  activation blocks times 128×128 weight blocks, fp32 scales applied per 128-channel block):
+  no bf16 copy of the weight per call. Elsewhere both operands are dequantised exactly to bf16
+  (an e4m3 value times a power of two has 4 significant bits) and multiplied by cuBLAS with
+  fp32 accumulation.
 
 Results equal the reference up to fp32 summation order (measured in tests/kernels/test_kernels_gpu.py).
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10) is not.
@@ -145,6 +149,22 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
     return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale).reshape(*x.shape[:-1], n)
 
 
+def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """q [M, K] e4m3 with s [M, K/128] times w [N, K] e4m3 with e8m0 w_scale [N/128, K/128] ->
+    bf16 [M, N] by cuBLASLt's block-scaled FP8 GEMM. Its layout rules: M a multiple of 4 (zero
+    rows appended, then dropped), both scale tensors column-major ([M, K/128] and
+    [K/128, N/128])."""
+    m = q.shape[0]
+    pad = -m % 4
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, q.shape[1])))
+        s = torch.cat((s, s.new_ones(pad, s.shape[1])))
+    sa = s.float().t().contiguous().t()
+    sw = torch.pow(2.0, scale_bytes(w_scale).to(torch.float32) - 127.0).t()
+    y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
+    return y[:m] if pad else y
+
+
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """`fp8_gemm` on activations quantised by act_quant: q [M, K] e4m3, s [M, K/128] fp32 ->
     bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows)."""
@@ -158,6 +178,8 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=q.device)
     if m > GEMV_MAX_M:
+        if arch == (9, 0) and n % 128 == 0 and (k // 128) % 4 == 0:
+            return _blockwise_mm(q, s, w, w_scale)
         return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)

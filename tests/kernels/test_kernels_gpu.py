@@ -80,7 +80,8 @@ def test_act_quant_scale_boundaries(gen):
 # ------------------------------------------------------------------------------- fp8_gemm
 FP8_SHAPES = [(1, 1024, 4096), (1, 32768, 1024), (1, 512, 4096), (1, 4096, 8192), (1, 2048, 4096),
               (2, 4096, 4096), (16, 2048, 4096), (3, 384, 640), (1, 200, 384), (5, 136, 128), (40, 512, 1024),
-              (1, 640, 1536)]  # the last splits K unevenly (3 steps over 2 warps)
+              (1, 640, 1536),  # splits K unevenly (3 steps over 2 warps)
+              (130, 512, 4096), (300, 1024, 4096), (2048, 4096, 1024)]  # prefill: cuBLAS's block-scaled FP8 GEMM
 
 
 @pytest.mark.parametrize("m,n,k", FP8_SHAPES)
