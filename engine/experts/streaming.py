@@ -92,11 +92,8 @@ class _Batch:
     kernels enqueued earlier, which may read the records it held, are done), and the call's
     RAM-tier copies, enqueued together after one wait for that event."""
 
-    def __init__(self, compute: torch.cuda.Stream, freed: torch.cuda.Event | None = None) -> None:
-        if freed is None:
-            freed = torch.cuda.Event()
-            freed.record(compute)
-        self.freed = freed  # or a fence taken earlier (`StreamingExperts.fence`)
+    def __init__(self, freed: torch.cuda.Event) -> None:
+        self.freed = freed  # recorded on the compute stream now, or a fence taken earlier (`StreamingExperts.fence`)
         self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
@@ -207,7 +204,7 @@ class StreamingExperts(ExpertProvider):
         freed = src = None
         if self._staging is not None:  # the compute stream's work so far may still read the slot
             if self._batch is None:
-                self._batch = _Batch(self.arena.current_stream())
+                self._batch = _Batch(self.fence())
             freed = self._batch.freed
             if self.tier is not None:
                 src = self.tier.hold(key)
@@ -497,13 +494,14 @@ class StreamingExperts(ExpertProvider):
         try:
             with self._batched(table=False):
                 if fence is not None and self._batch is None:  # this hint's reads wait for the fence only
-                    self._batch = _Batch(self.arena.current_stream(), fence)
+                    self._batch = _Batch(fence)
                 mine = self._prefetched.setdefault(layer, [])
+                holding = sum(len(v) for v in self._prefetched.values())  # prefetch holds, counted once
                 for e in ids:
                     key = (layer, e)
                     if key in self._held:
                         continue
-                    if sum(len(v) for v in self._prefetched.values()) >= self._prefetch_limit:
+                    if holding >= self._prefetch_limit:
                         break
                     if self.cache.peek(key) is not None:
                         if not self._hold(key, user):
@@ -513,6 +511,7 @@ class StreamingExperts(ExpertProvider):
                     else:
                         self.prefetches.issued(key, source)
                     mine.append(key)
+                    holding += 1
         finally:
             for key in kept:
                 self._release(key)
