@@ -21,6 +21,7 @@ The warm-up at load (engine/warmup.py) runs every one of them once.
 
 from __future__ import annotations
 
+from engine.config import ModelArgs
 from engine.state import MIN_ENTRIES
 from kernels.fp8_gemm import GEMV_MAX_M
 
@@ -67,3 +68,11 @@ def capacity_buckets(max_seq_len: int, ratio: int) -> list[int]:
         if cap >= need:
             return out
         cap *= 2
+
+
+def decode_capacities(args: ModelArgs, max_seq_len: int) -> list[int]:
+    """The compressed-cache capacities a conversation's decode steps pass through up to position
+    `max_seq_len`: those of the layers with the smallest compression ratio, which the others'
+    follow (none without compressed layers)."""
+    ratio = min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
+    return capacity_buckets(max_seq_len, ratio) if ratio else []

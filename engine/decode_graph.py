@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from engine.experts.provider import ExpertProvider
-from engine.graph_homes import GraphHomes
+from engine.graph_homes import HOMES, GraphHomes
 from engine.model import DecodeCarry, Transformer
 from engine.state import SequenceState
 
@@ -75,10 +75,11 @@ class DecodeRunner:
     """One-token decode steps of `model` with experts from `provider.arena` (module docstring)."""
 
     def __init__(self, model: Transformer, provider: ExpertProvider, whole: bool, graphs: bool | None = None,
-                 on_routes: Callable[[int, int, list[int]], None] | None = None):
+                 on_routes: Callable[[int, int, list[int]], None] | None = None, homes: int = HOMES):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
-        provider counts the uses itself, in `acquire` and `record`)."""
+        provider counts the uses itself, in `acquire` and `record`); `homes`: graph homes kept
+        (engine/graph_homes.py `homes_for`)."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
@@ -94,7 +95,7 @@ class DecodeRunner:
         # Per home (state buffers of one capacity), one graph set per mode and emission pattern
         # (which compression ratios complete a window at this token: none, 4, or 4 and 128): the
         # step's control flow differs only in that. Home.sets: (whole, emitting) -> _GraphSet.
-        self.homes = GraphHomes()
+        self.homes = GraphHomes(homes)
         self._pool = None  # the graph memory pool every set shares (module docstring)
         self.captures = 0  # graph sets captured so far
         self.capture_error: str | None = None  # why graphs were given up, if they were
@@ -282,7 +283,7 @@ class DecodeRunner:
 
 def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,
                 on_routes: Callable[[int, int, list[int]], None] | None = None,
-                on_loaded: Callable[[int, int], None] | None = None) -> DecodeRunner | None:
+                on_loaded: Callable[[int, int], None] | None = None, homes: int = HOMES) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, numerics that
     decode eagerly (exact: `Numerics.decode_graphs`), graphs disabled, or a provider without a
     device slot table. Reads every expert into the arena first when the cache budget holds the
@@ -291,4 +292,4 @@ def make_runner(model: Transformer, provider: ExpertProvider, device: torch.devi
         return None
     if provider.arena is None:
         return None
-    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes)
+    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes, homes=homes)

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.decode_graph import make_runner
 from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
+from engine.graph_homes import homes_for
 from engine.events import Event, LoadProgress
 from engine.loading import build_model, load_tokenizer, open_model_files, plan_memory
 from engine.memory_plan import MemoryPlan
@@ -39,8 +40,7 @@ from engine.session import Session, SessionError
 from engine.stats import MemoryBudget, StepStats
 from engine.step_meter import Gauges, StepMeter
 from engine.turn import Turns
-from engine.warmup import (CAPTURING, decode_steps, engine_manifest, plan_warmup, run_warmup, warm_sampling,
-                           warm_up_kernels)
+from engine.warmup import WARMING, engine_manifest, plan_warmup, run_warmup, warm_sampling, warm_up_kernels
 
 ProgressFn = Callable[[LoadProgress], None]
 
@@ -65,7 +65,8 @@ class Engine:
         log = RoutingTrace(self._trace) if self._trace is not None else None
         loaded = None if progress is None else (
             lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
-        runner = make_runner(model, self.experts, self.device, config.cuda_graphs, self._graph_routes, loaded)
+        runner = make_runner(model, self.experts, self.device, config.cuda_graphs, self._graph_routes, loaded,
+                             homes_for(files.args, config.max_seq_len))
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False
@@ -112,8 +113,8 @@ class Engine:
         """Run every shape bucket once on scratch states (engine/warmup.py): with the TileLang
         kernels this compiles each of them, or loads it from TileLang's on-disk cache, so that
         nothing compiles during a chat (a later load replays the kernel manifest the first one
-        wrote instead, then runs only the decode steps, which capture the decode graphs of every
-        cache capacity); with the torch reference, one short prefill and decode.
+        wrote instead, loading the kernels in parallel, then runs the steps, which find them
+        built); with the torch reference, one short prefill and decode.
         The expert statistics are zeroed afterwards: they count the user's lookups only."""
         self._open()
         full = self.config.backend == "tilelang"
@@ -126,12 +127,10 @@ class Engine:
         if full:  # replays the kernel manifest when there is one (engine/warmup.py)
             manifest = engine_manifest(self.args, self.config, self.files.converted, self.device,
                                        self.experts.all_resident(), steps)
-            if warm_up_kernels(steps, run, manifest, report) and self.runtime.runner is not None:
-                # the kernels are built, but graphs belong to this process: capture every decode
-                # bucket's now, not in the first turn that reaches it
-                graphs = decode_steps(steps)
-                run_warmup(graphs, self.runtime, self.model, self.tokenizer.bos_id, self.config.max_seq_len,
-                           lambda done, total, what: report(LoadProgress(CAPTURING, done, total, "shapes", what)))
+            if warm_up_kernels(steps, run, manifest, report):
+                # the kernels are built; the steps' other first-use costs (decode graphs, cuBLAS's
+                # per-shape setup) belong to this process: paid now, not by the first turns
+                run(lambda done, total, what: report(LoadProgress(WARMING, done, total, "shapes", what)))
         else:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
         warm_sampling(self.runtime, self.args.vocab_size, self.device)

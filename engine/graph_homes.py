@@ -18,7 +18,7 @@ captured on a home's buffers live in `Home.sets` (the runner's) and go with the 
 Memory: a home's buffers are some state's own while it is the occupant; a vacant home (its last
 occupant grew, or ended) keeps one state's buffers of its signature. Each captured graph set
 also holds device memory outside the caching allocator (engine/memory_plan.py counts it), so at
-most `limit` homes are kept (HOMES by default), the least recently entered dropped first with
+most `limit` homes are kept (`homes_for`: one per decode capacity of the context), the least recently entered dropped first with
 its graph sets.
 """
 
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.buckets import decode_capacities
+from engine.config import ModelArgs
 from engine.state import SequenceState
 
 
@@ -65,11 +67,17 @@ def _use(state: SequenceState, buffers: list[torch.Tensor]) -> None:
         at += n
 
 
-# Homes kept by default: every capacity bucket of the default context (16..2048 entries at
+# Homes kept at least: every capacity bucket of the default context (16..2048 entries at
 # max_seq_len 4096). A capacity whose home was dropped captures its graphs again on first use:
 # its first steps of each control flow run eagerly and are captured, ~0.3 s with every expert
 # resident and ~0.8 s with streamed experts (one graph per layer) at 43 layers on the H200.
 HOMES = 8
+
+
+def homes_for(args: ModelArgs, max_seq_len: int) -> int:
+    """Homes an engine keeps: one per decode capacity up to `max_seq_len` (the warm-up captures
+    each), at least HOMES."""
+    return max(HOMES, len(decode_capacities(args, max_seq_len)))
 
 
 class GraphHomes:

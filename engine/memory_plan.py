@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelArgs
-from engine.graph_homes import HOMES
+from engine.graph_homes import HOMES, homes_for
 from engine.memory import MemInfo, is_unified, read_meminfo
 from engine.state import SequenceState, new_layer_state
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT
@@ -131,14 +131,14 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
 GRAPH_SET_BYTES_PER_LAYER = 3_500_000
 
 
-def framework_bytes(machine: Machine, n_layers: int) -> int:
+def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES) -> int:
     """What the framework holds beyond our tensors: on CUDA the caching allocator's slack,
-    cuBLAS workspaces and kernel modules (1 GiB) and the decode graph sets the graph homes keep
-    (engine/graph_homes.py: three control flows per home); on the CPU, the interpreter, torch
-    and the tokenizer (0.5 GiB)."""
+    cuBLAS workspaces and kernel modules (1 GiB) and the decode graph sets the `homes` graph
+    homes keep (engine/graph_homes.py: three control flows per home); on the CPU, the
+    interpreter, torch and the tokenizer (0.5 GiB)."""
     if not machine.device.startswith("cuda"):
         return GiB // 2
-    return GiB + HOMES * 3 * GRAPH_SET_BYTES_PER_LAYER * n_layers
+    return GiB + homes * 3 * GRAPH_SET_BYTES_PER_LAYER * n_layers
 
 
 @dataclass(frozen=True)
@@ -233,10 +233,10 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
     limit = max(0, limit)
     dtype = torch.bfloat16 if config.numerics == "native" else torch.float32
     # + 2: the live state and a working copy; + 2 more: the graph homes' buffers that no state
-    # uses (at most HOMES capacities, powers of two: together under two states at max_seq_len)
+    # uses (one per capacity, powers of two: together under two states at max_seq_len)
     state = (max_snapshots + 4) * state_bytes(args, config.max_seq_len, dtype)
     workspace = workspace_bytes(args, config)
-    framework = framework_bytes(machine, args.n_layers)
+    framework = framework_bytes(machine, args.n_layers, homes_for(args, config.max_seq_len))
     margin = int(MARGIN_FRACTION * limit)
     fixed = footprint.weights + state + workspace + framework + margin
     pool, record = footprint.pool, footprint.record
