@@ -90,9 +90,10 @@ class ExpertArena:
         self._host_view[layer, expert] = -1
         self._dirty = self._table is not self._host_table
 
-    def sync_table(self) -> None:
-        """Send the host copy to the device table: one host->device copy on the current stream,
-        from a pinned ring buffer (work enqueued after it sees every write made so far)."""
+    def sync_table(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Send the host copy to the device table: one host->device copy on the current stream
+        (`stream`, when the caller knows it already), from a pinned ring buffer (work enqueued
+        after it sees every write made so far)."""
         if not self._dirty:
             return
         self._dirty = False
@@ -106,7 +107,7 @@ class ExpertArena:
         buf.copy_(self._host_table)
         self._table.copy_(buf, non_blocking=True)
         done = torch.cuda.Event()
-        done.record(self.current_stream())
+        done.record(stream if stream is not None else self.current_stream())
         self._ring[i] = (buf, done)
 
 

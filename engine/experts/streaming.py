@@ -145,6 +145,7 @@ class StreamingExperts(ExpertProvider):
         self._copied: dict[int, torch.cuda.Event] = {}  # tier slot -> its last copy to the device
         self._batch: _Batch | None = None  # the current call's (`_batched`), made at its first admission
         self._batching = 0  # depth of `_batched` contexts
+        self._stream: torch.cuda.Stream | None = None  # the compute stream, asked once per `_batched` call
         self.fill: TierFill | None = None  # the tier's background filler (`fill_tier`)
         self._closed = False
 
@@ -236,20 +237,30 @@ class StreamingExperts(ExpertProvider):
                 copy.event = done
                 self._copied[tier_slot] = done
         if table:
-            self.arena.sync_table()
+            self.arena.sync_table(self._stream)
 
     @contextmanager
     def _batched(self, table: bool = True) -> Iterator[None]:
         """One provider call's admissions (`_Batch`): the event after its RAM-tier copies and the
         slot table's writes (`ExpertArena.sync_table`, unless not `table`) come once, at the
-        end; nested calls join the outer batch (whose `table` counts)."""
+        end; nested calls join the outer batch (whose `table` counts). The compute stream is
+        asked for once per call (`_compute`: ~250 asks a streamed step otherwise)."""
+        if not self._batching and self._staging is not None:
+            self._stream = self.arena.current_stream()
         self._batching += 1
         try:
             yield
         finally:
             self._batching -= 1
             if not self._batching:
-                self._close_batch(table)
+                try:
+                    self._close_batch(table)
+                finally:
+                    self._stream = None
+
+    def _compute(self) -> torch.cuda.Stream:
+        """The calling thread's current stream (the one asked at the call's start in a batch)."""
+        return self._stream if self._stream is not None else self.arena.current_stream()
 
     def _admit(self, key: ExpertKey, user: frozenset) -> bool:
         """Hold `key`, make it resident and start its read; False if no slot can be freed now."""
@@ -277,7 +288,7 @@ class StreamingExperts(ExpertProvider):
             return
         if isinstance(fut, _DeviceCopy):  # kernels enqueued from now on wait for the copy on the device
             if waited is None or fut.event not in waited:
-                self.arena.current_stream().wait_event(fut.event)
+                self._compute().wait_event(fut.event)
                 if waited is not None:
                     waited.add(fut.event)
             self._tiered.remove(key)
@@ -473,7 +484,7 @@ class StreamingExperts(ExpertProvider):
         if self._staging is None:
             return None
         event = torch.cuda.Event()
-        event.record(self.arena.current_stream())
+        event.record(self._compute())
         return event
 
     def _issue_deferred(self, layer: int) -> None:
