@@ -29,8 +29,8 @@ from engine.config import EngineConfig
 from engine.decode_graph import make_runner
 from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
-from engine.graph_homes import homes_for
 from engine.events import Event, LoadProgress
+from engine.graph_homes import homes_for
 from engine.loading import build_model, load_tokenizer, open_model_files, plan_memory
 from engine.memory_plan import MemoryPlan
 from engine.model import Transformer

@@ -18,8 +18,8 @@ captured on a home's buffers live in `Home.sets` (the runner's) and go with the 
 Memory: a home's buffers are some state's own while it is the occupant; a vacant home (its last
 occupant grew, or ended) keeps one state's buffers of its signature. Each captured graph set
 also holds device memory outside the caching allocator (engine/memory_plan.py counts it), so at
-most `limit` homes are kept (`homes_for`: one per decode capacity of the context), the least recently entered dropped first with
-its graph sets.
+most `limit` homes are kept (`homes_for`: one per decode capacity of the context), the least
+recently entered dropped first with its graph sets.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class _Batch:
     RAM-tier copies, enqueued together after one wait for that event."""
 
     def __init__(self, freed: torch.cuda.Event) -> None:
-        self.freed = freed  # recorded on the compute stream now, or a fence taken earlier (`StreamingExperts.fence`)
+        self.freed = freed  # the compute stream's work so far, or up to a fence taken earlier
         self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
