@@ -25,8 +25,8 @@ MIN_ENTRIES = 16  # initial compressed-entry capacity of a layer
 
 def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Independent copies of `tensors`, made by one batched copy (`torch._foreach_copy_`): a
-    state's ~270 buffers at 43 layers in a few device launches instead of one launch (and its
-    host time) per buffer, on the path of a turn's first token."""
+    state's ~270 buffers at 43 layers are copied on the path of a turn's first token, where a
+    clone per buffer cost a launch and its host time each."""
     out = [torch.empty_like(t) for t in tensors]
     torch._foreach_copy_(out, list(tensors))
     return out
