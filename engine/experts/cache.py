@@ -292,6 +292,10 @@ class ExpertCache:
         """The keys held now (`hold`), resident or about to be admitted."""
         return frozenset(self._held)
 
+    def holds(self, key: ExpertKey) -> bool:
+        """Whether `key` is held now (`hold`)."""
+        return key in self._held
+
     def unpin_all(self) -> list[ExpertKey]:
         """Unpin every pinned key (the `/unpin` command without a list); returns them."""
         keys = sorted(self._pinned)

@@ -57,7 +57,6 @@ class HostTier:
         flat = aligned_empty(nbytes) if self._locked is None else self._locked.tensor
         self.data = flat.view(self.cache.capacity_slots, record)
         self._views = [memoryview(self.data[s].numpy()) for s in range(self.slots)]
-        self._held: set[ExpertKey] = set()  # keys with a transfer in flight
         self._lock = threading.Lock()  # the bookkeeping: the engine thread's and the filler's
 
     @property
@@ -75,7 +74,7 @@ class HostTier:
         False) on a RAM hit; None when every slot is held (read past the tier) or `key` is
         already held. Counts a lookup in the tier's statistics."""
         with self._lock:
-            if key in self._held:
+            if self.cache.holds(key):  # a transfer of it is in flight
                 return None
             slot = self.cache.lookup(key)
             must_read = slot is None
@@ -85,7 +84,6 @@ class HostTier:
                 except CacheFullError:
                     return None
             self.cache.hold(key)
-            self._held.add(key)
             return slot, must_read
 
     def claim_free(self, key: ExpertKey) -> int | None:
@@ -97,7 +95,6 @@ class HostTier:
                 return None
             slot, _ = self.cache.admit(key)
             self.cache.hold(key)
-            self._held.add(key)
             return slot
 
     @property
@@ -121,16 +118,14 @@ class HostTier:
     def done(self, key: ExpertKey, ok: bool = True) -> None:
         """End the transfer of `hold(key)`; when it failed (`ok` False) the key leaves the tier."""
         with self._lock:
-            if key not in self._held:
+            if not self.cache.release(key):
                 raise ExpertCacheError(f"expert {key!r} is not held in the host tier")
-            self._held.remove(key)
-            self.cache.release(key)
             if not ok:
                 self.cache.discard(key)
 
     def held(self) -> frozenset[ExpertKey]:
         with self._lock:
-            return frozenset(self._held)
+            return self.cache.held()
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

@@ -123,7 +123,6 @@ class StreamingExperts(ExpertProvider):
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
-        self._held: set[ExpertKey] = set()  # keys this provider holds transiently (`ExpertCache.hold`)
         self._loads: dict[ExpertKey, Future | _DeviceCopy] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
@@ -152,19 +151,16 @@ class StreamingExperts(ExpertProvider):
     # ------------------------------------------------------------------ holds and reads
     def _hold(self, key: ExpertKey, user: frozenset) -> bool:
         """Protect `key` from eviction; False when the cache cannot pin more keys now."""
-        if key in self._held or key in user:
+        if key in user or self.cache.holds(key):
             return True
         try:
             self.cache.hold(key)
         except ExpertCacheError:
             return False
-        self._held.add(key)
         return True
 
     def _release(self, key: ExpertKey) -> None:
-        if key in self._held:
-            self._held.remove(key)
-            self.cache.release(key)
+        self.cache.release(key)
 
     def _load(self, key: ExpertKey, slot: int, freed: torch.cuda.Event | None,
               src: tuple[int, bool] | None = None, copying: torch.cuda.Event | None = None) -> None:
@@ -500,7 +496,7 @@ class StreamingExperts(ExpertProvider):
         self.prefetches.predict(layer, ids, source)
         user = self.pinned()
         kept = [key for key in dict.fromkeys(keep)
-                if key not in self._held and self.cache.peek(key) is not None and key not in user
+                if not self.cache.holds(key) and self.cache.peek(key) is not None and key not in user
                 and self._hold(key, user)]
         try:
             with self._batched(table=False):
@@ -510,7 +506,7 @@ class StreamingExperts(ExpertProvider):
                 holding = sum(len(v) for v in self._prefetched.values())  # prefetch holds, counted once
                 for e in ids:
                     key = (layer, e)
-                    if key in self._held:
+                    if self.cache.holds(key):
                         continue
                     if holding >= self._prefetch_limit:
                         break

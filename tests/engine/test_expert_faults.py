@@ -81,7 +81,7 @@ def _provider(path, slots: int) -> tuple[StreamingExperts, FaultyStore]:
 
 def _consistent(p: StreamingExperts) -> None:
     """Nothing held or loading; the arena's slot table is exactly the cache's key -> slot map."""
-    assert p.cache.pinned() == p.pinned() == p.cache.held() == frozenset() and not p._loads and not p._held
+    assert p.cache.pinned() == p.pinned() == p.cache.held() == frozenset() and not p._loads
     table = {(int(l), int(e)): int(p.arena.table[l, e]) for l, e in (p.arena.table >= 0).nonzero().tolist()}
     assert table == p.cache.resident()
 
