@@ -32,7 +32,7 @@ import torch
 
 from engine.buckets import decode_capacities
 from engine.config import ModelArgs
-from engine.state import SequenceState
+from engine.state import SequenceState, copies
 
 
 def _buffers(state: SequenceState) -> list[torch.Tensor]:
@@ -117,9 +117,8 @@ class GraphHomes:
     def _move_in(self, home: Home, state: SequenceState) -> None:
         previous = home.occupant()
         if previous is not None and home.held_by(previous):  # it keeps its values in buffers of its own
-            _use(previous, [b.clone() for b in home.buffers])
-        for dst, src in zip(home.buffers, _buffers(state)):
-            dst.copy_(src)
+            _use(previous, copies(home.buffers))
+        torch._foreach_copy_(home.buffers, _buffers(state))  # one batched copy, as engine/state.py `copies`
         _use(state, home.buffers)
         self.moves += 1
 
