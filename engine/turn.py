@@ -120,8 +120,8 @@ class Turns:
         a copy of the state after the suffix or None if none ran).
 
         The copy is queued once the suffix's last chunk is, while the device runs it
-        (`Runtime.prefill`'s `on_queued`): its host time (a tensor copy per state buffer, ~270 at
-        43 layers) no longer follows the prompt's steps before the first token. In thinking mode
+        (`Runtime.prefill`'s `on_queued`): its host time (the state's ~270 buffers at 43 layers,
+        engine/state.py `copies`) no longer follows the prompt's steps before the first token. In thinking mode
         the final `<think>` runs as its own step after a snapshot, so that the next turn (which
         drops this turn's reasoning) can resume right before it."""
         suffix, think = plan.suffix, self.tokenizer.think_start_id
