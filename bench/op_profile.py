@@ -1,7 +1,7 @@
 """Where the time goes at full depth, per operation, through the app's own `Engine` (CUDA).
 
     python -m bench.op_profile [--layers 43] [--experts 24] [--prefill 2048] [--chunks 256,2048]
-                               [--followup 8] [--top 25] [--workdir /tmp/dsv4fd]
+                               [--followup 8] [--top 25] [--syncs] [--workdir /tmp/dsv4fd]
 
 Builds (or reuses) the pack of bench/full_depth.py, loads it with every expert resident
 (`Engine.load`: its load time and phases are printed, so on a fresh machine this also measures
@@ -13,9 +13,8 @@ the cold warm-up), then profiles with torch.profiler, each after one unprofiled 
 3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
    from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
 
-`--sites N` adds, for the first prefill chunk size, the N source lines (engine/, kernels/) that
-launch the most kernels and copies per chunk (torch.profiler with Python stacks), and every line
-that synchronises the host with the device (`torch.cuda.set_sync_debug_mode`), with its count.
+`--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
+synchronises the host with the device in a chunk (`torch.cuda.set_sync_debug_mode`), with its count.
 
 Figures are per call; "busy" is the sum of kernel times, so busy < wall means the GPU idled
 (host work, launches, synchronisations).
@@ -73,46 +72,19 @@ def profiled(label: str, fn, calls: int, top: int) -> float:
 
 
 REPO = str(Path(__file__).resolve().parents[1])
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync",
-            "cudaLaunchKernelExC")
 
 
 def repo_frame(frames) -> str:
-    """Where `frames` (strings "path(line): name" or FrameSummary, outermost first) are in this
-    repository: the innermost engine/ frame, then the innermost kernels/ frame after " > " when
-    there is one ("?" if neither)."""
+    """Where `frames` (traceback.FrameSummary, outermost first) are in this repository: the
+    innermost engine/ frame, then the innermost kernels/ frame after " > " when there is one
+    ("?" if neither)."""
     found: dict[str, str] = {}
     for f in reversed(list(frames)):
-        text = f if isinstance(f, str) else f"{f.filename}({f.lineno}): {f.name}"
-        text = text.replace(REPO + "/", "")  # the profiler's frame names are relative already
+        text = f"{f.filename}({f.lineno}): {f.name}".replace(REPO + "/", "")
         for top in ("engine/", "kernels/"):
             if text.startswith(top):
                 found.setdefault(top, text)
     return " > ".join(found[t] for t in ("engine/", "kernels/") if t in found) or "?"
-
-
-def launch_sites(fn, top: int) -> list[str]:
-    """The `top` source lines that launch the most kernels and copies in one call of fn (runtime
-    launch events attributed through their parent ops to the innermost repository frame)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        fn()
-        torch.cuda.synchronize()
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        if e.name not in LAUNCHES:
-            continue
-        frames, up = [], e
-        while up is not None:  # ops carry stacks; Python function events are named by their frame
-            frames[:0] = list(up.stack or ()) or [up.name]
-            up = up.cpu_parent
-        site = repo_frame(frames)
-        counts[site] = counts.get(site, 0) + 1
-    total = sum(counts.values())
-    lines = [f"  {total} launches and copies per call, by source line:"]
-    lines += [f"  {n:6d}  {site}" for site, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
-    return lines
 
 
 def sync_sites(fn) -> list[str]:
@@ -164,8 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--workdir", default="/tmp/dsv4fd")
-    p.add_argument("--sites", type=int, default=0, help="list the N source lines launching the most kernels, "
-                   "and every synchronising line, in a prefill chunk")
+    p.add_argument("--syncs", action="store_true", help="list the lines that synchronise with the device in a "
+                   "prefill chunk")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.op_profile needs a CUDA GPU", file=sys.stderr)
@@ -224,8 +196,8 @@ def profile_all(a, eng) -> None:
         print(f"\nprefill {a.prefill} tokens in chunks of {chunk}: {wall:.3f} s = {a.prefill / wall:.0f} tok/s "
               f"({compiled_kernels() - k0} kernel variants built by its first run)", flush=True)
         profiled(f"prefill {a.prefill} tokens, chunks of {chunk}", prefill, 1, a.top)
-        if a.sites and chunk == a.chunks[0]:
-            print("\n".join(launch_sites(prefill, a.sites) + sync_sites(prefill)), flush=True)
+        if a.syncs and chunk == a.chunks[0]:
+            print("\n".join(sync_sites(prefill)), flush=True)
 
     base = model.new_state()
     for _ in runtime.prefill(base, ids[:128], a.chunks[0]):

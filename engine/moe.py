@@ -6,7 +6,11 @@ any order (resident hits first, then misses as they arrive). Each expert's outpu
 its (token, slot) cell and the slots are summed in routing order at the end, so the result does
 not depend on that order. In native numerics, when the provider's arena holds every expert of a
 call (all resident, or held for the call by `acquire`), all its cells go through one `fp4_moe`
-call instead (`MoE._arena_cells`), on any device.
+call instead (`MoE._arena_cells`), on any device, grouped by expert: the host learns how many
+cells each expert has in one synchronisation per layer (which experts to hold, and the grouped
+GEMMs' spans), or in none when every expert is resident and the layer's experts make one group of
+the tensor cores' path (`Cells.dense_all`; its uses are then counted after the call,
+`ExpertProvider.record_later`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from engine.config import ModelArgs
 from engine.experts.provider import ExpertProvider
 from engine.experts.weights import ExpertWeights
 from engine.numerics import Numerics, Quantized
+from kernels.fp4_moe import EXPERTS_PER_DEQUANT, dense, expert_groups
 
 
 class Gate:
@@ -65,15 +70,21 @@ class MoE:
         idx, w = routed if routed is not None else self.route(x, ids)
         if not self._batched(provider):
             return self._expert_loop(x, idx, w, provider)
-        wanted = idx.unique().tolist()  # the layer's one host sync
+        cells = Cells(idx, provider.n_experts)
+        arena = provider.arena
+        if provider.all_resident() and cells.dense_all:  # no host sync: counted once the device has run it
+            provider.record_later(self.layer, cells.counts)
+            return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+        counts = cells.counts.tolist()  # the layer's one host sync
+        wanted = [e for e, c in enumerate(counts) if c]
         if provider.all_resident():
             provider.record(self.layer, wanted)  # usage and cache statistics
-            return self._arena_cells(x, idx, w, provider)
+            return self._arena_cells(x, w, cells, arena, cells.groups(counts, arena.slots_of(self.layer, wanted)))
         if not provider.can_acquire(len(wanted)):
             return self._expert_loop(x, idx, w, provider)
         provider.acquire(self.layer, wanted)  # every expert of the call read once, then held
         try:
-            return self._arena_cells(x, idx, w, provider)
+            return self._arena_cells(x, w, cells, arena, cells.groups(counts, arena.slots_of(self.layer, wanted)))
         finally:
             provider.release(self.layer)  # the kernels are enqueued: a reassigned slot waits for them
 
@@ -108,20 +119,18 @@ class MoE:
         reference runs the same dispatch."""
         return self.numerics.batched_experts and provider.arena is not None
 
-    def _arena_cells(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                     provider: ExpertProvider) -> torch.Tensor:
-        """Every (token, choice) cell [N·k] in one fp4_moe call, cells sorted by slot so that
-        consecutive groups read the same expert (L2 reuse); the same per-cell math as `decode`.
-        Every expert of the call must be resident (and held while this enqueues its kernels)."""
-        n, k = idx.shape
-        arena = provider.arena
-        slots = arena.table[self.layer].index_select(0, idx.reshape(-1))  # [N·k] int32
-        order = torch.argsort(slots)
-        tokens = torch.arange(n, device=x.device).repeat_interleave(k)[order]  # each sorted cell's token
-        y = self.numerics.backend.fp4_moe(x.index_select(0, tokens), arena.data, arena.record.fields,
-                                          slots[order], w.reshape(-1)[order], self.limit)  # [N·k, D] fp32
-        cells = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
-        return self._combine(cells.view(n, k, -1), self._shared(x))
+    def _arena_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list) -> torch.Tensor:
+        """Every (token, choice) cell [N·k] in one fp4_moe call, cells grouped by expert (`cells.order`)
+        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV), then
+        put back in (token, choice) order; the same per-cell math as `decode`. Every expert of the
+        call must be resident (and held while this enqueues its kernels)."""
+        n, k = cells.shape
+        order = cells.order
+        slots = arena.table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
+        y = self.numerics.backend.fp4_moe(x.index_select(0, order // k), arena.data, arena.record.fields, slots,
+                                          w.reshape(-1).index_select(0, order), self.limit, groups)  # [N·k, D] fp32
+        out = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
+        return self._combine(out.view(n, k, -1), self._shared(x))
 
     def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
@@ -152,3 +161,45 @@ class MoE:
         quantisation when it carries one; SwiGLU fused with w2's activation quantisation),
         exact -> fp32 (`Numerics.shared_expert`)."""
         return self.numerics.shared_expert(self.shared, x, self.limit)
+
+
+class Cells:
+    """The (token, choice) cells of a routed call, grouped by expert on the device (no host sync).
+
+    idx [N, k] expert ids of `experts` per layer -> `order` [N·k] int64 (the cells sorted by
+    expert id, stable), `sorted_ids` [N·k] (their experts), `counts` [experts] int32 (cells per
+    expert)."""
+
+    def __init__(self, idx: torch.Tensor, experts: int):
+        self.shape = tuple(idx.shape)
+        self.experts = experts
+        flat = idx.reshape(-1)
+        self.order = torch.argsort(flat, stable=True)
+        self.sorted_ids = flat.index_select(0, self.order)
+        self.counts = torch.zeros(experts, dtype=torch.int32, device=idx.device).index_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+    @property
+    def dense_all(self) -> bool:
+        """The tensor cores' path (kernels/fp4_moe.py `dense`) over every expert of the layer, in
+        one group: its spans come from the device counts, with no host sync; an expert without
+        cells is an empty span whose dequantisation is wasted, rare at this many cells each."""
+        n, k = self.shape
+        return self.experts <= EXPERTS_PER_DEQUANT and dense(n * k, self.experts)
+
+    def all_groups(self, slots: torch.Tensor) -> list:
+        """The one group of every expert: `slots` [experts] (the layer's slot table row)."""
+        n, k = self.shape
+        return [(0, n * k, slots, self.counts.cumsum(0, dtype=torch.int32))]
+
+    def groups(self, counts: list[int], slots: list[int]) -> list:
+        """The groups of the experts with cells (`counts` read on the host, `slots` theirs in id
+        order), or [] when they have too few cells each for the tensor cores."""
+        used = [c for c in counts if c]
+        if not dense(sum(used), len(used)):
+            return []
+        spans, start = [], 0
+        for slot, c in zip(slots, used):
+            spans.append((slot, start, c))
+            start += c
+        return expert_groups(spans, self.counts.device)

@@ -19,7 +19,7 @@ through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_
 `fp4_moe` serve decode (one launch for the same linear of every selected expert).
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS; `fp4_moe` in
 prefill dequantises its experts in one launch (kernels/fp4_dequant.py) and runs one grouped bf16
-GEMM per linear over the cells sorted by slot (`fp4_moe_dequantized`). Where
+GEMM per linear over the cells grouped by expert (`fp4_moe_dequantized`). Where
 kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
 where kernels/fp4_mma_one_token.py lists it.
@@ -259,22 +259,35 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float) -> torch.Tensor:
+            limit: float, groups: list | None = None) -> torch.Tensor:
     """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], arena
     uint8 [slots, record_bytes], fields, slots [G], routing weights [G] -> fp32 [G, D]). Quantises
     x (once when its rows are one broadcast row); then a prefill's many cells per expert go to the
-    tensor cores (`fp4_moe_dequantized`, one host synchronisation), the rest to the grouped GEMV
-    (`fp4_moe_quantized`)."""
+    tensor cores (`fp4_moe_dequantized`), the rest to the grouped GEMV (`fp4_moe_quantized`).
+
+    `groups`, from a caller that knows how its cells spread over the experts: the cells are
+    already grouped by expert and `groups` are their `expert_groups` (the tensor cores, no host
+    synchronisation), or [] (the grouped GEMV). None: decided here, at one host synchronisation
+    for a prefill (`expert_spans`)."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
     q, s = act_quant(xa, 128)
     g = slots.shape[0]
-    if xa.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
+    if groups:
+        return fp4_moe_dequantized(q, s, arena, fields, None, groups, weights, limit, swiglu_quant,
+                                   fp4_dequant_slots)
+    if groups is None and xa.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
         order, spans = expert_spans(slots)
-        if g >= GROUPED_MIN_PER_EXPERT * len(spans):
-            return fp4_moe_dequantized(q, s, arena, fields, order, spans, weights, limit, swiglu_quant,
-                                       fp4_dequant_slots)
+        if dense(g, len(spans)):
+            return fp4_moe_dequantized(q, s, arena, fields, order, expert_groups(spans, q.device), weights, limit,
+                                       swiglu_quant, fp4_dequant_slots)
     return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
+
+
+def dense(cells: int, experts: int) -> bool:
+    """Whether `cells` (token, choice) cells over `experts` distinct experts go to the tensor cores
+    (`fp4_moe_dequantized`: a fixed dequantisation per expert, paid back by enough cells each)."""
+    return cells >= GROUPED_MIN_CELLS and cells >= GROUPED_MIN_PER_EXPERT * experts
 
 
 def expert_spans(slots: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -289,33 +302,50 @@ def expert_spans(slots: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int
     return order, spans
 
 
-def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, order: torch.Tensor,
-                        spans: list[tuple[int, int, int]], weights: torch.Tensor, limit: float,
-                        quantize_h=ref.swiglu_quant, dequant=ref.fp4_dequant_slots,
-                        experts_per_group: int = EXPERTS_PER_DEQUANT) -> torch.Tensor:
-    """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
-    s [G, D/128], cells grouped by `expert_spans(slots)` -> fp32 [G, D] in the cells' order.
-
-    Up to `experts_per_group` experts at a time: their weights dequantised exactly to bf16 from
-    the arena (`dequant`: the backend's fp4_dequant_slots, or the reference's; w1 and w3 stacked),
-    then one grouped bf16 GEMM with fp32 accumulation and bf16 output (`torch.nn.functional.
-    grouped_mm`, each expert on its cells' exact FP8 activations) for w1|w3 and one for w2 (the
-    reference's rounding, its sums in another order); w2's input through `quantize_h` (the
-    backend's swiglu_quant, or the reference's), as decode does. Runs on any device."""
-    g, dim = q.shape
-    inter = fields["w1.weight"].shape[0]
-    off = {name: f.offset for name, f in fields.items()}
-    a = act_dequant_bf16(q, s).index_select(0, order)
-    groups = []  # (first cell, end cell, slots [E] int32, cumulative cell ends [E] int32) per expert group
+def expert_groups(spans: list[tuple[int, int, int]], device: torch.device,
+                  experts_per_group: int = EXPERTS_PER_DEQUANT) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """What `fp4_moe_dequantized` runs from host-known spans [(slot, first cell, cells)] of
+    consecutive cells: per group of up to `experts_per_group` experts (first cell, end cell, slots
+    [E] int32, cumulative cell ends within the group [E] int32), on `device` (copies that do not
+    wait for the device)."""
+    groups = []
     for i in range(0, len(spans), experts_per_group):
         group = spans[i:i + experts_per_group]
         c0 = group[0][1]
         ends = [start + n - c0 for _, start, n in group]
-        meta = torch.tensor([[slot for slot, _, _ in group], ends], dtype=torch.int32).to(q.device, non_blocking=True)
+        meta = torch.tensor([[slot for slot, _, _ in group], ends], dtype=torch.int32).to(device, non_blocking=True)
         groups.append((c0, c0 + ends[-1], meta[0], meta[1]))
+    return groups
+
+
+def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
+                        order: torch.Tensor | None, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                        weights: torch.Tensor, limit: float, quantize_h=ref.swiglu_quant,
+                        dequant=ref.fp4_dequant_slots) -> torch.Tensor:
+    """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
+    s [G, D/128], weights [G] -> fp32 [G, D] in the cells' order.
+
+    The cells in `order` (None: as given) are grouped by expert: `groups` [(first cell, end cell,
+    slots [E] int32, cumulative cell ends [E] int32)] cover them (`expert_groups`; an expert
+    with no cells is an empty span). Per group, its experts' weights are dequantised exactly to
+    bf16 from the arena (`dequant`: the backend's fp4_dequant_slots, or the reference's; w1 and
+    w3 stacked), then one grouped bf16 GEMM with fp32 accumulation and bf16 output
+    (`torch.nn.functional.grouped_mm`, each expert on its cells' exact FP8 activations) for
+    w1|w3 and one for w2 (the reference's rounding, its sums in another order); w2's input
+    through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does. Runs
+    on any device."""
+    g, dim = q.shape
+    inter = fields["w1.weight"].shape[0]
+    off = {name: f.offset for name, f in fields.items()}
+    a = act_dequant_bf16(q, s)
+    if order is not None:
+        a, weights = a.index_select(0, order), weights.index_select(0, order)
     # one buffer of a fixed size for every group's weights, w1|w3 then w2 (the caching allocator
     # reuses one block from call to call instead of blocks of every expert count)
-    buf = torch.empty(experts_per_group * 2 * inter * dim, dtype=torch.bfloat16, device=q.device)
+    if max(slots.shape[0] for _, _, slots, _ in groups) > EXPERTS_PER_DEQUANT:
+        raise KernelInputError(f"fp4_moe_dequantized: a group has more than {EXPERTS_PER_DEQUANT} experts "
+                               "(EXPERTS_PER_DEQUANT, what the memory plan reserves)")
+    buf = torch.empty(EXPERTS_PER_DEQUANT * 2 * inter * dim, dtype=torch.bfloat16, device=q.device)
 
     def weights_of(slots: torch.Tensor, names: tuple[str, ...], n: int, k: int) -> torch.Tensor:
         out = buf[:slots.shape[0] * len(names) * n * k].view(slots.shape[0], len(names) * n, k)
@@ -330,10 +360,12 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
 
     gu = grouped(a, ("w1", "w3"), inter, dim)  # [gate | up] per cell
     del a
-    hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float().index_select(0, order), limit)
+    hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float(), limit)
     del gu
-    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter)
-    return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y.float())
+    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter).float()
+    if order is None:
+        return y
+    return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y)
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,

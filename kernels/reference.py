@@ -323,11 +323,12 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) 
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float) -> torch.Tensor:
+            limit: float, groups: list | None = None) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
     (engine.pack.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
-    row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g]."""
+    row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g].
+    `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py); it changes nothing here."""
     return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit)
 
 

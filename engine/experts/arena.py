@@ -80,6 +80,11 @@ class ExpertArena:
             self.sync_table()
         return self._table
 
+    def slots_of(self, layer: int, experts: list[int]) -> list[int]:
+        """The slots of `experts` of `layer` (-1: not resident), from the host copy: no device read."""
+        row = self._host_view[layer]
+        return [int(row[e]) for e in experts]
+
     def assign(self, layer: int, expert: int, slot: int) -> None:
         """(layer, expert) lives in `slot` (on a device: from the next `sync_table` on)."""
         self._host_view[layer, expert] = slot

@@ -11,7 +11,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
   `acquire(layer, ids)` / `release(layer)` hold a layer's experts resident in `arena` for kernels
   that read them through its slot table (`can_acquire(n)`: whether n of them fit now);
   `record(layer, ids)` counts uses made that way (the one-launch prefill, a replayed decode
-  step); `all_resident()`; `load_all(on_unit)`;
+  step), `record_later(layer, counts)` from per-expert counts on the device without waiting for
+  them (counted at `settle_records()`, which the runtime calls once the call has run, and which
+  every statistic and control here calls first); `all_resident()`; `load_all(on_unit)`;
 * `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
@@ -33,6 +35,8 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Callable, Iterable, Iterator
+
+import torch
 
 from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey
 from engine.experts.prefetch import PrefetchLedger, PrefetchStats
@@ -78,6 +82,7 @@ class ExpertProvider(ABC):
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
         self.usage = ExpertUsage(n_layers)
         self.prefetches = PrefetchLedger()  # what hints predicted and issued, settled by the routes
+        self._later: list[tuple[int, torch.Tensor, torch.cuda.Event]] = []  # record_later's, not yet counted
 
     # ------------------------------------------------------------------ data
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
@@ -149,6 +154,27 @@ class ExpertProvider(ABC):
     def _record(self, layer: int, ids: list[int]) -> None:
         """Cache bookkeeping of such uses (none without a cache)."""
 
+    def record_later(self, layer: int, counts: torch.Tensor) -> None:
+        """`record` the experts of `layer` whose count in `counts` [n_experts] (uses per expert, on
+        the device) is not zero, without waiting for the device: their copy to the host is queued
+        now and counted by the next `settle_records()` (on the CPU, at once)."""
+        if counts.device.type != "cuda":
+            self.record(layer, [e for e, c in enumerate(counts.tolist()) if c])
+            return
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(counts.device))
+        self._later.append((layer, host, done))
+
+    def settle_records(self) -> None:
+        """Count what `record_later` queued (waiting for its copies, i.e. for the calls that made
+        the counts)."""
+        later, self._later = self._later, []
+        for layer, host, done in later:
+            done.synchronize()
+            self.record(layer, [e for e, c in enumerate(host.tolist()) if c])
+
     @abstractmethod
     def all_resident(self) -> bool:
         """Every expert is resident now (then `arena`, if any, holds the whole pool)."""
@@ -174,6 +200,7 @@ class ExpertProvider(ABC):
         """Pin these (layer, expert) keys, all or none: raises ExpertCacheError, pinning nothing,
         when they would leave fewer than `top_k` slots unpinned. Returns the keys. Without a
         cache every expert is resident already and nothing is pinned."""
+        self.settle_records()
         keys = [(int(layer), int(e)) for layer, e in dict.fromkeys(keys)]
         if self.cache is None:
             return keys
@@ -212,16 +239,19 @@ class ExpertProvider(ABC):
 
     def flush(self) -> list[ExpertKey]:
         """Evict every unpinned expert; returns the evicted keys (none without a cache)."""
+        self.settle_records()
         return [] if self.cache is None else self.cache.flush()
 
     def hottest(self, n: int) -> list[ExpertKey]:
         """The n experts used most so far (all time)."""
+        self.settle_records()
         if self.cache is not None:
             return self.cache.hottest(n)
         return [k for k, _ in self.usage.uses.most_common(n)]
 
     def contents(self) -> list[tuple[int, int, bool, int]]:
         """(layer, expert, pinned, all-time uses) of every resident expert, sorted."""
+        self.settle_records()
         uses = self.usage.uses
         if self.cache is None:
             return [(layer, e, False, uses.get((layer, e), 0)) for layer in range(self.n_layers)
@@ -232,12 +262,14 @@ class ExpertProvider(ABC):
 
     def stats(self) -> CacheStats | None:
         """The cache's counters, or None when every expert is resident without a cache."""
+        self.settle_records()
         return None if self.cache is None else self.cache.stats()
 
     def reset_stats(self) -> None:
         """Zero the statistics (usage, waits, the cache's counters and its `hottest` history),
         e.g. after the engine's warm-up, whose scratch lookups are no user's. What is resident,
         pinned, and what the eviction policy knows stay as they are."""
+        self.settle_records()
         self.usage.reset()
         if self.cache is not None:
             self.cache.reset_stats(history=True)

@@ -551,6 +551,7 @@ class StreamingExperts(ExpertProvider):
 
     def flush(self) -> list[ExpertKey]:
         """Evict every unpinned expert (after pending reads finish); returns the evicted keys."""
+        self.settle_records()
         self._drop_prefetches()
         self.prefetches.forget()
         for key in list(self._loads):

@@ -303,19 +303,42 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
 
 def test_arena_cells_equal_the_per_expert_loop(files):
     """A prefill chunk's MoE through one fp4_moe call over every (token, choice) cell (the
-    resident-arena path, taken on the CPU arena as on CUDA) equals the per-expert loop: cells sorted by slot
-    and put back in (token, choice) order, each token's row its own."""
+    resident-arena path, taken on the CPU arena as on CUDA) equals the per-expert loop: cells grouped by expert
+    and put back in (token, choice) order, each token's row its own; both count each used expert once."""
     model = Transformer(files.get, files.args, Numerics.named("native"))
     moe = next(b.ffn for b in model.blocks if not b.ffn.gate.hash)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(11, files.args.dim, generator=gen).to(torch.bfloat16)
     ids = torch.arange(11)
     idx, w = moe.route(x, ids)
+    uses = files.experts.usage.layer_uses[moe.layer]
     looped = moe._expert_loop(x, idx, w, files.experts)  # the per-expert loop
-    celled = moe._arena_cells(x, idx, w, files.experts)
+    celled = moe(x, ids, files.experts, (idx, w))
     assert moe._batched(files.experts) and files.experts.all_resident()  # what __call__ takes here, on the CPU as on CUDA
     assert celled.shape == looped.shape and celled.dtype == looped.dtype
     assert torch.equal(celled, looped)  # the reference computes each row on its own either way
+    used = len(set(idx.flatten().tolist()))
+    assert files.experts.usage.layer_uses[moe.layer] == uses + 2 * used
+
+
+def test_a_long_chunk_on_a_resident_arena_takes_the_sync_free_groups_and_counts_its_uses(files):
+    """Enough cells per expert, every expert resident: one group of every expert from the
+    device counts (`Cells.dense_all`, no host sync on CUDA), its uses counted by `record_later`
+    (at once on the CPU); the result equals the per-expert loop."""
+    from engine.moe import Cells
+
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    moe = next(b.ffn for b in model.blocks if not b.ffn.gate.hash)
+    n = 16 * files.experts.n_experts  # 16 cells per expert at least
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, files.args.dim, generator=gen).to(torch.bfloat16)
+    ids = torch.arange(n)
+    idx, w = moe.route(x, ids)
+    assert Cells(idx, files.experts.n_experts).dense_all
+    uses = files.experts.usage.layer_uses[moe.layer]
+    assert torch.equal(moe(x, ids, files.experts, (idx, w)), moe._expert_loop(x, idx, w, files.experts))
+    used = len(set(idx.flatten().tolist()))
+    assert files.experts.usage.layer_uses[moe.layer] == uses + 2 * used
 
 
 def test_whole_steps_count_their_routes_after_the_next_launch(files):

@@ -134,3 +134,42 @@ def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
         finally:
             eng.close()
     assert texts[True] == texts[False]
+
+
+def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(packed):
+    """Every expert resident and enough cells per expert (engine.moe.Cells.dense_all): the MoE
+    groups the cells on the device with no host sync and counts its uses later
+    (`record_later`); once `settle_records` has waited, each layer counted each of its distinct
+    experts once, and the logits are those of the same prompt prefilled in chunks too short for
+    that path (one host sync per layer), within the native GPU paths' rounding."""
+    from engine.moe import Cells
+
+    dev = torch.device("cuda")
+    files = open_model(packed, device="cuda")
+    assert files.experts.load_all()
+    model = Transformer(lambda n: files.get(n).to(dev), files.args, Numerics.named("native", make_backend("tilelang", dev)))
+    ids = torch.randint(0, 129280, (96,), generator=torch.Generator().manual_seed(5)).to(dev)
+    routes: dict[int, set[int]] = {}
+
+    def log(kind, layer, start, t):
+        if kind == "experts":
+            routes.setdefault(layer, set()).update(t.flatten().tolist())
+
+    with torch.inference_mode():
+        before = list(files.experts.usage.layer_uses)
+        state = model.new_state()
+        whole = model.forward(ids, state, files.experts, log=log)
+        assert Cells(torch.zeros(96, files.args.n_activated_experts, dtype=torch.long, device=dev),
+                     files.experts.n_experts).dense_all
+        files.experts.settle_records()
+        counted = [a - b for a, b in zip(files.experts.usage.layer_uses, before)]
+        assert counted == [len(routes[layer]) for layer in range(files.args.n_layers)]
+        chunked_state, parts = model.new_state(), []
+        for c in range(0, 96, 24):  # 96 cells a chunk: the grouped GEMV, after one host sync a layer
+            parts.append(model.forward(ids[c:c + 24], chunked_state, files.experts))
+        chunked = torch.cat(parts)
+        files.experts.settle_records()
+    files.close()
+    err = ((whole - chunked).norm(dim=-1) / chunked.norm(dim=-1)).float()
+    assert err.median() <= 0.1, f"median {err.median():.3e}"
+    assert (whole.argmax(-1) == chunked.argmax(-1)).float().mean() >= 0.8

@@ -11,7 +11,8 @@ import torch
 from expert_arena import expert_arena
 
 from kernels import reference as ref
-from kernels.fp4_moe import EXPERTS_PER_DEQUANT, expert_spans, fp4_moe_dequantized
+from engine.moe import Cells
+from kernels.fp4_moe import EXPERTS_PER_DEQUANT, expert_groups, expert_spans, fp4_moe_dequantized
 
 
 def arena(slots: int, inter: int, dim: int, gen: torch.Generator):
@@ -51,7 +52,7 @@ def test_fp4_moe_dequantized_matches_the_per_cell_reference(per_expert):
     w = torch.rand(slots.shape[0], generator=gen)
     q, s = ref.act_quant(x, 128)
     order, spans = expert_spans(slots)
-    got = fp4_moe_dequantized(q, s, data, fields, order, spans, w, limit)
+    got = fp4_moe_dequantized(q, s, data, fields, order, expert_groups(spans, q.device), w, limit)
     want = ref.fp4_moe_quantized(q, s, data, fields, slots, w, limit)
     assert got.dtype == torch.float32 and got.shape == want.shape
     err = ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
@@ -90,6 +91,57 @@ def test_fp4_moe_dequantized_splits_many_experts_into_groups():
     q, s = ref.act_quant(x, 128)
     order, spans = expert_spans(slots)
     assert len(spans) == 7 < EXPERTS_PER_DEQUANT
-    whole = fp4_moe_dequantized(q, s, data, fields, order, spans, w, limit)
-    split = fp4_moe_dequantized(q, s, data, fields, order, spans, w, limit, experts_per_group=3)
+    whole = fp4_moe_dequantized(q, s, data, fields, order, expert_groups(spans, q.device), w, limit)
+    split = fp4_moe_dequantized(q, s, data, fields, order, expert_groups(spans, q.device, 3), w, limit)
     assert torch.equal(whole, split)
+
+
+def test_expert_groups_cut_spans_into_groups_of_experts():
+    spans = [(4, 0, 2), (0, 2, 1), (7, 3, 5)]
+    groups = expert_groups(spans, torch.device("cpu"), 2)
+    assert [(c0, c1, slots.tolist(), ends.tolist()) for c0, c1, slots, ends in groups] == [
+        (0, 3, [4, 0], [2, 3]), (3, 8, [7], [5])]
+    assert all(t.dtype == torch.int32 for _, _, slots, ends in groups for t in (slots, ends))
+
+
+def test_every_expert_in_one_group_from_device_counts_equals_the_host_spans():
+    """The MoE's sync-free form (`engine.moe.Cells.all_groups`): the cells sorted by expert id,
+    one group of every expert of the layer whatever its count (an expert without cells is an
+    empty span), the spans from the device counts: the same outputs as the host's spans of the
+    used experts only, and the reference's up to the GEMMs' summation order."""
+    gen = torch.Generator().manual_seed(4)
+    inter, dim, limit, experts, k = 128, 256, 10.0, 8, 3
+    data, fields = arena(experts + 2, inter, dim, gen)
+    table = torch.randperm(experts + 2, generator=gen)[:experts].to(torch.int32)  # expert -> slot
+    idx = torch.randint(0, experts, (48, k), generator=gen)  # 144 cells: the tensor cores' path
+    idx[idx == 5] = 6  # expert 5 has no cells
+    cells = Cells(idx, experts)
+    assert cells.dense_all
+    assert cells.counts.tolist()[5] == 0 and cells.counts.sum().item() == 48 * k
+    assert torch.equal(cells.sorted_ids, idx.reshape(-1).sort(stable=True).values)
+    x = torch.randn(48, dim, generator=gen).to(torch.bfloat16)
+    w = torch.rand(48, k, generator=gen)
+    q, s = ref.act_quant(x.index_select(0, cells.order // k), 128)  # the cells' rows, grouped by expert
+    ws = w.reshape(-1).index_select(0, cells.order)
+    slots = table.index_select(0, cells.sorted_ids)
+    every = fp4_moe_dequantized(q, s, data, fields, None, cells.all_groups(table), ws, limit)
+    counts = cells.counts.tolist()
+    used = [e for e, c in enumerate(counts) if c]
+    spans = cells.groups(counts, table[used].tolist())
+    assert len(spans) == 1 and spans[0][2].tolist() == table[used].tolist()
+    only_used = fp4_moe_dequantized(q, s, data, fields, None, spans, ws, limit)
+    assert torch.equal(every, only_used)
+    want = ref.fp4_moe_quantized(q, s, data, fields, slots, ws, limit)
+    err = ((every - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
+    assert err.max().item() < 2e-2
+
+
+def test_cells_too_few_per_expert_take_the_grouped_gemv():
+    """Fewer than GROUPED_MIN_PER_EXPERT cells per used expert: no groups (the grouped GEMV)."""
+    idx = torch.arange(60).reshape(30, 2) % 20  # 3 cells for each of 20 experts
+    cells = Cells(idx, 24)
+    assert not cells.dense_all
+    counts = cells.counts.tolist()
+    assert cells.groups(counts, list(range(20))) == []
+    many = Cells(torch.arange(400).reshape(200, 2) % 20, 24)  # 20 cells each: the tensor cores
+    assert many.dense_all and len(many.groups(many.counts.tolist(), list(range(20)))) == 1
