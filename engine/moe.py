@@ -9,7 +9,7 @@ call (all resident, or held for the call by `acquire`), all its cells go through
 call instead (`MoE._arena_cells`), on any device, grouped by expert: the host learns how many
 cells each expert has in one synchronisation per layer (which experts to hold, and the grouped
 GEMMs' spans), or in none when every expert is resident and the layer's experts make one group of
-the tensor cores' path (`Cells.dense_all`; its uses are then counted after the call,
+the tensor cores' path (`Cells.one_group`; its uses are then counted after the call,
 `ExpertProvider.record_later`).
 """
 
@@ -72,7 +72,7 @@ class MoE:
             return self._expert_loop(x, idx, w, provider)
         cells = Cells(idx, provider.n_experts)
         arena = provider.arena
-        if provider.all_resident() and cells.dense_all:  # no host sync: counted once the device has run it
+        if provider.all_resident() and cells.one_group:  # no host sync: counted once the device has run it
             provider.record_later(self.layer, cells.counts)
             return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
         counts = cells.counts.tolist()  # the layer's one host sync
@@ -180,16 +180,20 @@ class Cells:
             0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     @property
-    def dense_all(self) -> bool:
-        """The tensor cores' path (kernels/fp4_moe.py `dense`) over every expert of the layer, in
-        one group: its spans come from the device counts, with no host sync; an expert without
-        cells is an empty span whose dequantisation is wasted, rare at this many cells each."""
-        n, k = self.shape
-        return self.experts <= EXPERTS_PER_DEQUANT and dense(n * k, self.experts)
+    def one_group(self) -> bool:
+        """The layer's experts fit one group of the tensor cores' path (`all_groups`): the cells
+        need no host sync to be scheduled."""
+        return self.experts <= EXPERTS_PER_DEQUANT
 
     def all_groups(self, slots: torch.Tensor) -> list:
-        """The one group of every expert: `slots` [experts] (the layer's slot table row)."""
+        """The cells' schedule from the device counts alone (`one_group`): one group of every
+        expert of the layer, `slots` [experts] (the layer's slot table row), when there are
+        enough cells per expert for the tensor cores (kernels/fp4_moe.py `dense`; an expert
+        without cells is an empty span, its dequantisation wasted, rare at this many cells each),
+        else [] (the grouped GEMV)."""
         n, k = self.shape
+        if not dense(n * k, self.experts):
+            return []
         return [(0, n * k, slots, self.counts.cumsum(0, dtype=torch.int32))]
 
     def groups(self, counts: list[int], slots: list[int]) -> list:

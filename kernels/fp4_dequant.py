@@ -7,8 +7,8 @@ its 1×32 e8m0 scales [n, k/32] at byte s_offs[p]. Every value is exact in bf16 
 at most two significant bits; the scale is a power of two), so the output equals the reference
 bit for bit.
 
-One pass over memory: a thread reads one scale group (16 bytes = 4 words, and its scale byte)
-straight from the arena row and writes its 32 bf16 values, so prefill's bf16 GEMMs
+One pass over memory: a thread reads one word (8 codes) and its scale byte straight from the
+arena row and writes its 8 bf16 values, so prefill's bf16 GEMMs
 (kernels/fp4_moe.py: `fp4_moe_dequantized`) pay 5 bytes of traffic per weight byte instead of the
 reference's ~20 (widened indices, a lookup, a multiply). Memory-bound by design; sm_90 tested.
 """
@@ -35,40 +35,39 @@ def _e2m1(T, mag, sign):
 def fp4_dequant_kernel(n: int, k: int, w_off: tuple[int, ...], s_off: tuple[int, ...], arch: tuple[int, int]):
     """(WA [Sw, w_stride/4] int32 and SWA [Ss, s_stride] uint8: the same arena, SLOT [G] int32,
     Y [G, P·n, k] bf16); part p reads the weight at byte w_off[p] and the scales at s_off[p] of row
-    SLOT[g] (offsets evenly spaced, the weight's 16-byte aligned). Unguarded: slots must be
+    SLOT[g] (offsets evenly spaced, the weight's 16-byte aligned). A thread per weight word: it
+    reads one int32 (8 codes) and its scale byte and writes 8 bf16 values as one 16-byte store,
+    so a warp's loads and its stores are each one contiguous span. Unguarded: slots must be
     below the arena's rows, as the caller checks."""
     import tilelang.language as T
 
-    parts, kg = len(w_off), k // 32  # scale groups per row
+    parts, kw, kg = len(w_off), k // 8, k // 32  # int32 words and scale groups per row
     w_step = (w_off[1] - w_off[0]) // 4 if parts > 1 else 0  # in int32 words
     s_step = s_off[1] - s_off[0] if parts > 1 else 0
-    per_part = n * kg
+    per_part = n * kw
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     w_stride, s_stride = T.dynamic("w_stride"), T.dynamic("s_stride")
 
     @T.prim_func
-    def fp4_dequant(WA: T.Tensor((wslots, w_stride), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
-                    SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, parts * n, k), "bfloat16")):
+    def fp4_dequant_words(WA: T.Tensor((wslots, w_stride), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
+                          SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, parts * n, k), "bfloat16")):
         with T.Kernel(T.ceildiv(per_part, THREADS), groups, parts, threads=THREADS) as (bx, g, part):
             t = T.get_thread_binding(0)
-            wq = T.alloc_local((4,), "int32")
-            y = T.alloc_local((32,), "bfloat16")
-            i = bx * THREADS + t  # this thread's scale group of the part: row i // kg, group i % kg
+            y = T.alloc_local((8,), "bfloat16")
+            i = bx * THREADS + t  # this thread's word of the part: row i // kw, word i % kw
             if i < per_part:
                 slot = SLOT[g]
-                row, col = i // kg, i % kg
-                for v in T.vectorized(4):
-                    wq[v] = WA[slot, w_off[0] // 4 + part * w_step + row * (k // 8) + col * 4 + v]
-                scale = e8m0_bits_to_float(T, SWA[slot, s_off[0] + part * s_step + i])
-                for j in T.unroll(16):  # byte j: element 2j (sign bit 7, magnitude bits 1..3), 2j+1 (4..6, 0)
-                    b = (wq[j // 4] >> (8 * (j % 4))) & 0xFF
+                row, col = i // kw, i % kw
+                word = WA[slot, w_off[0] // 4 + part * w_step + i]
+                scale = e8m0_bits_to_float(T, SWA[slot, s_off[0] + part * s_step + row * kg + col // 4])
+                for j in T.unroll(4):  # byte j: element 2j (sign bit 7, magnitude bits 1..3), 2j+1 (4..6, 0)
+                    b = (word >> (8 * j)) & 0xFF
                     y[2 * j] = T.Cast("bfloat16", _e2m1(T, (b >> 1) & 7, b >> 7) * scale)
                     y[2 * j + 1] = T.Cast("bfloat16", _e2m1(T, (b >> 4) & 7, b & 1) * scale)
-                for c in T.unroll(4):  # 16-byte stores
-                    for v in T.vectorized(8):
-                        Y[g, part * n + row, col * 32 + c * 8 + v] = y[c * 8 + v]
+                for v in T.vectorized(8):
+                    Y[g, part * n + row, col * 8 + v] = y[v]
 
-    return compile_kernel(fp4_dequant, arch, pass_configs=UNGUARDED)
+    return compile_kernel(fp4_dequant_words, arch, pass_configs=UNGUARDED)
 
 
 def fp4_dequant_slots(arena: torch.Tensor, w_offs: tuple[int, ...], s_offs: tuple[int, ...], n: int, k: int,

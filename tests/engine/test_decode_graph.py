@@ -323,7 +323,7 @@ def test_arena_cells_equal_the_per_expert_loop(files):
 
 def test_a_long_chunk_on_a_resident_arena_takes_the_sync_free_groups_and_counts_its_uses(files):
     """Enough cells per expert, every expert resident: one group of every expert from the
-    device counts (`Cells.dense_all`, no host sync on CUDA), its uses counted by `record_later`
+    device counts (`Cells.all_groups`, no host sync on CUDA), its uses counted by `record_later`
     (at once on the CPU); the result equals the per-expert loop."""
     from engine.moe import Cells
 
@@ -334,7 +334,8 @@ def test_a_long_chunk_on_a_resident_arena_takes_the_sync_free_groups_and_counts_
     x = torch.randn(n, files.args.dim, generator=gen).to(torch.bfloat16)
     ids = torch.arange(n)
     idx, w = moe.route(x, ids)
-    assert Cells(idx, files.experts.n_experts).dense_all
+    cells = Cells(idx, files.experts.n_experts)
+    assert cells.one_group and cells.all_groups(torch.zeros(cells.experts, dtype=torch.int32))
     uses = files.experts.usage.layer_uses[moe.layer]
     assert torch.equal(moe(x, ids, files.experts, (idx, w)), moe._expert_loop(x, idx, w, files.experts))
     used = len(set(idx.flatten().tolist()))

@@ -137,11 +137,11 @@ def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
 
 
 def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(packed):
-    """Every expert resident and enough cells per expert (engine.moe.Cells.dense_all): the MoE
+    """Every expert resident and enough cells per expert (engine.moe.Cells.all_groups): the MoE
     groups the cells on the device with no host sync and counts its uses later
     (`record_later`); once `settle_records` has waited, each layer counted each of its distinct
     experts once, and the logits are those of the same prompt prefilled in chunks too short for
-    that path (one host sync per layer), within the native GPU paths' rounding."""
+    the tensor cores (the grouped GEMV), within the native GPU paths' rounding."""
     from engine.moe import Cells
 
     dev = torch.device("cuda")
@@ -159,13 +159,14 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
         before = list(files.experts.usage.layer_uses)
         state = model.new_state()
         whole = model.forward(ids, state, files.experts, log=log)
-        assert Cells(torch.zeros(96, files.args.n_activated_experts, dtype=torch.long, device=dev),
-                     files.experts.n_experts).dense_all
+        cells = Cells(torch.zeros(96, files.args.n_activated_experts, dtype=torch.long, device=dev),
+                      files.experts.n_experts)
+        assert cells.one_group and cells.all_groups(files.experts.arena.table[0])
         files.experts.settle_records()
         counted = [a - b for a, b in zip(files.experts.usage.layer_uses, before)]
         assert counted == [len(routes[layer]) for layer in range(files.args.n_layers)]
         chunked_state, parts = model.new_state(), []
-        for c in range(0, 96, 24):  # 96 cells a chunk: the grouped GEMV, after one host sync a layer
+        for c in range(0, 96, 24):  # 96 cells a chunk: the grouped GEMV
             parts.append(model.forward(ids[c:c + 24], chunked_state, files.experts))
         chunked = torch.cat(parts)
         files.experts.settle_records()

@@ -66,7 +66,7 @@ class _Spy:
 
     def __init__(self, inner):
         self.inner, self.calls = inner, []
-        self.arena = inner.arena
+        self.arena, self.n_experts = inner.arena, inner.n_experts
 
     def experts(self, layer, ids):
         ids = list(ids)
@@ -83,6 +83,10 @@ class _Spy:
     def record(self, layer, ids):
         self.calls.append(("record", layer, list(ids)))
         self.inner.record(layer, ids)
+
+    def record_later(self, layer, counts):
+        self.calls.append(("record", layer, [e for e, c in enumerate(counts.tolist()) if c]))
+        self.inner.record_later(layer, counts)
 
     def release(self, layer):
         self.inner.release(layer)

@@ -116,7 +116,7 @@ def test_every_expert_in_one_group_from_device_counts_equals_the_host_spans():
     idx = torch.randint(0, experts, (48, k), generator=gen)  # 144 cells: the tensor cores' path
     idx[idx == 5] = 6  # expert 5 has no cells
     cells = Cells(idx, experts)
-    assert cells.dense_all
+    assert cells.one_group and cells.all_groups(table)
     assert cells.counts.tolist()[5] == 0 and cells.counts.sum().item() == 48 * k
     assert torch.equal(cells.sorted_ids, idx.reshape(-1).sort(stable=True).values)
     x = torch.randn(48, dim, generator=gen).to(torch.bfloat16)
@@ -140,8 +140,8 @@ def test_cells_too_few_per_expert_take_the_grouped_gemv():
     """Fewer than GROUPED_MIN_PER_EXPERT cells per used expert: no groups (the grouped GEMV)."""
     idx = torch.arange(60).reshape(30, 2) % 20  # 3 cells for each of 20 experts
     cells = Cells(idx, 24)
-    assert not cells.dense_all
     counts = cells.counts.tolist()
-    assert cells.groups(counts, list(range(20))) == []
+    assert cells.groups(counts, list(range(20))) == [] and cells.all_groups(torch.arange(24)) == []
     many = Cells(torch.arange(400).reshape(200, 2) % 20, 24)  # 20 cells each: the tensor cores
-    assert many.dense_all and len(many.groups(many.counts.tolist(), list(range(20)))) == 1
+    assert len(many.groups(many.counts.tolist(), list(range(20)))) == 1
+    assert len(many.all_groups(torch.arange(24, dtype=torch.int32))) == 1  # 400 >= 16 x 24 cells

@@ -462,7 +462,7 @@ def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen)
     weights, the backend's swiglu_quant) and match the per-cell reference."""
     from kernels.act_quant import act_quant
     from kernels.fp4_dequant import fp4_dequant_slots
-    from kernels.fp4_moe import GROUPED_MIN_CELLS, expert_spans, fp4_moe, fp4_moe_dequantized
+    from kernels.fp4_moe import GROUPED_MIN_CELLS, expert_groups, expert_spans, fp4_moe, fp4_moe_dequantized
     from kernels.swiglu_quant import swiglu_quant
     inter, dim, limit = 2048, 4096, 10.0
     data, fields, _ = _arena(8, inter, dim, gen)
@@ -472,8 +472,13 @@ def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen)
     wts = torch.rand(512, generator=gen, device=DEV)
     out = fp4_moe(x, data, fields, slots, wts, limit)
     q, s = act_quant(x, 128)
-    assert torch.equal(out, fp4_moe_dequantized(q, s, data, fields, *expert_spans(slots), wts, limit, swiglu_quant,
-                                                fp4_dequant_slots))
+    order, spans = expert_spans(slots)
+    assert torch.equal(out, fp4_moe_dequantized(q, s, data, fields, order, expert_groups(spans, x.device), wts, limit,
+                                                swiglu_quant, fp4_dequant_slots))
+    # grouped by the caller (engine.moe.Cells: sorted by expert, device counts): no host sync, the same cells
+    grouped = fp4_moe(x.index_select(0, order), data, fields, slots.index_select(0, order), wts.index_select(0, order),
+                      limit, expert_groups(spans, x.device))
+    assert torch.equal(grouped, out.index_select(0, order))
     want = ref.fp4_moe(x, data, fields, slots, wts, limit)
     worst = max(rel_err(out[g:g + 1], want[g:g + 1]) for g in range(0, 512, 7))
     print(f"fp4_moe prefill (64 cells per expert): worst rel err {worst:.2e}")
