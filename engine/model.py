@@ -161,7 +161,9 @@ class Transformer:
 
         `timer.section(name)` (optional) times each block's "attention" and "moe"."""
         start = state.pos
-        hashed = [b for b in self.blocks if b.ffn.gate.hash]
+        # hash layers' hints; none when every expert is resident (nothing to read early, and the
+        # ids' copy to the host would wait for the device work queued before this call)
+        hashed = [] if experts.all_resident() else [b for b in self.blocks if b.ffn.gate.hash]
         host_ids = ids.cpu() if hashed else None
         for block in hashed:  # hash layers know their experts from the token ids alone
             experts.prefetch(block.layer, sorted(set(block.ffn.gate.tid2eid_host[host_ids].flatten().tolist())))

@@ -174,7 +174,9 @@ class Cells:
         self.shape = tuple(idx.shape)
         self.experts = experts
         flat = idx.reshape(-1)
-        self.order = torch.argsort(flat, stable=True)
+        # the narrowest key a radix sort can take: one pass per key byte (8 for int64 ids)
+        keys = flat.to(torch.uint8 if experts <= 256 else torch.int32)
+        self.order = torch.argsort(keys, stable=True)
         self.sorted_ids = flat.index_select(0, self.order)
         self.counts = torch.zeros(experts, dtype=torch.int32, device=idx.device).index_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))

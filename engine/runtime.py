@@ -103,7 +103,7 @@ class Runtime:
         n = ids.numel() if host is None else len(host)
         graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
         x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
-                                  else torch.tensor(host, dtype=torch.long, device=self.device))
+                                  else self._to_device(host))
         timer = StepTimer()
         kwargs = {"timer": timer}
         if self.log is not None:
@@ -123,6 +123,15 @@ class Runtime:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
         return Launched(out, n, graphed, timer, t0, wait, done)
+
+    def _to_device(self, host: list[int]) -> torch.Tensor:
+        """Token ids to the device without waiting for the work queued there (a copy from pinned
+        memory: one from pageable memory waits, and a prefill chunk could not be queued while
+        the one before it runs)."""
+        ids = torch.tensor(host, dtype=torch.long)
+        if self.device.type != "cuda":
+            return ids.to(self.device)
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def finish(self, launched: Launched) -> StepResult:
         """Wait for a launched call (not for work queued after it); its result, timed from its
@@ -184,22 +193,45 @@ class Runtime:
                 on_queued: Callable[[], None] | None = None) -> Iterator[StepResult]:
         """Process `ids` in chunks of `chunk` tokens and the remainder in powers of two
         (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), one result per
-        chunk. Stops before a chunk when `cancel` is set (the state then holds the chunks done).
+        chunk, in order. On CUDA each chunk is queued before the one before it is waited for, so
+        the host's work for a chunk overlaps the device's for the previous one. Stops before
+        queueing a chunk when `cancel` is set (the state then holds the chunks yielded: on CUDA,
+        one more than had been yielded when it was set).
         `on_queued()` is called once the last chunk is queued, before it is waited for: work the
         caller queues then (a snapshot's copies of the state after `ids`) runs after it on the
         device, and its host time overlaps the chunk's device time instead of following it.
         """
-        start = 0
+        start, running, ahead = 0, None, self.device.type == "cuda"
+        done_at = None  # perf_counter at the end of the chunk yielded last
+
+        def finished(launched: Launched) -> StepResult:
+            """`finish`, timed from the chunk's launch or from the end of the chunk before it if
+            that is later (queued ahead, it ran after that one): the chunks' seconds add up to
+            the prefill's wall time."""
+            nonlocal done_at
+            if done_at is not None and done_at > launched.t0:
+                launched = replace(launched, t0=done_at)
+            res = self.finish(launched)
+            done_at = launched.t0 + res.seconds
+            return res
+
         lengths = chunk_lengths(len(ids), chunk)
         for i, length in enumerate(lengths):
             if cancel is not None and cancel.is_set():
-                return
+                break
             part = ids[start:start + length]
             launched = self._graphed_tokens(state, part) if self._graphs_short(length) else self.launch(state, part)
             if on_queued is not None and i == len(lengths) - 1:
                 on_queued()
-            yield self.finish(launched)
+            if running is not None:
+                yield finished(running)
+            running = launched
             start += length
+            if not ahead:  # the CPU has run the chunk already: nothing to overlap
+                yield finished(running)
+                running = None
+        if running is not None:
+            yield finished(running)
 
     def _graphs_short(self, length: int) -> bool:
         """A chunk of at most SHORT_PREFILL tokens runs as that many decode steps of the graph

@@ -174,3 +174,33 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
     err = ((whole - chunked).norm(dim=-1) / chunked.norm(dim=-1)).float()
     assert err.median() <= 0.1, f"median {err.median():.3e}"
     assert (whole.argmax(-1) == chunked.argmax(-1)).float().mean() >= 0.8
+
+
+def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
+    """On CUDA `Runtime.prefill` queues each chunk before waiting for the one before it: the same
+    kernels in the same order as chunks run one at a time, so the same logits bit for bit; the
+    chunks' seconds add up to no more than the prefill's wall time."""
+    import threading
+    import time
+
+    from engine.runtime import Runtime
+
+    dev = torch.device("cuda")
+    files = open_model(packed, device="cuda")
+    assert files.experts.load_all()
+    model = Transformer(lambda n: files.get(n).to(dev), files.args, Numerics.named("native", make_backend("tilelang", dev)))
+    runtime = Runtime(model, files.experts, dev, threading.RLock())
+    ids = torch.randint(0, 129280, (96,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        state = model.new_state()
+        t0 = time.perf_counter()
+        results = list(runtime.prefill(state, ids, 24))
+        wall = time.perf_counter() - t0
+        one_state, one = model.new_state(), []
+        for c in range(0, 96, 24):
+            one.append(runtime.step(one_state, ids[c:c + 24]))
+    files.close()
+    assert [r.tokens for r in results] == [24] * 4 and state.pos == one_state.pos == 96
+    for got, want in zip(results, one):
+        assert torch.equal(got.logits, want.logits)
+    assert sum(r.seconds for r in results) <= wall
