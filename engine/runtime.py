@@ -139,8 +139,8 @@ class Runtime:
         if launched.done is not None:
             launched.done.synchronize()
         seconds = time.perf_counter() - launched.t0
-        with self.lock:
-            self.experts.settle_records()  # the uses its MoE counted without waiting (record_later)
+        with self.lock:  # the uses its MoE counted without waiting (record_later); not a call queued after it
+            self.experts.settle_records(wait=False)
         wait, timer = launched.wait_s, launched.timer
         if launched.graphed:  # no sections inside a replay: all but the expert wait is the graph's
             timing = StepTiming(expert_wait_ms=1e3 * wait, graph_ms=1e3 * max(0.0, seconds - wait))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -82,7 +82,7 @@ class ExpertProvider(ABC):
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
         self.usage = ExpertUsage(n_layers)
         self.prefetches = PrefetchLedger()  # what hints predicted and issued, settled by the routes
-        self._later: list[tuple[int, torch.Tensor, torch.cuda.Event]] = []  # record_later's, not yet counted
+        self._later: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # record_later's, not yet counted
 
     # ------------------------------------------------------------------ data
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
@@ -167,12 +167,16 @@ class ExpertProvider(ABC):
         done.record(torch.cuda.current_stream(counts.device))
         self._later.append((layer, host, done))
 
-    def settle_records(self) -> None:
-        """Count what `record_later` queued (waiting for its copies, i.e. for the calls that made
-        the counts)."""
-        later, self._later = self._later, []
-        for layer, host, done in later:
+    def settle_records(self, wait: bool = True) -> None:
+        """Count what `record_later` queued, in order: waiting for its copies (i.e. for the calls
+        that made the counts), or without `wait` only those whose copies have completed (a call
+        queued after the one the caller waited for keeps running)."""
+        while self._later:
+            layer, host, done = self._later[0]
+            if not wait and not done.query():
+                return
             done.synchronize()
+            self._later.popleft()
             self.record(layer, [e for e, c in enumerate(host.tolist()) if c])
 
     @abstractmethod

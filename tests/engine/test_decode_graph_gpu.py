@@ -178,8 +178,9 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
 
 def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
     """On CUDA `Runtime.prefill` queues each chunk before waiting for the one before it: the same
-    kernels in the same order as chunks run one at a time, so the same logits bit for bit; the
-    chunks' seconds add up to no more than the prefill's wall time."""
+    kernels in the same order as chunks run one at a time, so the same logits bit for bit and the
+    same uses counted by the time the last chunk is waited for; the chunks' seconds add up to no
+    more than the prefill's wall time."""
     import threading
     import time
 
@@ -191,14 +192,17 @@ def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
     model = Transformer(lambda n: files.get(n).to(dev), files.args, Numerics.named("native", make_backend("tilelang", dev)))
     runtime = Runtime(model, files.experts, dev, threading.RLock())
     ids = torch.randint(0, 129280, (96,), generator=torch.Generator().manual_seed(6)).tolist()
+    usage = files.experts.usage
     with torch.inference_mode():
-        state = model.new_state()
+        state, before = model.new_state(), list(usage.layer_uses)
         t0 = time.perf_counter()
         results = list(runtime.prefill(state, ids, 24))
         wall = time.perf_counter() - t0
-        one_state, one = model.new_state(), []
+        ahead = [a - b for a, b in zip(usage.layer_uses, before)]  # counted as each chunk was waited for
+        one_state, one, before = model.new_state(), [], list(usage.layer_uses)
         for c in range(0, 96, 24):
             one.append(runtime.step(one_state, ids[c:c + 24]))
+        assert ahead == [a - b for a, b in zip(usage.layer_uses, before)] and sum(ahead) > 0
     files.close()
     assert [r.tokens for r in results] == [24] * 4 and state.pos == one_state.pos == 96
     for got, want in zip(results, one):
