@@ -15,8 +15,7 @@ the cold warm-up), then profiles with torch.profiler, each after one unprofiled 
 
 `--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
 synchronises the host with the device in a chunk (`torch.cuda.set_sync_debug_mode`), with its
-count, and the lines whose torch ops launch the most kernels (torch.profiler with Python stacks;
-TileLang's launches, outside torch ops, are one line of their own).
+count.
 
 Figures are per call; "busy" is the sum of kernel times, so busy < wall means the GPU idled
 (host work, launches, synchronisations).
@@ -77,47 +76,16 @@ REPO = str(Path(__file__).resolve().parents[1])
 
 
 def repo_frame(frames) -> str:
-    """Where `frames` (traceback.FrameSummary, or the profiler's "path(line): name" strings,
-    outermost first) are in this repository: the innermost engine/ frame, then the innermost
-    kernels/ frame after " > " when there is one ("?" if neither)."""
+    """Where `frames` (traceback.FrameSummary, outermost first) are in this repository: the
+    innermost engine/ frame, then the innermost kernels/ frame after " > " when there is one
+    ("?" if neither)."""
     found: dict[str, str] = {}
     for f in reversed(list(frames)):
-        text = (f if isinstance(f, str) else f"{f.filename}({f.lineno}): {f.name}").replace(REPO + "/", "")
+        text = f"{f.filename}({f.lineno}): {f.name}".replace(REPO + "/", "")
         for top in ("engine/", "kernels/"):
             if text.startswith(top):
                 found.setdefault(top, text)
     return " > ".join(found[t] for t in ("engine/", "kernels/") if t in found) or "?"
-
-
-def launch_sites(fn, top: int) -> list[str]:
-    """The `top` source lines whose torch ops launch the most kernels in one call of fn, with
-    those kernels' GPU time (each op's kernels, as the profiler correlates them, attributed to
-    the op's Python frames)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = prof.events()
-    counts: dict[str, list] = {}  # site -> [kernels, GPU us]
-    for e in events:
-        if not e.kernels or e.device_type != DeviceType.CPU:
-            continue
-        frames, up = [], e
-        while up is not None:  # Python function events are named by their frame "path(line): name"
-            frames[:0] = [up.name]
-            up = up.cpu_parent
-        c = counts.setdefault(repo_frame(frames), [0, 0.0])
-        c[0] += len(e.kernels)
-        c[1] += sum(k.duration for k in e.kernels)
-    kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
-    attributed = sum(c[0] for c in counts.values())
-    lines = [f"  {kernels} kernels and copies per call; under torch ops, by source line:"]
-    lines += [f"  {n:6d} {us / 1e3:8.2f} ms  {site}" for site, (n, us) in
-              sorted(counts.items(), key=lambda kv: -kv[1][0])[:top]]
-    lines.append(f"  {kernels - attributed:6d}             outside torch ops (TileLang's launches)")
-    return lines
 
 
 def sync_sites(fn) -> list[str]:
@@ -230,7 +198,7 @@ def profile_all(a, eng) -> None:
               f"({compiled_kernels() - k0} kernel variants built by its first run)", flush=True)
         profiled(f"prefill {a.prefill} tokens, chunks of {chunk}", prefill, 1, a.top)
         if a.syncs and chunk == a.chunks[0]:
-            print("\n".join(sync_sites(prefill) + launch_sites(prefill, 40)), flush=True)
+            print("\n".join(sync_sites(prefill)), flush=True)
 
     base = model.new_state()
     for _ in runtime.prefill(base, ids[:128], a.chunks[0]):
