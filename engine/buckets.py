@@ -70,9 +70,14 @@ def capacity_buckets(max_seq_len: int, ratio: int) -> list[int]:
         cap *= 2
 
 
+def decode_ratio(args: ModelArgs) -> int:
+    """The smallest compression ratio of the main layers (0 without compressed layers): its
+    layers' capacities are the ones the others' follow."""
+    return min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
+
+
 def decode_capacities(args: ModelArgs, max_seq_len: int) -> list[int]:
     """The compressed-cache capacities a conversation's decode steps pass through up to position
-    `max_seq_len`: those of the layers with the smallest compression ratio, which the others'
-    follow (none without compressed layers)."""
-    ratio = min((r for r in args.compress_ratios[:args.n_layers] if r), default=0)
+    `max_seq_len`: those of the layers of `decode_ratio` (none without compressed layers)."""
+    ratio = decode_ratio(args)
     return capacity_buckets(max_seq_len, ratio) if ratio else []

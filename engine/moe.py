@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelArgs
-from engine.experts.provider import ExpertProvider
+from engine.experts.provider import ExpertProvider, used_experts
 from engine.experts.weights import ExpertWeights
 from engine.numerics import Numerics, Quantized
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT, dense, expert_groups
@@ -76,7 +76,7 @@ class MoE:
             provider.record_later(self.layer, cells.counts)
             return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
         counts = cells.counts.tolist()  # the layer's one host sync
-        wanted = [e for e, c in enumerate(counts) if c]
+        wanted = used_experts(counts)
         if provider.all_resident():
             provider.record(self.layer, wanted)  # usage and cache statistics
             return self._arena_cells(x, w, cells, arena, cells.groups(counts, arena.slots_of(self.layer, wanted)))

@@ -25,7 +25,7 @@ load replays the manifest first (each kernel loaded from TileLang's on-disk cach
 what else a step pays on first use belongs to the process (the decode graphs of every cache
 capacity, cuBLAS's per-shape setup). With the kernels built and the steps left to the first
 turns (H200, 43 layers), fresh conversations decoded at 58 tok/s instead of 140 while they
-captured their graphs, and a 728-token prompt's first token came after 0.43 s instead of 0.25.
+captured their graphs.
 A manifest that cannot be used is reported in one progress message, and the full warm-up runs
 and rewrites it.
 """
@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from engine.buckets import chunk_buckets, chunk_lengths, decode_capacities
+from engine.buckets import chunk_buckets, chunk_lengths, decode_capacities, decode_ratio
 from engine.config import EngineConfig, ModelArgs
 from engine.runtime import SHORT_PREFILL
 from engine.sampling import Sampler, SamplingParams, checked
@@ -88,7 +88,7 @@ def plan_warmup(args: ModelArgs, config: EngineConfig, full: bool, graphed_short
     capacities = decode_capacities(args, config.max_seq_len)
     if not capacities:
         return steps + [WarmupStep("decode", capacity=0)]
-    ratio = min(r for r in args.compress_ratios[:args.n_layers] if r)
+    ratio = decode_ratio(args)
     decode = []
     for cap in capacities:
         last = min((cap - 1) * ratio, config.max_seq_len)  # reserving for this position makes `cap` entries

@@ -43,6 +43,11 @@ from engine.experts.prefetch import PrefetchLedger, PrefetchStats
 from engine.experts.weights import ExpertWeights
 
 
+def used_experts(counts: list[int]) -> list[int]:
+    """The experts (indices) whose use count in `counts` (one per expert of a layer) is not zero."""
+    return [e for e, c in enumerate(counts) if c]
+
+
 class ExpertUsage:
     """All-time uses per (layer, expert) and per layer, and seconds spent waiting for experts."""
 
@@ -159,7 +164,7 @@ class ExpertProvider(ABC):
         the device) is not zero, without waiting for the device: their copy to the host is queued
         now and counted by the next `settle_records()` (on the CPU, at once)."""
         if counts.device.type != "cuda":
-            self.record(layer, [e for e, c in enumerate(counts.tolist()) if c])
+            self.record(layer, used_experts(counts.tolist()))
             return
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
@@ -177,7 +182,7 @@ class ExpertProvider(ABC):
                 return
             done.synchronize()
             self._later.popleft()
-            self.record(layer, [e for e, c in enumerate(host.tolist()) if c])
+            self.record(layer, used_experts(host.tolist()))
 
     @abstractmethod
     def all_resident(self) -> bool:
