@@ -215,6 +215,39 @@ def sparse_split_rows(dev) -> list[tuple[str, int, float, bool]]:
     return rows
 
 
+# (heads, threads) a CTA of prefill's sparse attention, the first the reference for the others
+PREFILL_ATTENTION_TILES = ((16, 128), (32, 256), (64, 256), (64, 512))
+
+
+def prefill_attention_rows(dev, queries: int = 2048, tiles=PREFILL_ATTENTION_TILES) -> list[tuple[str, float, float]]:
+    """Prefill's sparse attention (`queries` queries of 64 heads of 512, K = 640 selected rows of
+    the chunk's keys, one split) at each (heads, threads) a CTA: (name, ms per call, largest
+    difference from the first tile's fp32 output). The selected rows are a sliding window of 128
+    plus 512 random rows, as a CSA layer's."""
+    from kernels.sparse_attention import partial_kernel
+    from kernels.toolkit import cuda_arch
+
+    arch, h, d, scale = cuda_arch(dev), 64, 512, 512 ** -0.5
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(queries, h, d, device=dev, generator=g).to(torch.bfloat16)
+    kv = torch.randn(queries + queries // 4, d, device=dev, generator=g).to(torch.bfloat16)
+    pos = torch.arange(queries, device=dev)
+    window = (pos[:, None] - torch.arange(128, device=dev)).clamp_min(-1)
+    chosen = torch.randint(queries, queries + queries // 4, (queries, 512), device=dev, generator=g)
+    idx = torch.cat((window, chosen), dim=1)
+    po = torch.empty(queries, 1, h, d, device=dev)
+    pm, pl = torch.empty(queries, 1, h, device=dev), torch.empty(queries, 1, h, device=dev)
+    rows, first = [], None
+    for bh, threads in tiles:
+        part = partial_kernel(h, d, scale, 1, arch, 0, bh, threads)
+        t = median_seconds(lambda: part(q, kv, idx, po, pm, pl))
+        out = po.clone()
+        first = out if first is None else first
+        rows.append((f"sparse prefill S={queries} K=640 heads {bh} threads {threads}", t * 1e3,
+                     (out - first).abs().max().item()))
+    return rows
+
+
 def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     """The small ops every layer runs, at decode shapes (one token, n = 4 streams of D = 4096,
     bf16): mHC pre (mix + gate, Sinkhorn folded in), mHC post, the RMSNorm + FP8
@@ -315,11 +348,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dense-only", action="store_true",
                     help="only the small ops and the dense (FP8, wo_a) weights, not the FP4 and attention rows")
+    ap.add_argument("--prefill-attention", type=lambda v: [int(x) for x in v.split(",")], metavar="S,S",
+                    help="only prefill's sparse attention at these query counts, per (heads, threads) a CTA")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(dev))
+    if a.prefill_attention:
+        print("| launch | ms | max diff from the first |")
+        print("|---|---|---|")
+        for s in a.prefill_attention:
+            for name, ms, diff in prefill_attention_rows(dev, s):
+                print(f"| {name} | {ms:.3f} | {diff:.3g} |")
+        return
     ceiling = copy_bandwidth(dev)
     print_table(bench_rows(dev, a.dense_only), ceiling)
 

@@ -5,15 +5,16 @@ out [S, H, D] in q's dtype (the fp32 result rounded once; fp32 on request): one 
 (query, head) over the selected rows whose denominator also holds exp(sink_h) (spec §C.4 steps
 10–12).
 
-One CTA per (query, block of 16 heads, split of the K selected rows) walks its rows in blocks
+One CTA per (query, block of heads, split of the K selected rows) walks its rows in blocks
 of `block_i`: it gathers the rows into shared memory (absent rows load row 0 and get a -inf
 score), computes the scores on the tensor cores (bf16 inputs, fp32 accumulation, exact
 products), and keeps an online softmax. The probabilities are split into a bf16 high part and a
 bf16 remainder and both multiply the rows, so P·V carries about 16 mantissa bits (the official
 kernel rounds P to bf16 once; the reference keeps fp32). A second launch combines the splits'
 partial softmaxes (flash-decoding), adds the sink to the denominator last and rounds the result. Decode (one
-query: 4 CTAs per call without splits) uses `splits` splits of `decode_block_i`-row blocks;
-prefill fills the GPU with queries and uses one split of `block_i`-row blocks.
+query: 4 CTAs per call without splits) uses `splits` splits of `decode_block_i`-row blocks and
+16 heads a CTA; prefill fills the GPU with queries and uses one split of `block_i`-row blocks
+and `prefill_block_h` heads a CTA, which gathers each selected row once for all of them.
 
 Tile sizes per compute capability are in TILE_PARAMS; sm_90 is tested, sm_121 (GB10, ~99 KB
 shared memory per block: 16×512 + 2×block_i×512 bf16 fits at block_i = 32) is untested.
@@ -28,23 +29,29 @@ from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_
 # decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,
 # one query, 64 heads): both launches 7.80 us at K = 640 with 32 rows x 32 splits vs 9.14 at
 # 64 x 16, and 8.36 vs 9.56 at K = 128: a CTA's one block of rows is latency-bound, so smaller.
+# prefill_block_h / prefill_threads: heads and threads a CTA when the queries fill the GPU (a
+# selected row is gathered into shared memory once per head block). H200, 2,048 queries of 64
+# heads, K = 640 (`python -m bench.kernels --prefill-attention 2048`): 0.88 ms at 64 heads and
+# 256 threads against 2.29 at 16 and 128, the same output bit for bit.
 TILE_PARAMS = {
     (9, 0): {"block_h": 16, "block_i": 64, "decode_block_i": 32, "threads": 128, "stages": 2, "min_ctas": 132,
-             "splits": 32},
+             "splits": 32, "prefill_block_h": 64, "prefill_threads": 256},
     (12, 1): {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 48,
-              "splits": 8},
+              "splits": 8, "prefill_block_h": 16, "prefill_threads": 128},
 }
 DEFAULT_TILE = {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64,
-                "splits": 8}
+                "splits": 8, "prefill_block_h": 16, "prefill_threads": 128}
 _LOG2E = 1.4426950408889634
 _NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m) free of inf - inf
 _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @kernel_factory
-def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int], block_i: int = 0):
+def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[int, int], block_i: int = 0,
+                   block_h: int = 0, threads: int = 0):
     """(Q [S,H,D] bf16, KV [T,D] bf16, IDX [S,K] int64, PO [S,nsplit,H,D] fp32, PM, PL [S,nsplit,H] fp32);
-    rows per block `block_i` (0: the architecture's).
+    rows per block `block_i`, heads per CTA `block_h`, `threads` per CTA (0: the architecture's
+    decode tiles).
 
     Split `sp` of query s covers blocks sp·per .. (sp+1)·per - 1 of its K selected rows (per =
     ceil(blocks / nsplit)) and writes its unnormalised output PO, running max PM and sum of
@@ -53,7 +60,9 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
     import tilelang.language as T
 
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    bh, bi = p["block_h"], block_i or p["block_i"]
+    bh, bi, n_threads = block_h or p["block_h"], block_i or p["block_i"], threads or p["threads"]
+    # the score GEMM [bh, bi]: warps along its columns while each gets 8 or more, else a grid
+    qk_policy = T.GemmWarpPolicy.FullCol if bi >= 8 * (n_threads // 32) else T.GemmWarpPolicy.Square
     s_len, t_len, k_len = T.dynamic("s_len"), T.dynamic("t_len"), T.dynamic("k_len")
     c = scale * _LOG2E  # exp(x * scale) = exp2(x * c)
 
@@ -63,7 +72,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
                             PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
                             PM: T.Tensor((s_len, nsplit, heads), "float32"),
                             PL: T.Tensor((s_len, nsplit, heads), "float32")):
-        with T.Kernel(s_len, heads // bh, nsplit, threads=p["threads"]) as (s, hb, sp):
+        with T.Kernel(s_len, heads // bh, nsplit, threads=n_threads) as (s, hb, sp):
             q_sh = T.alloc_shared((bh, dim), "bfloat16")
             kv_sh = T.alloc_shared((bi, dim), "bfloat16")
             p_hi = T.alloc_shared((bh, bi), "bfloat16")
@@ -92,7 +101,7 @@ def partial_kernel(heads: int, dim: int, scale: float, nsplit: int, arch: tuple[
                                                           IDX[s, T.min(base + j, k_len - 1)], T.int64(0)), T.int64(0)), d]
                 for h, j in T.Parallel(bh, bi):
                     acc_s[h, j] = T.if_then_else(valid[j], 0, -T.infinity("float32"))
-                T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(q_sh, kv_sh, acc_s, transpose_B=True, policy=qk_policy)
                 T.copy(m_i, m_prev)
                 T.reduce_max(acc_s, m_i, dim=1, clear=False)
                 for h in T.Parallel(bh):
@@ -201,6 +210,21 @@ def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
     return 1 if s_len * (heads // p["block_h"]) >= p["min_ctas"] else p["splits"]
 
 
+def launch_shape(s_len: int, heads: int, arch: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(nsplit, block_h, threads, block_i) of the partial launch for S queries of `heads` heads
+    (0 = the kernel's default): decode's splits of 16-head blocks; prefill's head blocks of
+    `prefill_block_h` (never more heads than the launch has, rounded up to 16) while the queries
+    still fill the GPU with them, else of 16 heads."""
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    nsplit = splits(s_len, -(-heads // p["block_h"]) * p["block_h"], arch)
+    if nsplit > 1:
+        return nsplit, p["block_h"], p["threads"], p["decode_block_i"]
+    bh = min(p["prefill_block_h"], -(-heads // 16) * 16)
+    if bh > p["block_h"] and s_len * (-(-heads // bh)) >= p["min_ctas"]:
+        return 1, bh, p["prefill_threads"], 0
+    return 1, p["block_h"], p["threads"], 0
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -221,7 +245,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
         raise KernelInputError(f"sparse_attention: inverse_rope positions {tuple(inverse_rope[0].shape)} and "
                                f"{2 * half} rotary channels do not fit q {tuple(q.shape)}")
     arch = cuda_arch(q.device)
-    bh = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["block_h"]
+    nsplit, bh, threads, block_i = launch_shape(s_len, heads, arch)
     hp = -(-heads // bh) * bh
     if out_dtype not in _OUT_DTYPES:
         raise KernelInputError(f"sparse_attention writes bf16 or fp32, not {out_dtype}")
@@ -235,13 +259,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     if hp != heads:  # pad heads to the CTA's head block (padding heads are discarded)
         qp = torch.cat((q, q.new_zeros(s_len, hp - heads, dim)), dim=1)
         sinkp = torch.cat((sinkp, sinkp.new_zeros(hp - heads)))
-    nsplit = splits(s_len, hp, arch)
     po = torch.empty(s_len, nsplit, hp, dim, dtype=torch.float32, device=q.device)
     pm = torch.empty(s_len, nsplit, hp, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    block_i = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["decode_block_i"] if nsplit > 1 else 0
-    partial_kernel(hp, dim, float(scale), nsplit, arch, block_i)(qp.contiguous(), kv.contiguous(),
-                                                                 idx.to(torch.int64).contiguous(), po, pm, pl)
+    partial_kernel(hp, dim, float(scale), nsplit, arch, block_i, bh, threads)(
+        qp.contiguous(), kv.contiguous(), idx.to(torch.int64).contiguous(), po, pm, pl)
     rope_args = () if inverse_rope is None else (inverse_rope[0].to(torch.int64).contiguous(),
                                                  inverse_rope[1].float().contiguous())
     combine_kernel(hp, dim, float(scale), nsplit, _OUT_DTYPES[out_dtype], arch, half)(

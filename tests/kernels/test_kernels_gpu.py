@@ -521,8 +521,9 @@ def test_fp4_moe_quantized_looks_slots_up_in_a_table(gen):
 
 
 # ------------------------------------------------------------------------ sparse attention
+# decode (splits of 16 heads), prefill-sized (whole 64-head blocks a CTA), small heads
 @pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
-                                       (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
+                                       (150, 64, 512, 900, 640), (3, 8, 128, 50, 37), (2, 16, 64, 10, 5)])
 def test_sparse_attention_matches_reference(s, h, d, t, k, gen):
     from kernels.sparse_attention import sparse_attention
     q = (torch.randn(s, h, d, generator=gen, device=DEV) * 2).to(torch.bfloat16)
