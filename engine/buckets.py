@@ -9,8 +9,9 @@ shape outside these buckets:
   kernel a chunk reaches takes its length at run time (dynamic shapes, cuBLAS, the torch
   reference), so any length compiles nothing new, and each chunk costs a fixed dequantisation of
   the weights (kernels/fp4_moe.py, kernels/fp8_gemm.py) that one chunk pays once. A remainder of
-  16 tokens or fewer is split into powers of two, largest first (13 -> 8, 4, 1): those rows reach
-  the GEMV kernels, compiled per row count. Chunked prefill equals whole prefill, so the split
+  16 tokens or fewer joins the first full chunk (`longest_chunk`: chunk + 16 tokens at most) or,
+  without one, is split into powers of two, largest first (13 -> 8, 4, 1): those rows reach the
+  GEMV kernels, compiled per row count. Chunked prefill equals whole prefill, so the split
   changes no result;
 * compressed-cache capacities: powers of two from `engine.state.MIN_ENTRIES` up to what
   `max_seq_len` needs (`engine.state.LayerState.reserve` grows them that way);
@@ -28,13 +29,18 @@ from kernels.fp8_gemm import GEMV_MAX_M
 
 def chunk_lengths(n: int, chunk: int) -> list[int]:
     """Lengths of the chunks that prefill n tokens: full chunks, then the remainder in one chunk
-    when it is longer than GEMV_MAX_M, else in its powers of two."""
+    when it is longer than GEMV_MAX_M; a shorter one joins the first full chunk (a whole chunk's
+    fixed cost saved for at most GEMV_MAX_M more rows), or without one is split into its powers
+    of two."""
     if chunk < 1 or n < 0:
         raise ValueError(f"chunk must be >= 1 and n >= 0, got chunk={chunk}, n={n}")
     full, rest = divmod(n, chunk)
     out = [chunk] * full
     if rest > GEMV_MAX_M:
         return out + [rest]
+    if full and chunk > GEMV_MAX_M:  # a full chunk of dynamic shapes takes the few rows more
+        out[0] += rest
+        return out
     bit = 1 << max(0, rest.bit_length() - 1)
     while rest:
         if rest & bit:
@@ -42,6 +48,12 @@ def chunk_lengths(n: int, chunk: int) -> list[int]:
             rest -= bit
         bit >>= 1
     return out
+
+
+def longest_chunk(chunk: int) -> int:
+    """The most tokens one prefill chunk of `chunk_lengths(·, chunk)` has (what the memory plan
+    reserves a chunk's workspace for)."""
+    return chunk + GEMV_MAX_M if chunk > GEMV_MAX_M else chunk
 
 
 def chunk_buckets(chunk: int) -> list[int]:

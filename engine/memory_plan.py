@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.buckets import longest_chunk
 from engine.config import EngineConfig, ModelArgs
 from engine.graph_homes import HOMES, homes_for
 from engine.memory import MemInfo, is_unified, read_meminfo
@@ -117,7 +118,7 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
     and the MoE's fp32 cells), the buffer of the experts' bf16 weights (w1|w3 of
     EXPERTS_PER_DEQUANT experts, reused for their w2), its attention scores against the longest
     context (fp32, one row per head), and one row of fp32 logits per chunk token."""
-    chunk = config.prefill_chunk
+    chunk = longest_chunk(config.prefill_chunk)
     streams = chunk * args.hc_mult * args.dim * 4 * 8
     moe = chunk * args.n_activated_experts * (args.dim * (2 + 2 + 2 + 4 + 4 + 4) + args.moe_inter_dim * (4 + 1 + 2))
     dequantised = EXPERTS_PER_DEQUANT * 2 * args.moe_inter_dim * args.dim * 2

@@ -121,16 +121,15 @@ class MoE:
 
     def _arena_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells grouped by expert (`cells.order`)
-        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV), then
-        put back in (token, choice) order; the same per-cell math as `decode`. Every expert of the
-        call must be resident (and held while this enqueues its kernels)."""
-        n, k = cells.shape
+        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV), summed
+        per token where they lie (`Cells.rows`); the same per-cell math as `decode`. Every expert
+        of the call must be resident (and held while this enqueues its kernels)."""
+        k = cells.shape[1]
         order = cells.order
         slots = arena.table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
         y = self.numerics.backend.fp4_moe(x.index_select(0, order // k), arena.data, arena.record.fields, slots,
-                                          w.reshape(-1).index_select(0, order), self.limit, groups)  # [N·k, D] fp32
-        out = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, choice) order
-        return self._combine(out.view(n, k, -1), self._shared(x))
+                                          w.reshape(-1).index_select(0, order), self.limit, groups)  # [N·k, D] bf16
+        return self.numerics.moe_combine(y, self._shared(x), cells.rows)
 
     def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
@@ -168,7 +167,7 @@ class Cells:
 
     idx [N, k] expert ids of `experts` per layer -> `order` [N·k] int64 (the cells sorted by
     expert id, stable), `sorted_ids` [N·k] (their experts), `counts` [experts] int32 (cells per
-    expert)."""
+    expert), `rows` [N, k] int64 (where each (token, choice) cell is in that order)."""
 
     def __init__(self, idx: torch.Tensor, experts: int):
         self.shape = tuple(idx.shape)
@@ -178,6 +177,8 @@ class Cells:
         keys = flat.to(torch.uint8 if experts <= 256 else torch.int32)
         self.order = torch.argsort(keys, stable=True)
         self.sorted_ids = flat.index_select(0, self.order)
+        self.rows = torch.empty_like(self.order).index_copy_(
+            0, self.order, torch.arange(flat.shape[0], device=idx.device)).view(self.shape)
         self.counts = torch.zeros(experts, dtype=torch.int32, device=idx.device).index_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
 

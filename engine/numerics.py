@@ -94,9 +94,10 @@ class Numerics(ABC):
     def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
         return self.ops.moe_gate(x, weight, bias, k, route_scale, hash_ids)
 
-    def moe_combine(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into `dtype`."""
-        return self.ops.moe_combine(routed, shared, self.dtype)
+    def moe_combine(self, routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """routed [N, k, D] summed over k in order, plus shared [N, D], rounded once into `dtype`;
+        with `rows` [N, k], routed is cells [G, D] and (n, j) is row rows[n, j]."""
+        return self.ops.moe_combine(routed, shared, self.dtype, rows)
 
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return self.ops.sparse_index(window_rows, order, visible, k, offset, width)
@@ -352,9 +353,9 @@ class Native(Numerics):
         return torch.cat((wkv, wgate))  # [2·c·d, D] bf16: the backend projects both at once
 
     def compressor_project(self, w, x):
-        xf = x.float()  # widened once for both projections
+        y = self.backend.bf16_gemm(x, w)  # [S, 2·c·d] fp32: both projections in one GEMM
         c = w.shape[0] // 2
-        return ref.matmul(xf, w[:c].float().T), ref.matmul(xf, w[c:].float().T)
+        return y[:, :c], y[:, c:]
 
     def compressor_project_rows(self, w, x, ape, row, buf_kv, buf_gate):
         self.backend.compressor_project(x, w, ape, row, buf_kv, buf_gate)  # one launch on CUDA

@@ -261,7 +261,7 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
             limit: float, groups: list | None = None) -> torch.Tensor:
     """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], arena
-    uint8 [slots, record_bytes], fields, slots [G], routing weights [G] -> fp32 [G, D]). Quantises
+    uint8 [slots, record_bytes], fields, slots [G], routing weights [G] -> bf16 [G, D]). Quantises
     x (once when its rows are one broadcast row); then a prefill's many cells per expert go to the
     tensor cores (`fp4_moe_dequantized`), the rest to the grouped GEMV (`fp4_moe_quantized`).
 
@@ -281,7 +281,7 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
         if dense(g, len(spans)):
             return fp4_moe_dequantized(q, s, arena, fields, order, expert_groups(spans, q.device), weights, limit,
                                        swiglu_quant, fp4_dequant_slots)
-    return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit)
+    return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit).to(torch.bfloat16)  # bf16 values: exact
 
 
 def dense(cells: int, experts: int) -> bool:
@@ -323,7 +323,7 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
                         weights: torch.Tensor, limit: float, quantize_h=ref.swiglu_quant,
                         dequant=ref.fp4_dequant_slots) -> torch.Tensor:
     """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
-    s [G, D/128], weights [G] -> fp32 [G, D] in the cells' order.
+    s [G, D/128], weights [G] -> bf16 [G, D] (w2's outputs, not widened) in the cells' order.
 
     The cells in `order` (None: as given) are grouped by expert: `groups` [(first cell, end cell,
     slots [E] int32, cumulative cell ends [E] int32)] cover them (`expert_groups`; an expert
@@ -334,7 +334,7 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     w1|w3 and one for w2 (the reference's rounding, its sums in another order); w2's input
     through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does. Runs
     on any device."""
-    g, dim = q.shape
+    dim = q.shape[1]
     inter = fields["w1.weight"].shape[0]
     off = {name: f.offset for name, f in fields.items()}
     a = act_dequant_bf16(q, s)
@@ -362,10 +362,10 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     del a
     hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float(), limit)
     del gu
-    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter).float()
+    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter)
     if order is None:
         return y
-    return torch.empty(g, dim, dtype=torch.float32, device=q.device).index_copy_(0, order, y)
+    return torch.empty_like(y).index_copy_(0, order, y)
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,

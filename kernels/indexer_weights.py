@@ -12,6 +12,7 @@ import torch
 
 from kernels import reference as ref
 from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory
+from kernels.bf16_gemm import bf16_gemm
 from kernels.bf16_gemv import VEC, bf16_gemv_tile, gemv_macro
 
 MAX_M = 16
@@ -41,14 +42,16 @@ def indexer_weights_kernel(m: int, n: int, k: int, scale: float, rows: int, warp
 
 
 def indexer_weights(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
-    """x [S, D] bf16, w [IH, D] bf16 -> fp32 [S, IH], as `reference.indexer_weights` (the
-    reference runs for S > 16 rows)."""
+    """x [S, D] bf16, w [IH, D] bf16 -> fp32 [S, IH], as `reference.indexer_weights` (the GEMV
+    for S <= 16 rows, kernels/bf16_gemm.py's tensor-core GEMM for more)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise KernelInputError(f"indexer_weights takes x [S, D] and w [IH, D], both bf16; got x {x.dtype} "
                                f"{tuple(x.shape)} and w {w.dtype} {tuple(w.shape)}")
     arch = cuda_arch(x.device)
     (m, k), n = x.shape, w.shape[0]
-    if m > MAX_M or k % VEC:
+    if m > MAX_M:  # a chunk: the tensor-core GEMM, then the reference's rounding and scale
+        return bf16_gemm(x, w).to(torch.bfloat16).float() * scale
+    if k % VEC:
         return ref.indexer_weights(x, w, scale)
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m:

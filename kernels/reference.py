@@ -232,6 +232,13 @@ def grouped_matmul(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _row_stable(lambda x: torch.einsum("sgi,gri->sgr", x, w), u)
 
 
+def bf16_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times a bf16 weight w [N, K] -> fp32 [M, N]: the official fp32 matmul of both
+    operands widened (each product of two bf16 values is exact in fp32; the sums are fp32), rows
+    independent of M as in `matmul`."""
+    return matmul(x.float(), w.float().T)
+
+
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP8 linear: FP8-quantised activations × FP8 block-scaled weights, fp32 accumulate.
 
@@ -313,9 +320,14 @@ def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None,
     return act_quant(h.to(torch.bfloat16), block)
 
 
-def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
     """A MoE layer's output: routed [N, k, D] summed over k in routing order (fp32, a fixed
-    order whatever order the experts arrived in), plus shared [N, D], rounded once into dtype."""
+    order whatever order the experts arrived in), plus shared [N, D], rounded once into dtype.
+    With `rows` [N, k] (int64), routed is the cells [G, D] in any order (a prefill's, grouped by
+    expert) and (token n, choice j) is row rows[n, j] of it."""
+    if rows is not None:
+        routed = routed.index_select(0, rows.reshape(-1)).view(*rows.shape, routed.shape[-1])
     y = routed[:, 0].float()
     for j in range(1, routed.shape[1]):
         y = y + routed[:, j].float()
@@ -326,10 +338,11 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
             limit: float, groups: list | None = None) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
-    (engine.pack.FieldLayout), slots int [G], routing weights [G] -> fp32 [G, D]:
+    (engine.pack.FieldLayout), slots int [G], routing weights [G] -> bf16 [G, D] (w2's bf16
+    outputs as they are; `fp4_moe_quantized` stores the same values widened):
     row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g].
     `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py); it changes nothing here."""
-    return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit)
+    return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit).to(torch.bfloat16)
 
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from converter import synth
-from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths
+from engine.buckets import capacity_buckets, chunk_buckets, chunk_lengths, longest_chunk
 from engine.config import EngineConfig, ModelArgs
 from engine.state import LayerState, new_layer_state
 from engine.runtime import SHORT_PREFILL
@@ -25,6 +25,7 @@ def test_chunk_lengths_cover_the_prompt_with_bucketed_lengths_only(chunk):
     for n in range(0, 3 * chunk + 5):
         lengths = chunk_lengths(n, chunk)
         assert sum(lengths) == n and all(n_ in allowed or n_ > GEMV_MAX_M for n_ in lengths)
+        assert all(n_ <= longest_chunk(chunk) for n_ in lengths)
         assert lengths == sorted(lengths, reverse=True)
         assert sum(1 for n_ in lengths if n_ != chunk and n_ > GEMV_MAX_M) <= 1
         assert len(lengths) <= n // chunk + max(1, GEMV_MAX_M.bit_length())
@@ -35,7 +36,10 @@ def test_chunk_examples():
     assert chunk_lengths(600, 256) == [256, 256, 88]
     assert chunk_lengths(13, 256) == [8, 4, 1]
     assert chunk_lengths(16, 256) == [16] and chunk_lengths(17, 256) == [17]
-    assert chunk_lengths(724, 2048) == [724] and chunk_lengths(2052, 2048) == [2048, 4]
+    assert chunk_lengths(724, 2048) == [724] and chunk_lengths(2052, 2048) == [2052]
+    assert chunk_lengths(4100, 2048) == [2052, 2048] and chunk_lengths(2065, 2048) == [2048, 17]
+    assert chunk_lengths(9, 8) == [8, 1]  # chunks short enough for the GEMVs stay bucketed
+    assert longest_chunk(2048) == 2048 + GEMV_MAX_M and longest_chunk(8) == 8
     assert chunk_buckets(256) == [256, 128, 64, 32, 16, 8, 4, 2, 1]
     assert chunk_buckets(100) == [100, 64, 32, 16, 8, 4, 2, 1]
     with pytest.raises(ValueError):
@@ -81,7 +85,9 @@ def test_prefill_runs_in_bucketed_chunks(tmp_path):
     try:
         state = eng.model.new_state()
         results = list(eng.runtime.prefill(state, list(range(3, 3 + 75)), 32))
-        assert [r.tokens for r in results] == [32, 32, 8, 2, 1] and state.pos == 75
+        assert [r.tokens for r in results] == [43, 32] and state.pos == 75  # 11 more rows join a chunk
+        results = list(eng.runtime.prefill(state, list(range(3, 3 + 11)), 32))
+        assert [r.tokens for r in results] == [8, 2, 1] and state.pos == 86
     finally:
         eng.close()
 

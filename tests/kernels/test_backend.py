@@ -139,4 +139,4 @@ def test_native_engine_ops_route_through_the_backend(tiny_ckpt):
     with torch.inference_mode():
         model.forward(torch.arange(9) % files.args.vocab_size, model.new_state(), files.experts)
     assert {"rope", "hc_pre", "hc_post", "hadamard_qdq4", "indexer_scores", "moe_combine", "swiglu_quant",
-            "fp8_gemm_quantized", "rms_norm", "sparse_attention", "fp8_gemm", "grouped_linear"} <= seen
+            "fp8_gemm_quantized", "rms_norm", "sparse_attention", "fp8_gemm", "grouped_linear", "bf16_gemm"} <= seen

@@ -91,6 +91,23 @@ def test_moe_combine_matches_reference_exactly(n, k, d, routed_dtype, shared_dty
     assert torch.equal(out, want), f"{int((out != want).sum())} of {out.numel()} outputs differ"
 
 
+@pytest.mark.parametrize("n,k,d", [(728, 6, 4096), (3, 2, 100)])
+def test_moe_combine_reads_cells_in_place_exactly(n, k, d, gen):
+    """A prefill's cells grouped by expert ([N·k, D] bf16) with the row of each (token, choice):
+    the same bits as the reference, and as combining the cells put back in (token, choice) order."""
+    from kernels.moe_combine import moe_combine
+    mag = torch.exp2(torch.randint(-8, 8, (n * k, 1), generator=gen, device=DEV).float())
+    cells = (torch.randn(n * k, d, generator=gen, device=DEV) * mag).to(torch.bfloat16)
+    rows = torch.randperm(n * k, generator=gen, device=DEV).view(n, k)
+    shared = torch.randn(n, d, generator=gen, device=DEV).to(torch.bfloat16)
+    out = moe_combine(cells, shared, torch.bfloat16, rows)
+    assert torch.equal(out, ref.moe_combine(cells, shared, torch.bfloat16, rows))
+    assert torch.equal(out, moe_combine(cells[rows.reshape(-1)].view(n, k, d), shared, torch.bfloat16))
+    from kernels.toolkit import KernelInputError
+    with pytest.raises(KernelInputError, match="rows"):
+        moe_combine(cells, shared, torch.bfloat16, rows.int())
+
+
 def test_swiglu_quant_rejects_bad_inputs():
     from kernels.toolkit import KernelInputError
     from kernels.swiglu_quant import swiglu_quant

@@ -276,3 +276,23 @@ def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
     got = dequant_fp8_bf16(w, scale)
     want = ref.dequant_fp8_block(w, scale)
     assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want.float())
+
+
+def test_moe_combine_of_cells_by_row_equals_the_combine_in_token_order():
+    """Cells [N·k, D] in any order with the row of each (token, choice): the same bits as the
+    cells put back in (token, choice) order first."""
+    n, k, d = 5, 3, 64
+    cells = torch.randn(n * k, d).to(torch.bfloat16)
+    rows = torch.randperm(n * k).view(n, k)
+    shared = torch.randn(n, d).to(torch.bfloat16)
+    want = ref.moe_combine(cells[rows.reshape(-1)].view(n, k, d), shared, torch.bfloat16)
+    assert torch.equal(ref.moe_combine(cells, shared, torch.bfloat16, rows), want)
+
+
+def test_bf16_gemm_is_the_fp32_product_of_the_widened_operands():
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    w = torch.randn(40, 256).to(torch.bfloat16)
+    got = ref.bf16_gemm(x, w)
+    assert got.dtype == torch.float32 and got.shape == (6, 40)
+    assert torch.equal(got, ref.matmul(x.float(), w.float().T))
+    assert (got - x.double() @ w.double().T).abs().max() < 1e-4  # exact products, fp32 sums
