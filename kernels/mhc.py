@@ -7,8 +7,10 @@ runs two per layer. Here it is two launches:
 1. `hc_mix_kernel`, grid (n·D / CHUNK, S): each CTA widens CHUNK channels of the flattened
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
-   From MIX_GEMM_TOKENS tokens (prefill chunks) the mix is instead one fp32 GEMM with fn and a
-   sum of squares (torch): partials of a single chunk, the same sums in another order;
+   From MIX_TILED_TOKENS tokens (prefill chunks) `hc_mix_tokens_kernel` writes the same partials
+   for chunks of up to 1,024 channels, a CTA per (chunk, 32 tokens): fn's chunk is staged once
+   for 32 tokens instead of read again per token, and each thread sums its outputs over the
+   chunk in channel order (no block reduction);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
    warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
@@ -42,10 +44,14 @@ from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
 DEFAULT_TILE = {"chunk": 256, "threads": 128}
 VEC = 8  # channels per thread and step of hc_gate's collapse and of hc_post
-# From this many tokens (prefill chunks) hc_pre's mix is one fp32 GEMM (cuBLAS) instead of
-# hc_mix_kernel, which re-reads fn's chunk for every (token, chunk) CTA: 0.83 ms per call at
-# 2,048 tokens on the H200, 14 % of a prefill's GPU time.
-MIX_GEMM_TOKENS = 64
+# From this many tokens (prefill chunks) hc_pre's mix runs in tiles of MIX_TILE tokens
+# (`hc_mix_tokens_kernel`) instead of hc_mix_kernel, which re-reads fn's chunk for every
+# (token, chunk) CTA (0.83 ms per call at 2,048 tokens on the H200). The fp32 GEMM this replaces
+# widened the streams to fp32, squared and summed them in three more passes.
+MIX_TILED_TOKENS = 64
+MIX_TILE = 32  # tokens per CTA of hc_mix_tokens_kernel (a warp's lanes)
+MIX_GROUPS = 4  # threads per token, each with a quarter of the outputs
+MIX_STEP = 128  # channels staged in shared memory at a time
 
 
 @kernel_factory
@@ -82,6 +88,63 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
             P[bs, bc, cols] = ss[0]
 
     return compile_kernel(hc_mix, arch)
+
+
+@kernel_factory
+def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[int, int]):
+    """(X [S, nd] dtype, Fn [cols, nd] fp32, P [S, nd / kc, cols + 1] fp32): the partials of
+    `hc_mix_kernel` for chunks of kc channels. A CTA takes MIX_TILE tokens of one chunk: lane t
+    of warp g owns token t and the outputs g·per .. g·per + per - 1 (the cols dot products, then
+    the sum of squares), summed in channel order in registers over the chunk, MIX_STEP channels
+    at a time staged in shared memory (x rows padded by one word: the lanes read 32 banks)."""
+    import tilelang.language as T
+
+    bm, groups, step = MIX_TILE, MIX_GROUPS, MIX_STEP
+    threads = bm * groups
+    per = -(-(cols + 1) // groups)  # outputs per thread
+    chunks = nd // kc
+    tokens = T.dynamic("tokens")
+
+    @T.prim_func
+    def hc_mix_tokens(X: T.Tensor((tokens, nd), dtype), Fn: T.Tensor((cols, nd), "float32"),
+                      P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+        with T.Kernel(chunks, T.ceildiv(tokens, bm), threads=threads) as (bc, bs):
+            tx = T.get_thread_binding(0)
+            xs = T.alloc_shared((bm, step + 1), "float32")
+            fs = T.alloc_shared((cols, step), "float32")
+            acc = T.alloc_local((per,), "float32")
+            xv = T.alloc_local((1,), "float32")
+            t = tx % bm
+            g = tx // bm
+            pdl.begin(T, arch)
+            for u in T.unroll(per):
+                acc[u] = 0.0
+            for ks in T.serial(kc // step):
+                k0 = bc * kc + ks * step
+                for r in T.unroll(bm * step // threads):
+                    e = r * threads + tx
+                    if bs * bm + e // step < tokens:
+                        xs[e // step, e % step] = T.Cast("float32", X[bs * bm + e // step, k0 + e % step])
+                    else:
+                        xs[e // step, e % step] = 0.0
+                for r in T.unroll((cols * step + threads - 1) // threads):
+                    e = r * threads + tx
+                    if e < cols * step:
+                        fs[e // step, e % step] = Fn[e // step, k0 + e % step]
+                T.sync_threads()
+                for j in T.serial(step):
+                    xv[0] = xs[t, j]
+                    for u in T.unroll(per):
+                        c = g * per + u  # a dot product, the sum of squares (c == cols), or none
+                        acc[u] = acc[u] + xv[0] * T.if_then_else(
+                            c < cols, fs[T.min(c, cols - 1), j], T.if_then_else(c == cols, xv[0], T.float32(0)))
+                T.sync_threads()
+            if bs * bm + t < tokens:
+                for u in T.unroll(per):
+                    if g * per + u <= cols:
+                        P[bs * bm + t, bc, g * per + u] = acc[u]
+
+    return compile_kernel(hc_mix_tokens, arch)
 
 
 @kernel_factory
@@ -237,10 +300,10 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
-    if s >= MIX_GEMM_TOKENS:  # one fp32 GEMM for every token: partials of a single "chunk"
-        flat = x3.view(s, nd).float()
-        partial = torch.cat([flat @ fn.float().t(), flat.square().sum(-1, keepdim=True)], dim=1).view(s, 1, cols + 1)
-        del flat
+    if s >= MIX_TILED_TOKENS:  # chunks of up to 1,024 channels, 32 tokens a CTA
+        kc = next(k for k in (1024, 512, MIX_STEP) if nd % k == 0)
+        partial = torch.empty(s, nd // kc, cols + 1, dtype=torch.float32, device=streams.device)
+        hc_mix_tokens_kernel(nd, cols, kc, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
     else:
         partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
         if s:
