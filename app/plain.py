@@ -44,6 +44,7 @@ from app.controller import (
     TurnUndone,
 )
 from app.conversation import ChatMessage
+from app.heap import HeapFreeze
 from app.heap_trim import heap_trimmer
 from app.settings import AppConfig
 
@@ -400,7 +401,9 @@ def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None =
     engine, status = _open(config, stderr)
     if engine is None:
         return status
+    heap = HeapFreeze()
     try:
+        heap.freeze()  # the engine is built: keep full GC passes short, as the TUI does (app/heap.py)
         terminal = stdin.isatty() and stdout.isatty()
         info_out = stdout if terminal else stderr
 
@@ -415,6 +418,7 @@ def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None =
                        f"{info.get('numerics')} · /help for commands, Ctrl-D to leave\n")
         return PlainChat(engine, config, read, stdout, info_out, strict=not terminal, trim=heap_trimmer()).run()
     finally:
+        heap.release()
         engine.close()
 
 

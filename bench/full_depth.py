@@ -12,8 +12,9 @@
 2. measures the ceilings in the same run: HBM device-to-device copy, pinned host-to-device copy;
 3. runs each configuration in a fresh process (`Engine.load` + `Engine.generate`, native numerics,
    TileLang kernels, CUDA graphs), with TileLang's kernel cache in the workdir: the first process
-   finds it empty (cold load: compiles), the later ones load from it (warm load). Per process:
-   load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
+   finds it empty (cold load: compiles), the later ones load from it (warm load); once loaded,
+   the heap is frozen as the app does (app/heap.py: full GC passes then skip the engine). Per
+   process: load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
    fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
    reports it (each step's time in the JSON); a follow-up turn's TTFT, decode rate and expert
    reads per second; the graphed decode step timed on its own, with the expert bytes it reads and
@@ -200,6 +201,7 @@ class PhaseClock:
 
 def child(a) -> dict:
     """One configuration in this (fresh) process; returns its figures."""
+    from app.heap import HeapFreeze
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.events import TurnFinished
@@ -233,6 +235,7 @@ def child(a) -> dict:
 
     eng = Engine.load(pack, config, progress=progress)
     load_s = time.perf_counter() - t0
+    HeapFreeze().freeze()  # as every front end does once its engine is built (app/heap.py)
     clock.enter(None)
     routing = eng.model.routing.note if eng.model.routing is not None else None
     if routing is not None:

@@ -8,6 +8,7 @@ import ipaddress
 import os
 import sys
 
+from app.heap import HeapFreeze
 from app.options import add_chat_options, config_from_namespace
 from app.settings import SettingsError
 
@@ -91,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     server_config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_sessions=args.max_sessions,
                                  max_state_bytes=None if args.max_state_gb is None else int(args.max_state_gb * 2**30),
                                  keepalive_s=args.keepalive, defaults=config.gen)
+    heap = HeapFreeze()
     try:
+        heap.freeze()  # the engine is built: keep full GC passes off the requests' path (app/heap.py)
         uvicorn.run(build_app(engine, server_config), host=args.host, port=args.port, log_level="info",
                     timeout_graceful_shutdown=5)
     finally:
+        heap.release()
         engine.close()
     return 0

@@ -240,3 +240,25 @@ def test_plain_gives_heap_pages_back_after_every_turn(config):
                      trim=lambda: calls.append("trim"))
     assert chat.run() == 0
     assert calls == ["trim", "trim"]
+
+
+def test_plain_freezes_the_heap_once_loaded_and_hands_it_back(config, monkeypatch):
+    """Like the TUI (app/heap.py): the turns run with the loaded engine's objects frozen (full GC
+    passes skip them), and the freeze is released when the chat ends."""
+    import gc
+
+    import app.plain
+
+    seen = []
+
+    class Recording(FakeEngine):
+        def generate(self, *args, **kwargs):
+            seen.append(gc.get_freeze_count())
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(app.plain, "_open", lambda config, log: (Recording(), 0))
+    out = io.StringIO()
+    assert main(config, io.StringIO("hello\n"), out, io.StringIO()) == 0
+    assert out.getvalue() == ANSWER + "\n"
+    assert len(seen) == 1 and seen[0] > 1000  # the engine and everything imported before it
+    assert gc.get_freeze_count() == 0
