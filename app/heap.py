@@ -4,9 +4,10 @@ A full (generation 2) collection walks every container object the process holds:
 Textual, the engine and the transcript. While an answer streams, those pauses were the slowest
 keypresses (measured with `bench/ui_latency.py`: collections of 160–200 ms, p99 keypress latency
 235–280 ms). Once the engine is ready, almost everything alive stays alive until exit, so the
-app (the TUI, `--plain` and the server alike) moves it into the collector's permanent generation
-(`gc.freeze`): later collections only walk what was created since. Objects frozen still die by reference counting; only cycles among
-them outlive their use, so the app unfreezes when it closes.
+app (the TUI, `--plain` and the server alike) moves it into the collector's permanent
+generation (`gc.freeze`): later collections only walk what was created since. Objects frozen
+still die by reference counting; only cycles among them outlive their use, so the app unfreezes
+when it closes.
 """
 
 from __future__ import annotations

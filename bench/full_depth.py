@@ -14,8 +14,8 @@
    TileLang kernels, CUDA graphs), with TileLang's kernel cache in the workdir: the first process
    finds it empty (cold load: compiles), the later ones load from it (warm load); once loaded,
    the heap is frozen as the app does (app/heap.py: full GC passes then skip the engine). Per
-   process: load time and its warm-up, kernel variants compiled during the chat (should be 0), then one
-   fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
+   process: load time and its warm-up, kernel variants compiled during the chat (should be 0),
+   then one fresh session per prompt length: TTFT, prefill tok/s, decode tok/s as `Engine.generate`
    reports it (each step's time in the JSON); a follow-up turn's TTFT, decode rate and expert
    reads per second; the graphed decode step timed on its own, with the expert bytes it reads and
    their rate (against pinned H2D); the hit rate (prefetched experts count as hits) and the
