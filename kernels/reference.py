@@ -264,9 +264,8 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
     rows, then wgate's) in fp32; kv into rows `row` [M] of buf_kv [r, C], gate logits plus
     ape[row] into the same rows of buf_gate (both fp32, written in place)."""
     c = buf_kv.shape[1]
-    xf = x.float()
-    buf_kv.index_copy_(0, row, matmul(xf, w[:c].float().T))
-    buf_gate.index_copy_(0, row, matmul(xf, w[c:].float().T) + ape[row])
+    buf_kv.index_copy_(0, row, bf16_gemm(x, w[:c]))
+    buf_gate.index_copy_(0, row, bf16_gemm(x, w[c:]) + ape[row])
 
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -546,7 +545,7 @@ def indexer_weights(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Ten
     """The lightning indexer's per-head weights in native numerics (§C.6): x [S, D] times the bf16
     weights_proj w [IH, D] in fp32, rounded to bf16 (the official bf16 matmul), widened and
     times `scale` (n_heads^-1/2) -> fp32 [S, IH]."""
-    return matmul(x.float(), w.float().T).to(torch.bfloat16).float() * scale
+    return bf16_gemm(x, w).to(torch.bfloat16).float() * scale
 
 
 def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
