@@ -127,8 +127,8 @@ class MoE:
         k = cells.shape[1]
         order = cells.order
         slots = arena.table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
-        y = self.numerics.backend.fp4_moe(x.index_select(0, order // k), arena.data, arena.record.fields, slots,
-                                          w.reshape(-1).index_select(0, order), self.limit, groups)  # [N·k, D] bf16
+        y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, w.reshape(-1).index_select(0, order),
+                                          self.limit, groups, order // k)  # [N·k, D] bf16, each token quantised once
         return self.numerics.moe_combine(y, self._shared(x), cells.rows)
 
     def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:

@@ -44,10 +44,17 @@ def unquantized(x: "torch.Tensor | Quantized") -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FP8Weight:
-    """An FP8 e4m3 weight [N, K] with its 128×128 e8m0 block scales, kept as on disk (native)."""
+    """An FP8 e4m3 weight [N, K] with its 128×128 e8m0 block scales, kept as on disk (native),
+    and those scales' fp32 values (what the backend's block-scaled prefill GEMM reads; converted
+    once here instead of three launches per call)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
+    scale_f32: torch.Tensor
+
+    @staticmethod
+    def of(weight: torch.Tensor, scale: torch.Tensor) -> "FP8Weight":
+        return FP8Weight(weight, scale, ref.e8m0_to_float(scale))
 
 
 class Numerics(ABC):
@@ -322,23 +329,23 @@ class Native(Numerics):
         return Quantized(*self.backend.rms_norm_quant(x, weight, eps))
 
     def fp8_weight(self, weight, scale):
-        return FP8Weight(weight, scale)  # kept in the on-disk format for the backend's FP8 GEMM
+        return FP8Weight.of(weight, scale)  # kept in the on-disk format for the backend's FP8 GEMM
 
     def fp8_groups(self, parts):
         """One stacked weight [Σ N, K] (one GEMM/GEMV for all readers) when the block scales stack:
         every part but the last fills whole 128-row blocks; else one per part."""
         if len(parts) > 1 and all(w.shape[0] % 128 == 0 for w, _ in parts[:-1]):
-            return [(FP8Weight(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts])),
+            return [(FP8Weight.of(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts])),
                      [w.shape[0] for w, _ in parts])]
         return super().fp8_groups(parts)
 
     def fp8_linear(self, w, x):
         if isinstance(x, Quantized):
-            return self.backend.fp8_gemm_quantized(x.q, x.s, w.weight, w.scale)
-        return self.backend.fp8_gemm(x, w.weight, w.scale)
+            return self.backend.fp8_gemm_quantized(x.q, x.s, w.weight, w.scale, w.scale_f32)
+        return self.backend.fp8_gemm(x, w.weight, w.scale, w.scale_f32)
 
     def grouped_weight(self, weight, scale, groups):
-        return FP8Weight(weight, scale)  # the backend keeps the FP8 bytes (half the bf16 copy's)
+        return FP8Weight.of(weight, scale)  # the backend keeps the FP8 bytes (half the bf16 copy's)
 
     def grouped_linear(self, w, o, groups):
         return self.backend.grouped_linear(o.to(torch.bfloat16), w.weight, w.scale, groups)
@@ -389,7 +396,7 @@ class Native(Numerics):
 
     def shared_expert_weights(self, w1, w3, w2):
         # w1 and w3 read the same activations: one GEMM over both (inter % 128 == 0)
-        return FP8Weight(torch.cat((w1[0], w3[0])), torch.cat((w1[1], w3[1]))), FP8Weight(*w2)
+        return FP8Weight.of(torch.cat((w1[0], w3[0])), torch.cat((w1[1], w3[1]))), FP8Weight.of(*w2)
 
     def shared_expert(self, w, x, limit):
         """w1|w3 in one FP8 GEMM (on x's quantisation when it carries one), SwiGLU fused with w2's
@@ -398,4 +405,4 @@ class Native(Numerics):
         gu = self.fp8_linear(w13, x)  # [N, 2·inter] bf16
         inter = gu.shape[-1] // 2
         q, s = self.backend.swiglu_quant(gu[:, :inter], gu[:, inter:], None, limit)
-        return self.backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale)
+        return self.backend.fp8_gemm_quantized(q, s, w2.weight, w2.scale, w2.scale_f32)

@@ -259,10 +259,11 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float, groups: list | None = None) -> torch.Tensor:
-    """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], arena
-    uint8 [slots, record_bytes], fields, slots [G], routing weights [G] -> bf16 [G, D]). Quantises
-    x (once when its rows are one broadcast row); then a prefill's many cells per expert go to the
+            limit: float, groups: list | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], or the
+    tokens [N, D] with rows [G]; arena uint8 [slots, record_bytes], fields, slots [G], routing
+    weights [G] -> bf16 [G, D]). Quantises x (once when its rows are one broadcast row; each token
+    once with `rows`, its k cells then gathered); then a prefill's many cells per expert go to the
     tensor cores (`fp4_moe_dequantized`), the rest to the grouped GEMV (`fp4_moe_quantized`).
 
     `groups`, from a caller that knows how its cells spread over the experts: the cells are
@@ -270,13 +271,18 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     synchronisation), or [] (the grouped GEMV). None: decided here, at one host synchronisation
     for a prefill (`expert_spans`)."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
+    g = slots.shape[0]
+    if rows is not None and (rows.dim() != 1 or rows.shape[0] != g or rows.dtype != torch.int64):
+        raise KernelInputError(f"fp4_moe: rows must be int64 [{g}] (a token row per cell), got {rows.dtype} "
+                               f"{tuple(rows.shape)}")
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
     q, s = act_quant(xa, 128)
-    g = slots.shape[0]
     if groups:
         return fp4_moe_dequantized(q, s, arena, fields, None, groups, weights, limit, swiglu_quant,
-                                   fp4_dequant_slots)
-    if groups is None and xa.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
+                                   fp4_dequant_slots, rows)
+    if rows is not None:
+        q, s = q.index_select(0, rows), s.index_select(0, rows)
+    if groups is None and q.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
         order, spans = expert_spans(slots)
         if dense(g, len(spans)):
             return fp4_moe_dequantized(q, s, arena, fields, order, expert_groups(spans, q.device), weights, limit,
@@ -321,9 +327,11 @@ def expert_groups(spans: list[tuple[int, int, int]], device: torch.device,
 def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
                         order: torch.Tensor | None, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
                         weights: torch.Tensor, limit: float, quantize_h=ref.swiglu_quant,
-                        dequant=ref.fp4_dequant_slots) -> torch.Tensor:
+                        dequant=ref.fp4_dequant_slots, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
-    s [G, D/128], weights [G] -> bf16 [G, D] (w2's outputs, not widened) in the cells' order.
+    s [G, D/128], weights [G] -> bf16 [G, D] (w2's outputs, not widened) in the cells' order;
+    with `rows` [G], q and s are the tokens' [N, ...] and cell g reads row rows[g] (each token's
+    activations dequantised once, then gathered).
 
     The cells in `order` (None: as given) are grouped by expert: `groups` [(first cell, end cell,
     slots [E] int32, cumulative cell ends [E] int32)] cover them (`expert_groups`; an expert
@@ -338,6 +346,8 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     inter = fields["w1.weight"].shape[0]
     off = {name: f.offset for name, f in fields.items()}
     a = act_dequant_bf16(q, s)
+    if rows is not None:
+        a = a.index_select(0, rows)
     if order is not None:
         a, weights = a.index_select(0, order), weights.index_select(0, order)
     # one buffer of a fixed size for every group's weights, w1|w3 then w2 (the caching allocator

@@ -142,34 +142,41 @@ def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return (w.to(torch.bfloat16).view(n // 128, 128, k // 128, 128) * two[:, None, :, None]).view(n, k)
 
 
-def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16) × FP8 weight [N, K] with e8m0 scales [N/128, K/128] -> bf16 [..., N]."""
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16) × FP8 weight [N, K] with e8m0 scales [N/128, K/128] -> bf16 [..., N];
+    `w_scale_f32`: those scales' fp32 values, prepared once (else computed per prefill call)."""
     check_fp8_weight(x, w, w_scale)
     n, k = w.shape
     cuda_arch(x.device)
     x2 = x.reshape(-1, k)  # [M, K]
-    return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale).reshape(*x.shape[:-1], n)
+    return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale, w_scale_f32).reshape(*x.shape[:-1], n)
 
 
-def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """q [M, K] e4m3 with s [M, K/128] times w [N, K] e4m3 with e8m0 w_scale [N/128, K/128] ->
-    bf16 [M, N] by cuBLASLt's block-scaled FP8 GEMM. Its layout rules: M a multiple of 4 (zero
-    rows appended, then dropped), both scale tensors column-major ([M, K/128] and
-    [K/128, N/128])."""
+def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  w_scale_f32: torch.Tensor | None) -> torch.Tensor:
+    """q [M, K] e4m3 with s [M, K/128] times w [N, K] e4m3 with e8m0 w_scale [N/128, K/128] (its
+    fp32 values `w_scale_f32` when prepared, else computed here: three launches) -> bf16 [M, N]
+    by cuBLASLt's block-scaled FP8 GEMM. Its layout rules: M a multiple of 4 (zero rows appended,
+    then dropped), both scale tensors column-major ([M, K/128] and [K/128, N/128])."""
     m = q.shape[0]
     pad = -m % 4
     if pad:
         q = torch.cat((q, q.new_zeros(pad, q.shape[1])))
         s = torch.cat((s, s.new_ones(pad, s.shape[1])))
     sa = s.float().t().contiguous().t()
-    sw = torch.pow(2.0, scale_bytes(w_scale).to(torch.float32) - 127.0).t()
+    if w_scale_f32 is None:
+        w_scale_f32 = torch.pow(2.0, scale_bytes(w_scale).to(torch.float32) - 127.0)
+    sw = w_scale_f32.t()
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
     return y[:m] if pad else y
 
 
-def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_gemm` on activations quantised by act_quant: q [M, K] e4m3, s [M, K/128] fp32 ->
-    bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows)."""
+    bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows; the
+    block-scaled GEMM reads `w_scale_f32`, w_scale's fp32 values, when a caller prepared them)."""
     check_fp8_weight(q, w, w_scale)
     n, k = w.shape
     m = q.shape[0]
@@ -181,7 +188,10 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
         return torch.empty(0, n, dtype=torch.bfloat16, device=q.device)
     if m > GEMV_MAX_M:
         if arch == (9, 0) and n % 128 == 0 and (k // 128) % 4 == 0:
-            return _blockwise_mm(q, s, w, w_scale)
+            if w_scale_f32 is not None and tuple(w_scale_f32.shape) != tuple(w_scale.shape):
+                raise KernelInputError(f"fp8_gemm: w_scale_f32 {tuple(w_scale_f32.shape)} is not the shape of "
+                                       f"w_scale {tuple(w_scale.shape)}")
+            return _blockwise_mm(q, s, w, w_scale, w_scale_f32)
         return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)

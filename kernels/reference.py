@@ -239,10 +239,13 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return matmul(x.float(), w.float().T)
 
 
-def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """Official FP8 linear: FP8-quantised activations × FP8 block-scaled weights, fp32 accumulate.
 
-    x [M, K] -> bf16 [M, N]. Equal to dequant(act_quant(x)) @ dequant(w).T.
+    x [M, K] -> bf16 [M, N]. Equal to dequant(act_quant(x)) @ dequant(w).T. `w_scale_f32`:
+    w_scale's values in fp32 (`e8m0_to_float`), prepared once by a caller for the CUDA kernels'
+    block-scaled GEMM; it changes nothing here.
     """
     q, s = act_quant(x, 128)
     return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
@@ -302,9 +305,11 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     return idx, w * route_scale
 
 
-def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_gemm` on activations already quantised by `act_quant` (q [M, K] e4m3, s [M, K/128])
-    -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale)."""
+    -> bf16 [M, N]: fp8_gemm(x) == fp8_gemm_quantized(*act_quant(x, 128), w, w_scale).
+    `w_scale_f32` as in `fp8_gemm` (unused here)."""
     return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
@@ -334,13 +339,17 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype,
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float, groups: list | None = None) -> torch.Tensor:
+            limit: float, groups: list | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
     (engine.pack.FieldLayout), slots int [G], routing weights [G] -> bf16 [G, D] (w2's bf16
     outputs as they are; `fp4_moe_quantized` stores the same values widened):
     row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g].
-    `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py); it changes nothing here."""
+    With `rows` [G] int64, x is the tokens [N, D] and cell g reads row rows[g] of it (each token
+    quantised once). `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py); it changes
+    nothing here."""
+    if rows is not None:
+        x = x.index_select(0, rows)
     return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit).to(torch.bfloat16)
 
 

@@ -134,6 +134,10 @@ def test_every_expert_in_one_group_from_device_counts_equals_the_host_spans():
     assert len(spans) == 1 and spans[0][2].tolist() == table[used].tolist()
     only_used = fp4_moe_dequantized(q, s, data, fields, None, spans, ws, limit)
     assert torch.equal(every, only_used)
+    # each token quantised once and its cells gathered (`rows`): the same bits
+    tq, ts = ref.act_quant(x, 128)
+    by_rows = fp4_moe_dequantized(tq, ts, data, fields, None, cells.all_groups(table), ws, limit, rows=cells.order // k)
+    assert torch.equal(by_rows, every)
     want = ref.fp4_moe_quantized(q, s, data, fields, slots, ws, limit)
     err = ((every.float() - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30))
     assert err.max().item() < 2e-2

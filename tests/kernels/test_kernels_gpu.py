@@ -508,6 +508,14 @@ def test_fp4_moe_prefill_runs_on_the_tensor_cores_and_matches_the_reference(gen)
     grouped = fp4_moe(x.index_select(0, order), data, fields, slots.index_select(0, order), wts.index_select(0, order),
                       limit, expert_groups(spans, x.device))
     assert torch.equal(grouped, out.index_select(0, order))
+    # the tokens quantised once, each cell reading its token's row (engine.moe: `rows`): the same bits
+    tokens, pick = x[:128], torch.arange(512, device=DEV) % 128
+    gathered = fp4_moe(tokens.index_select(0, pick.index_select(0, order)), data, fields,
+                       slots.index_select(0, order), wts.index_select(0, order), limit, expert_groups(spans, x.device))
+    assert torch.equal(fp4_moe(tokens, data, fields, slots.index_select(0, order), wts.index_select(0, order), limit,
+                               expert_groups(spans, x.device), pick.index_select(0, order)), gathered)
+    assert torch.equal(fp4_moe(tokens, data, fields, slots, wts, limit, rows=pick),  # the GEMV's or host spans' path
+                       fp4_moe(tokens.index_select(0, pick), data, fields, slots, wts, limit))
     want = ref.fp4_moe(x, data, fields, slots, wts, limit)
     worst = max(rel_err(out[g:g + 1], want[g:g + 1]) for g in range(0, 512, 7))
     print(f"fp4_moe prefill (64 cells per expert): worst rel err {worst:.2e}")
@@ -803,6 +811,18 @@ def test_fp8_gemm_quantized_equals_fp8_gemm(m, gen):
     got = fp8_gemm_quantized(*act_quant(x, 128), w, s)
     assert got.shape == (m, 4096) and torch.equal(got, fp8_gemm(x, w, s))
     assert rel_err(got, ref.fp8_gemm_quantized(*ref.act_quant(x, 128), w, s)) < 4e-3
+    # the weight's scales converted once (engine.numerics.FP8Weight): the same bits
+    s32 = ref.e8m0_to_float(s)
+    assert torch.equal(fp8_gemm_quantized(*act_quant(x, 128), w, s, s32), got)
+    assert torch.equal(fp8_gemm(x, w, s, s32), got)
+
+
+def test_fp8_gemm_rejects_prepared_scales_of_another_shape(gen):
+    from kernels.toolkit import KernelInputError
+    from kernels.fp8_gemm import fp8_gemm
+    w, s = fp8_weight(4096, 2048, gen)
+    with pytest.raises(KernelInputError, match="w_scale_f32"):
+        fp8_gemm(activations(40, 2048, gen), w, s, ref.e8m0_to_float(s).t().contiguous())
 
 
 # ------------------------------------------------------------------------- indexer scores
