@@ -72,8 +72,9 @@ class Compressor:
         kv, gate = self._project(x)  # [S, c·d] fp32 each
         gate = gate + self.ape[positions % r]
         n_buf = start % r  # tokens of the open window seen before this call
-        kv = torch.cat((st.buf_kv[:n_buf], kv))
-        gate = torch.cat((st.buf_gate[:n_buf], gate))
+        if n_buf:  # (a call at a window boundary has none: no copy)
+            kv = torch.cat((st.buf_kv[:n_buf], kv))
+            gate = torch.cat((st.buf_gate[:n_buf], gate))
         n_win = kv.shape[0] // r
         rest = kv.shape[0] - n_win * r
         st.buf_kv[:rest] = kv[n_win * r:]
