@@ -72,8 +72,9 @@ class Compressor:
         kv, gate = self._project(x)  # [S, c·d] fp32 each
         gate = gate + self.ape[positions % r]
         n_buf = start % r  # tokens of the open window seen before this call
-        kv = torch.cat((st.buf_kv[:n_buf], kv))
-        gate = torch.cat((st.buf_gate[:n_buf], gate))
+        if n_buf:  # (a call at a window boundary has none: no copy)
+            kv = torch.cat((st.buf_kv[:n_buf], kv))
+            gate = torch.cat((st.buf_gate[:n_buf], gate))
         n_win = kv.shape[0] // r
         rest = kv.shape[0] - n_win * r
         st.buf_kv[:rest] = kv[n_win * r:]
@@ -191,6 +192,14 @@ class Indexer:
         if k < self.topk:
             top = torch.cat((top, top.new_full((s, self.topk - k), -1)), dim=1)
         return top
+
+
+def _ring_rows(ring: torch.Tensor, first: int, n: int) -> list[torch.Tensor]:
+    """The rows of positions first..first+n-1 (n <= W) of a ring [W, ...] whose slot p mod W
+    holds position p: one or two slices (views), in position order."""
+    w = ring.shape[0]
+    a = first % w
+    return [ring[a:a + n]] if a + n <= w else [ring[a:], ring[:a + n - w]]
 
 
 class Attention:
@@ -314,14 +323,16 @@ class Attention:
         ones, and idx [S, W] of positions p-W+1..p (-1 before position 0).
         """
         w, s, dev = self.window, kv.shape[0], kv.device
+        ring = st.window
         n_prev = min(start, w - 1)
-        prev_pos = torch.arange(start - n_prev, start, device=dev)
-        kv_win = torch.cat((st.window[prev_pos % w], kv.to(st.window.dtype)))
-        first = start - n_prev  # position of kv_win[0]
-        want = (torch.arange(start, start + s, device=dev).unsqueeze(1)
-                - self.back.unsqueeze(0))  # [S, W]
-        idx = torch.where(want >= 0, want - first, -1)
+        kv_win = torch.cat((*_ring_rows(ring, start - n_prev, n_prev), kv.to(ring.dtype)))
+        # query start + i, key start + i - back[j]: row n_prev + i - back[j] of kv_win; a
+        # negative row (a position before 0, only while start < W - 1) is -1
+        idx = (torch.arange(n_prev, n_prev + s, device=dev).unsqueeze(1) - self.back.unsqueeze(0)).clamp_min(-1)
         keep = min(s, w)  # the ring keeps the newest W positions
-        new_pos = torch.arange(start + s - keep, start + s, device=dev)
-        st.window[new_pos % w] = kv[s - keep:].to(st.window.dtype)
+        new = kv[s - keep:].to(ring.dtype)
+        done = 0
+        for rows in _ring_rows(ring, start + s - keep, keep):
+            rows.copy_(new[done:done + rows.shape[0]])
+            done += rows.shape[0]
         return kv_win, idx
