@@ -43,6 +43,9 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     f = r["followup"]
     assert 0 < f["read_gb"] <= r["miss_gb"]
     assert f["read_gb_s"] == pytest.approx(f["read_gb"] / (f["prefill_s"] + f["decode_s"]))
+    # a second, longer follow-up: about 32 new tokens (27 message tokens and the chat template's)
+    assert 28 <= r["followup_long"]["new_tokens"] <= 36 and r["followup_long"]["ttft_s"] > 0
+    assert f"({r['followup_long']['new_tokens']} new) |" in table
     # the Chrome trace of 4 more steps: the runner's steps are in it
     events = json.loads((tmp_path / "trace_0.5.json").read_text())["traceEvents"]
     assert sum(bool(re.fullmatch(r"engine/runtime\.py\(\d+\): step", e.get("name", ""))) for e in events) == 4
