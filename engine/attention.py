@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.chunk_position import ChunkPosition
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.linear import FP8Linear, FP8Linears, GroupedOutProj
@@ -108,6 +109,28 @@ class Compressor:
             st.prev_gate.copy_(st.buf_gate[:, :self.dim])
         st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry))
 
+    def chunk(self, x: torch.Tensor, at: ChunkPosition, st: CompressorState) -> None:
+        """A chunk step's token slots x [size, D] (engine/chunk_position.py), with static shapes
+        (no host sync): every window the chunk's real tokens complete is pooled into its entry,
+        and the open window's rows (and an overlap compressor's previous first half) are those
+        after the chunk. Equals `__call__` on the real tokens."""
+        r = self.ratio
+        kv, gate = self._project(x)
+        kv_rows = torch.cat((st.buf_kv, kv))  # [r + size, c·d]: the open window's rows, then the chunk's
+        gate_rows = torch.cat((st.buf_gate, gate + self.ape.index_select(0, at.ape_row[r])))
+        win_kv, win_gate = kv_rows[at.win_src[r]], gate_rows[at.win_src[r]]  # [nw, r, c·d]
+        if self.overlap:
+            d = self.dim
+            prev_kv = torch.cat((st.prev_kv, kv_rows[:, :d]))  # [r + r + size, d]
+            prev_gate = torch.cat((st.prev_gate, gate_rows[:, :d]))
+            win_kv = torch.cat((prev_kv[at.prev_src[r]], win_kv[:, :, d:]), dim=1)  # [nw, 2r, d]
+            win_gate = torch.cat((prev_gate[at.prev_src[r]], win_gate[:, :, d:]), dim=1)
+            st.prev_kv.copy_(prev_kv[at.prev_next[r]])
+            st.prev_gate.copy_(prev_gate[at.prev_next[r]])
+        st.buf_kv.copy_(kv_rows[at.buf_src[r]])
+        st.buf_gate.copy_(gate_rows[at.buf_src[r]])
+        st.entries.index_copy_(0, at.entry[r], self._pool(win_kv, win_gate, at.entry[r]))
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D] -> (kv, gate logits without ape) [S, c·d], fp32 products of the bf16 weights."""
         return self.numerics.compressor_project(self.w, x)
@@ -170,6 +193,14 @@ class Indexer:
         those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
         as for `Compressor.decode`."""
         self.compressor.decode(x, at, st, emit)
+        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+        return ref.topk_desc(scores, scores.shape[1])
+
+    def chunk(self, x: torch.Tensor, c, at: ChunkPosition, st: CompressorState, n_keys: int,
+              rot=None) -> torch.Tensor:
+        """A chunk step's token slots (`Compressor.chunk`), scoring the first `n_keys` (static)
+        entry slots: all of them, best first [size, n_keys], as `decode`."""
+        self.compressor.chunk(x, at, st)
         scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
         return ref.topk_desc(scores, scores.shape[1])
 
@@ -282,6 +313,29 @@ class Attention:
             idx = self.numerics.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]),
                                              self.window, width)  # one launch on CUDA
         return self._output(self._attend(q, st.kv, idx, rot))
+
+    def chunk(self, x: torch.Tensor, at: ChunkPosition, st: LayerState) -> torch.Tensor:
+        """A chunk step's token slots x [size, D] (engine/chunk_position.py) -> [size, D], with
+        static shapes (no host sync): the keys are gathered from the chunk's new keys and
+        `st.kv` (after the compressors have written the entries the chunk completes), then the
+        ring takes the real tokens' keys. Equals `__call__` on the real tokens."""
+        xq, x = x, unquantized(x)
+        size = x.shape[0]
+        rot = self.rope.table(at.pos)
+        c, q, kv = self._project(xq, rot)
+        idx = at.window_rows  # [size, W] rows of `keys`
+        if self.ratio:
+            self.compressor.chunk(x, at, st.compressor)
+            if self.indexer is not None:
+                order = self.indexer.chunk(x, c, at, st.indexer, st.capacity, rot)
+                width = self.indexer.topk
+            else:
+                order, width = self._slots(st.capacity, idx.device).expand(size, -1), st.capacity
+            idx = self.numerics.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]),
+                                             at.entry_offset, width)
+        keys = torch.cat((kv.to(st.kv.dtype), st.kv))  # [size + W + capacity, D]
+        st.window.copy_(keys[at.ring_src])
+        return self._output(self._attend(q, keys, idx, rot))
 
     def _slots(self, n: int, device: torch.device) -> torch.Tensor:
         """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""

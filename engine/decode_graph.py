@@ -49,7 +49,12 @@ import torch
 from engine.experts.provider import ExpertProvider
 from engine.graph_homes import HOMES, GraphHomes
 from engine.model import DecodeCarry, Transformer
+from engine.moe import Cells
 from engine.state import SequenceState
+
+# Token slots of a chunk step (`DecodeRunner.chunk`): a prefill chunk of up to this many tokens
+# runs as one graph replay; its GEMV kernels take at most 16 rows (kernels.fp4_moe.GEMV_MAX_M).
+CHUNK_SLOTS = 16
 
 
 @dataclass
@@ -99,12 +104,14 @@ class DecodeRunner:
         self._pool = None  # the graph memory pool every set shares (module docstring)
         self.captures = 0  # graph sets captured so far
         self.capture_error: str | None = None  # why graphs were given up, if they were
-        # a whole-mode step's routes until settle(): (position, host [n_layers, k], CUDA event or None)
-        self._pending: tuple[int, torch.Tensor, object] | None = None
+        # a whole-mode step's routes until settle(): (positions, host [n_layers, k] or a chunk
+        # step's [n_layers, CHUNK_SLOTS, k], CUDA event or None)
+        self._pending: tuple[list[int], torch.Tensor, object] | None = None
         self._routes_host: torch.Tensor | None = None  # the pinned buffer they are copied into
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
+        self.chunk_at = model.chunk_position(CHUNK_SLOTS, self.device)  # a chunk step's static inputs
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -170,26 +177,29 @@ class DecodeRunner:
         """Record the graphs of one emission pattern on the current state buffers (nothing runs
         during capture). Whole mode: one graph for the blocks; layered: one per segment; then
         one for the head (a prefill token's step skips it). They share a pool."""
+        n = len(self.model.blocks)
+        out = _Outputs([None] * n)
+        parts = [list(range(n + 1))] if self.whole else [[i] for i in range(n + 1)]
+
+        def segments(seg: list[int]) -> Callable[[], None]:
+            return lambda: [self._segment(i, state, emitting, out) for i in seg]
+        return _GraphSet(self._record([segments(seg) for seg in parts] + [lambda: self._head(out)]), out)
+
+    def _record(self, parts: list[Callable[[], None]]) -> list:
+        """One CUDA graph of each of `parts` (callables queueing device work), in the shared pool."""
         self.provider.arena.sync_table()  # no table write may fall inside the capture
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        pool = self._pool
-        n = len(self.model.blocks)
-        out = _Outputs([None] * n)
-        parts = [list(range(n + 1))] if self.whole else [[i] for i in range(n + 1)]
         graphs = []
-        for seg in parts + [None]:  # None: the head
+        for part in parts:
             g = torch.cuda.CUDAGraph()
             # thread_local: the app's other threads may touch CUDA (e.g. an I/O thread's copy)
-            with torch.cuda.graph(g, pool=pool, stream=self._side, capture_error_mode="thread_local"):
-                if seg is None:
-                    self._head(out)
-                for i in seg or ():
-                    self._segment(i, state, emitting, out)
+            with torch.cuda.graph(g, pool=self._pool, stream=self._side, capture_error_mode="thread_local"):
+                part()
             graphs.append(g)
         self.captures += 1
-        return _GraphSet(graphs, out)
+        return graphs
 
     def _replay(self, gs: _GraphSet, logits: bool) -> _Outputs:
         *body, head = gs.graphs
@@ -215,14 +225,18 @@ class DecodeRunner:
         step if it still runs; nothing when none is pending."""
         if self._pending is None:
             return
-        position, host, event = self._pending
+        positions, host, event = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()
-        for layer, ids in enumerate(host.tolist()):
-            self.provider.record(layer, ids)
-            if self.on_routes is not None:
-                self.on_routes(layer, position, ids)
+        layers = [rows[:len(positions)]  # a chunk step's real tokens only
+                  for rows in host.view(host.shape[0], -1, host.shape[-1]).tolist()]
+        for layer, rows in enumerate(layers):  # a chunk's distinct experts once, as an eager chunk counts them
+            self.provider.record(layer, rows[0] if len(rows) == 1 else sorted({e for ids in rows for e in ids}))
+        if self.on_routes is not None:
+            for t, position in enumerate(positions):
+                for layer, rows in enumerate(layers):
+                    self.on_routes(layer, position, rows[t])
 
     def close(self) -> None:
         """Drop every home and captured graph set (their memory pool goes with them) and the
@@ -276,8 +290,76 @@ class DecodeRunner:
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
         self.settle()  # the previous step's routes, while this one runs (it was queued after it)
         if routes is not None:
-            self._pending = (state.pos, *self._to_host(routes))
+            self._pending = ([state.pos], *self._to_host(routes))
         state.pos += 1
+        return result
+
+    # ------------------------------------------------------------------ the chunk step
+    def can_chunk(self) -> bool:
+        """Whether `chunk` runs now: native numerics (the routed experts batched), whole mode
+        (every expert resident), no forced routing, and a chunk's routed cells scheduled without a
+        host sync (`Cells.static`)."""
+        return (self.model.numerics.batched_experts and self.prefer_whole and self.model.routing is None
+                and self.provider.all_resident()
+                and Cells.static(CHUNK_SLOTS * self.model.args.n_activated_experts, self.provider.arena.table.shape[1]))
+
+    def _chunk_body(self, state: SequenceState, out: _Outputs) -> None:
+        """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`)."""
+        at, streams = self.chunk_at, self.model.decode_begin(self.chunk_at.ids)
+        for i, block in enumerate(self.model.blocks):
+            out.carry[i] = block.chunk_attention(streams, at, state.layers[i])
+            streams = block.chunk_ffn(out.carry[i], self.provider.arena)
+        out.final = streams
+
+    def _chunk_head(self, out: _Outputs) -> None:
+        out.logits = self.model.logits(out.final.index_select(0, self.chunk_at.last))
+
+    def chunk(self, state: SequenceState, ids: list[int], logits: bool = True) -> torch.Tensor | None:
+        """Prefill `ids` (1..CHUNK_SLOTS tokens) at state.pos in one static step of CHUNK_SLOTS
+        token slots (engine/chunk_position.py), replayed from one graph per home whatever the
+        position -> logits [1, V] fp32 of the last token (a fresh tensor), or None without
+        `logits`; state.pos += len(ids). Needs `can_chunk()`. Its routes are counted as a whole
+        step's are (`settle`): each layer's distinct experts once, as an eager chunk's; each
+        token's route to `on_routes`."""
+        if not self.can_chunk():
+            raise RuntimeError("DecodeRunner.chunk needs every expert resident and no forced routing")
+        p0, n = state.pos, len(ids)
+        self.model.reserve(state, p0 + n)  # the entry the chunk leaves open takes its unused windows
+        self.whole = True
+        self.provider.arena.sync_table()
+        self.chunk_at.set(p0, ids)
+        home = self.homes.enter(state) if self.graphs else None
+        gs = home.sets.get("chunk") if home is not None else None
+        out = gs.out if gs is not None else _Outputs([None] * len(self.model.blocks))
+        if not self.graphs:
+            self._chunk_body(state, out)
+            if logits:
+                self._chunk_head(out)
+        elif gs is None:
+            side = self._side
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # eagerly, off the default stream; compiles its kernels
+                self._chunk_body(state, out)
+                if logits:
+                    self._chunk_head(out)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
+            body, head = gs.graphs
+            body.replay()
+            if logits:
+                head.replay()
+        result = out.logits.clone() if logits else None
+        routes = torch.stack([c.routed[0] for c in out.carry])  # [n_layers, CHUNK_SLOTS, k]
+        if self.graphs and gs is None:
+            try:
+                cap = _Outputs([None] * len(self.model.blocks))
+                home.sets["chunk"] = _GraphSet(self._record([lambda: self._chunk_body(state, cap),
+                                                             lambda: self._chunk_head(cap)]), cap)
+            except RuntimeError as err:
+                self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
+        self.settle()  # the previous step's routes, while this one runs
+        self._pending = (list(range(p0, p0 + n)), *self._to_host(routes))
+        state.pos = p0 + n
         return result
 
 

@@ -130,16 +130,17 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
 # Device memory a captured decode graph set holds outside the caching allocator, per layer
 # (H200, 43 layers: 0.14 GiB a set, whole graph or one graph per layer alike).
 GRAPH_SET_BYTES_PER_LAYER = 3_500_000
+GRAPH_SETS_PER_HOME = 4  # the decode step's control flows (none, 4, 4 and 128) and the chunk step
 
 
 def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES) -> int:
     """What the framework holds beyond our tensors: on CUDA the caching allocator's slack,
-    cuBLAS workspaces and kernel modules (1 GiB) and the decode graph sets the `homes` graph
-    homes keep (engine/graph_homes.py: three control flows per home); on the CPU, the
-    interpreter, torch and the tokenizer (0.5 GiB)."""
+    cuBLAS workspaces and kernel modules (1 GiB) and the graph sets the `homes` graph homes keep
+    (engine/graph_homes.py: the decode step's three control flows and the chunk step per home);
+    on the CPU, the interpreter, torch and the tokenizer (0.5 GiB)."""
     if not machine.device.startswith("cuda"):
         return GiB // 2
-    return GiB + homes * 3 * GRAPH_SET_BYTES_PER_LAYER * n_layers
+    return GiB + homes * GRAPH_SETS_PER_HOME * GRAPH_SET_BYTES_PER_LAYER * n_layers
 
 
 @dataclass(frozen=True)

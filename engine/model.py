@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from engine.attention import Attention
+from engine.chunk_position import ChunkPosition
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.mhc import HyperConnection, HyperHead
@@ -93,6 +94,22 @@ class Block:
         forced = None if self.routing is None else self.routing.decode_ids(self.layer)  # set before the step
         return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids, forced), h)
 
+    def chunk_attention(self, streams: torch.Tensor, at: ChunkPosition, st) -> DecodeCarry:
+        """First half of the block for a chunk step's token slots (engine/chunk_position.py):
+        streams [size, n_hc, D], static shapes, the route of every slot."""
+        x, post, comb = self.hc_attn.pre(streams)
+        a = self.attn.chunk(self.norm_q(x, self.attn_norm, self.eps), at, st)
+        streams = self.hc_attn.post(a, streams, post, comb)
+        h, post, comb = self.hc_ffn.pre(streams)
+        x = self.norm(h, self.ffn_norm, self.eps)
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(x, at.ids), h)
+
+    def chunk_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
+        """Second half of a chunk step: every slot's routed experts from the arena in one call
+        (`MoE.chunk`), the shared expert, mHC post -> streams [size, n_hc, D]."""
+        f = self.ffn.chunk(carry.x, carry.routed, arena)
+        return self.hc_ffn.post(f, carry.streams, carry.post, carry.comb)
+
     def decode_ffn(self, carry: DecodeCarry, arena) -> torch.Tensor:
         """Second half: routed experts from the arena + shared expert, mHC post -> streams."""
         f = self.ffn.decode(carry.x, carry.routed, arena)
@@ -103,7 +120,7 @@ class Block:
 class DecodeCarry:
     """What a block's decode passes from its attention half to its FFN half."""
 
-    streams: torch.Tensor  # [1, n_hc, D] after the attention's mHC post
+    streams: torch.Tensor  # [1, n_hc, D] after the attention's mHC post ([size, ...] in a chunk step)
     x: torch.Tensor | Quantized  # [1, D] ffn-normed block input (native: with its FP8 quantisation)
     post: torch.Tensor
     comb: torch.Tensor
@@ -232,6 +249,10 @@ class Transformer:
     def decode_begin(self, ids: torch.Tensor) -> torch.Tensor:
         """Streams [1, n_hc, D] of one token id [1]."""
         return self.embed_tokens(ids).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+
+    def chunk_position(self, size: int, device: torch.device | str) -> ChunkPosition:
+        """The static inputs of a chunk step of `size` token slots (`Block.chunk_attention`)."""
+        return ChunkPosition(self.args.window_size, self.args.compress_ratios, size, device)
 
     def emitting(self, pos: int) -> frozenset[int]:
         """The compression ratios whose window the token at `pos` completes (it emits an entry):

@@ -146,6 +146,14 @@ class MoE:
         y = self.numerics.arena_experts(xq, arena, self.layer, idx, w, self.limit)  # [k, D], row j = choice j
         return self._combine(y.unsqueeze(0), shared)  # [1, k, D]
 
+    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
+        """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> [N, D],
+        no host sync: every cell in one `fp4_moe` call from `arena` (every expert of the layer
+        resident), scheduled from the device counts (`Cells.static`). Equals `__call__`."""
+        idx, w = routed
+        cells = Cells(idx, arena.table.shape[1])
+        return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+
     def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
         order), then the shared expert's output [N, D]; rounded once into the stream dtype."""
@@ -181,6 +189,12 @@ class Cells:
             0, self.order, torch.arange(flat.shape[0], device=idx.device)).view(self.shape)
         self.counts = torch.zeros(experts, dtype=torch.int32, device=idx.device).index_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+    @staticmethod
+    def static(cells: int, experts: int) -> bool:
+        """Whether `cells` cells over a layer of `experts` experts are scheduled without a host
+        sync (`all_groups`): the grouped GEMV (too few cells for the tensor cores), or one group."""
+        return experts <= EXPERTS_PER_DEQUANT or not dense(cells, experts)
 
     @property
     def one_group(self) -> bool:

@@ -27,14 +27,19 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from engine.buckets import chunk_lengths
+from engine.decode_graph import CHUNK_SLOTS
 from engine.experts.provider import ExpertProvider
 from engine.state import SequenceState
 from engine.stats import StepTiming
 
 
-# Prefill chunks this short replay the decode graphs token by token (`Runtime.prefill`): 16
-# replayed steps at 43 layers (~7 ms each on the H200) beat one eager chunk (~300 ms of launches).
+# Prefill chunks this short replay the decode graphs token by token (`Runtime.prefill`) when no
+# chunk step runs: 16 replayed steps at 43 layers (~7 ms each on the H200) beat one eager chunk
+# (~300 ms of launches).
 SHORT_PREFILL = 16
+# Prompts of at most this many tokens prefill in graphed chunk steps (`DecodeRunner.chunk`, every
+# expert resident) instead of eager chunks.
+GRAPHED_PREFILL = 32
 
 
 class StepTimer:
@@ -102,6 +107,8 @@ class Runtime:
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
         graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
+        chunked = not graphed and host is not None and self._chunks(n)  # one graphed chunk step
+        graphed = graphed or chunked
         x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
                                   else self._to_device(host))
         timer = StepTimer()
@@ -112,7 +119,10 @@ class Runtime:
             wait0 = self.experts.usage.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():
-                if graphed:  # a host token id spares the runner a device read
+                if chunked:
+                    out = self.runner.chunk(state, host, logits)
+                    out = None if out is None else out[0]
+                elif graphed:  # a host token id spares the runner a device read
                     out = self.runner.step(state, ids if host is None else host[0], logits)
                     out = None if out is None else out[0]
                 else:
@@ -215,7 +225,7 @@ class Runtime:
             done_at = launched.t0 + res.seconds
             return res
 
-        lengths = chunk_lengths(len(ids), chunk)
+        lengths = self._lengths(len(ids), chunk)
         for i, length in enumerate(lengths):
             if cancel is not None and cancel.is_set():
                 break
@@ -233,12 +243,29 @@ class Runtime:
         if running is not None:
             yield finished(running)
 
+    def chunk_tokens(self) -> int:
+        """Token slots of a graphed chunk step when they run now (`DecodeRunner.chunk`), else 0."""
+        return CHUNK_SLOTS if self._chunks(2) else 0
+
+    def _chunks(self, n: int) -> bool:
+        """`n` tokens (2..CHUNK_SLOTS) run as one graphed chunk step (`DecodeRunner.chunk`: every
+        expert resident)."""
+        return self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk()
+
+    def _lengths(self, n: int, chunk: int) -> list[int]:
+        """The chunks that prefill n tokens: `chunk_lengths`, except that a prompt of at most
+        GRAPHED_PREFILL tokens runs in chunk steps of CHUNK_SLOTS tokens when they run."""
+        if 1 < n <= GRAPHED_PREFILL and self._chunks(2):
+            full, rest = divmod(n, CHUNK_SLOTS)
+            return [CHUNK_SLOTS] * full + ([rest] if rest else [])
+        return chunk_lengths(n, chunk)
+
     def _graphs_short(self, length: int) -> bool:
         """A chunk of at most SHORT_PREFILL tokens runs as that many decode steps of the graph
-        runner (a follow-up turn's few new tokens: an eager chunk launches the whole depth's
-        kernels one by one, a replay costs one decode step per token; and the GEMV kernels of
-        short eager chunks, compiled per row count, are then never needed)."""
-        return self.runner is not None and length <= SHORT_PREFILL
+        runner when no chunk step runs (a follow-up turn's few new tokens: an eager chunk launches
+        the whole depth's kernels one by one, a replay costs one decode step per token; and the
+        GEMV kernels of short eager chunks, compiled per row count, are then never needed)."""
+        return self.runner is not None and length <= SHORT_PREFILL and not self._chunks(length)
 
     def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> Launched:
         """`ids` one token per replayed decode step, launched back to back, the head only for

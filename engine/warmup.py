@@ -11,7 +11,9 @@ On scratch states (discarded afterwards):
    no window, a ratio-4 window, and ratio-4 and ratio-128 windows at once — the three control
    flows of a decode step (`Transformer.emitting`) — on a state whose caches have exactly that
    capacity (the smallest one, too small for the position where every window completes, runs
-   just below its last position: the first decode steps of a short chat).
+   just below its last position: the first decode steps of a short chat), then, where the
+   runtime runs graphed chunk steps (every expert resident), one chunk step on a state of that
+   capacity (a short prompt's or a follow-up turn's prefill replays its graph).
 
 With the torch reference backend nothing compiles, so `plan_warmup(..., full=False)` keeps only
 one short prefill and one decode step (the CPU path's first-call costs).
@@ -115,6 +117,7 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
             state = model.new_state()
             runtime.step(state, [token])
             runtime.step(state, [token])
+            _chunk_step(runtime, model, token, 0)
             continue
         start = min(step.base, max_seq_len - DECODE_STEPS)
         if start not in bases:
@@ -126,7 +129,21 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
         for _ in range(min(DECODE_STEPS, max_seq_len - state.pos)):
             runtime.step(state, [token])
         runtime.settle()
+        _chunk_step(runtime, model, token, step.last)
     progress(total, total, "kernels ready")
+
+
+def _chunk_step(runtime, model, token: int, last: int) -> None:
+    """One graphed chunk step (engine.decode_graph.DecodeRunner.chunk), when the runtime runs
+    them, on a fresh state with the caches of the decode steps before it (reserved up to `last`):
+    its graph is captured on their home, the one a conversation of that capacity replays."""
+    tokens = runtime.chunk_tokens()
+    if not tokens:
+        return
+    state = model.new_state()
+    runtime.reserve(state, last)
+    runtime.step(state, [token] * tokens)
+    runtime.settle()
 
 
 # Threads replaying a manifest (each call: a kernel module built into a TileLang program, then

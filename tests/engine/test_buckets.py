@@ -95,7 +95,8 @@ def test_prefill_runs_in_bucketed_chunks(tmp_path):
 def test_each_decode_bucket_steps_at_its_own_capacity():
     """The warm-up's decode steps of capacity bucket c run on caches of exactly c entries of the
     smallest ratio (no growth mid-bucket): the smallest bucket too, whose steps cannot reach the
-    position where every kind of window completes (the first decode steps of a short chat)."""
+    position where every kind of window completes (the first decode steps of a short chat); so
+    does its graphed chunk step, when the runtime runs them."""
     from engine.buckets import MIN_ENTRIES
     from engine.warmup import DECODE_BASE, run_warmup
 
@@ -117,12 +118,19 @@ def test_each_decode_bucket_steps_at_its_own_capacity():
 
     class Runtime:  # the engine's runtime as run_warmup uses it: caches grow as positions need
         seen: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int]] = []
 
         def step(self, state, tokens):
             if len(tokens) == 1:
                 self.seen.append((state.cap, state.pos))
+            if len(tokens) == self.chunk_tokens():
+                state.cap = max(state.cap, capacity(state.pos + len(tokens)))  # DecodeRunner.chunk's reserve
+                self.chunks.append((state.cap, state.pos))
             state.cap = max(state.cap, capacity(state.pos + len(tokens) - 1))
             state.pos += len(tokens)
+
+        def chunk_tokens(self):
+            return 16
 
         def reserve(self, state, last):
             state.cap = max(state.cap, capacity(last))
@@ -139,9 +147,10 @@ def test_each_decode_bucket_steps_at_its_own_capacity():
     assert decode[0].capacity == MIN_ENTRIES and decode[0].base < DECODE_BASE <= decode[1].base
     for step in decode:
         rt = Runtime()
-        rt.seen = []
+        rt.seen, rt.chunks = [], []
         run_warmup([step], rt, Model(), 7, config.max_seq_len, lambda *a: None)
         caps = {cap for cap, pos in rt.seen if pos >= step.base}
         assert caps == {step.capacity}, (step, rt.seen)
+        assert rt.chunks[-1] == (step.capacity, 0), (step, rt.chunks)  # the bucket's chunk graph
         windows = {pos for cap, pos in rt.seen if pos >= step.base and (pos + 1) % ratio == 0}
         assert windows  # a step completes a window of the smallest ratio

@@ -279,9 +279,9 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
         u0 = list(experts.usage.layer_uses)
         plain_out = [plain.step(s1, PROMPT)] + [plain.step(s1, [tok]) for tok in (5, 6, 7)]
         u1 = list(experts.usage.layer_uses)
-        b = graphed.step(s2, PROMPT)  # prefill: eager in both
+        b = graphed.step(s2, PROMPT)  # prefill: eager, and a graphed chunk step
         a = plain_out[0]
-        assert not b.graphed and torch.equal(a.logits, b.logits)
+        assert b.graphed and torch.equal(a.logits, b.logits)
         for a, tok in zip(plain_out[1:], (5, 6, 7)):
             b = graphed.step(s2, [tok])
             assert b.graphed and b.tokens == 1 and _rel(a.logits, b.logits) <= 1e-4
@@ -297,7 +297,7 @@ def test_runtime_replays_through_the_runner_with_stats_and_trace(files, tmp_path
     assert graph_uses == eager_uses  # the same routes counted the same, once each
     recs = list(read_records(tmp_path / "t.jsonl"))
     decode = [r for r in recs if r.tokens == 1]
-    assert len(decode) == 3 * args.n_layers  # one record per layer and decoded token
+    assert len(decode) == (len(PROMPT) + 3) * args.n_layers  # one record per layer and token
     assert [r.layer for r in decode[:args.n_layers]] == list(range(args.n_layers))
 
 
@@ -382,10 +382,15 @@ class _CountingHeads(DecodeRunner):
         self.heads += 1
         super()._head(out)
 
+    def _chunk_head(self, out):
+        self.heads += 1
+        super()._chunk_head(out)
+
 
 def test_a_short_prefill_runs_the_head_once_and_a_step_without_logits_leaves_the_same_state(files):
-    """Replayed prefill tokens skip the head but the last; a step without logits returns None and
-    leaves the state as a step with them does."""
+    """A short prefill (here a graphed chunk step; replayed tokens skip the head but the last)
+    runs the head once; a step without logits returns None and leaves the state as a step with
+    them does."""
     import threading
 
     from engine.runtime import Runtime
@@ -407,9 +412,10 @@ def test_a_short_prefill_runs_the_head_once_and_a_step_without_logits_leaves_the
 
 def test_short_prefill_chunks_replay_the_decode_step(packed):
     """With a runner, Runtime.prefill runs a chunk of at most SHORT_PREFILL tokens as decode
-    steps (one result for the chunk, flagged graphed) and a longer chunk eagerly; the logits and
-    the next step equal the eager chunked prefill's, at a full arena (whole) and at a bounded
-    cache (layered)."""
+    steps (one result for the chunk, flagged graphed) and a longer chunk eagerly at a bounded
+    cache (layered); at a full arena (whole) a prompt of at most GRAPHED_PREFILL tokens runs in
+    graphed chunk steps of CHUNK_SLOTS tokens instead, whatever the chunk size. The logits and
+    the next step equal the eager chunked prefill's."""
     import threading
 
     from engine.runtime import SHORT_PREFILL, Runtime
@@ -431,7 +437,7 @@ def test_short_prefill_chunks_replay_the_decode_step(packed):
                 s1, s2 = model.new_state(), model.new_state()
                 eager = list(plain.prefill(s1, prompt, chunk))
                 replayed = list(graphed.prefill(s2, prompt, chunk))
-                assert [r.tokens for r in replayed] == [r.tokens for r in eager]
+                assert [r.tokens for r in replayed] == ([16, 8] if whole else [r.tokens for r in eager])
                 assert all(r.graphed for r in replayed) and all(r.tokens <= SHORT_PREFILL for r in replayed)
                 assert s1.pos == s2.pos == len(prompt)
                 assert _rel(eager[-1].logits, replayed[-1].logits) <= 1e-4
@@ -439,15 +445,15 @@ def test_short_prefill_chunks_replay_the_decode_step(packed):
                 a, b = plain.step(s1, [5]), graphed.step(s2, [5])
                 assert _rel(a.logits, b.logits) <= 1e-4
                 graphed.settle()
-            long = list(graphed.prefill(model.new_state(), prompt, 2048))  # one chunk of 24: eager
-            assert [(r.tokens, r.graphed) for r in long] == [(24, False)]
+            long = list(graphed.prefill(model.new_state(), prompt, 2048))  # one chunk of 24: eager when layered
+            assert [(r.tokens, r.graphed) for r in long] == ([(16, True), (8, True)] if whole else [(24, False)])
         finally:
             files.close()
 
 
 def test_prefill_calls_on_queued_after_its_last_chunk_is_launched_and_before_it_is_waited_for(files):
     """`Runtime.prefill(on_queued=)`: once, when the last chunk is queued and not yet waited for,
-    replayed (one launch per token) or eager (chunks 16 + 8); what it copies is the state after
+    a graphed chunk step (one launch) or eager (chunks 16 + 8); what it copies is the state after
     the prompt (the turn's regenerate snapshot is taken there)."""
     import threading
 
@@ -469,7 +475,7 @@ def test_prefill_calls_on_queued_after_its_last_chunk_is_launched_and_before_it_
     model = Transformer(files.get, files.args, Numerics.named("native"))
     runner = DecodeRunner(model, files.experts, whole=True)
     prompt = PROMPT + [9, 31, 64, 2, 128, 7, 44, 19, 3, 250, 6]  # 24 tokens
-    for runner_, ids, chunk, want in ((runner, PROMPT[:8], 16, ["launch"] * 8 + ["queued", "finish"]),
+    for runner_, ids, chunk, want in ((runner, PROMPT[:8], 16, ["launch", "queued", "finish"]),  # a chunk step
                                       (None, prompt, 16, ["launch", "finish", "launch", "queued", "finish"])):
         log: list = []
         runtime = _Log(model, files.experts, torch.device("cpu"), threading.RLock(), None, runner_, order=log)

@@ -111,6 +111,43 @@ def test_conversations_of_one_capacity_take_turns_in_the_same_graphs_and_stay_ex
     assert moves >= 40  # every step after the first moved the other state in
 
 
+@pytest.mark.parametrize("backend", ["torch", "tilelang"])
+def test_chunk_step_graphs_equal_the_eager_forward(packed, backend):
+    """Graphed chunk steps (`DecodeRunner.chunk`) of 2..16 tokens against `Transformer.forward`
+    of the same tokens on a copy of the state: one capture per home (the first chunk, and again
+    after the caches grow), every replay within the native paths' rounding of the eager chunk,
+    and the same greedy token."""
+    dev = torch.device("cuda")
+    files = open_model(packed, device="cuda")
+    assert files.experts.load_all()
+    model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                        Numerics.named("native", make_backend(backend, dev)))
+    runner = DecodeRunner(model, files.experts, whole=True, graphs=True)
+    assert runner.can_chunk()
+    ids = torch.randint(0, 129280, (400,), generator=torch.Generator().manual_seed(7)).tolist()
+    errs, agree, captures, bitwise = [], 0, [], 0
+    with torch.inference_mode():
+        state = model.new_state()
+        model.forward(torch.tensor(ids[:40], device=dev), state, files.experts)
+        pos = 40
+        for n in [16, 5, 16, 3, 16, 16, 9, 16, 2, 16, 16, 16, 13, 16, 16, 16, 16, 16, 7]:  # to 274: growth, ratio 128
+            eager_state = state.clone()
+            want = model.forward(torch.tensor(ids[pos:pos + n], device=dev), eager_state, files.experts, last_only=True)
+            got = runner.chunk(state, ids[pos:pos + n])
+            pos += n
+            errs.append(((got - want).abs().max() / want.abs().max()).item())
+            bitwise += int(torch.equal(got, want))
+            agree += int(torch.equal(got.argmax(-1), want.argmax(-1)))
+            captures.append(runner.captures)
+            assert state.pos == eager_state.pos == pos
+        runner.settle()
+    files.close()
+    print(f"{backend} chunk steps: max rel diff {max(errs):.2e}, {bitwise}/{len(errs)} bitwise, argmax agree "
+          f"{agree}/{len(errs)}, captures {captures}")
+    assert max(errs) <= 1e-2 and agree >= len(errs) - 1
+    assert captures[0] == captures[1] == 1 and captures[-1] == 4  # once per capacity: 16, 32, 64, 128 entries
+
+
 def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
     """A real engine on CUDA: multi-turn greedy chat through graphs gives the eager engine's text."""
     from engine.config import EngineConfig

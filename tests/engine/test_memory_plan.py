@@ -192,18 +192,19 @@ def test_a_context_beyond_the_model_is_refused_at_load(packs):
 
 
 def test_the_framework_term_counts_the_decode_graph_sets_the_homes_keep():
-    """CUDA: 1 GiB plus three control flows' graph sets for each kept home, per layer (0.14 GiB a
-    set at 43 layers on the H200, outside the caching allocator); the CPU keeps no graphs."""
+    """CUDA: 1 GiB plus four graph sets (the decode step's three control flows, the chunk step)
+    for each kept home, per layer (0.14 GiB a set at 43 layers on the H200, outside the caching
+    allocator); the CPU keeps no graphs."""
     from engine.graph_homes import HOMES, homes_for
     from engine.memory_plan import GRAPH_SET_BYTES_PER_LAYER, framework_bytes
 
     full = make_plan(flash_footprint(), EngineConfig(device="cuda"), H200).framework
-    assert full == framework_bytes(H200, 43) and 4 * GiB < full < 5 * GiB and HOMES == 8
+    assert full == framework_bytes(H200, 43) and 5 * GiB < full < 6 * GiB and HOMES == 8
     assert framework_bytes(H200, 4) < framework_bytes(H200, 43)
     # a longer context keeps a home per capacity (the warm-up captures each): 16..8,192 entries at 16,384
     args = flash_footprint().args
     assert homes_for(args, 4096) == 8 and homes_for(args, 16384) == 10 and homes_for(args, 1024) == 8
     longer = make_plan(flash_footprint(), EngineConfig(device="cuda", max_seq_len=16384), H200).framework
-    assert longer == framework_bytes(H200, 43, 10) == full + 2 * 3 * GRAPH_SET_BYTES_PER_LAYER * 43
+    assert longer == framework_bytes(H200, 43, 10) == full + 2 * 4 * GRAPH_SET_BYTES_PER_LAYER * 43
     assert framework_bytes(Machine("cpu", unified=True, total=24 * GiB, available=20 * GiB, host_total=24 * GiB,
                                    host_available=20 * GiB), 43) == GiB // 2
