@@ -9,7 +9,8 @@ the cold warm-up), then profiles with torch.profiler, each after one unprofiled 
 
 1. a prefill of `--prefill` tokens in chunks of each `--chunks` size (wall tok/s, GPU busy,
    kernels by GPU time);
-2. a follow-up prefill of `--followup` tokens after 128 (the TTFT of a short next turn);
+2. a follow-up prefill of `--followup` tokens after 128 (the TTFT of a short next turn), and
+   when it is a graphed chunk step, that step eagerly (its kernels by GPU time);
 3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
    from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
 
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
 
 def profile_all(a, eng) -> None:
     """The profiles of the module docstring, on a loaded engine."""
-    from engine.decode_graph import DecodeRunner
+    from engine.decode_graph import CHUNK_SLOTS, DecodeRunner
     from kernels.backend import compiled_kernels
 
     runtime, model = eng.runtime, eng.model
@@ -211,9 +212,15 @@ def profile_all(a, eng) -> None:
     print(f"\nfollow-up prefill of {a.followup} tokens after 128: {1e3 * timed(followup, 5):.1f} ms", flush=True)
     profiled(f"follow-up prefill of {a.followup} tokens", followup, 3, a.top)
 
+    eager = DecodeRunner(model, runtime.experts, whole=True, graphs=False)
+    if eager.can_chunk() and 1 < a.followup <= CHUNK_SLOTS:
+        def chunk_step():
+            eager.chunk(base.clone(), follow)
+        profiled(f"chunk step of {a.followup} tokens, eager (the kernels of its graph)", chunk_step, 3, a.top)
+        eager.settle()
+
     state = base.clone()
     runtime.reserve(state, state.pos + 64)
-    eager = DecodeRunner(model, runtime.experts, whole=True, graphs=False)
     token = torch.tensor([5], device=eng.device)
     profiled("decode step, eager (same kernels as the graph)", lambda: eager.step(state, token), 4, 60)
     runner = runtime.runner
