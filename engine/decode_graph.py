@@ -37,6 +37,11 @@ and the set is captured right after it for the following steps. All sets share o
 they never run concurrently, and each set's outputs are read before another set replays.
 On the CPU the same step runs eagerly (no graphs): the tests check it against
 `Transformer.forward`.
+
+The **chunk step** (`DecodeRunner.chunk`, whole mode only) prefills 1..CHUNK_SLOTS tokens in one
+static step of CHUNK_SLOTS token slots: every position-dependent index is computed on the host
+(engine/chunk_position.py), so its graph set ("chunk" in `Home.sets`: the blocks, then the
+head) is captured once per home and replays at any position and length.
 """
 
 from __future__ import annotations
