@@ -193,14 +193,18 @@ class Indexer:
         those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
         as for `Compressor.decode`."""
         self.compressor.decode(x, at, st, emit)
-        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
-        return ref.topk_desc(scores, scores.shape[1])
+        return self._ranked(x, c, at, st, n_keys, rot)
 
     def chunk(self, x: torch.Tensor, c, at: ChunkPosition, st: CompressorState, n_keys: int,
               rot=None) -> torch.Tensor:
         """A chunk step's token slots (`Compressor.chunk`), scoring the first `n_keys` (static)
         entry slots: all of them, best first [size, n_keys], as `decode`."""
         self.compressor.chunk(x, at, st)
+        return self._ranked(x, c, at, st, n_keys, rot)
+
+    def _ranked(self, x: torch.Tensor, c, at: DecodePosition | ChunkPosition, st: CompressorState, n_keys: int,
+                rot=None) -> torch.Tensor:
+        """The first `n_keys` entry slots, best first, for the queries at `at` (static shapes)."""
         scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
         return ref.topk_desc(scores, scores.shape[1])
 

@@ -26,8 +26,11 @@ copy into a buffer that never moves, so one captured graph serves every position
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from math import prod
 
 import torch
+
+from engine.decode_position import upload
 
 
 class ChunkPosition:
@@ -44,18 +47,17 @@ class ChunkPosition:
             shapes += [(f"ape_row{r}", (size,)), (f"win_src{r}", (nw, r)), (f"prev_src{r}", (nw, r)),
                        (f"entry{r}", (nw,)), (f"buf_src{r}", (r,)), (f"prev_next{r}", (r,)),
                        (f"visible{r}", (size,))]
-        total = sum(_numel(shape) for _, shape in shapes)
+        total = sum(prod(shape) for _, shape in shapes)
         self._buf = torch.zeros(total, dtype=torch.long, device=device)
         views, at = {}, 0
         for name, shape in shapes:
-            views[name] = self._buf[at:at + _numel(shape)].view(shape)
-            at += _numel(shape)
+            views[name] = self._buf[at:at + prod(shape)].view(shape)
+            at += prod(shape)
         self.ids, self.pos, self.last = views["ids"], views["pos"], views["last"]
         self.window_rows, self.ring_src = views["window_rows"], views["ring_src"]
         self.ape_row, self.win_src, self.prev_src, self.entry, self.buf_src, self.prev_next, self.visible = (
             {r: views[f"{name}{r}"] for r in self.ratios}
             for name in ("ape_row", "win_src", "prev_src", "entry", "buf_src", "prev_next", "visible"))
-        self.host: tuple[int, int] | None = None  # (p0, n) last set
 
     def windows(self, r: int) -> int:
         """Window slots of ratio r a chunk may complete: (r - 1 + size) // r."""
@@ -106,15 +108,4 @@ class ChunkPosition:
 
     def set(self, p0: int, ids: Sequence[int]) -> None:
         """Upload the facts of `ids` at p0.. (one host-to-device copy, ordered on the current stream)."""
-        host = torch.tensor(self.values(p0, ids), dtype=torch.long)
-        if self._buf.is_cuda:
-            host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
-        self._buf.copy_(host, non_blocking=True)
-        self.host = (p0, len(ids))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+        upload(self._buf, self.values(p0, ids))

@@ -47,8 +47,14 @@ class DecodePosition:
 
     def set(self, p: int) -> None:
         """Upload position p's facts (one host-to-device copy, ordered on the current stream)."""
-        host = torch.tensor(self.values(p), dtype=torch.long)
-        if self._buf.is_cuda:
-            host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
-        self._buf.copy_(host, non_blocking=True)
+        upload(self._buf, self.values(p))
         self.host = p
+
+
+def upload(buf: torch.Tensor, values: list[int]) -> None:
+    """Copy `values` into the int64 buffer `buf` without waiting for the device: one
+    host-to-device copy, ordered on the current stream."""
+    host = torch.tensor(values, dtype=torch.long)
+    if buf.is_cuda:
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+    buf.copy_(host, non_blocking=True)

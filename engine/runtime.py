@@ -260,7 +260,7 @@ class Runtime:
     def _lengths(self, n: int, chunk: int) -> list[int]:
         """The chunks that prefill n tokens: `chunk_lengths`, except that a prompt of at most
         GRAPHED_PREFILL tokens runs in chunk steps of CHUNK_SLOTS tokens when they run."""
-        if 1 < n <= GRAPHED_PREFILL and self._chunks(2):
+        if 1 < n <= GRAPHED_PREFILL and self.chunk_tokens():
             full, rest = divmod(n, CHUNK_SLOTS)
             return [CHUNK_SLOTS] * full + ([rest] if rest else [])
         return chunk_lengths(n, chunk)
