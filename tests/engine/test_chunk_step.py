@@ -8,33 +8,16 @@ CUDA graph is exercised by tests/engine/test_decode_graph_gpu.py.)"""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-from converter.convert import convert
 from engine.chunk_position import ChunkPosition
 from engine.decode_graph import CHUNK_SLOTS, DecodeRunner
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.runtime import GRAPHED_PREFILL, Runtime
 from engine.weights import open_model
-
-
-@pytest.fixture(scope="module")
-def packed(separated_ckpt, tmp_path_factory) -> Path:
-    return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
-
-
-@pytest.fixture
-def files(packed):
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        yield files
-    finally:
-        files.close()
 
 
 def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:

@@ -6,12 +6,10 @@ exercised by tests/engine/test_decode_graph_gpu.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from converter.convert import convert
 from engine.decode_graph import DecodeRunner, make_runner
 from engine.experts.cache import CacheFullError
 from engine.model import Transformer
@@ -19,23 +17,6 @@ from engine.numerics import Numerics
 from engine.weights import open_model
 
 PROMPT = [0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3, 77]
-
-
-@pytest.fixture(scope="module")
-def packed(separated_ckpt, tmp_path_factory) -> Path:
-    """The no-flip tiny model (conftest), converted."""
-    return convert(separated_ckpt, tmp_path_factory.mktemp("out") / "pack")
-
-
-@pytest.fixture
-def files(packed):
-    """The converted model opened with every expert loaded into the arena (closed afterwards)."""
-    files = open_model(packed)
-    try:
-        assert files.experts.load_all()
-        yield files
-    finally:
-        files.close()
 
 
 def _pair(files, numerics: str, steps: int, whole: bool = True):
