@@ -315,12 +315,14 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), ar, s, y))
             rows.append((f"fp4 {name} {g}x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
-        for tiles, ksplit in mma_tiles:  # the tensor-core kernel
+        for tiles, ksplit, *depth in mma_tiles:  # the tensor-core kernel (loads `depth` blocks ahead)
+            depth = depth[0] if depth else 0
             kernel = fp4_mma_few_tokens_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
-                                               arch)
+                                               arch, False, depth)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
+            label = f" depth {depth}" if depth else ""
+            rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w{label}", nbytes, t, graphed))
         for tiles, ksplit, *opts in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
             early, depth = (*opts, False, 0)[:2]
             if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
@@ -331,6 +333,66 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
             label = (" early" if early else "") + (f" depth {depth}" if depth else "")
             rows.append((f"fp4 MMA1 {name} {g}x1 rows {nn}x{kk} {tiles}t x{ksplit}w{label}", nbytes, t, graphed))
+    return rows
+
+
+def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
+    """A chunk step's largest launches at `m` token rows (engine/decode_graph.py `DecodeRunner.chunk`):
+    every FP8 linear of a layer by the dispatched kernel (fp8_gemm_quantized: the tensor cores'
+    few-token GEMV on sm_90), the CUDA-core GEMV and cuBLAS's block-scaled FP8 GEMM; and the
+    routed experts of a 24-expert layer (m tokens x 6 choices) in runs of m cells per expert
+    (each expert read once) against one cell per group (each cell reading its expert)."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import fp4_moe
+    from kernels.fp8_gemm import blockwise_mm, fp8_gemm_quantized, fp8_gemv_kernel, gemv_tile
+    from kernels.gemv import as_words, scale_bytes
+    from kernels.toolkit import cuda_arch
+    from engine.moe import ExpertRuns
+    from engine.pack import FieldLayout
+
+    arch = cuda_arch(dev)
+    rows = []
+    for name, n, k in FP8_DECODE_SHAPES:
+        nbytes = n * k + n * k // 16384
+        ws = [(w, s, torch.pow(2.0, scale_bytes(s).float() - 127.0))  # the fp32 scales, as the engine holds them
+              for w, s in (_fp8(n, k, dev) for _ in range(copies(nbytes)))]
+        q, sq = act_quant(torch.randn(m, k, device=dev).to(torch.bfloat16), 128)
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+        core = fp8_gemv_kernel(m, n, k, *gemv_tile(n, k, arch), arch)
+        for label, call in (("dispatched", lambda w: fp8_gemm_quantized(q, sq, w[0], w[1])),
+                            ("CUDA-core GEMV", lambda w: core(as_words(q), sq, as_words(w[0]), scale_bytes(w[1]), y)),
+                            ("cuBLAS block-scaled", lambda w: blockwise_mm(q, sq, w[0], w[1], w[2]))):
+            t, graphed = time_rotating(ws, call)
+            rows.append((f"fp8 {name} M={m} {n}x{k} {label}", nbytes + m * (k + 2 * n), t, graphed))
+    experts, k_routed, inter, dim = 24, 6, 2048, 4096
+    shapes = {"w1.weight": (inter, dim // 2), "w1.scale": (inter, dim // 32), "w3.weight": (inter, dim // 2),
+              "w3.scale": (inter, dim // 32), "w2.weight": (dim, inter // 2), "w2.scale": (dim, inter // 32)}
+    fields, off = {}, 0
+    for name, shape in shapes.items():  # engine/pack.py's record order; bytes
+        fields[name] = FieldLayout(off, shape[0] * shape[1], "U8", shape)
+        off += shape[0] * shape[1]
+    arena = torch.randint(0, 256, (experts * 4, off), device=dev, dtype=torch.uint8)  # codes, then sane scales
+    for name, f in fields.items():
+        if name.endswith("scale"):
+            arena[:, f.offset:f.offset + f.nbytes] = torch.randint(118, 128, (experts * 4, f.nbytes), device=dev,
+                                                                    dtype=torch.uint8)
+    x = torch.randn(m, dim, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(experts, device=dev)[:k_routed] for _ in range(m)])
+    w = torch.rand(m, k_routed, device=dev)
+    tables = [torch.randperm(experts * 4, device=dev)[:experts].to(torch.int32) for _ in range(4)]
+    runs = ExpertRuns(idx, experts)
+    per_run, spread = runs.tokens, runs.spread(w)
+    cells = torch.arange(m, device=dev).repeat_interleave(k_routed)
+    nbytes = experts * off
+    t, graphed = time_rotating(tables, lambda tb: fp4_moe(x, arena, fields, tb.repeat_interleave(m), spread,
+                                                          10.0, [], per_run, m))
+    rows.append((f"fp4_moe {experts} experts, runs of {m}", nbytes, t, graphed))
+    t, graphed = time_rotating(tables, lambda tb: fp4_moe(x, arena, fields, tb.index_select(0, idx.reshape(-1)),
+                                                          w.reshape(-1), 10.0, [], cells))
+    rows.append((f"fp4_moe {m * k_routed} cells, one a group", nbytes, t, graphed))
+    n, k = inter, dim  # the runs' two launches alone, per tile and depth
+    rows.extend(fp4_tile_rows(dev, fp4_arena(4 * experts, 2 * n, k, dev), n, k, experts, m, [],
+                              [(2, 4, 0), (2, 4, 2), (2, 4, 4), (2, 2, 2), (2, 8, 2), (1, 4, 2)], []))
     return rows
 
 
@@ -348,6 +410,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dense-only", action="store_true",
                     help="only the small ops and the dense (FP8, wo_a) weights, not the FP4 and attention rows")
+    ap.add_argument("--chunk", type=int, metavar="M",
+                    help="only a chunk step's FP8 linears and routed experts at M token rows, per kernel")
     ap.add_argument("--prefill-attention", type=lambda v: [int(x) for x in v.split(",")], metavar="S,S",
                     help="only prefill's sparse attention at these query counts, per (heads, threads) a CTA")
     a = ap.parse_args(argv)
@@ -363,7 +427,7 @@ def main(argv=None) -> None:
                 print(f"| {name} | {ms:.3f} | {diff:.3g} |")
         return
     ceiling = copy_bandwidth(dev)
-    print_table(bench_rows(dev, a.dense_only), ceiling)
+    print_table(chunk_rows(dev, a.chunk) if a.chunk else bench_rows(dev, a.dense_only), ceiling)
 
 
 if __name__ == "__main__":

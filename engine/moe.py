@@ -149,10 +149,19 @@ class MoE:
     def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
         """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> [N, D],
         no host sync: every cell in one `fp4_moe` call from `arena` (every expert of the layer
-        resident), scheduled from the device counts (`Cells.static`). Equals `__call__`."""
+        resident). With no more experts than cells, each expert is read once for its run of N
+        cells (`ExpertRuns`); else each cell reads its expert, scheduled from the device counts
+        (`Cells.static`). Equals `__call__`."""
         idx, w = routed
-        cells = Cells(idx, arena.table.shape[1])
-        return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+        experts = arena.table.shape[1]
+        if experts > idx.numel():
+            cells = Cells(idx, experts)
+            return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+        runs = ExpertRuns(idx, experts)
+        slots = arena.table[self.layer].repeat_interleave(runs.run)  # [E·N] int32
+        y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, runs.spread(w), self.limit, [],
+                                          runs.tokens, runs.run)  # [E·N, D] bf16
+        return self.numerics.moe_combine(y, self._shared(x), runs.rows)
 
     def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
@@ -224,3 +233,26 @@ class Cells:
             spans.append((slot, start, c))
             start += c
         return expert_groups(spans, self.counts.device)
+
+
+class ExpertRuns:
+    """The (token, choice) cells of a call laid out as one run of N cells per expert of the layer
+    (no host sync): a token routes to an expert at most once, so an expert has at most N = the
+    call's tokens cells. idx [N, k] expert ids of `experts` -> `run` = N; `rows` [N, k] int64,
+    cell (n, j) at e·N + (tokens before n routed to e), e = idx[n, j]; `tokens` [E·N] int64, the
+    token of each run cell (0 in the unused cells, whose routing weights `spread` leaves 0: they
+    compute a zero output that no token reads)."""
+
+    def __init__(self, idx: torch.Tensor, experts: int):
+        n, k = idx.shape
+        self.run = n
+        routed = torch.zeros(n, experts, dtype=torch.int64, device=idx.device).scatter_(1, idx, 1)  # token n -> e
+        before = routed.cumsum(0) - routed  # [N, E] tokens before n routed to e
+        self.rows = idx * n + before.gather(1, idx)  # [N, k]
+        token = torch.arange(n, device=idx.device).unsqueeze(1).expand(n, k)
+        self.tokens = torch.zeros(experts * n, dtype=torch.int64, device=idx.device).index_copy_(
+            0, self.rows.reshape(-1), token.reshape(-1))
+
+    def spread(self, w: torch.Tensor) -> torch.Tensor:
+        """Per-cell values w [N, k] -> [E·N] at their run cells, 0 in the unused ones."""
+        return w.new_zeros(self.tokens.shape[0]).index_copy_(0, self.rows.reshape(-1), w.reshape(-1))

@@ -7,9 +7,10 @@ By operation:
                   decoding by bit moves), pdl.py (programmatic dependent launch), gemv.py (the
                   row-per-warp GEMV building blocks), bf16_gemv.py
   FP8 linears     act_quant.py, fp8_gemm.py (dispatch: CUDA-core GEMV, cuBLAS prefill),
-                  fp8_mma_one_token.py (one token on the tensor cores), grouped_linear.py (wo_a)
+                  fp8_mma_one_token.py, fp8_mma_few_tokens.py (the tensor cores: one token, 2-16
+                  tokens), grouped_linear.py (wo_a)
   routed experts  fp4_moe.py (dispatch and the CUDA-core GEMV), fp4_mma_one_token.py,
-                  fp4_mma_few_tokens.py (tensor cores: one token, 2-8 tokens), moe_gate.py,
+                  fp4_mma_few_tokens.py (tensor cores: one token, 2-16 tokens), moe_gate.py,
                   swiglu_quant.py, moe_combine.py
   attention       norm_rope.py, rope.py, compressor_project.py, indexer_weights.py,
                   indexer_scores.py, hadamard_qdq4.py, sparse_index.py, sparse_attention.py

@@ -20,7 +20,7 @@ through a slot table on the device. `fp4_gemm` is the one-group case; `fp4_gemm_
 For more than GEMV_MAX_M rows, `fp4_gemm` dequantises exactly to bf16 and uses cuBLAS; `fp4_moe` in
 prefill dequantises its experts in one launch (kernels/fp4_dequant.py) and runs one grouped bf16
 GEMM per linear over the cells grouped by expert (`fp4_moe_dequantized`). Where
-kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 8 rows), the
+kernels/fp4_mma_few_tokens.py lists the architecture and supports the launch (MMA_MIN_M to 16 rows), the
 grouped GEMV runs on the tensor cores instead, with the same contract; so does a one-row launch
 where kernels/fp4_mma_one_token.py lists it.
 
@@ -259,7 +259,7 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float, groups: list | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+            limit: float, groups: list | None = None, rows: torch.Tensor | None = None, run: int = 1) -> torch.Tensor:
     """Routed experts read from arena slots: the contract of `reference.fp4_moe` (x [G, D], or the
     tokens [N, D] with rows [G]; arena uint8 [slots, record_bytes], fields, slots [G], routing
     weights [G] -> bf16 [G, D]). Quantises x (once when its rows are one broadcast row; each token
@@ -269,12 +269,17 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     `groups`, from a caller that knows how its cells spread over the experts: the cells are
     already grouped by expert and `groups` are their `expert_groups` (the tensor cores, no host
     synchronisation), or [] (the grouped GEMV). None: decided here, at one host synchronisation
-    for a prefill (`expert_spans`)."""
+    for a prefill (`expert_spans`). `run` > 1 (with `groups` []): the cells come in runs of `run`
+    consecutive cells that share their slot (a chunk step's cells per expert, engine/moe.py
+    `ExpertRuns`), and each run reads its expert once (`fp4_moe_quantized`)."""
     _check(x, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe")
     g = slots.shape[0]
     if rows is not None and (rows.dim() != 1 or rows.shape[0] != g or rows.dtype != torch.int64):
         raise KernelInputError(f"fp4_moe: rows must be int64 [{g}] (a token row per cell), got {rows.dtype} "
                                f"{tuple(rows.shape)}")
+    if run < 1 or g % run or (run > 1 and groups):
+        raise KernelInputError(f"fp4_moe: {g} cells do not come in runs of {run} (a run of cells sharing a slot "
+                               "takes the grouped GEMV: groups must be [])")
     xa = x[:1] if x.shape[0] and x.stride(0) == 0 else x  # an expanded row: quantise it once
     q, s = act_quant(xa, 128)
     if groups:
@@ -287,7 +292,7 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
         if dense(g, len(spans)):
             return fp4_moe_dequantized(q, s, arena, fields, order, expert_groups(spans, q.device), weights, limit,
                                        swiglu_quant, fp4_dequant_slots)
-    return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit).to(torch.bfloat16)  # bf16 values: exact
+    return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, run=run).to(torch.bfloat16)  # exact
 
 
 def dense(cells: int, experts: int) -> bool:
@@ -380,25 +385,32 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
                       weights: torch.Tensor, limit: float, table: torch.Tensor | None = None,
-                      early: bool = False) -> torch.Tensor:
+                      early: bool = False, run: int = 1) -> torch.Tensor:
     """`fp4_moe` on activations quantised by act_quant, as `reference.fp4_moe_quantized` (q [A, D]
     e4m3, s [A, D/128], A = G or 1 for every slot; with `table`, slots are expert ids looked up in
     the kernels). Three launches for all G: w1 and w3 of every expert in one GEMV, SwiGLU +
     weighting + w2's activation quantisation in one kernel (kernels/swiglu_quant.py), w2 (its
     bf16-rounded outputs stored as fp32). `early`: the kernel launched just before this call does
     not write slots, table or arena, so w1+w3 may read them (and the weights) before it completes;
-    w2 always may (the kernel just before it, swiglu_quant, writes none of them)."""
+    w2 always may (the kernel just before it, swiglu_quant, writes none of them). `run` > 1: runs
+    of `run` consecutive cells share their slot (q [G, D], no table), and each run is one group of
+    `run` rows of the grouped GEMVs: its expert read once."""
     _check(q, fields["w2.weight"].shape[0], fields["w1.weight"].shape[1] * 2, "fp4_moe_quantized")
     g = slots.shape[0]
     if q.dim() != 2 or q.shape[0] not in (1, g) or tuple(s.shape) != (q.shape[0], q.shape[1] // 128):
         raise KernelInputError(f"fp4_moe_quantized takes q [1 or {g}, D] and s [.., D/128], got "
                                f"{tuple(q.shape)} and {tuple(s.shape)}")
+    if run > 1 and (g % run or table is not None or q.shape[0] != g or run > GEMV_MAX_M):
+        raise KernelInputError(f"fp4_moe_quantized: runs of {run} cells need G ({g}) a multiple of the run, a run "
+                               f"of at most {GEMV_MAX_M}, a row of q per cell and slots, not a table")
     slots = slots.to(torch.int32 if table is None else torch.int64)
+    if run > 1:
+        slots = slots.view(-1, run)[:, 0].contiguous()  # a slot per run
     inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
-    gu = grouped_gemv(q.unsqueeze(1), s.unsqueeze(1), arena, (off["w1.weight"], off["w3.weight"]), arena,
-                       (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
-                       early)  # [2, G, 1, inter]
-    q2, s2 = swiglu_quant(gu[0, :, 0], gu[1, :, 0], weights, limit)  # [G, inter]
-    return grouped_gemv(q2.unsqueeze(1), s2.unsqueeze(1), arena, (off["w2.weight"],), arena, (off["w2.scale"],),
-                         dim, inter, slots, torch.float32, table, True)[0, :, 0]
+    gu = grouped_gemv(q.view(-1, run, dim), s.view(-1, run, dim // 128), arena, (off["w1.weight"], off["w3.weight"]),
+                      arena, (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
+                      early)  # [2, G / run, run, inter] (A = 1: [2, G, 1, inter])
+    q2, s2 = swiglu_quant(gu[0].reshape(g, inter), gu[1].reshape(g, inter), weights, limit)  # [G, inter]
+    return grouped_gemv(q2.view(-1, run, inter), s2.view(-1, run, inter // 128), arena, (off["w2.weight"],),
+                        arena, (off["w2.scale"],), dim, inter, slots, torch.float32, table, True)[0].reshape(g, dim)

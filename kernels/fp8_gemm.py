@@ -3,7 +3,8 @@
 y = act_quant(x) · W^T with W [N, K] e4m3 and 128×128 e8m0 block scales, fp32 accumulation,
 bf16 output (spec §B.4).
 
-* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma_one_token.py (same contract).
+* One token on sm_90 with K <= 4096: the tensor-core GEMV of kernels/fp8_mma_one_token.py (same contract);
+  2..16 tokens on sm_90: kernels/fp8_mma_few_tokens.py's (same contract).
 * Decode (M <= GEMV_MAX_M rows): a weight-streaming GEMV. Each warp owns `rows` output rows;
   each lane reads 16 contiguous weight bytes (4 int32 words) per row per step (a warp covers 512
   channels of a row, coalesced), decodes them and the activation codes with integer bit moves
@@ -28,7 +29,7 @@ TileLang is imported lazily (see kernels/toolkit.py).
 
 import torch
 
-from kernels import fp8_mma_one_token, lowbit, pdl
+from kernels import fp8_mma_few_tokens, fp8_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_dequant_bf16, act_quant
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
@@ -153,7 +154,7 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return fp8_gemm_quantized(*act_quant(x2, 128), w, w_scale, w_scale_f32).reshape(*x.shape[:-1], n)
 
 
-def _blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                   w_scale_f32: torch.Tensor | None) -> torch.Tensor:
     """q [M, K] e4m3 with s [M, K/128] times w [N, K] e4m3 with e8m0 w_scale [N/128, K/128] (its
     fp32 values `w_scale_f32` when prepared, else computed here: three launches) -> bf16 [M, N]
@@ -191,15 +192,19 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
             if w_scale_f32 is not None and tuple(w_scale_f32.shape) != tuple(w_scale.shape):
                 raise KernelInputError(f"fp8_gemm: w_scale_f32 {tuple(w_scale_f32.shape)} is not the shape of "
                                        f"w_scale {tuple(w_scale.shape)}")
-            return _blockwise_mm(q, s, w, w_scale, w_scale_f32)
+            return blockwise_mm(q, s, w, w_scale, w_scale_f32)
         return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
-    tile = fp8_mma_one_token.mma_tile(n, k) if m == 1 and arch in fp8_mma_one_token.MMA_ARCHS else None
-    if tile is not None:  # one token: the tensor-core GEMV
-        fp8_mma_one_token.fp8_mma_one_token_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
-                                                     scale_bytes(w_scale), y)
+    one, few = fp8_mma_one_token, fp8_mma_few_tokens
+    if m == 1 and arch in one.MMA_ARCHS and one.mma_tile(n, k) is not None:  # one token: the tensor-core GEMV
+        one.fp8_mma_one_token_kernel(n, k, *one.mma_tile(n, k), arch)(as_words(q), s.float().contiguous(), as_words(w),
+                                                                      scale_bytes(w_scale), y)
         return y
+    if m > 1 and arch in few.MMA_ARCHS and few.mma_tile(n, k) is not None:  # 2..16 rows: the tensor cores too
+        few.fp8_mma_few_tokens_kernel(q.shape[0], n, k, *few.mma_tile(n, k), arch)(
+            as_words(q), s.float().contiguous(), as_words(w), scale_bytes(w_scale), y)
+        return y[:m]
     fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
                                                                   scale_bytes(w_scale), y)
     return y[:m]

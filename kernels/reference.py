@@ -339,15 +339,16 @@ def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype,
 
 
 def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor, weights: torch.Tensor,
-            limit: float, groups: list | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+            limit: float, groups: list | None = None, rows: torch.Tensor | None = None, run: int = 1) -> torch.Tensor:
     """Routed experts read from arena slots, one per row: x [G, D] (bf16), arena uint8
     [slots, record_bytes], `fields` {"w1.weight": f, ...} with byte `.offset` and `.shape`
     (engine.pack.FieldLayout), slots int [G], routing weights [G] -> bf16 [G, D] (w2's bf16
     outputs as they are; `fp4_moe_quantized` stores the same values widened):
     row g = w2(swiglu(w1 x_g, w3 x_g) · weights[g]) of the expert in slot slots[g].
     With `rows` [G] int64, x is the tokens [N, D] and cell g reads row rows[g] of it (each token
-    quantised once). `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py); it changes
-    nothing here."""
+    quantised once). `groups` is a schedule for the CUDA kernels (kernels/fp4_moe.py), and so is
+    `run` (the cells come in runs of `run` consecutive cells that share their slot: G a multiple
+    of it); they change nothing here."""
     if rows is not None:
         x = x.index_select(0, rows)
     return fp4_moe_quantized(*act_quant(x, 128), arena, fields, slots, weights, limit).to(torch.bfloat16)
@@ -355,11 +356,12 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
 
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
                       weights: torch.Tensor, limit: float, table: torch.Tensor | None = None,
-                      early: bool = False) -> torch.Tensor:
+                      early: bool = False, run: int = 1) -> torch.Tensor:
     """`fp4_moe` on activations quantised by act_quant: q [A, D] e4m3, s [A, D/128] fp32, A = G
     (row g for slot g) or 1 (one row for every slot) -> fp32 [G, D]. With `table` [E] (a layer's
     arena slot table), `slots` are expert ids and expert e is read from slot max(table[e], 0).
-    `early` is a scheduling hint for the CUDA kernels (kernels/fp4_moe.py); it changes nothing here."""
+    `early` and `run` are scheduling hints for the CUDA kernels (kernels/fp4_moe.py); they change
+    nothing here."""
     if table is not None:
         slots = table.index_select(0, slots.long()).clamp_min(0)
     xd = act_dequant(q, s, 128)  # [A, D] fp32: the activations' exact FP8 values

@@ -22,52 +22,56 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
     swords = ws.contiguous().view(torch.int32).to(torch.int64)  # [n, k/128]
     qwords = q.contiguous().view(torch.int32)  # [m, k/4]
     blocks = k // 128
+    cols = -(-m // 8)  # columns of 8 tokens, each through its own two MMAs per group
     y = torch.zeros(m, n, dtype=torch.float64)
     for bn in range(-(-n // (16 * tiles))):
-        partial = torch.zeros(ksplit, tiles, 32, 4, dtype=torch.float64)
+        partial = torch.zeros(ksplit, tiles, 32, 4 * cols, dtype=torch.float64)
         for warp in range(ksplit):
             for kr in range(blocks // ksplit):
                 kb = warp * (blocks // ksplit) + kr
                 for qg in range(GROUPS_PER_STEP):
                     group = kb * GROUPS_PER_STEP + qg
-                    ap = []  # each lane's activation pairs (token min(gi, m - 1))
-                    for lane in range(32):
-                        tok = min(lane // 4, m - 1)
-                        aw = qwords[tok, 8 * group + 2 * (lane % 4): 8 * group + 2 * (lane % 4) + 2]
-                        ap.append(word_pairs(decode_e4m3_pairs(aw).double()))
-                    for t in range(tiles):
-                        h = []  # each lane's pairs of rows gi and gi + 8
+                    for u in range(cols):
+                        ap = []  # each lane's activation pairs (token min(8u + gi, m - 1))
                         for lane in range(32):
-                            rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
-                            h.append([word_pairs(decode_e2m1_words(words[r, 4 * group + lane % 4:
-                                                                           4 * group + lane % 4 + 1]).double())
-                                      for r in rows])
-                        d = mma_m16n8k16([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
-                                 [[ap[i][0], ap[i][1]] for i in range(32)])
-                        d += mma_m16n8k16([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
-                                  [[ap[i][2], ap[i][3]] for i in range(32)])
-                        for lane in range(32):
-                            gi, ti = lane // 4, lane % 4
-                            for hh in (0, 1):
-                                row = min(bn * 16 * tiles + 16 * t + 8 * hh + gi, n - 1)
-                                byte = (int(swords[row, kb]) >> (8 * qg)) & 0xFF
-                                scale = 2.0 ** (byte - 127 + lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
-                                for j in (0, 1):
-                                    s = sa[min(2 * ti + j, m - 1), kb].item()
-                                    partial[warp, t, lane, 2 * hh + j] += d[gi + 8 * hh, 2 * ti + j] * scale * s
+                            tok = min(8 * u + lane // 4, m - 1)
+                            aw = qwords[tok, 8 * group + 2 * (lane % 4): 8 * group + 2 * (lane % 4) + 2]
+                            ap.append(word_pairs(decode_e4m3_pairs(aw).double()))
+                        for t in range(tiles):
+                            h = []  # each lane's pairs of rows gi and gi + 8
+                            for lane in range(32):
+                                rows = [min(bn * 16 * tiles + 16 * t + 8 * hh + lane // 4, n - 1) for hh in (0, 1)]
+                                h.append([word_pairs(decode_e2m1_words(words[r, 4 * group + lane % 4:
+                                                                               4 * group + lane % 4 + 1]).double())
+                                          for r in rows])
+                            d = mma_m16n8k16([[h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1]] for i in range(32)],
+                                             [[ap[i][0], ap[i][1]] for i in range(32)])
+                            d += mma_m16n8k16([[h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3]] for i in range(32)],
+                                              [[ap[i][2], ap[i][3]] for i in range(32)])
+                            for lane in range(32):
+                                gi, ti = lane // 4, lane % 4
+                                for hh in (0, 1):
+                                    row = min(bn * 16 * tiles + 16 * t + 8 * hh + gi, n - 1)
+                                    byte = (int(swords[row, kb]) >> (8 * qg)) & 0xFF
+                                    scale = 2.0 ** (byte - 127 + lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
+                                    for j in (0, 1):
+                                        s = sa[min(8 * u + 2 * ti + j, m - 1), kb].item()
+                                        partial[warp, t, lane, 4 * u + 2 * hh + j] += (
+                                            d[gi + 8 * hh, 2 * ti + j] * scale * s)
         acc = partial.sum(0)  # the warps' partial sums, added in warp order
         for t in range(tiles):
             for lane in range(32):
                 gi, ti = lane // 4, lane % 4
                 for hh in (0, 1):
                     row = bn * 16 * tiles + 16 * t + 8 * hh + gi
-                    for j in (0, 1):
-                        if row < n and 2 * ti + j < m:
-                            y[2 * ti + j, row] = acc[t, lane, 2 * hh + j]
+                    for u in range(cols):
+                        for j in (0, 1):
+                            if row < n and 8 * u + 2 * ti + j < m:
+                                y[8 * u + 2 * ti + j, row] = acc[t, lane, 4 * u + 2 * hh + j]
     return y
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 40, 512, 1), (3, 32, 256, 2), (8, 16, 384, 1)])
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 40, 512, 1), (3, 32, 256, 2), (8, 16, 384, 1), (16, 24, 256, 2), (11, 16, 256, 1)])
 def test_mma_layout_computes_the_fp4_gemm(m, n, k, tiles):
     gen = torch.Generator().manual_seed(n + k + m)
     w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)

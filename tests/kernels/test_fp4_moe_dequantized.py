@@ -11,7 +11,7 @@ import torch
 from expert_arena import expert_arena
 
 from kernels import reference as ref
-from engine.moe import Cells
+from engine.moe import Cells, ExpertRuns
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT, expert_groups, expert_spans, fp4_moe_dequantized
 
 
@@ -152,3 +152,33 @@ def test_cells_too_few_per_expert_take_the_grouped_gemv():
     many = Cells(torch.arange(400).reshape(200, 2) % 20, 24)  # 20 cells each: the tensor cores
     assert len(many.groups(many.counts.tolist(), list(range(20)))) == 1
     assert len(many.all_groups(torch.arange(24, dtype=torch.int32))) == 1  # 400 >= 16 x 24 cells
+
+
+def test_expert_runs_lay_each_experts_cells_out_in_one_run():
+    """engine.moe.ExpertRuns: cell (n, j) of expert e lies in e's run of N cells at the number of
+    tokens before n routed to e; each run cell names its token, unused cells token 0 and weight
+    0; the reference's fp4_moe over the runs, combined through `rows`, equals it over the cells."""
+    gen = torch.Generator().manual_seed(9)
+    n, k, experts, inter, dim, limit = 16, 6, 24, 128, 256, 10.0
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n)])  # distinct per token
+    runs = ExpertRuns(idx, experts)
+    assert runs.run == n and runs.rows.shape == (n, k) and runs.tokens.shape == (experts * n,)
+    for t in range(n):
+        for j in range(k):
+            e = int(idx[t, j])
+            assert int(runs.rows[t, j]) == e * n + int((idx[:t] == e).sum())
+            assert int(runs.tokens[runs.rows[t, j]]) == t
+    assert runs.rows.unique().numel() == n * k  # no two cells share a run cell
+    w = torch.rand(n, k, generator=gen)
+    spread = runs.spread(w)
+    assert torch.equal(spread.index_select(0, runs.rows.reshape(-1)), w.reshape(-1))
+    assert spread.sum().item() == pytest.approx(w.sum().item()) and (spread > 0).sum() == n * k
+    data, fields = arena(experts, inter, dim, gen)
+    table = torch.randperm(experts, generator=gen).to(torch.int32)
+    x = torch.randn(n, dim, generator=gen).to(torch.bfloat16)
+    y = ref.fp4_moe(x, data, fields, table.repeat_interleave(n), spread, limit, [], runs.tokens, n)
+    shared = torch.zeros(n, dim)
+    got = ref.moe_combine(y, shared, torch.bfloat16, runs.rows)
+    cells = ref.fp4_moe(x, data, fields, table.index_select(0, idx.reshape(-1)), w.reshape(-1), limit,
+                        rows=torch.arange(n).repeat_interleave(k))
+    assert torch.equal(got, ref.moe_combine(cells.view(n, k, dim), shared, torch.bfloat16))

@@ -150,6 +150,30 @@ def test_fp8_mma_one_token_every_tile_matches_reference(n, k, tiles, ksplit, dep
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s)) < 4e-3
 
 
+@pytest.mark.parametrize("m,n,k,tiles,ksplit,depth", [(2, 200, 384, 1, 1, 1), (16, 200, 384, 2, 3, 2),
+                                                      (11, 130, 1024, 2, 2, 1), (16, 1536, 4096, 1, 8, 2),
+                                                      (8, 32768, 1024, 2, 2, 2), (16, 4096, 8192, 2, 16, 2),
+                                                      (4, 4096, 2048, 2, 4, 4)])
+def test_fp8_mma_few_tokens_every_tile_matches_reference(m, n, k, tiles, ksplit, depth, gen):
+    """The 2..16-token tensor-core GEMV at odd row and token counts (partial tiles, one or two
+    columns of 8 tokens), K splits and depths, against the reference and the CUDA-core GEMV."""
+    from kernels.act_quant import act_quant
+    from kernels.fp8_gemm import fp8_gemv_kernel, gemv_tile
+    from kernels.gemv import as_words, scale_bytes
+    from kernels.fp8_mma_few_tokens import fp8_mma_few_tokens_kernel
+    arch = torch.cuda.get_device_capability()
+    x = activations(m, k, gen)
+    w, s = fp8_weight(n, k, gen)
+    q, sa = act_quant(x, 128)
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    fp8_mma_few_tokens_kernel(m, n, k, tiles, ksplit, depth, arch)(as_words(q), sa, as_words(w), scale_bytes(s), y)
+    core = torch.empty_like(y)
+    fp8_gemv_kernel(m, n, k, *gemv_tile(n, k, arch), arch)(as_words(q), sa, as_words(w), scale_bytes(s), core)
+    err = rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s))
+    print(f"fp8_mma_few_tokens m={m} n={n} k={k}: rel err {err:.2e}")
+    assert err < 4e-3 and rel_err(y, core) < 4e-3
+
+
 def test_fp8_mma_one_token_extreme_codes_and_scales(gen):
     """Every e4m3 magnitude (subnormals, 448) against every activation code, with the smallest and
     largest block scales the shapes see: the products and scalings stay exact (fp32 sums only)."""
@@ -415,11 +439,14 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
                 assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
 
 
-@pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
-                                                (8, 200, 1024, True), (2, 48, 256, False)])
-def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
+@pytest.mark.parametrize("m,inter,dim,lookup,depth", [
+    (1, 2048, 4096, True, 0), (1, 4096, 2048, False, 0), (3, 256, 384, False, 0), (8, 200, 1024, True, 0),
+    (2, 48, 256, False, 0), (16, 2048, 4096, True, 0), (11, 200, 1024, False, 0), (9, 4096, 2048, True, 0),
+    (16, 2048, 4096, True, 2), (16, 4096, 2048, False, 4), (5, 200, 1024, False, 1), (13, 72, 384, True, 3)])
+def test_fp4_mma_matches_reference(m, inter, dim, lookup, depth, gen):
     """The tensor-core GEMV (kernels/fp4_mma_few_tokens.py) on its own (`_two_part_gemv`): rows that are not a
-    whole 16-row tile, 1 to 8 tokens, 1 or 2 tiles, K split over 1 to 8 warps."""
+    whole 16-row tile, 1 to 16 tokens (one or two columns of 8), 1 or 2 tiles, K split over 1 to 8 warps,
+    each block loaded then summed (depth 0) or loads kept `depth` blocks ahead."""
     from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel, mma_tile
     from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
@@ -427,7 +454,7 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
         tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
         fp4_mma_few_tokens_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
-                                  tl_dtype, arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
+                                  tl_dtype, arch, lookup, depth)(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(m, inter, dim, lookup, gen, launch)
 
 
@@ -466,6 +493,27 @@ def test_fp4_moe_matches_per_expert_reference(broadcast, gen):
         err = rel_err(out[g:g + 1], want[g:g + 1])
         print(f"fp4_moe expert slot {slot}: rel err {err:.2e}")
         assert err < 2e-2  # h may round differently in bf16 where g, u differ by an ulp
+
+
+def test_fp4_moe_runs_read_each_expert_once_and_match_the_reference(gen):
+    """A chunk step's cells in runs of 16 per expert (engine.moe.ExpertRuns: 6 experts, tokens
+    gathered by `rows`, unused cells weighted 0) through the 16-token tensor-core GEMV: each
+    cell equals the reference, and equals the same cell run on its own (one row a group)."""
+    from kernels.fp4_moe import fp4_moe
+    inter, dim, limit, run = 2048, 4096, 10.0, 16
+    data, fields, _ = _arena(8, inter, dim, gen)
+    slots = torch.tensor([5, 1, 7, 0, 2, 6], dtype=torch.int32, device=DEV).repeat_interleave(run)
+    tokens = activations(run, dim, gen)
+    rows = torch.randint(0, run, (6 * run,), generator=gen, device=DEV)
+    wts = torch.rand(6 * run, generator=gen, device=DEV) * (torch.rand(6 * run, generator=gen, device=DEV) < 0.7)
+    out = fp4_moe(tokens, data, fields, slots, wts, limit, [], rows, run)
+    want = ref.fp4_moe(tokens, data, fields, slots, wts, limit, [], rows, run)
+    one = fp4_moe(tokens, data, fields, slots, wts, limit, [], rows)  # each cell its own group
+    assert out.dtype == torch.bfloat16 and out.shape == (6 * run, dim)
+    assert not out[wts == 0].any()  # unused cells: zero outputs
+    worst = max(rel_err(out[g:g + 1], want[g:g + 1]) for g in range(6 * run) if wts[g] > 0)
+    print(f"fp4_moe runs of {run}: worst rel err {worst:.2e}")
+    assert worst < 2e-2 and rel_err(out, one) < 2e-2
 
 
 @pytest.mark.parametrize("parts", [("w1", "w3"), ("w2",)])
