@@ -315,14 +315,12 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), ar, s, y))
             rows.append((f"fp4 {name} {g}x{m} rows {nn}x{kk} tile {tile[0]}x{tile[1]}", nbytes, t, graphed))
-        for tiles, ksplit, *depth in mma_tiles:  # the tensor-core kernel (loads `depth` blocks ahead)
-            depth = depth[0] if depth else 0
+        for tiles, ksplit in mma_tiles:  # the tensor-core kernel
             kernel = fp4_mma_few_tokens_kernel(m, nn, kk, ar.shape[1], w_off, ar.shape[1], s_off, tiles, ksplit, out,
-                                               arch, False, depth)
+                                               arch)
             t, graphed = time_rotating(tables, lambda s: kernel(
                 as_words(qa), sa, as_words(ar), as_words(ar), s, y))
-            label = f" depth {depth}" if depth else ""
-            rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w{label}", nbytes, t, graphed))
+            rows.append((f"fp4 MMA {name} {g}x{m} rows {nn}x{kk} {tiles}t x{ksplit}w", nbytes, t, graphed))
         for tiles, ksplit, *opts in mma1_tiles if m == 1 else ():  # the one-token tensor-core kernel
             early, depth = (*opts, False, 0)[:2]
             if not (mma1_supports(kk, s_off, ar.shape[1]) and mma1_splits(kk, ksplit)):
@@ -392,7 +390,7 @@ def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
     rows.append((f"fp4_moe {m * k_routed} cells, one a group", nbytes, t, graphed))
     n, k = inter, dim  # the runs' two launches alone, per tile and depth
     rows.extend(fp4_tile_rows(dev, fp4_arena(4 * experts, 2 * n, k, dev), n, k, experts, m, [],
-                              [(2, 4, 0), (2, 4, 2), (2, 4, 4), (2, 2, 2), (2, 8, 2), (1, 4, 2)], []))
+                              [(2, 4), (2, 2), (2, 8), (1, 4)], []))
     return rows
 
 

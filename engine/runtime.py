@@ -40,9 +40,9 @@ from engine.stats import StepTiming
 # (~300 ms of launches).
 SHORT_PREFILL = 16
 # Prompts of at most this many tokens prefill in graphed chunk steps (`DecodeRunner.chunk`, every
-# expert resident) instead of eager chunks: a follow-up of 32 new tokens at 43 layers waited 94 ms
-# for its first token in two chunk steps, 141 ms in one eager chunk (H200).
-GRAPHED_PREFILL = 32
+# expert resident) instead of eager chunks: at 43 layers (H200) a chunk step of 16 tokens takes
+# ~29 ms, an eager chunk of any length at least ~125 ms of launches, so four steps still win.
+GRAPHED_PREFILL = 64
 
 
 class StepTimer:

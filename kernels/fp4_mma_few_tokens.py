@@ -124,13 +124,11 @@ def warp_sums_macro(T, tiles: int, ksplit: int, width: int = 4):
 @kernel_factory
 def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                               s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                              lookup: bool = False, depth: int = 0):
+                              lookup: bool = False):
     """Grouped FP4 GEMV on the tensor cores: the arguments and tensors of kernels/fp4_moe.py's
     `fp4_gemv_kernel`, except that SWA is the scale arena as int32 words [Ss, s_stride/4] and
     that a CTA owns `tiles` tiles of 16 rows, its `ksplit` warps each summing one contiguous K
-    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order).
-    `depth` 0: each block's words are loaded, then summed (a loop); else the loop is unrolled and
-    a warp keeps its loads `depth` blocks ahead of its sums."""
+    range (whole 128-channel blocks; their partial sums meet in shared memory in warp order)."""
     import tilelang.language as T
 
     blocks = k // 128
@@ -148,25 +146,6 @@ def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tupl
 
     warp_sums = warp_sums_macro(T, tiles, ksplit, 4 * cols)
     per = blocks // ksplit  # blocks per warp
-    lead = min(depth, per)  # blocks whose loads are issued before the first sum (depth > 0)
-    pipelined = depth > 0
-    held, stride = (per, 1) if pipelined else (1, 0)  # blocks whose words are held at once
-    loop = T.unroll if pipelined else T.serial
-
-    @T.macro
-    def load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i):
-        """Issue the loads of the warp's block i: weight words into ww[i], scale words into sw[i]
-        (at depth 0, into ww[0] and sw[0])."""
-        gi, ti = lane // 4, lane % 4
-        kb = warp * per + i
-        w_off_w = part_offset(part, [o // 4 for o in w_off])
-        s_off_w = part_offset(part, [o // 4 for o in s_off])
-        for t in T.unroll(tiles):
-            for h in T.unroll(2):
-                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                for q in T.unroll(GROUPS_PER_STEP):
-                    ww[i * stride, t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
-                sw[i * stride, t, h] = SWA[slot, s_off_w + row * kgw + kb]
 
     @T.macro
     def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
@@ -176,26 +155,25 @@ def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tupl
         gi, ti = lane // 4, lane % 4
         aw = T.alloc_local((2,), "int32")
         ap = T.alloc_local((4 * cols,), "uint32")  # column u's pairs: ap[4u .. 4u + 3]
-        ww = T.alloc_local((held, tiles, 2, GROUPS_PER_STEP), "int32")
-        sw = T.alloc_local((held, tiles, 2), "int32")
+        ww = T.alloc_local((tiles, 2, GROUPS_PER_STEP), "int32")
+        sw = T.alloc_local((tiles, 2), "int32")
         sa = T.alloc_local((cols, 2), "float32")
         d = T.alloc_local((4 * cols,), "float32")
         acc = T.alloc_local((tiles, 4 * cols), "float32")  # [t, 4u + 2h + j]: row gi + 8h, token 8u + 2ti + j
         red = T.alloc_shared((ksplit, tiles * 4 * cols, 32), "float32")
         ga = T.min(g, agroups - 1)
+        w_off_w = part_offset(part, [o // 4 for o in w_off])
+        s_off_w = part_offset(part, [o // 4 for o in s_off])
         row0 = bn * cta_rows
         T.clear(acc)
-        if pipelined:
-            for i in T.unroll(lead):  # the warp's first `lead` blocks
-                load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i)
-        for i in loop(per):
-            kb = warp * per + i  # this warp's K range: contiguous 128-channel blocks
-            if pipelined:
-                if i + lead < per:  # the block `lead` ahead (after unrolling, a constant test)
-                    load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i + lead)
-            else:  # the step's weight and scale words, loaded first
-                load(WA, SWA, ww, sw, slot, warp, lane, row0, part, i)
-            b = i * stride  # where block i's words are held
+        for kr in T.serial(per):
+            kb = warp * per + kr  # this warp's K range: contiguous 128-channel blocks
+            for t in T.unroll(tiles):  # the step's weight and scale words, loaded first
+                for h in T.unroll(2):
+                    row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                    for q in T.unroll(GROUPS_PER_STEP):
+                        ww[t, h, q] = WA[slot, w_off_w + row * kw + 4 * (kb * GROUPS_PER_STEP + q) + ti]
+                    sw[t, h] = SWA[slot, s_off_w + row * kgw + kb]
             for u in T.unroll(cols):
                 for j in T.unroll(2):
                     sa[u, j] = SA[ga, T.min(8 * u + 2 * ti + j, m - 1), kb]
@@ -206,11 +184,11 @@ def fp4_mma_few_tokens_kernel(m: int, n: int, k: int, w_stride: int, w_off: tupl
                     T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[0]),
                                              T.address_of(ap[4 * u])))
                 for t in T.unroll(tiles):
-                    T.evaluate(T.call_extern("handle", mma_group, ww[b, t, 0, q], ww[b, t, 1, q], T.address_of(ap[0]),
+                    T.evaluate(T.call_extern("handle", mma_group, ww[t, 0, q], ww[t, 1, q], T.address_of(ap[0]),
                                              T.address_of(d[0])))
                     for h in T.unroll(2):
                         # codes carry 2^-14, activations 2^-8: the group scale takes back 2^22
-                        ws = lowbit.e8m0_bits_to_float(T, (sw[b, t, h] >> (8 * q)) & 0xFF,
+                        ws = lowbit.e8m0_bits_to_float(T, (sw[t, h] >> (8 * q)) & 0xFF,
                                                 lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
                         for u in T.unroll(cols):
                             acc[t, 4 * u + 2 * h] += d[4 * u + 2 * h] * (ws * sa[u, 0])

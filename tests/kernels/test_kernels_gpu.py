@@ -439,14 +439,12 @@ def _two_part_gemv(m: int, inter: int, dim: int, lookup: bool, gen, launch) -> N
                 assert torch.equal(y[p, g].to(torch.bfloat16).float(), y[p, g].float())  # bf16-rounded
 
 
-@pytest.mark.parametrize("m,inter,dim,lookup,depth", [
-    (1, 2048, 4096, True, 0), (1, 4096, 2048, False, 0), (3, 256, 384, False, 0), (8, 200, 1024, True, 0),
-    (2, 48, 256, False, 0), (16, 2048, 4096, True, 0), (11, 200, 1024, False, 0), (9, 4096, 2048, True, 0),
-    (16, 2048, 4096, True, 2), (16, 4096, 2048, False, 4), (5, 200, 1024, False, 1), (13, 72, 384, True, 3)])
-def test_fp4_mma_matches_reference(m, inter, dim, lookup, depth, gen):
+@pytest.mark.parametrize("m,inter,dim,lookup", [(1, 2048, 4096, True), (1, 4096, 2048, False), (3, 256, 384, False),
+                                                (8, 200, 1024, True), (2, 48, 256, False), (16, 2048, 4096, True),
+                                                (11, 200, 1024, False), (9, 4096, 2048, True), (13, 72, 384, True)])
+def test_fp4_mma_matches_reference(m, inter, dim, lookup, gen):
     """The tensor-core GEMV (kernels/fp4_mma_few_tokens.py) on its own (`_two_part_gemv`): rows that are not a
-    whole 16-row tile, 1 to 16 tokens (one or two columns of 8), 1 or 2 tiles, K split over 1 to 8 warps,
-    each block loaded then summed (depth 0) or loads kept `depth` blocks ahead."""
+    whole 16-row tile, 1 to 16 tokens (one or two columns of 8), 1 or 2 tiles, K split over 1 to 8 warps."""
     from kernels.fp4_mma_few_tokens import fp4_mma_few_tokens_kernel, mma_tile
     from kernels.gemv import as_words
     arch = torch.cuda.get_device_capability()
@@ -454,7 +452,7 @@ def test_fp4_mma_matches_reference(m, inter, dim, lookup, depth, gen):
     def launch(q, sa, data, offs, where, y, tl_dtype, shared):
         tiles, ksplit = mma_tile(dim) if shared else (1, 2 * mma_tile(dim)[1] if dim >= 2048 else 1)
         fp4_mma_few_tokens_kernel(m, inter, dim, data.shape[1], offs[0], data.shape[1], offs[1], tiles, ksplit,
-                                  tl_dtype, arch, lookup, depth)(q, sa, as_words(data), as_words(data), *where, y)
+                                  tl_dtype, arch, lookup)(q, sa, as_words(data), as_words(data), *where, y)
     _two_part_gemv(m, inter, dim, lookup, gen, launch)
 
 
