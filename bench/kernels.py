@@ -388,7 +388,7 @@ def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
     t, graphed = time_rotating(tables, lambda tb: fp4_moe(x, arena, fields, tb.index_select(0, idx.reshape(-1)),
                                                           w.reshape(-1), 10.0, [], cells))
     rows.append((f"fp4_moe {m * k_routed} cells, one a group", nbytes, t, graphed))
-    n, k = inter, dim  # the runs' two launches alone, per tile and depth
+    n, k = inter, dim  # the runs' two launches alone, per tile
     rows.extend(fp4_tile_rows(dev, fp4_arena(4 * experts, 2 * n, k, dev), n, k, experts, m, [],
                               [(2, 4), (2, 2), (2, 8), (1, 4)], []))
     return rows

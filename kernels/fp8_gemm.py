@@ -155,7 +155,7 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 
 def blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                  w_scale_f32: torch.Tensor | None) -> torch.Tensor:
+                 w_scale_f32: torch.Tensor | None) -> torch.Tensor:
     """q [M, K] e4m3 with s [M, K/128] times w [N, K] e4m3 with e8m0 w_scale [N/128, K/128] (its
     fp32 values `w_scale_f32` when prepared, else computed here: three launches) -> bf16 [M, N]
     by cuBLASLt's block-scaled FP8 GEMM. Its layout rules: M a multiple of 4 (zero rows appended,

@@ -71,7 +71,8 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
     return y
 
 
-@pytest.mark.parametrize("m,n,k,tiles", [(1, 40, 512, 1), (3, 32, 256, 2), (8, 16, 384, 1), (16, 24, 256, 2), (11, 16, 256, 1)])
+@pytest.mark.parametrize("m,n,k,tiles", [(1, 40, 512, 1), (3, 32, 256, 2), (8, 16, 384, 1), (16, 24, 256, 2),
+                                         (11, 16, 256, 1)])
 def test_mma_layout_computes_the_fp4_gemm(m, n, k, tiles):
     gen = torch.Generator().manual_seed(n + k + m)
     w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
