@@ -28,6 +28,13 @@ def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return (((v >> (8 * lo)) & 0xFF) << 8) | (((v >> (8 * hi)) & 0xFF) << 24)
 
 
+def e4m3_word_pairs(word: torch.Tensor) -> list:
+    """One e4m3 word -> its two fp16x2 pairs as the FP8 MMA kernels form them
+    (`dsv4_e4m3x4_to_f16x2`): [(channel 0, channel 2), (channel 1, channel 3)], values times 2^-8."""
+    c = decode_e4m3_words(word.view(1)).double()  # [4] in channel order
+    return [(c[0], c[2]), (c[1], c[3])]
+
+
 def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
     """int32 words [..., W] of e2m1 codes (record order) -> fp32 [..., 8W] (values times 2^-14):
     kernels/lowbit.py SOURCE's moves in torch."""

@@ -11,14 +11,7 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile
 
-from kernel_sim import decode_e4m3_words, mma_m16n8k16
-
-
-def _word_pairs(word: torch.Tensor) -> list:
-    """One e4m3 word -> its two fp16x2 pairs as the kernel forms them (`dsv4_e4m3x4_to_f16x2`):
-    [(channel 0, channel 2), (channel 1, channel 3)], values times 2^-8."""
-    c = decode_e4m3_words(word.view(1)).double()  # [4] in channel order
-    return [(c[0], c[2]), (c[1], c[3])]
+from kernel_sim import e4m3_word_pairs, mma_m16n8k16
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -46,9 +39,9 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                                 gi, ti = lane // 4, lane % 4
                                 col = 32 * kb + 16 * s + 4 * ti + v
                                 rows = [min(row0 + 16 * t + 8 * h + gi, n - 1) for h in (0, 1)]
-                                h0, h1 = (_word_pairs(words[r, col]) for r in rows)
+                                h0, h1 = (e4m3_word_pairs(words[r, col]) for r in rows)
                                 a_regs.append([h0[0], h1[0], h0[1], h1[1]])
-                                b_regs.append(_word_pairs(qwords[col]))  # every lane: its own activations
+                                b_regs.append(e4m3_word_pairs(qwords[col]))  # every lane: its own activations
                             d += mma_m16n8k16(a_regs, b_regs)
                     assert torch.equal(d, d[:, :1].expand(16, 8))  # every column holds the row sums
                     byte = int(ws[min(row0 + 16 * t, n - 1) // 128, kb])
