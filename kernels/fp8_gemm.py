@@ -197,13 +197,15 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
     one, few = fp8_mma_one_token, fp8_mma_few_tokens
-    if m == 1 and arch in one.MMA_ARCHS and one.mma_tile(n, k) is not None:  # one token: the tensor-core GEMV
-        one.fp8_mma_one_token_kernel(n, k, *one.mma_tile(n, k), arch)(as_words(q), s.float().contiguous(), as_words(w),
-                                                                      scale_bytes(w_scale), y)
+    tile = one.mma_tile(n, k) if m == 1 and arch in one.MMA_ARCHS else None
+    if tile is not None:  # one token: the tensor-core GEMV
+        one.fp8_mma_one_token_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
+                                                        scale_bytes(w_scale), y)
         return y
-    if m > 1 and arch in few.MMA_ARCHS and few.mma_tile(n, k) is not None:  # 2..16 rows: the tensor cores too
-        few.fp8_mma_few_tokens_kernel(q.shape[0], n, k, *few.mma_tile(n, k), arch)(
-            as_words(q), s.float().contiguous(), as_words(w), scale_bytes(w_scale), y)
+    tile = few.mma_tile(n, k) if m > 1 and arch in few.MMA_ARCHS else None
+    if tile is not None:  # 2..16 rows: the tensor cores too
+        few.fp8_mma_few_tokens_kernel(q.shape[0], n, k, *tile, arch)(as_words(q), s.float().contiguous(),
+                                                                     as_words(w), scale_bytes(w_scale), y)
         return y[:m]
     fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
                                                                   scale_bytes(w_scale), y)
