@@ -9,8 +9,11 @@ step can be captured once and replayed. Two modes:
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; the routes of
   all layers are copied to the host once (asynchronously, into pinned memory) and counted by the
   provider (statistics) and `on_routes` only after the *next* step has been launched, so that
-  this host work overlaps that step on the GPU instead of idling it. `settle()` counts the last
-  step's routes: call it before anything evicts experts, and when a turn ends.
+  this host work overlaps that step on the GPU instead of idling it. A chunk step's routes
+  (every layer's distinct experts) wait one step more: the decode step launched right after a
+  prefill is the one whose token the host reads first, and counting them then delayed the first
+  token by milliseconds. `settle()` counts every step's routes not counted yet: call it before
+  anything evicts experts, and when a turn ends.
   Checked every step: after a flush the runner goes layered until the pool is resident again.
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
@@ -46,6 +49,7 @@ head) is captured once per home and replays at any position and length.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -109,10 +113,13 @@ class DecodeRunner:
         self._pool = None  # the graph memory pool every set shares (module docstring)
         self.captures = 0  # graph sets captured so far
         self.capture_error: str | None = None  # why graphs were given up, if they were
-        # a whole-mode step's routes until settle(): (positions, host [n_layers, k] or a chunk
-        # step's [n_layers, CHUNK_SLOTS, k], CUDA event or None)
-        self._pending: tuple[list[int], torch.Tensor, object] | None = None
-        self._routes_host: torch.Tensor | None = None  # the pinned buffer they are copied into
+        # whole-mode steps' routes not counted yet, oldest first (at most a chunk step's and the
+        # decode step's after it): (positions, host [n_layers, k] or a chunk step's
+        # [n_layers, CHUNK_SLOTS, k], CUDA event or None)
+        self._pending: deque[tuple[list[int], torch.Tensor, object]] = deque()
+        # the pinned buffers they are copied into, one per shape: a chunk step's routes and the
+        # next decode step's are pending together, never two of one shape
+        self._routes_host: dict[tuple[int, ...], torch.Tensor] = {}
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
@@ -218,20 +225,30 @@ class DecodeRunner:
         """Start copying a step's routes [n_layers, k] to the host -> (host tensor, event or None)."""
         if routes.device.type != "cuda":
             return routes, None
-        if self._routes_host is None or self._routes_host.shape != routes.shape:
-            self._routes_host = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=True)
-        self._routes_host.copy_(routes, non_blocking=True)
+        host = self._routes_host.get(tuple(routes.shape))
+        if host is None:
+            host = self._routes_host[tuple(routes.shape)] = torch.empty(routes.shape, dtype=routes.dtype,
+                                                                        pin_memory=True)
+        host.copy_(routes, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        return self._routes_host, event
+        return host, event
 
     def settle(self) -> None:
-        """Count the last whole-mode step's routes (provider.record, on_routes), waiting for that
-        step if it still runs; nothing when none is pending."""
-        if self._pending is None:
-            return
-        positions, host, event = self._pending
-        self._pending = None
+        """Count the routes of every whole-mode step not counted yet (provider.record, on_routes),
+        oldest first, waiting for those steps if they still run; nothing when none is pending."""
+        while self._pending:
+            self._count(*self._pending.popleft())
+
+    def _settle_before_token(self) -> None:
+        """`settle`, except that a chunk step's routes, pending last, stay pending: called by the
+        decode step launched after that chunk, the one whose token the host reads first (the
+        next step counts them, while this one runs)."""
+        while self._pending and not (len(self._pending) == 1 and self._pending[0][1].dim() == 3):
+            self._count(*self._pending.popleft())
+
+    def _count(self, positions: list[int], host: torch.Tensor, event) -> None:
+        """Count one step's routes `host`, once its copy (`event`) is done."""
         if event is not None:
             event.synchronize()
         layers = [rows[:len(positions)]  # a chunk step's real tokens only
@@ -245,11 +262,11 @@ class DecodeRunner:
 
     def close(self) -> None:
         """Drop every home and captured graph set (their memory pool goes with them) and the
-        pinned route buffer; the runner captures anew if it steps again."""
+        pinned route buffers; the runner captures anew if it steps again."""
         self.settle()
         self.homes.clear()
         self._pool = None
-        self._routes_host = None
+        self._routes_host = {}
 
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
@@ -293,9 +310,9 @@ class DecodeRunner:
                 home.sets[self.whole, emitting] = self._capture(state, emitting)
             except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
-        self.settle()  # the previous step's routes, while this one runs (it was queued after it)
+        self._settle_before_token()  # the previous step's routes, while this one runs (queued after it)
         if routes is not None:
-            self._pending = ([state.pos], *self._to_host(routes))
+            self._pending.append(([state.pos], *self._to_host(routes)))
         state.pos += 1
         return result
 
@@ -362,8 +379,8 @@ class DecodeRunner:
                                                              lambda: self._chunk_head(cap)]), cap)
             except RuntimeError as err:
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
-        self.settle()  # the previous step's routes, while this one runs
-        self._pending = (list(range(p0, p0 + n)), *self._to_host(routes))
+        self.settle()  # the previous steps' routes, while this one runs
+        self._pending.append((list(range(p0, p0 + n)), *self._to_host(routes)))
         state.pos = p0 + n
         return result
 

@@ -102,6 +102,8 @@ class Session:
         self.messages: list[Message] = list(history)
         self.live = self._empty()
         self.snapshots: list[Snapshot] = []
+        # (the live snapshot, its copy made between turns by `spare_live`), for `live_copy`
+        self._spare: tuple[Snapshot, Snapshot] | None = None
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -119,8 +121,26 @@ class Session:
         return self.live.state
 
     def nbytes(self) -> int:
-        """Bytes of the live state and every snapshot (for the memory budget)."""
-        return self.live.nbytes() + sum(s.nbytes() for s in self.snapshots)
+        """Bytes of the live state, its spare copy and every snapshot (for the memory budget)."""
+        spare = self._spare[1].nbytes() if self._spare is not None else 0
+        return self.live.nbytes() + spare + sum(s.nbytes() for s in self.snapshots)
+
+    # ------------------------------------------------------------------------ the live state's copy
+    def spare_live(self) -> None:
+        """Copy the live snapshot now, between turns (a turn has just ended): the next turn that
+        continues it takes the copy as its undo point (`live_copy`), so that the copy's host work
+        (a state's ~270 buffers at 43 layers) is not on the path of that turn's first token. The
+        copy is as large as the live state; it is counted by `nbytes`."""
+        self._spare = (self.live, self.live.copy()) if self.live.length else None
+
+    def live_copy(self) -> Snapshot:
+        """An independent copy of the live snapshot: the one `spare_live` made, if the live
+        snapshot has not changed since (it is handed out once), else a new one."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] is self.live and (spare[1].length, spare[1].state.pos) == (
+                self.live.length, self.live.state.pos):
+            return spare[1]
+        return self.live.copy()
 
     # ------------------------------------------------------------------------ conversation
     def conversation(self, messages: Sequence[Message] | None = None) -> list[Message]:
@@ -145,13 +165,14 @@ class Session:
         self.messages = []
         self.live = self._empty()
         self.snapshots = []
+        self._spare = None
 
     def release(self) -> None:
         """Give back the device memory of the live state and every snapshot (the engine that
         owns the session is closing); the messages and token ids stay readable, the session cannot run
         again."""
         live = self.live
-        self.snapshots = []
+        self.snapshots, self._spare = [], None
         self.live = Snapshot(live.text, live.ids, SequenceState(layers=[]), live.pending)
         self._new_state = _closed_engine
 
@@ -182,6 +203,7 @@ class Session:
     def start(self, plan: Plan) -> Snapshot:
         """The working snapshot for a turn following `plan` (a copy unless it is the live one)."""
         if plan.from_live:
+            self._spare = None  # the turn changes the live state: a copy made before is stale
             return self.live
         if not plan.base.ids and not plan.base.pending:
             return plan.base  # a fresh state made by `plan`
@@ -196,6 +218,7 @@ class Session:
         """Make `live` the session's state and `messages` its conversation; prune snapshots."""
         self.live = live
         self.messages = messages
+        self._spare = None
         self.snapshots = [s for s in self.snapshots if live.text.startswith(s.text) and s is not live]
         self._trim()
 
@@ -210,9 +233,9 @@ class Session:
                     best = snap
         self.messages = messages
         if best is None:
-            self.live = self._empty()
+            self.live, self._spare = self._empty(), None
         elif best is not self.live:
-            self.live = best.copy()
+            self.live, self._spare = best.copy(), None
         self.snapshots = [s for s in self.snapshots if target.startswith(s.text)]
 
     def _trim(self) -> None:

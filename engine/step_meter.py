@@ -67,6 +67,12 @@ class StepMeter:
         """One decode step took `seconds` (token to token), for the windowed tok/s."""
         self._step_s.append(seconds)
 
+    def refresh(self) -> None:
+        """Measure the memory budget now, for the step updates of the next MEMORY_REFRESH_S: called
+        while the device runs a prompt's last chunk, so that its update, on the path of the
+        turn's first token, does not measure."""
+        self._memory = (time.perf_counter(), self._measure_memory())
+
     def step(self, res: StepResult, position: int, ttft: float | None) -> StepStats:
         """The update after step `res`, the state now at `position`."""
         self._last = (res.tokens, position, res.timing, ttft)

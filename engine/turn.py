@@ -73,7 +73,7 @@ class Turns:
             yield EngineFailure(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
                                 f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len")
             return
-        turn_start = session.live.copy() if plan.from_live and session.live.length else None
+        turn_start = session.live_copy() if plan.from_live and session.live.length else None
         work = session.start(plan)
         max_new = min(params.max_tokens, limit - plan.prompt_tokens)
         # the caches grow for the whole turn now: no step of it, prefill included, changes the
@@ -103,6 +103,7 @@ class Turns:
             work.text = prompt_text + completion_text
             session.commit(work, base + [user, Message("assistant", content, reasoning)])
             committed = True
+            session.spare_live()  # the next turn's undo point, copied now rather than before its first token
             yield TurnFinished(self._turn_stats(plan, completion, prefill_s, step_ms, ttft, finish), reasoning, content)
         except Exception as exc:  # the model failed: the session is left as it was (finally)
             if not committed:
@@ -120,8 +121,9 @@ class Turns:
         a copy of the state after the suffix or None if none ran).
 
         The copy is queued once the suffix's last chunk is, while the device runs it
-        (`Runtime.prefill`'s `on_queued`): its host time (the state's ~270 buffers at 43 layers,
-        engine/state.py `copies`) no longer follows the prompt's steps before the first token. In thinking mode
+        (`Runtime.prefill`'s `on_queued`), and the memory budget is measured then: their host time
+        (the state's ~270 buffers at 43 layers, engine/state.py `copies`; every session's state)
+        no longer follows the prompt's steps before the first token. In thinking mode
         the final `<think>` runs as its own step after a snapshot, so that the next turn (which
         drops this turn's reasoning) can resume right before it."""
         suffix, think = plan.suffix, self.tokenizer.think_start_id
@@ -131,8 +133,11 @@ class Turns:
         seconds, logits, copy = 0.0, plan.base.logits, None
         for i, part in enumerate(parts):
             done, copies = 0, []
-            for res in self.runtime.prefill(work.state, part, self.config.prefill_chunk, cancel,
-                                            on_queued=lambda: copies.append(work.state.clone())):
+
+            def queued() -> None:  # the last chunk is queued: host work while the device runs it
+                copies.append(work.state.clone())
+                self._meter.refresh()
+            for res in self.runtime.prefill(work.state, part, self.config.prefill_chunk, cancel, on_queued=queued):
                 work.ids += part[done:done + res.tokens]
                 done += res.tokens
                 seconds += res.seconds

@@ -91,6 +91,26 @@ def test_chunk_step_routes_are_counted_as_an_eager_chunks(files):
     assert counted == [len({e for p in range(5) for e in seen[layer, p]}) for layer in range(args.n_layers)]
 
 
+def test_a_chunk_steps_routes_wait_for_the_second_decode_step(files):
+    """The decode step launched after a chunk step (the one whose token the host reads first)
+    leaves the chunk's routes pending; the next decode step counts them and the first step's,
+    in order; a chunk step after a chunk counts the earlier one at once."""
+    args = files.args
+    model = Transformer(files.get, args, Numerics.named("native"))
+    seen = []
+    runner = DecodeRunner(model, files.experts, whole=True, on_routes=lambda layer, p, ids: seen.append(p))
+    state = model.new_state()
+    runner.chunk(state, _tokens(5, args.vocab_size))
+    runner.chunk(state, _tokens(3, args.vocab_size, seed=1))
+    assert sorted(set(seen)) == list(range(5))  # the first chunk: counted when the second launched
+    runner.step(state, 7)
+    assert sorted(set(seen)) == list(range(5))  # the second chunk's still pending
+    runner.step(state, 8)
+    assert sorted(set(seen)) == list(range(9))  # ... counted now, with the first decode step's
+    runner.settle()
+    assert sorted(set(seen)) == list(range(10)) and len(seen) == 10 * args.n_layers
+
+
 def test_chunk_position_indexes_the_ring_the_new_keys_and_the_windows():
     at = ChunkPosition(window=8, ratios=(0, 4, 128), size=4, device="cpu")
     at.set(10, [7, 8, 9])  # positions 10, 11, 12 and one padded slot

@@ -134,6 +134,28 @@ def test_undo_rewinds_to_the_previous_turn(engine):
         engine.undo(sess)
 
 
+def test_a_turn_copies_the_live_state_for_the_next_turns_undo_point(engine):
+    """A finished turn leaves a copy of the live state (counted by nbytes); the next turn keeps
+    that copy as its undo point instead of copying on its first token's path; a copy of a live
+    state that changed since is not handed out."""
+    sess = engine.new_session()
+    turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    spare_of, spare = sess._spare
+    assert spare_of is sess.live and spare.state is not sess.live.state and spare.ids == sess.live.ids
+    assert sess.nbytes() == sess.live.nbytes() + spare.nbytes() + sum(x.nbytes() for x in sess.snapshots)
+    assert all(torch.equal(a, b) for x, y in zip(spare.state.layers, sess.live.state.layers)
+               for a, b in zip(x.tensors(), y.tensors()))
+    turn(engine.generate(sess, USER_TEXTS[1], GREEDY))
+    assert any(x is spare for x in sess.snapshots)  # the undo point is the copy made between turns
+    engine.undo(sess)
+    assert sess.live.ids == spare.ids and sess.state.pos == spare.state.pos
+    sess.spare_live()
+    kept = sess._spare[1]
+    sess.live = sess.live.copy()  # the live snapshot changed (as a rolled-back turn replaces it)
+    fresh = sess.live_copy()
+    assert fresh is not kept and fresh.ids == kept.ids and sess._spare is None
+
+
 def test_cancel_mid_generation_keeps_a_consistent_session(engine):
     sess = engine.new_session()
     cancel = threading.Event()
