@@ -1,7 +1,7 @@
 """Where the time goes at full depth, per operation, through the app's own `Engine` (CUDA).
 
     python -m bench.op_profile [--layers 43] [--experts 24] [--prefill 2048] [--chunks 256,2048]
-                               [--followup 8] [--top 25] [--syncs] [--workdir /tmp/dsv4fd]
+                               [--followup 8] [--top 25] [--syncs] [--host N] [--workdir /tmp/dsv4fd]
 
 Builds (or reuses) the pack of bench/full_depth.py, loads it with every expert resident
 (`Engine.load`: its load time and phases are printed, so on a fresh machine this also measures
@@ -16,7 +16,7 @@ the cold warm-up), then profiles with torch.profiler, each after one unprofiled 
 
 `--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
 synchronises the host with the device in a chunk (`torch.cuda.set_sync_debug_mode`), with its
-count.
+count; `--host N` the N Python functions of most own host time in that prefill (cProfile).
 
 Figures are per call; "busy" is the sum of kernel times, so busy < wall means the GPU idled
 (host work, launches, synchronisations).
@@ -115,6 +115,25 @@ def sync_sites(fn) -> list[str]:
     return lines
 
 
+def host_calls(fn, top: int) -> list[str]:
+    """The `top` functions of most own host time in one call of fn (cProfile, after the device
+    has caught up; the profiler's own overhead inflates every figure alike)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return ["  host calls of one call, by own time:"] + ["  " + line for line in text.getvalue().splitlines()
+                                                         if line.strip()]
+
+
 def timed(fn, calls: int = 3) -> float:
     """Median synchronised wall seconds of fn (after one unmeasured call)."""
     fn()
@@ -140,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--syncs", action="store_true", help="list the lines that synchronise with the device in a "
                    "prefill chunk")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="the N Python functions of most own host time in one prefill (the first chunk size), "
+                   "by cProfile: where a host-bound chunk's launches come from")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.op_profile needs a CUDA GPU", file=sys.stderr)
@@ -200,6 +222,8 @@ def profile_all(a, eng) -> None:
         profiled(f"prefill {a.prefill} tokens, chunks of {chunk}", prefill, 1, a.top)
         if a.syncs and chunk == a.chunks[0]:
             print("\n".join(sync_sites(prefill)), flush=True)
+        if a.host and chunk == a.chunks[0]:
+            print("\n".join(host_calls(prefill, a.host)), flush=True)
 
     base = model.new_state()
     for _ in runtime.prefill(base, ids[:128], a.chunks[0]):

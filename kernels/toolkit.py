@@ -23,7 +23,15 @@ def cuda_arch(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         raise KernelInputError(f"TileLang kernels need CUDA tensors, got a tensor on {device}; "
                                "use the torch backend on the CPU")
-    return torch.cuda.get_device_capability(device)
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `index`: a fact of the hardware, looked up once (a
+    728-token prefill chunk asks ~1,400 times, and torch's lookup costs microseconds of host time
+    each on the path of the chunk's launches)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def tile_params(table: dict, arch: tuple[int, int], default: dict) -> dict:
