@@ -8,13 +8,15 @@ at most two significant bits; the scale is a power of two), so the output equals
 bit for bit.
 
 One pass over memory: a thread reads one word (8 codes) and its scale byte straight from the
-arena row and writes its 8 bf16 values, so prefill's bf16 GEMMs
+arena row, decodes it with kernels/lowbit.py's bit moves (9 integer instructions for 8 codes)
+and writes its 8 bf16 values, so prefill's bf16 GEMMs
 (kernels/fp4_moe.py: `fp4_moe_dequantized`) pay 5 bytes of traffic per weight byte instead of the
 reference's ~20 (widened indices, a lookup, a multiply). Memory-bound by design; sm_90 tested.
 """
 
 import torch
 
+from kernels import lowbit
 from kernels.lowbit import e8m0_bits_to_float
 from kernels.toolkit import (UNGUARDED, KernelInputError, check_fp4_parts, compile_kernel, cuda_arch,
                              kernel_factory)
@@ -22,13 +24,24 @@ from kernels.toolkit import (UNGUARDED, KernelInputError, check_fp4_parts, compi
 THREADS = 256
 
 
-def _e2m1(T, mag, sign):
-    """The fp32 value of an e2m1 code given as its 3 magnitude bits and its sign bit (int32
-    expressions): 0, 0.5, 1, 1.5, 2, 3, 4, 6, negated when the sign is set (-0 for code 8)."""
-    # magnitudes 2..7 are (2 + m) · 2^(e-1) / 2 with e = mag >> 1, m = mag & 1; 0 and 1 are mag / 2
-    big = (2 + (mag & 1)) << T.max((mag >> 1) - 1, 0)
-    v = T.Cast("float32", T.if_then_else(mag < 2, mag, big)) * T.float32(0.5)
-    return T.if_then_else(sign == 1, -v, v)
+SOURCE = r"""
+#include <cuda_bf16.h>
+
+// 8 e2m1 codes (one word, record order) times `scale` -> y[0..7] bf16: lowbit's bit moves give
+// each code as an fp16 times 2^-14 (exact), widened to fp32, times 2^14 and the scale (single
+// products, exact unless the scale itself is out of range, as in the reference).
+__device__ __forceinline__ void dsv4_e2m1x8_to_bf16(int w, float scale, void* out) {
+  unsigned h[4];
+  dsv4_e2m1x8_to_f16x2((unsigned)w, h);
+  __nv_bfloat16* y = reinterpret_cast<__nv_bfloat16*>(out);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    float2 f = __half22float2(*reinterpret_cast<__half2*>(&h[p]));
+    y[p] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(f.x, 16384.f), scale));
+    y[p + 4] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(f.y, 16384.f), scale));
+  }
+}
+"""
 
 
 @kernel_factory
@@ -52,6 +65,7 @@ def fp4_dequant_kernel(n: int, k: int, w_off: tuple[int, ...], s_off: tuple[int,
     def fp4_dequant_words(WA: T.Tensor((wslots, w_stride), "int32"), SWA: T.Tensor((sslots, s_stride), "uint8"),
                           SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((groups, parts * n, k), "bfloat16")):
         with T.Kernel(T.ceildiv(per_part, THREADS), groups, parts, threads=THREADS) as (bx, g, part):
+            lowbit.import_source(T, SOURCE)
             t = T.get_thread_binding(0)
             y = T.alloc_local((8,), "bfloat16")
             i = bx * THREADS + t  # this thread's word of the part: row i // kw, word i % kw
@@ -60,10 +74,7 @@ def fp4_dequant_kernel(n: int, k: int, w_off: tuple[int, ...], s_off: tuple[int,
                 row, col = i // kw, i % kw
                 word = WA[slot, w_off[0] // 4 + part * w_step + i]
                 scale = e8m0_bits_to_float(T, SWA[slot, s_off[0] + part * s_step + row * kg + col // 4])
-                for j in T.unroll(4):  # byte j: element 2j (sign bit 7, magnitude bits 1..3), 2j+1 (4..6, 0)
-                    b = (word >> (8 * j)) & 0xFF
-                    y[2 * j] = T.Cast("bfloat16", _e2m1(T, (b >> 1) & 7, b >> 7) * scale)
-                    y[2 * j + 1] = T.Cast("bfloat16", _e2m1(T, (b >> 4) & 7, b & 1) * scale)
+                T.evaluate(T.call_extern("handle", "dsv4_e2m1x8_to_bf16", word, scale, T.address_of(y[0])))
                 for v in T.vectorized(8):
                     Y[g, part * n + row, col * 8 + v] = y[v]
 

@@ -8,9 +8,9 @@ runs two per layer. Here it is two launches:
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
    with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
    From MIX_TILED_TOKENS tokens (prefill chunks) `hc_mix_tokens_kernel` writes the same partials
-   for chunks of up to 1,024 channels, a CTA per (chunk, 32 tokens): fn's chunk is staged once
-   for 32 tokens instead of read again per token, and each thread sums its outputs over the
-   chunk in channel order (no block reduction);
+   for chunks of up to 512 channels, a CTA per (chunk, 64 tokens): fn's chunk is staged once
+   for 64 tokens instead of read again per token, and each thread keeps a register tile of 4
+   tokens x every output over a sixteenth of the chunk's channels (warp shuffles sum them);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
    eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
    warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
@@ -49,9 +49,10 @@ VEC = 8  # channels per thread and step of hc_gate's collapse and of hc_post
 # (token, chunk) CTA (0.83 ms per call at 2,048 tokens on the H200). The fp32 GEMM this replaces
 # widened the streams to fp32, squared and summed them in three more passes.
 MIX_TILED_TOKENS = 64
-MIX_TILE = 32  # tokens per CTA of hc_mix_tokens_kernel (a warp's lanes)
-MIX_GROUPS = 4  # threads per token, each with a quarter of the outputs
-MIX_STEP = 128  # channels staged in shared memory at a time
+MIX_TILE = 64  # tokens per CTA of hc_mix_tokens_kernel
+MIX_PER = 4  # tokens per thread
+MIX_LANES = 16  # threads per token (a half warp: their sums meet by shuffles)
+MIX_STEP = 64  # channels staged in shared memory at a time
 
 
 @kernel_factory
@@ -93,16 +94,23 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
 @kernel_factory
 def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[int, int]):
     """(X [S, nd] dtype, Fn [cols, nd] fp32, P [S, nd / kc, cols + 1] fp32): the partials of
-    `hc_mix_kernel` for chunks of kc channels. A CTA takes MIX_TILE tokens of one chunk: lane t
-    of warp g owns token t and the outputs g·per .. g·per + per - 1 (the cols dot products, then
-    the sum of squares), summed in channel order in registers over the chunk, MIX_STEP channels
-    at a time staged in shared memory (x rows padded by one word: the lanes read 32 banks)."""
+    `hc_mix_kernel` for chunks of kc channels, a CTA per (chunk, MIX_TILE tokens).
+
+    Register tiles: thread (g, l) = (tx // MIX_LANES, tx % MIX_LANES) owns tokens
+    g·MIX_PER .. g·MIX_PER + MIX_PER - 1 and the channels l, l + MIX_LANES, ... of every
+    MIX_STEP staged in shared memory; per channel it loads fn's cols values once and the
+    MIX_PER tokens' x once, then makes MIX_PER·(cols + 1) FMAs (the sums of squares last), so
+    the loop is arithmetic, not shared-memory loads. The MIX_LANES partial sums of a token meet
+    by warp shuffles (a fixed tree: deterministic). x rows are padded by 4 words: the two token
+    groups of a warp read 32 different banks."""
     import tilelang.language as T
 
-    bm, groups, step = MIX_TILE, MIX_GROUPS, MIX_STEP
-    threads = bm * groups
-    per = -(-(cols + 1) // groups)  # outputs per thread
+    bm, lanes, per, step = MIX_TILE, MIX_LANES, MIX_PER, MIX_STEP
+    threads = bm // per * lanes
+    outs = cols + 1
     chunks = nd // kc
+    if kc % step or nd % kc:
+        raise KernelInputError(f"hc_mix_tokens_kernel: kc={kc} must divide n·D={nd} and be a multiple of {step}")
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -110,15 +118,17 @@ def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[in
                       P: T.Tensor((tokens, chunks, cols + 1), "float32")):
         with T.Kernel(chunks, T.ceildiv(tokens, bm), threads=threads) as (bc, bs):
             tx = T.get_thread_binding(0)
-            xs = T.alloc_shared((bm, step + 1), "float32")
+            xs = T.alloc_shared((bm, step + 4), "float32")
             fs = T.alloc_shared((cols, step), "float32")
-            acc = T.alloc_local((per,), "float32")
-            xv = T.alloc_local((1,), "float32")
-            t = tx % bm
-            g = tx // bm
+            acc = T.alloc_local((per, outs), "float32")
+            f = T.alloc_local((cols,), "float32")
+            xv = T.alloc_local((per,), "float32")
+            lane = tx % lanes
+            g = tx // lanes
             pdl.begin(T, arch)
             for u in T.unroll(per):
-                acc[u] = 0.0
+                for c in T.unroll(outs):
+                    acc[u, c] = 0.0
             for ks in T.serial(kc // step):
                 k0 = bc * kc + ks * step
                 for r in T.unroll(bm * step // threads):
@@ -132,17 +142,27 @@ def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[in
                     if e < cols * step:
                         fs[e // step, e % step] = Fn[e // step, k0 + e % step]
                 T.sync_threads()
-                for j in T.serial(step):
-                    xv[0] = xs[t, j]
+                for i in T.unroll(step // lanes):
+                    for c in T.unroll(cols):
+                        f[c] = fs[c, lane + lanes * i]
                     for u in T.unroll(per):
-                        c = g * per + u  # a dot product, the sum of squares (c == cols), or none
-                        acc[u] = acc[u] + xv[0] * T.if_then_else(
-                            c < cols, fs[T.min(c, cols - 1), j], T.if_then_else(c == cols, xv[0], T.float32(0)))
+                        xv[u] = xs[g * per + u, lane + lanes * i]
+                    for u in T.unroll(per):
+                        for c in T.unroll(cols):
+                            acc[u, c] = acc[u, c] + xv[u] * f[c]
+                        acc[u, cols] = acc[u, cols] + xv[u] * xv[u]
                 T.sync_threads()
-            if bs * bm + t < tokens:
-                for u in T.unroll(per):
-                    if g * per + u <= cols:
-                        P[bs * bm + t, bc, g * per + u] = acc[u]
+            for u in T.unroll(per):  # the lanes' sums of one token: a butterfly over MIX_LANES = 16 lanes
+                for c in T.unroll(outs):
+                    acc[u, c] = acc[u, c] + T.shfl_xor(acc[u, c], 8)
+                    acc[u, c] = acc[u, c] + T.shfl_xor(acc[u, c], 4)
+                    acc[u, c] = acc[u, c] + T.shfl_xor(acc[u, c], 2)
+                    acc[u, c] = acc[u, c] + T.shfl_xor(acc[u, c], 1)
+            for u in T.unroll(per):
+                if bs * bm + g * per + u < tokens:
+                    for c in T.unroll(outs):
+                        if c % lanes == lane:
+                            P[bs * bm + g * per + u, bc, c] = acc[u, c]
 
     return compile_kernel(hc_mix_tokens, arch)
 
@@ -300,8 +320,8 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
-    if s >= MIX_TILED_TOKENS:  # chunks of up to 1,024 channels, 32 tokens a CTA
-        kc = next(k for k in (1024, 512, MIX_STEP) if nd % k == 0)
+    if s >= MIX_TILED_TOKENS:  # chunks of up to 512 channels, MIX_TILE tokens a CTA
+        kc = next(k for k in (512, 256, MIX_STEP) if nd % k == 0)
         partial = torch.empty(s, nd // kc, cols + 1, dtype=torch.float32, device=streams.device)
         hc_mix_tokens_kernel(nd, cols, kc, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
     else:

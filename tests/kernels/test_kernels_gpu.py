@@ -793,9 +793,9 @@ def test_rope_matches_reference_bitwise(shape, yarn_theta, inverse, gen):
 # ------------------------------------------------------------------------------------ mHC
 MHC_CASES = [(1, 4, 4096, torch.bfloat16), (5, 4, 4096, torch.bfloat16), (3, 4, 640, torch.float32),
              (2, 2, 256, torch.bfloat16), (300, 4, 4096, torch.bfloat16), (64, 4, 640, torch.float32),
-             (2048, 4, 4096, torch.bfloat16), (77, 2, 256, torch.bfloat16)]  # from the fifth: prefill
-# chunks, whose mix runs in tiles of tokens (kernels.mhc.MIX_TILED_TOKENS; chunks of 1,024, 512
-# and 128 channels; a last tile part empty)
+             (2048, 4, 4096, torch.bfloat16), (77, 2, 256, torch.bfloat16), (100, 4, 320, torch.float32)]
+# from the fifth: prefill chunks, whose mix runs in tiles of tokens (kernels.mhc.MIX_TILED_TOKENS;
+# chunks of 512 and 256 channels; a last tile part empty)
 
 
 def mhc_params(n: int, d: int, gen: torch.Generator):
