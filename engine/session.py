@@ -135,12 +135,10 @@ class Session:
 
     def live_copy(self) -> Snapshot:
         """An independent copy of the live snapshot: the one `spare_live` made, if the live
-        snapshot has not changed since (it is handed out once), else a new one."""
+        snapshot is still the one it copied (it is handed out once; a turn that changes the live
+        state drops it in `start`), else a new one."""
         spare, self._spare = self._spare, None
-        if spare is not None and spare[0] is self.live and (spare[1].length, spare[1].state.pos) == (
-                self.live.length, self.live.state.pos):
-            return spare[1]
-        return self.live.copy()
+        return spare[1] if spare is not None and spare[0] is self.live else self.live.copy()
 
     # ------------------------------------------------------------------------ conversation
     def conversation(self, messages: Sequence[Message] | None = None) -> list[Message]:
