@@ -17,7 +17,6 @@ reference's ~20 (widened indices, a lookup, a multiply). Memory-bound by design;
 import torch
 
 from kernels import lowbit
-from kernels.lowbit import e8m0_bits_to_float
 from kernels.toolkit import (UNGUARDED, KernelInputError, check_fp4_parts, compile_kernel, cuda_arch,
                              kernel_factory)
 
@@ -73,7 +72,7 @@ def fp4_dequant_kernel(n: int, k: int, w_off: tuple[int, ...], s_off: tuple[int,
                 slot = SLOT[g]
                 row, col = i // kw, i % kw
                 word = WA[slot, w_off[0] // 4 + part * w_step + i]
-                scale = e8m0_bits_to_float(T, SWA[slot, s_off[0] + part * s_step + row * kg + col // 4])
+                scale = lowbit.e8m0_bits_to_float(T, SWA[slot, s_off[0] + part * s_step + row * kg + col // 4])
                 T.evaluate(T.call_extern("handle", "dsv4_e2m1x8_to_bf16", word, scale, T.address_of(y[0])))
                 for v in T.vectorized(8):
                     Y[g, part * n + row, col * 8 + v] = y[v]

@@ -196,17 +196,15 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
         return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
+    operands = (as_words(q), s.float().contiguous(), as_words(w), scale_bytes(w_scale), y)
     one, few = fp8_mma_one_token, fp8_mma_few_tokens
     tile = one.mma_tile(n, k) if m == 1 and arch in one.MMA_ARCHS else None
     if tile is not None:  # one token: the tensor-core GEMV
-        one.fp8_mma_one_token_kernel(n, k, *tile, arch)(as_words(q), s.float().contiguous(), as_words(w),
-                                                        scale_bytes(w_scale), y)
+        one.fp8_mma_one_token_kernel(n, k, *tile, arch)(*operands)
         return y
     tile = few.mma_tile(n, k) if m > 1 and arch in few.MMA_ARCHS else None
     if tile is not None:  # 2..16 rows: the tensor cores too
-        few.fp8_mma_few_tokens_kernel(q.shape[0], n, k, *tile, arch)(as_words(q), s.float().contiguous(),
-                                                                     as_words(w), scale_bytes(w_scale), y)
-        return y[:m]
-    fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(as_words(q), s.float().contiguous(), as_words(w),
-                                                                  scale_bytes(w_scale), y)
+        few.fp8_mma_few_tokens_kernel(q.shape[0], n, k, *tile, arch)(*operands)
+    else:
+        fp8_gemv_kernel(q.shape[0], n, k, *gemv_tile(n, k, arch), arch)(*operands)
     return y[:m]

@@ -30,6 +30,7 @@ TileLang is imported lazily (see kernels/toolkit.py).
 
 
 from kernels import lowbit, pdl
+from kernels.fp8_mma_one_token import weight_loads_macro
 from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory
 
 SOURCE = r"""
@@ -89,18 +90,7 @@ def fp8_mma_few_tokens_kernel(m: int, n: int, k: int, tiles: int, ksplit: int, d
     cta_rows = 16 * tiles
     cols = -(-m // 8)  # columns of 8 tokens
 
-    @T.macro
-    def load(W, SW, ww, sw, warp, lane, row0, i):
-        """Issue the loads of the warp's block i: weight words into ww[i], the tiles' scales into sw[i]."""
-        gi, ti = lane // 4, lane % 4
-        kb = warp * per + i
-        for t in T.unroll(tiles):
-            sw[i, t] = SW[T.min(row0 + 16 * t, n - 1) // 128, kb]
-            for h in T.unroll(2):
-                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                for s in T.unroll(2):
-                    for v in T.vectorized(4):
-                        ww[i, t, h, s, v] = W[row, 32 * kb + 16 * s + 4 * ti + v]
+    load = weight_loads_macro(T, n, tiles, per)
 
     @T.prim_func
     def fp8_mma_few(Q: T.Tensor((m, kw), "int32"), SA: T.Tensor((m, kb_all), "float32"),

@@ -80,6 +80,27 @@ def mma_tile(n: int, k: int) -> tuple[int, int, int] | None:
     return tiles, ksplit, 0 if n * k <= ALL_AHEAD_BYTES else DEPTH
 
 
+def weight_loads_macro(T, n: int, tiles: int, per: int):
+    """A TileLang macro `load(W, SW, ww, sw, warp, lane, row0, i)` that issues the loads of a
+    warp's block i (of `per` blocks a warp, warp w owning blocks w·per ..): lane (gi, ti)'s
+    16-byte spans of rows gi and gi + 8 of each of the CTA's `tiles` tiles into ww[i] [tiles, 2
+    rows, 2 spans, 4 words], the tiles' block scales into sw[i] [tiles]; rows past n read row
+    n - 1. The FP8 tensor-core GEMVs' weight layout (this module's and
+    kernels/fp8_mma_few_tokens.py's)."""
+    @T.macro
+    def load(W, SW, ww, sw, warp, lane, row0, i):
+        gi, ti = lane // 4, lane % 4
+        kb = warp * per + i
+        for t in T.unroll(tiles):
+            sw[i, t] = SW[T.min(row0 + 16 * t, n - 1) // 128, kb]
+            for h in T.unroll(2):
+                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
+                for s in T.unroll(2):
+                    for v in T.vectorized(4):
+                        ww[i, t, h, s, v] = W[row, 32 * kb + 16 * s + 4 * ti + v]
+    return load
+
+
 @kernel_factory
 def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int]):
     """(Q [1, k/4] int32 = e4m3 codes, SA [1, k/128] fp32, W [n, k/4] int32 = e4m3 codes,
@@ -96,18 +117,7 @@ def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int
     kw, kb_all, nb = k // 4, k // 128, (n + 127) // 128
     cta_rows = 16 * tiles
 
-    @T.macro
-    def load(W, SW, ww, sw, warp, lane, row0, i):
-        """Issue the loads of the warp's block i: weight words into ww[i], the tiles' scales into sw[i]."""
-        gi, ti = lane // 4, lane % 4
-        kb = warp * per + i
-        for t in T.unroll(tiles):
-            sw[i, t] = SW[T.min(row0 + 16 * t, n - 1) // 128, kb]
-            for h in T.unroll(2):
-                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
-                for s in T.unroll(2):
-                    for v in T.vectorized(4):
-                        ww[i, t, h, s, v] = W[row, 32 * kb + 16 * s + 4 * ti + v]
+    load = weight_loads_macro(T, n, tiles, per)
 
     @T.prim_func
     def fp8_mma1(Q: T.Tensor((1, kw), "int32"), SA: T.Tensor((1, kb_all), "float32"),

@@ -11,7 +11,7 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile
 
-from kernel_sim import e4m3_word_pairs, mma_m16n8k16
+from kernel_sim import e4m3_word_pairs, fp8_block_mma
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -31,18 +31,8 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
             for i in range(per):
                 kb = warp * per + i
                 for t in range(tiles):
-                    d = torch.zeros(16, 8, dtype=torch.float64)
-                    for s in range(2):
-                        for v in range(4):  # word v of span s: one MMA
-                            a_regs, b_regs = [], []
-                            for lane in range(32):
-                                gi, ti = lane // 4, lane % 4
-                                col = 32 * kb + 16 * s + 4 * ti + v
-                                rows = [min(row0 + 16 * t + 8 * h + gi, n - 1) for h in (0, 1)]
-                                h0, h1 = (e4m3_word_pairs(words[r, col]) for r in rows)
-                                a_regs.append([h0[0], h1[0], h0[1], h1[1]])
-                                b_regs.append(e4m3_word_pairs(qwords[col]))  # every lane: its own activations
-                            d += mma_m16n8k16(a_regs, b_regs)
+                    d = fp8_block_mma(words, row0 + 16 * t, kb,  # every lane: its own activations
+                                      lambda gi, col: e4m3_word_pairs(qwords[col]))
                     assert torch.equal(d, d[:, :1].expand(16, 8))  # every column holds the row sums
                     byte = int(ws[min(row0 + 16 * t, n - 1) // 128, kb])
                     scale = 2.0 ** (byte - 127 + 2 * lowbit.E4M3_SHIFT) * sa[kb].item()
