@@ -67,9 +67,10 @@ def observed_forward(model: Transformer, ids: torch.Tensor, state: SequenceState
     start = state.pos
     streams = model.embed_tokens(ids).unsqueeze(1).expand(-1, model.args.hc_mult, -1).contiguous()
     views = []
+    at = model.prefill_position(start, ids.shape[0], ids.device)
     for b, st in zip(model.blocks, state.layers):
         x, post, comb = b.hc_attn.pre(streams)
-        a = b.attn(b.norm_q(x, b.attn_norm, b.eps), start, st, None)
+        a = b.attn(b.norm_q(x, b.attn_norm, b.eps), at, st, None)
         streams = b.hc_attn.post(a, streams, post, comb)
         x, post, comb = b.hc_ffn.pre(streams)
         xn = b.norm(x, b.ffn_norm, b.eps)

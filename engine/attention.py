@@ -14,6 +14,7 @@ from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.linear import FP8Linear, FP8Linears, GroupedOutProj
 from engine.numerics import Numerics, unquantized
+from engine.prefill_position import PrefillPosition
 from engine.state import CompressorState, LayerState
 from kernels import reference as ref
 
@@ -66,30 +67,28 @@ class Compressor:
         self.eps = args.norm_eps
         self.rope_dim = args.rope_head_dim
 
-    def __call__(self, x: torch.Tensor, start: int, st: CompressorState) -> None:
-        """Project x [S, D] at positions start.., emit every completed window into st.entries."""
-        r, s = self.ratio, x.shape[0]
-        positions = torch.arange(start, start + s, device=x.device)
+    def __call__(self, x: torch.Tensor, at: PrefillPosition, st: CompressorState) -> None:
+        """Project x [S, D] at positions `at`, emit every completed window into st.entries."""
+        r, start = self.ratio, at.start
         kv, gate = self._project(x)  # [S, c·d] fp32 each
-        gate = gate + self.ape[positions % r]
+        gate = gate + self.ape.index_select(0, at.ape_row[r])
         n_buf = start % r  # tokens of the open window seen before this call
         if n_buf:  # (a call at a window boundary has none: no copy)
             kv = torch.cat((st.buf_kv[:n_buf], kv))
             gate = torch.cat((st.buf_gate[:n_buf], gate))
-        n_win = kv.shape[0] // r
+        n_win = at.n_windows(r)
         rest = kv.shape[0] - n_win * r
         st.buf_kv[:rest] = kv[n_win * r:]
         st.buf_gate[:rest] = gate[n_win * r:]
         if n_win == 0:
             return
-        first = (start - n_buf) // r  # index of the first window completed now
         win_kv = kv[: n_win * r].view(n_win, r, -1)  # [n_win, r, c·d]
         win_gate = gate[: n_win * r].view(n_win, r, -1)
         if self.overlap:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)  # [n_win, 2r, d]
             st.prev_kv.copy_(kv[(n_win - 1) * r:n_win * r, :self.dim])  # in place: graphs hold it
             st.prev_gate.copy_(gate[(n_win - 1) * r:n_win * r, :self.dim])
-        st.store_entries(first, self._pool(win_kv, win_gate, first + torch.arange(n_win, device=x.device)))
+        st.store_entries(at.first_window(r), self._pool(win_kv, win_gate, at.window_pos[r]))
 
     def decode(self, x: torch.Tensor, at: DecodePosition, st: CompressorState, emit: bool) -> None:
         """One token x [1, D] at decode position `at`, with static shapes (no host sync).
@@ -107,7 +106,7 @@ class Compressor:
             win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)
             st.prev_kv.copy_(st.buf_kv[:, :self.dim])
             st.prev_gate.copy_(st.buf_gate[:, :self.dim])
-        st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry))
+        st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry * r))
 
     def chunk(self, x: torch.Tensor, at: ChunkPosition, st: CompressorState) -> None:
         """A chunk step's token slots x [size, D] (engine/chunk_position.py), with static shapes
@@ -129,7 +128,7 @@ class Compressor:
             st.prev_gate.copy_(prev_gate[at.prev_next[r]])
         st.buf_kv.copy_(kv_rows[at.buf_src[r]])
         st.buf_gate.copy_(gate_rows[at.buf_src[r]])
-        st.entries.index_copy_(0, at.entry[r], self._pool(win_kv, win_gate, at.entry[r]))
+        st.entries.index_copy_(0, at.entry[r], self._pool(win_kv, win_gate, at.entry[r] * r))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D] -> (kv, gate logits without ape) [S, c·d], fp32 products of the bf16 weights."""
@@ -146,15 +145,16 @@ class Compressor:
         gate = torch.cat((prev_gate, win_gate[:, :, d:]), dim=1)
         return kv, gate
 
-    def _pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """Gated pooling of windows [n_win, slots, d] (indices `windows` [n_win]) -> stored entries."""
+    def _pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Gated pooling of windows [n_win, slots, d] whose first positions are `first` [n_win]
+        (entry · ratio: where each is rotated) -> stored entries."""
         # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
         weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
         pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
         # normed and rotated; native storage rounding: QDQ8 of the nope dims (attention keys) or
         # Hadamard + QDQ4 (indexer keys)
         lead = self.dim - self.rope_dim if self.kind == "attention" else 0
-        entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, windows * self.ratio, lead)
+        entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, first, lead)
         return self.numerics.round_index(entries) if self.kind == "indexer" else entries
 
 
@@ -169,19 +169,16 @@ class Indexer:
         self.compressor = Compressor(get, f"{prefix}.compressor", args, 4, args.index_head_dim, "indexer",
                                      rope, numerics)
 
-    def __call__(self, x: torch.Tensor, c, start: int, st: CompressorState, log=None,
+    def __call__(self, x: torch.Tensor, c, at: PrefillPosition, st: CompressorState, log=None,
                  rot=None) -> torch.Tensor:
-        """Selected attention-compressor entries per query: [S, index_topk] int64, -1 = none.
+        """Selected attention-compressor entries per query at `at`: [S, index_topk] int64, -1 = none.
 
         `c` is the attention's q_lora activation (a `Quantized` one in native numerics);
         `log(scores)` sees the masked index scores [S, n_entries] (tests explain tie flips);
         `rot` is the queries' RoPE table if the caller has it."""
-        s = x.shape[0]
-        positions = torch.arange(start, start + s, device=x.device)
-        self.compressor(x, start, st)
-        n_entries = (start + s) // self.ratio
-        visible = (positions + 1) // self.ratio  # entries w < visible are complete at p
-        scores = self._scores(x, c, positions, visible, st.entries[:n_entries], rot)
+        self.compressor(x, at, st)
+        visible = at.visible[self.ratio]  # entries w < visible are complete at p
+        scores = self._scores(x, c, at.pos, visible, st.entries[:at.n_entries(self.ratio)], rot)
         if log is not None:
             log(scores)
         return self._select(scores, visible)
@@ -245,8 +242,6 @@ class Attention:
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
         self.sink = get(f"{prefix}.attn_sink").float()
-        # W-1 .. 0: a prefill query at p sees positions p - back (the window), built once at load
-        self.back = torch.arange(self.window - 1, -1, -1, device=self.sink.device)
         self.rope = Rope(args, self.ratio > 0, numerics, self.sink.device)  # tables live with the weights
         wq_a = (get(f"{prefix}.wq_a.weight"), get(f"{prefix}.wq_a.scale"))
         wkv = (get(f"{prefix}.wkv.weight"), get(f"{prefix}.wkv.scale"))
@@ -269,32 +264,35 @@ class Attention:
         if self.ratio == 4:
             self.indexer = Indexer(get, f"{prefix}.indexer", args, self.rope, numerics)
 
-    def __call__(self, x: torch.Tensor, start: int, st: LayerState, log=None) -> torch.Tensor:
-        """x [S, D] (attn-normed) at positions start.. -> [S, D].
+    def __call__(self, x: torch.Tensor, at: PrefillPosition, st: LayerState, log=None) -> torch.Tensor:
+        """x [S, D] (attn-normed) at positions `at` -> [S, D].
 
         `log(kind, tensor)` sees the indexer's scores ("indexer_scores") and picks ("indexer").
         x may carry its FP8 quantisation (`Numerics.norm_quantized`)."""
         xq, x = x, unquantized(x)
-        s = x.shape[0]
-        positions = torch.arange(start, start + s, device=x.device)
-        rot = self.rope.table(positions)
+        rot = self.rope.table(at.pos)
         c, q, kv = self._project(xq, rot)
-        window_kv, idx = self._window(kv, start, st)
+        kv = kv.to(st.window.dtype)
+        # the keys: the ring's tokens before the call, the new ones, then the entries (written
+        # by the compressor first); one copy, taken before the ring takes the new tokens
+        parts = _ring_rows(st.window, at.start - at.n_prev, at.n_prev) + [kv]
+        idx = at.window_rows
         if self.ratio:
-            n_entries = (start + s) // self.ratio
+            n_entries = at.n_entries(self.ratio)
             st.reserve(n_entries)
-            self.compressor(x, start, st.compressor)
+            self.compressor(x, at, st.compressor)
             if self.indexer is not None:
-                chosen = self.indexer(x, c, start, st.indexer,
+                chosen = self.indexer(x, c, at, st.indexer,
                                       None if log is None else lambda t: log("indexer_scores", t), rot)
                 if log is not None:
                     log("indexer", chosen)
+                idx = torch.cat((idx, torch.where(chosen >= 0, chosen + at.window_keys, chosen)), dim=1)
             else:
-                chosen = self._all_visible(n_entries, (positions + 1) // self.ratio)
-            chosen = torch.where(chosen >= 0, chosen + window_kv.shape[0], chosen)
-            window_kv = torch.cat((window_kv, st.compressor.entries[:n_entries]))
-            idx = torch.cat((idx, chosen), dim=1)
-        return self._output(self._attend(q, window_kv, idx, rot))
+                idx = at.all_rows(self.ratio)
+            parts.append(st.compressor.entries[:n_entries])
+        keys = torch.cat(parts)
+        self._update_ring(kv, at, st)
+        return self._output(self._attend(q, keys, idx, rot))
 
     def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool) -> torch.Tensor:
         """One token x [1, D] at decode position `at` -> [1, D], with static shapes.
@@ -360,12 +358,6 @@ class Attention:
         kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim, out=kv_out)  # [S, D]
         return c, q, kv
 
-    def _all_visible(self, n_entries: int, visible: torch.Tensor) -> torch.Tensor:
-        """HCA picks [S, n]: every entry slot 0..n_entries-1, -1 for those at or after `visible`
-        [S] (the count complete at each query)."""
-        chosen = torch.arange(n_entries, device=visible.device).expand(visible.shape[0], -1)
-        return torch.where(chosen < visible.unsqueeze(1), chosen, -1)
-
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output o [S, H, D] (numerics dtype, rotated back) -> wo_a -> wo_b -> [S, D]."""
         return self.wo_b(self.wo_a(o.reshape(o.shape[0], -1)))
@@ -374,23 +366,12 @@ class Attention:
         """Sparse attention of q over rows idx of kv, then the inverse RoPE at `rot` (a table) -> [S, H, D]."""
         return self.numerics.sparse_attention(q, kv, idx, self.sink, self.head_dim ** -0.5, rot, self.rope.inv_freq)
 
-    def _window(self, kv: torch.Tensor, start: int, st: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys for the window branch and per-query indices into them, then update the ring.
-
-        Returns kv_win [L, D] = ring tokens before `start` (up to W-1) followed by the S new
-        ones, and idx [S, W] of positions p-W+1..p (-1 before position 0).
-        """
-        w, s, dev = self.window, kv.shape[0], kv.device
-        ring = st.window
-        n_prev = min(start, w - 1)
-        kv_win = torch.cat((*_ring_rows(ring, start - n_prev, n_prev), kv.to(ring.dtype)))
-        # query start + i, key start + i - back[j]: row n_prev + i - back[j] of kv_win; a
-        # negative row (a position before 0, only while start < W - 1) is -1
-        idx = (torch.arange(n_prev, n_prev + s, device=dev).unsqueeze(1) - self.back.unsqueeze(0)).clamp_min(-1)
-        keep = min(s, w)  # the ring keeps the newest W positions
-        new = kv[s - keep:].to(ring.dtype)
-        done = 0
-        for rows in _ring_rows(ring, start + s - keep, keep):
+    def _update_ring(self, kv: torch.Tensor, at: PrefillPosition, st: LayerState) -> None:
+        """The ring keeps the newest W positions: the call's last min(S, W) keys kv [S, D] go to
+        their slots p mod W."""
+        s = kv.shape[0]
+        keep = min(s, self.window)
+        new, done = kv[s - keep:], 0
+        for rows in _ring_rows(st.window, at.start + s - keep, keep):
             rows.copy_(new[done:done + rows.shape[0]])
             done += rows.shape[0]
-        return kv_win, idx

@@ -23,6 +23,7 @@ from engine.mhc import HyperConnection, HyperHead
 from engine.experts.provider import ExpertProvider
 from engine.moe import MoE
 from engine.numerics import Numerics, Quantized, unquantized
+from engine.prefill_position import PrefillPosition
 from engine.routing_override import ForcedRouting
 from engine.state import SequenceState, new_layer_state
 from engine.weights import CountedWeights
@@ -59,12 +60,14 @@ class Block:
         self.attn = Attention(get, f"{prefix}.attn", args, layer, numerics)
         self.ffn = MoE(get, f"{prefix}.ffn", args, layer, numerics)
 
-    def __call__(self, streams: torch.Tensor, ids: torch.Tensor, start: int, st, experts: ExpertProvider,
+    def __call__(self, streams: torch.Tensor, ids: torch.Tensor, at: PrefillPosition, st, experts: ExpertProvider,
                  log: SelectionLog | None = None, timer=None, ahead: Lookahead | None = None) -> torch.Tensor:
-        """`ahead` (router lookahead) is called once this layer's route is known, before its experts run."""
+        """The block on the tokens `ids` [S] at positions `at` (shared by the call's blocks).
+        `ahead` (router lookahead) is called once this layer's route is known, before its experts run."""
+        start = at.start
         x, post, comb = self.hc_attn.pre(streams)
         with _section(timer, "attention"):
-            a = self.attn(self.norm_q(x, self.attn_norm, self.eps), start, st,
+            a = self.attn(self.norm_q(x, self.attn_norm, self.eps), at, st,
                           None if log is None else lambda kind, t: log(kind, self.layer, start, t))
         streams = self.hc_attn.post(a, streams, post, comb)
         h, post, comb = self.hc_ffn.pre(streams)
@@ -187,8 +190,9 @@ class Transformer:
         h = self.embed_tokens(ids)
         streams = h.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [S, n_hc, D]
         ahead = self._ahead(experts, start) if self.lookahead_active(experts) else None
+        at = self.prefill_position(start, ids.shape[0], ids.device)
         for block, st in zip(self.blocks, state.layers):
-            streams = block(streams, ids, start, st, experts, log, timer, ahead)
+            streams = block(streams, ids, at, st, experts, log, timer, ahead)
         state.pos = start + ids.shape[0]
         return streams
 
@@ -254,6 +258,10 @@ class Transformer:
         """The static inputs of a chunk step of `size` token slots (`Block.chunk_attention`)."""
         return ChunkPosition(self.args.window_size, self.args.compress_ratios, size, device)
 
+    def prefill_position(self, start: int, size: int, device: torch.device | str) -> PrefillPosition:
+        """The index tensors an eager call of `size` tokens from `start` shares across its blocks."""
+        return PrefillPosition(start, size, self.args.window_size, self.args.compress_ratios, device)
+
     def emitting(self, pos: int) -> frozenset[int]:
         """The compression ratios whose window the token at `pos` completes (it emits an entry):
         the one host-known fact a decode step's control flow depends on."""
@@ -273,6 +281,7 @@ class Transformer:
         hs = self.numerics.rms_norm(streams, m.hnorm, m.eps)  # per stream
         s, n, d = hs.shape
         x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
-        x = m.block(x.to(self.numerics.dtype), next_ids, start, state.mtp, experts)
+        at = PrefillPosition(start, s, self.args.window_size, (), x.device)  # the MTP block is window-only
+        x = m.block(x.to(self.numerics.dtype), next_ids, at, state.mtp, experts)
         y = self.numerics.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
         return self._head(y)

@@ -348,7 +348,7 @@ class Native(Numerics):
         return FP8Weight.of(weight, scale)  # the backend keeps the FP8 bytes (half the bf16 copy's)
 
     def grouped_linear(self, w, o, groups):
-        return self.backend.grouped_linear(o.to(torch.bfloat16), w.weight, w.scale, groups)
+        return self.backend.grouped_linear(o.to(torch.bfloat16), w.weight, w.scale, groups, w.scale_f32)
 
     def float_weight(self, w):
         return w  # bf16 as on disk: the backend's op widens it

@@ -133,11 +133,15 @@ def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
         raise KernelInputError("fp8_gemm: x, weight and scale must be on one device")
 
 
-def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 weight -> bf16 [N, K], exactly (e4m3 times a power of two fits bf16). Two passes over
-    the weight (cast, then times its block's 2^e broadcast); prefill runs it per chunk."""
+    the weight (cast, then times its block's 2^e broadcast); prefill runs it per chunk.
+    `w_scale_f32`: the scales' fp32 values when prepared (one launch here instead of four)."""
     n, k = w.shape
-    two = torch.pow(2.0, (scale_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16))  # [N/128, K/128]
+    if w_scale_f32 is not None:
+        two = w_scale_f32.to(torch.bfloat16)  # powers of two: exact in bf16
+    else:
+        two = torch.pow(2.0, (scale_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16))  # [N/128, K/128]
     if n % 128 or k % 128:  # ragged blocks at the edges: the scales spelled out
         return w.to(torch.bfloat16) * two.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     return (w.to(torch.bfloat16).view(n // 128, 128, k // 128, 128) * two[:, None, :, None]).view(n, k)

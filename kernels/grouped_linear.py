@@ -78,8 +78,10 @@ def grouped_gemv_kernel(m: int, groups: int, k: int, n: int, rows: int, warps: i
     return compile_kernel(grouped_gemv, arch)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
-    """x [S, G·K] bf16, FP8 weight [G·R, K] with e8m0 scales [ceil(G·R/128), K/128] -> bf16 [S, G·R]."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int,
+                   w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, G·K] bf16, FP8 weight [G·R, K] with e8m0 scales [ceil(G·R/128), K/128] -> bf16 [S, G·R];
+    `w_scale_f32`: those scales' fp32 values, prepared once (read by the prefill path)."""
     n, k = w.shape
     if x.dim() != 2 or x.dtype != torch.bfloat16 or groups < 1 or n % groups or x.shape[1] != groups * k:
         raise KernelInputError(f"grouped_linear takes x [S, {groups}·{k}] bf16 and a weight of {groups} equal "
@@ -92,7 +94,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
     rows, warps, ksplit = gemv_tile(n, k, arch)
     if m > GEMV_MAX_M or (n // groups) % (rows * warps // ksplit):
         u = x.view(m, groups, k)  # [S, G, K]
-        wd = dequant_fp8_bf16(w, w_scale).view(groups, n // groups, k)  # [G, R, K], exact
+        wd = dequant_fp8_bf16(w, w_scale, w_scale_f32).view(groups, n // groups, k)  # [G, R, K], exact
         return torch.einsum("sgi,gri->sgr", u, wd).reshape(m, n)
     xp = aligned16(pad_rows_to_bucket(x.contiguous()))  # zero rows: zero outputs, sliced off
     y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)

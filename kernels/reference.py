@@ -251,10 +251,12 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int,
+                   w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped output projection wo_a (§C.4 steps 14–15) as the official code runs it: the
     FP8 weight [G·R, K] dequantised to bf16 (exact), bf16 activations x [S, G·K] (group g: channels
-    g·K..), fp32 accumulation -> bf16 [S, G·R] (group g: rows g·R.. of the weight)."""
+    g·K..), fp32 accumulation -> bf16 [S, G·R] (group g: rows g·R.. of the weight). `w_scale_f32`
+    (the scales' fp32 values, prepared once for the CUDA kernels) changes nothing here."""
     s, n = x.shape[0], w.shape[0]
     wd = dequant_fp8_block(w, w_scale).to(x.dtype).view(groups, n // groups, -1)  # [G, R, K]
     u = x.view(s, groups, -1)  # [S, G, K]

@@ -1,5 +1,7 @@
-"""The attention window's keys and indices for a prefill chunk (`Attention._window`): read from
-the ring as slices, equal to gathering positions mod W, for chunks that wrap the ring or not."""
+"""The attention window's keys and indices for a prefill chunk (`PrefillPosition.window_rows`,
+the ring's rows before the call, `Attention._update_ring`): read from the ring as slices, equal to
+gathering positions mod W, for chunks that wrap the ring or not; and the other index tensors a
+call's layers share (`PrefillPosition`), against their per-layer formulations."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from engine.attention import _ring_rows
+from engine.prefill_position import PrefillPosition
 from engine.state import new_layer_state
 
 
@@ -43,8 +46,46 @@ def test_window_equals_the_gather_formulation(start, s):
     kv = torch.randn(s, d)
     back = torch.arange(w - 1, -1, -1)
     want_win, want_idx, want_ring = _window_by_gather(w, back, kv, start, st.window.clone())
+    at = PrefillPosition(start, s, w, (), "cpu")
+    kv_win = torch.cat(_ring_rows(st.window, start - at.n_prev, at.n_prev) + [kv])
+    assert torch.equal(kv_win, want_win) and torch.equal(at.window_rows, want_idx)
+    assert at.window_keys == kv_win.shape[0]
     attn = Attention.__new__(Attention)  # only the window's fields
-    attn.window, attn.back = w, back
-    kv_win, idx = attn._window(kv, start, st)
-    assert torch.equal(kv_win, want_win) and torch.equal(idx, want_idx)
+    attn.window = w
+    attn._update_ring(kv, at, st)
     assert torch.equal(st.window, want_ring)
+
+
+@pytest.mark.parametrize("start,s", [(0, 5), (0, 16), (3, 20), (7, 1), (9, 3), (13, 6), (100, 17), (126, 300)])
+@pytest.mark.parametrize("r", [4, 128])
+def test_shared_indices_equal_each_layers_own(start, s, r):
+    """What every layer derived from its positions (the formulations the layers used before the
+    call shared them): visible counts, ape rows, the windows completed and their positions, and
+    a layer's picks of every visible entry shifted past the window's keys."""
+    w = 8
+    at = PrefillPosition(start, s, w, (0, r, 4), "cpu")
+    positions = torch.arange(start, start + s)
+    assert torch.equal(at.pos, positions)
+    assert torch.equal(at.visible[r], (positions + 1) // r)
+    assert torch.equal(at.ape_row[r], positions % r)
+    n_buf = start % r
+    n_win = (n_buf + s) // r
+    first = (start - n_buf) // r
+    assert (at.first_window(r), at.n_windows(r)) == (first, n_win)
+    assert torch.equal(at.windows[r], first + torch.arange(n_win))
+    assert torch.equal(at.window_pos[r], (first + torch.arange(n_win)) * r)
+    n_entries = (start + s) // r
+    assert at.n_entries(r) == n_entries
+    chosen = torch.arange(n_entries).expand(s, -1)
+    chosen = torch.where(chosen < ((positions + 1) // r).unsqueeze(1), chosen, -1)
+    chosen = torch.where(chosen >= 0, chosen + at.window_keys, chosen)
+    rows = at.all_rows(r)
+    assert torch.equal(rows, torch.cat((at.window_rows, chosen), dim=1))
+    assert at.all_rows(r) is rows  # made once for the call's layers
+
+
+def test_a_call_runs_at_least_one_token_from_position_zero_on():
+    with pytest.raises(ValueError, match="tokens from a position"):
+        PrefillPosition(0, 0, 8, (4,), "cpu")
+    with pytest.raises(ValueError, match="tokens from a position"):
+        PrefillPosition(-1, 3, 8, (4,), "cpu")

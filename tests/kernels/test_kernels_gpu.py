@@ -221,6 +221,7 @@ def test_grouped_linear_matches_reference(m, groups, r, k, gen):
     out = grouped_linear(x, w, s, groups)
     want = ref.grouped_linear(x, w, s, groups)
     assert out.shape == (m, groups * r) and out.dtype == torch.bfloat16
+    assert torch.equal(grouped_linear(x, w, s, groups, ref.e8m0_to_float(s)), out)  # prepared scales: same bits
     err = rel_err(out, want)
     print(f"grouped_linear M={m} G={groups} R={r} K={k}: rel err {err:.2e}")
     assert err < 4e-3

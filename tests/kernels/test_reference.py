@@ -273,9 +273,13 @@ def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
     w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     exps = torch.randint(127 - 30, 127 + 10, (-(-n // 128), -(-k // 128)), generator=gen, dtype=torch.uint8)
     scale = exps.view(torch.float8_e8m0fnu)
-    got = dequant_fp8_bf16(w, scale)
     want = ref.dequant_fp8_block(w, scale)
-    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want.float())
+    for prepared in (None, ref.e8m0_to_float(scale)):  # the scales' fp32 values, prepared at load
+        got = dequant_fp8_bf16(w, scale, prepared)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want.float())
+    extremes = torch.tensor([[0, 1], [254, 127]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^-127 .. 2^127
+    w4 = torch.ones(256, 256).to(torch.float8_e4m3fn)
+    assert torch.equal(dequant_fp8_bf16(w4, extremes, ref.e8m0_to_float(extremes)), dequant_fp8_bf16(w4, extremes))
 
 
 def test_moe_combine_of_cells_by_row_equals_the_combine_in_token_order():
