@@ -93,12 +93,43 @@ def kernel_factory(build) -> KernelFactory:
     return KernelFactory(build)
 
 
-def compile_kernel(func, arch: tuple[int, int], out_idx=None, pass_configs: dict | None = None):
-    """Compile a TileLang PrimFunc for `arch` = (major, minor)."""
+def compile_kernel(func, arch: tuple[int, int], pass_configs: dict | None = None) -> "Launcher":
+    """Compile a TileLang PrimFunc for `arch` = (major, minor); called with every argument, its
+    outputs included (`Launcher`)."""
     import tilelang
 
     target = {"kind": "cuda", "arch": f"sm_{arch[0]}{arch[1]}" + ("a" if arch[0] >= 9 else "")}
-    return tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+    return Launcher(tilelang.compile(func, target=target, pass_configs=pass_configs))
+
+
+class Launcher:
+    """A compiled TileLang kernel (tilelang 0.1.15's `JITKernel`, TVM-FFI execution backend),
+    called with all its arguments, outputs included (it allocates none).
+
+    The first call goes through TileLang's adapter, which checks the arguments' count and builds
+    the compiled module; later calls go to that module's entry function directly. The adapter's
+    per-call Python (the argument list rebuilt, outputs looked for, the device prepared) cost about
+    10 µs of host time a launch, and a 728-token prefill chunk makes ~1,400 TileLang launches on a
+    host-bound path (docs/performance-log.md, 2026-12-03). The entry function converts and checks
+    each tensor itself (shapes, dtypes, strides, device), as before."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._entry = None
+
+    def __call__(self, *args) -> None:
+        entry = self._entry
+        if entry is not None:
+            entry(*args)
+            return
+        self.kernel(*args)
+        executable = self.kernel.adapter.executable  # built by that call
+        if executable is not None:
+            self._entry = executable.main
+
+    def get_kernel_source(self) -> str:
+        """The generated CUDA source."""
+        return self.kernel.get_kernel_source()
 
 
 def check_fp4_parts(caller: str, w_row: int, w_offs, s_row: int, s_offs, n: int, k: int) -> None:

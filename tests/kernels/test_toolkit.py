@@ -1,4 +1,4 @@
-"""kernels.toolkit's input checks, shared by the kernel wrappers (run on the CPU: no kernel is built)."""
+"""kernels.toolkit's input checks, shared by the kernel wrappers, and its `Launcher` (run on the CPU: no kernel is built)."""
 
 from __future__ import annotations
 
@@ -16,3 +16,53 @@ def test_fp4_parts_outside_the_arena_row_or_misaligned_are_refused_by_name():
                                          (256, (0, 128), 15, (0, 8))):  # scales past theirs
         with pytest.raises(KernelInputError, match="^caller: the weight must lie inside the arena row"):
             check_fp4_parts("caller", w_row, w_offs, s_row, s_offs, n, k)
+
+
+class _Module:
+    """A compiled module's stand-in: its entry function records its calls."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def main(self, *args):
+        self.calls.append(("entry", args))
+
+
+class _Adapter:
+    executable = None
+
+
+class _JITKernel:
+    """tilelang's JITKernel as `Launcher` uses it: a call through the adapter builds the module."""
+
+    def __init__(self, build: bool = True):
+        self.calls: list = []
+        self.adapter = _Adapter()
+        self.build = build
+
+    def __call__(self, *args):
+        self.calls.append(("adapter", args))
+        if self.build:
+            self.adapter.executable = _Module(self.calls)
+        return []
+
+
+def test_launcher_calls_through_the_adapter_once_then_the_entry_function():
+    from kernels.toolkit import Launcher
+
+    kernel = _JITKernel()
+    launch = Launcher(kernel)
+    launch(1, "a")
+    launch(2, "b")
+    launch(3, "c")
+    assert kernel.calls == [("adapter", (1, "a")), ("entry", (2, "b")), ("entry", (3, "c"))]
+
+
+def test_launcher_stays_on_the_adapter_while_it_has_built_no_module():
+    from kernels.toolkit import Launcher
+
+    kernel = _JITKernel(build=False)
+    launch = Launcher(kernel)
+    launch(1)
+    launch(2)
+    assert kernel.calls == [("adapter", (1,)), ("adapter", (2,))]
