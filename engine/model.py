@@ -281,7 +281,7 @@ class Transformer:
         hs = self.numerics.rms_norm(streams, m.hnorm, m.eps)  # per stream
         s, n, d = hs.shape
         x = m.h_proj(hs.reshape(s * n, d)).view(s, n, d) + m.e_proj(e).unsqueeze(1)  # [S, n, D]
-        at = PrefillPosition(start, s, self.args.window_size, (), x.device)  # the MTP block is window-only
+        at = self.prefill_position(start, s, x.device)
         x = m.block(x.to(self.numerics.dtype), next_ids, at, state.mtp, experts)
         y = self.numerics.rms_norm(m.hc_head(x), m.norm, self.args.norm_eps)
         return self._head(y)

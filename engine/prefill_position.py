@@ -5,9 +5,9 @@ every layer (engine/attention.py `Attention.__call__`). Whatever depends on the 
 is the same in every layer of a compression ratio: the window branch's key rows, the positions
 themselves, per ratio r the count of entries visible to each query, the ape row of each token,
 the windows the call completes and, in a layer without an indexer, its picks of every visible
-entry. Derived in each layer they were ~700 launches of a 728-token chunk at 43 layers, whose
-host time bounds the chunk on the H200 (docs/performance-log.md, 2026-12-03); made here once per
-call they are a dozen.
+entry. Derived in each layer they were ~750 torch ops (launches on CUDA) of a chunk at 43 layers,
+whose host time bounds a 728-token chunk on the H200 (docs/performance-log.md, 2026-12-03); made
+here once per call they are a dozen.
 
 Rows of a layer's keys: `keys` = the ring's tokens before `start` (up to W-1 of them), the S new
 ones, then (compressed layers) the compressor's entries 0..n_entries(r)-1.
@@ -30,8 +30,8 @@ class PrefillPosition:
     per compression ratio r of `ratios`:
     * `visible[r]` [S]: (p + 1) // r, the entries complete at each query;
     * `ape_row[r]` [S]: p mod r;
-    * `windows[r]` [n_win]: the entries the call completes (with the tokens buffered before
-      it), `window_pos[r]` [n_win] their first positions (entry·r);
+    * `window_pos[r]` [n_win]: the first positions (entry·r) of the entries the call completes
+      (with the tokens buffered before it), entries `first_window(r)`..;
     * `all_rows(r)` [S, W + n_entries(r)]: `window_rows`, then every entry slot's key row, -1
       for those not visible at the query (a layer without an indexer attends to all of them).
     """
@@ -47,14 +47,13 @@ class PrefillPosition:
         # query start + i, key start + i - back[j]: row n_prev + i - back[j]; -1 before position 0
         self.window_rows = (torch.arange(self.n_prev, self.window_keys, device=device).unsqueeze(1)
                             - back.unsqueeze(0)).clamp_min(-1)
-        self.visible, self.ape_row, self.windows, self.window_pos = {}, {}, {}, {}
+        self.visible, self.ape_row, self.window_pos = {}, {}, {}
         self._all_rows: dict[int, torch.Tensor] = {}
         for r in sorted({r for r in ratios if r}):
             self.visible[r] = (self.pos + 1) // r
             self.ape_row[r] = self.pos % r
-            first, n_win = self.first_window(r), self.n_windows(r)
-            self.windows[r] = torch.arange(first, first + n_win, device=device)
-            self.window_pos[r] = self.windows[r] * r
+            first, end = self.first_window(r), self.n_entries(r)
+            self.window_pos[r] = torch.arange(first * r, end * r, r, device=device)
 
     def n_entries(self, r: int) -> int:
         """Entries of ratio r complete after the call."""

@@ -107,11 +107,11 @@ class Launcher:
     called with all its arguments, outputs included (it allocates none).
 
     The first call goes through TileLang's adapter, which checks the arguments' count and builds
-    the compiled module; later calls go to that module's entry function directly. The adapter's
-    per-call Python (the argument list rebuilt, outputs looked for, the device prepared) cost about
-    10 µs of host time a launch, and a 728-token prefill chunk makes ~1,400 TileLang launches on a
-    host-bound path (docs/performance-log.md, 2026-12-03). The entry function converts and checks
-    each tensor itself (shapes, dtypes, strides, device), as before."""
+    the compiled module; later calls go to that module's entry function directly, without the
+    adapter's per-call Python (the argument list rebuilt, outputs looked for, the device
+    prepared): a 728-token prefill chunk makes ~1,400 TileLang launches, and its host is what
+    bounds it (docs/performance-log.md, 2026-12-03). The entry function converts and checks each
+    tensor itself, as it did behind the adapter."""
 
     def __init__(self, kernel):
         self.kernel = kernel
