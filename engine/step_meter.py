@@ -77,9 +77,8 @@ class StepMeter:
         """The update after step `res`, the state now at `position`."""
         self._last = (res.tokens, position, res.timing, ttft)
         self._phase = "graph replay" if res.graphed else "eager"
-        now = time.perf_counter()
-        if self._memory is None or now - self._memory[0] >= MEMORY_REFRESH_S:
-            self._memory = (now, self._measure_memory())
+        if self._memory is None or time.perf_counter() - self._memory[0] >= MEMORY_REFRESH_S:
+            self.refresh()
         return self._stats(self._memory[1])
 
     def now(self) -> StepStats:

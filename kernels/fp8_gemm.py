@@ -180,8 +180,9 @@ def blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: tor
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_gemm` on activations quantised by act_quant: q [M, K] e4m3, s [M, K/128] fp32 ->
-    bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows; the
-    block-scaled GEMM reads `w_scale_f32`, w_scale's fp32 values, when a caller prepared them)."""
+    bf16 [M, N], as `reference.fp8_gemm_quantized` (the GEMV for M <= GEMV_MAX_M rows; above it
+    the block-scaled GEMM, or the bf16 one on dequantised operands, reads `w_scale_f32`, w_scale's
+    fp32 values, when a caller prepared them)."""
     check_fp8_weight(q, w, w_scale)
     n, k = w.shape
     m = q.shape[0]
@@ -191,13 +192,13 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     arch = cuda_arch(q.device)
     if m == 0:
         return torch.empty(0, n, dtype=torch.bfloat16, device=q.device)
-    if m > GEMV_MAX_M:
+    if m > GEMV_MAX_M:  # both paths read w_scale_f32
+        if w_scale_f32 is not None and tuple(w_scale_f32.shape) != tuple(w_scale.shape):
+            raise KernelInputError(f"fp8_gemm: w_scale_f32 {tuple(w_scale_f32.shape)} is not the shape of "
+                                   f"w_scale {tuple(w_scale.shape)}")
         if arch == (9, 0) and n % 128 == 0 and (k // 128) % 4 == 0:
-            if w_scale_f32 is not None and tuple(w_scale_f32.shape) != tuple(w_scale.shape):
-                raise KernelInputError(f"fp8_gemm: w_scale_f32 {tuple(w_scale_f32.shape)} is not the shape of "
-                                       f"w_scale {tuple(w_scale.shape)}")
             return blockwise_mm(q, s, w, w_scale, w_scale_f32)
-        return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale).T)
+        return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale, w_scale_f32).T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
     operands = (as_words(q), s.float().contiguous(), as_words(w), scale_bytes(w_scale), y)
