@@ -43,10 +43,12 @@ SYNCS = {"_local_scalar_dense", "item"}
 
 @dataclass
 class OpCounts:
-    """What `count_ops` saw: own ops by (file:line, source), backend ops by function, syncs."""
+    """What `count_ops` saw: own ops by (file:line, source), backend ops by function and by the
+    kernels/ line that issued them (the innermost one), syncs."""
 
     own: collections.Counter = field(default_factory=collections.Counter)
     backend: collections.Counter = field(default_factory=collections.Counter)
+    backend_lines: collections.Counter = field(default_factory=collections.Counter)
     syncs: collections.Counter = field(default_factory=collections.Counter)
 
     @property
@@ -73,7 +75,7 @@ class _Counter(TorchDispatchMode):
             return out
         # from the innermost frame out to the first under own_dir: the backend function called
         # from there, if any, is the last frame under backend_dir seen on the way
-        own = inner = None
+        own = inner = innermost = None
         frame = sys._getframe(1)
         while frame is not None:
             filename = frame.f_code.co_filename
@@ -82,12 +84,15 @@ class _Counter(TorchDispatchMode):
                 break
             if self._under(filename, self.backend_dir):
                 inner = frame
+                innermost = innermost or frame
             frame = frame.f_back
         where = self._site(own.f_code.co_filename, own.f_lineno) if own is not None else "(outside)"
         if name in SYNCS or (name in ("_to_copy", "copy_") and _to_host(func, args, kwargs)):
             self.counts.syncs[where] += 1
         if inner is not None:
             self.counts.backend[inner.f_code.co_name] += 1
+            site = self._site(innermost.f_code.co_filename, innermost.f_lineno)
+            self.counts.backend_lines[f"{name} @ {site}"] += 1
         elif own is not None:
             self.counts.own[where] += 1
         return out
@@ -143,6 +148,9 @@ def report(counts: OpCounts, layers: int, top: int, out=None) -> None:
     print("backend ops' torch ops by op:", file=out)
     for name, n in counts.backend.most_common(top):
         print(f"  {n:6d}  {name}", file=out)
+    print(f"backend ops by op and kernels/ line (top {top}):", file=out)
+    for where, n in counts.backend_lines.most_common(top):
+        print(f"  {n:6d}  {where[:120]}", file=out)
     for where, n in counts.syncs.most_common():
         print(f"  sync x{n}: {where[:110]}", file=out)
 

@@ -135,6 +135,10 @@ class Runtime:
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
+            # the uses that earlier calls' MoEs counted on the device (record_later), counted on
+            # the host while the device runs this call: not between a call and its first token
+            # (a long chunk of the real model: up to 43 × 256 uses); statistics settle first
+            self.experts.settle_records(wait=False)
         return Launched(out, n, graphed, timer, t0, wait, done)
 
     def _to_device(self, host: list[int]) -> torch.Tensor:
@@ -152,8 +156,6 @@ class Runtime:
         if launched.done is not None:
             launched.done.synchronize()
         seconds = time.perf_counter() - launched.t0
-        with self.lock:  # the uses its MoE counted without waiting (record_later); not a call queued after it
-            self.experts.settle_records(wait=False)
         wait, timer = launched.wait_s, launched.timer
         if launched.graphed:  # no sections inside a replay: all but the expert wait is the graph's
             timing = StepTiming(expert_wait_ms=1e3 * wait, graph_ms=1e3 * max(0.0, seconds - wait))

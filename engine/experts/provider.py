@@ -12,8 +12,8 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
   that read them through its slot table (`can_acquire(n)`: whether n of them fit now);
   `record(layer, ids)` counts uses made that way (the one-launch prefill, a replayed decode
   step), `record_later(layer, counts)` from per-expert counts on the device without waiting for
-  them (counted at `settle_records()`, which the runtime calls once the call has run, and which
-  every statistic and control here calls first); `all_resident()`; `load_all(on_unit)`;
+  them (counted at `settle_records()`, which the runtime calls once it has queued the next call,
+  and which every statistic and control here calls first); `all_resident()`; `load_all(on_unit)`;
 * `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is

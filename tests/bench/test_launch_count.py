@@ -33,6 +33,9 @@ def test_ops_are_attributed_to_their_line_or_backend_op_and_views_are_free():
     assert lines["y.sum().item()  # a reduction, then a read on the host"] == 2  # sum, then the scalar read
     assert lines["ref.rms_norm(y.contiguous(), None, 1e-6)  # a backend op: its torch ops go to its name"] == 1
     assert set(counts.backend) == {"rms_norm"} and counts.backend["rms_norm"] >= 3
+    # each backend op also by its aten op and the innermost kernels/ line that issued it
+    assert sum(counts.backend_lines.values()) == counts.backend["rms_norm"]
+    assert all(re.fullmatch(r"\w+ @ reference\.py:\d+ .+", k) for k in counts.backend_lines)
     assert sum(counts.syncs.values()) == 1
     assert counts.total == sum(counts.own.values()) + counts.backend["rms_norm"]
 
