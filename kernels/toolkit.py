@@ -125,7 +125,9 @@ class Launcher:
         self.kernel(*args)
         executable = self.kernel.adapter.executable  # built by that call
         if executable is not None:
-            self._entry = executable.main
+            # a kernel loaded from the cache has a module here, one compiled in this process a
+            # `tvm.runtime.Executable` (no `main` attribute): both give the entry by name
+            self._entry = executable["main"]
 
     def get_kernel_source(self) -> str:
         """The generated CUDA source."""

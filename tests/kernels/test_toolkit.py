@@ -18,14 +18,31 @@ def test_fp4_parts_outside_the_arena_row_or_misaligned_are_refused_by_name():
             check_fp4_parts("caller", w_row, w_offs, s_row, s_offs, n, k)
 
 
-class _Module:
-    """A compiled module's stand-in: its entry function records its calls."""
+class _LoadedModule:
+    """A kernel loaded from TileLang's cache (`tvm_ffi.Module`): functions by name, `main` the entry."""
 
     def __init__(self, calls: list):
         self.calls = calls
 
+    def __getitem__(self, name: str):
+        assert name == "main"
+        return lambda *args: self.calls.append(("entry", args))
+
     def main(self, *args):
         self.calls.append(("entry", args))
+
+
+class _Executable:
+    """A kernel compiled in this process (`tvm.runtime.Executable`): no `main` attribute; item
+    access jit-builds the module and returns its function (it crashed the launcher's entry when
+    read as an attribute)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getitem__(self, name: str):
+        assert name == "main"
+        return lambda *args: self.calls.append(("entry", args))
 
 
 class _Adapter:
@@ -35,22 +52,23 @@ class _Adapter:
 class _JITKernel:
     """tilelang's JITKernel as `Launcher` uses it: a call through the adapter builds the module."""
 
-    def __init__(self, build: bool = True):
+    def __init__(self, build=_LoadedModule):
         self.calls: list = []
         self.adapter = _Adapter()
         self.build = build
 
     def __call__(self, *args):
         self.calls.append(("adapter", args))
-        if self.build:
-            self.adapter.executable = _Module(self.calls)
+        if self.build is not None:
+            self.adapter.executable = self.build(self.calls)
         return []
 
 
-def test_launcher_calls_through_the_adapter_once_then_the_entry_function():
+@pytest.mark.parametrize("module", [_LoadedModule, _Executable], ids=["from the cache", "compiled here"])
+def test_launcher_calls_through_the_adapter_once_then_the_entry_function(module):
     from kernels.toolkit import Launcher
 
-    kernel = _JITKernel()
+    kernel = _JITKernel(module)
     launch = Launcher(kernel)
     launch(1, "a")
     launch(2, "b")
@@ -61,7 +79,7 @@ def test_launcher_calls_through_the_adapter_once_then_the_entry_function():
 def test_launcher_stays_on_the_adapter_while_it_has_built_no_module():
     from kernels.toolkit import Launcher
 
-    kernel = _JITKernel(build=False)
+    kernel = _JITKernel(build=None)
     launch = Launcher(kernel)
     launch(1)
     launch(2)
