@@ -75,11 +75,3 @@ def act_quant(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Te
     if xg.shape[0]:
         act_quant_kernel(block, TORCH_TO_TL[x.dtype], arch)(xg, q, s)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // block)
-
-
-def act_dequant_bf16(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """`reference.act_dequant` in bf16, exactly (an e4m3 value times a power of two has 4
-    significant bits): q [M, K] e4m3, s [M, K/block] fp32 -> bf16 [M, K], the input of the
-    prefill paths' cuBLAS GEMMs."""
-    m, k = q.shape
-    return (q.to(torch.bfloat16).view(m, k // block, block) * s.to(torch.bfloat16).unsqueeze(-1)).view(m, k)

@@ -55,6 +55,7 @@ OPS: tuple[Op, ...] = (
     Op("fp4_moe", ref.fp4_moe, "kernels.fp4_moe"),
     Op("fp4_moe_quantized", ref.fp4_moe_quantized, "kernels.fp4_moe"),
     Op("fp4_dequant_slots", ref.fp4_dequant_slots, "kernels.fp4_dequant"),
+    Op("fp8_dequant_bf16", ref.fp8_dequant_bf16, "kernels.fp8_dequant"),
     Op("head_logits", ref.head_logits, "kernels.head_gemv"),
     Op("rms_norm", ref.rms_norm, "kernels.rms_norm"),
     Op("rms_norm_quant", ref.rms_norm_quant, "kernels.rms_norm_quant"),
@@ -152,7 +153,7 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
 
 
 # Every module that defines `@kernel_factory` functions (tests/kernels/test_kernel_factory.py checks the list).
-KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_dequant",
+KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_dequant", "kernels.fp8_dequant",
                   "kernels.fp4_mma_few_tokens", "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_gemm",
                   "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token", "kernels.grouped_linear",
                   "kernels.hadamard_qdq4", "kernels.head_gemv", "kernels.indexer_scores", "kernels.indexer_weights",

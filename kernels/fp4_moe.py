@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import fp4_mma_few_tokens, fp4_mma_one_token, lowbit, pdl
-from kernels.act_quant import act_dequant_bf16, act_quant
+from kernels.act_quant import act_quant
+from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.fp4_dequant import fp4_dequant_slots
 from kernels.toolkit import (TORCH_TO_TL, UNGUARDED, KernelInputError, check_fp4_parts, compile_kernel, cuda_arch,
                              kernel_factory, pad_rows_to_bucket, tile_params)
@@ -250,7 +251,7 @@ def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.T
         return torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m > GEMV_MAX_M:
         cuda_arch(x.device)
-        y = torch.matmul(act_dequant_bf16(*act_quant(x2, 128)), ref.dequant_fp4_bf16(w, w_scale).T)
+        y = torch.matmul(fp8_dequant_bf16(*act_quant(x2, 128), 1, 128), ref.dequant_fp4_bf16(w, w_scale).T)
     else:
         slot0 = torch.zeros(1, dtype=torch.int32, device=x.device)
         y = fp4_gemm_grouped(pad_rows_to_bucket(x2).unsqueeze(0), _as_bytes(w).reshape(1, -1), 0,
@@ -284,14 +285,14 @@ def fp4_moe(x: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Ten
     q, s = act_quant(xa, 128)
     if groups:
         return fp4_moe_dequantized(q, s, arena, fields, None, groups, weights, limit, swiglu_quant,
-                                   fp4_dequant_slots, rows)
+                                   fp4_dequant_slots, rows, fp8_dequant_bf16)
     if rows is not None:
         q, s = q.index_select(0, rows), s.index_select(0, rows)
     if groups is None and q.shape[0] == g >= GROUPED_MIN_CELLS:  # prefill: are there enough cells per expert?
         order, spans = expert_spans(slots)
         if dense(g, len(spans)):
             return fp4_moe_dequantized(q, s, arena, fields, order, expert_groups(spans, q.device), weights, limit,
-                                       swiglu_quant, fp4_dequant_slots)
+                                       swiglu_quant, fp4_dequant_slots, dequant_act=fp8_dequant_bf16)
     return fp4_moe_quantized(q, s, arena, fields, slots, weights, limit, run=run).to(torch.bfloat16)  # exact
 
 
@@ -332,7 +333,8 @@ def expert_groups(spans: list[tuple[int, int, int]], device: torch.device,
 def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict,
                         order: torch.Tensor | None, groups: list[tuple[int, int, torch.Tensor, torch.Tensor]],
                         weights: torch.Tensor, limit: float, quantize_h=ref.swiglu_quant,
-                        dequant=ref.fp4_dequant_slots, rows: torch.Tensor | None = None) -> torch.Tensor:
+                        dequant=ref.fp4_dequant_slots, rows: torch.Tensor | None = None,
+                        dequant_act=ref.fp8_dequant_bf16) -> torch.Tensor:
     """`fp4_moe_quantized` for many cells per expert (prefill), on the tensor cores: q [G, D] e4m3,
     s [G, D/128], weights [G] -> bf16 [G, D] (w2's outputs, not widened) in the cells' order;
     with `rows` [G], q and s are the tokens' [N, ...] and cell g reads row rows[g] (each token's
@@ -345,12 +347,13 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     w3 stacked), then one grouped bf16 GEMM with fp32 accumulation and bf16 output
     (`torch.nn.functional.grouped_mm`, each expert on its cells' exact FP8 activations) for
     w1|w3 and one for w2 (the reference's rounding, its sums in another order); w2's input
-    through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does. Runs
-    on any device."""
+    through `quantize_h` (the backend's swiglu_quant, or the reference's), as decode does; each
+    GEMM's FP8 activations widened to bf16 by `dequant_act` (the backend's fp8_dequant_bf16, or
+    the reference's). Runs on any device."""
     dim = q.shape[1]
     inter = fields["w1.weight"].shape[0]
     off = {name: f.offset for name, f in fields.items()}
-    a = act_dequant_bf16(q, s)
+    a = dequant_act(q, s, 1, 128)
     if rows is not None:
         a = a.index_select(0, rows)
     if order is not None:
@@ -377,7 +380,7 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     del a
     hq, hs = quantize_h(gu[:, :inter], gu[:, inter:], weights.float(), limit)
     del gu
-    y = grouped(act_dequant_bf16(hq, hs), ("w2",), dim, inter)
+    y = grouped(dequant_act(hq, hs, 1, 128), ("w2",), dim, inter)
     if order is None:
         return y
     return torch.empty_like(y).index_copy_(0, order, y)

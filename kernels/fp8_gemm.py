@@ -29,8 +29,9 @@ TileLang is imported lazily (see kernels/toolkit.py).
 
 import torch
 
-from kernels import fp8_mma_few_tokens, fp8_mma_one_token, lowbit, pdl
-from kernels.act_quant import act_dequant_bf16, act_quant
+from kernels import fp8_mma_few_tokens, fp8_mma_one_token, lowbit, pdl, reference as ref
+from kernels.act_quant import act_quant
+from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
 from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket, tile_params
@@ -134,17 +135,17 @@ def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
 
 
 def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 weight -> bf16 [N, K], exactly (e4m3 times a power of two fits bf16). Two passes over
-    the weight (cast, then times its block's 2^e broadcast); prefill runs it per chunk.
-    `w_scale_f32`: the scales' fp32 values when prepared (one launch here instead of four)."""
-    n, k = w.shape
+    """FP8 weight -> bf16 [N, K], exactly (e4m3 times a power of two fits bf16), in torch (any
+    device; the CUDA paths use kernels/fp8_dequant.py). `w_scale_f32`: the scales' fp32 values
+    when prepared (else decoded from `w_scale` here)."""
+    return ref.fp8_dequant_bf16(w, weight_scales_f32(w_scale, w_scale_f32), 128, 128)
+
+
+def weight_scales_f32(w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None) -> torch.Tensor:
+    """A weight's block scales as fp32 [N/128, K/128]: the prepared ones, or decoded from e8m0."""
     if w_scale_f32 is not None:
-        two = w_scale_f32.to(torch.bfloat16)  # powers of two: exact in bf16
-    else:
-        two = torch.pow(2.0, (scale_bytes(w_scale).to(torch.int32) - 127).to(torch.bfloat16))  # [N/128, K/128]
-    if n % 128 or k % 128:  # ragged blocks at the edges: the scales spelled out
-        return w.to(torch.bfloat16) * two.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return (w.to(torch.bfloat16).view(n // 128, 128, k // 128, 128) * two[:, None, :, None]).view(n, k)
+        return w_scale_f32
+    return torch.pow(2.0, (scale_bytes(w_scale).to(torch.int32) - 127).to(torch.float32))
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -198,7 +199,8 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
                                    f"w_scale {tuple(w_scale.shape)}")
         if arch == (9, 0) and n % 128 == 0 and (k // 128) % 4 == 0:
             return blockwise_mm(q, s, w, w_scale, w_scale_f32)
-        return torch.matmul(act_dequant_bf16(q, s), dequant_fp8_bf16(w, w_scale, w_scale_f32).T)
+        wd = fp8_dequant_bf16(w, weight_scales_f32(w_scale, w_scale_f32), 128, 128)
+        return torch.matmul(fp8_dequant_bf16(q, s, 1, 128), wd.T)
     q, s = pad_rows_to_bucket(q), pad_rows_to_bucket(s)  # zero codes: zero rows
     y = torch.empty(q.shape[0], n, dtype=torch.bfloat16, device=q.device)
     operands = (as_words(q), s.float().contiguous(), as_words(w), scale_bytes(w_scale), y)

@@ -23,7 +23,8 @@ import torch
 
 from kernels import lowbit, pdl
 from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket
-from kernels.fp8_gemm import GEMV_MAX_M, check_fp8_weight, dequant_fp8_bf16, gemv_tile
+from kernels.fp8_dequant import fp8_dequant_bf16
+from kernels.fp8_gemm import GEMV_MAX_M, check_fp8_weight, gemv_tile, weight_scales_f32
 from kernels.gemv import VEC, as_words, scale_bytes, store_rows_macro, weight_steps_macro
 
 
@@ -94,7 +95,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
     rows, warps, ksplit = gemv_tile(n, k, arch)
     if m > GEMV_MAX_M or (n // groups) % (rows * warps // ksplit):
         u = x.view(m, groups, k)  # [S, G, K]
-        wd = dequant_fp8_bf16(w, w_scale, w_scale_f32).view(groups, n // groups, k)  # [G, R, K], exact
+        wd = fp8_dequant_bf16(w, weight_scales_f32(w_scale, w_scale_f32), 128, 128)  # exact
+        wd = wd.view(groups, n // groups, k)  # [G, R, K]
         return torch.einsum("sgi,gri->sgr", u, wd).reshape(m, n)
     xp = aligned16(pad_rows_to_bucket(x.contiguous()))  # zero rows: zero outputs, sliced off
     y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)

@@ -155,6 +155,18 @@ def act_dequant(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Ten
     return (qb * s.unsqueeze(-1)).reshape(q.shape)
 
 
+def fp8_dequant_bf16(q: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """e4m3 codes times block scales, exactly in bf16 (an e4m3 value times a power of two fits):
+    q [M, K] float8_e4m3fn, s [ceil(M/rows), K/cols] fp32 -> bf16 [M, K], element (i, j) =
+    q[i, j] · s[i // rows, j // cols]. (rows, cols) = (1, 128): act_quant's output, the bf16 input
+    of prefill's GEMMs; (128, 128): an FP8 weight's blocks."""
+    m, k = q.shape
+    two = s.to(torch.bfloat16)  # powers of two: exact in bf16
+    if m % rows == 0 and k % cols == 0:
+        return (q.to(torch.bfloat16).view(m // rows, rows, k // cols, cols) * two[:, None, :, None]).view(m, k)
+    return q.to(torch.bfloat16) * two.repeat_interleave(rows, 0)[:m].repeat_interleave(cols, 1)[:, :k]
+
+
 def qdq8(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """FP8 storage simulation (§C.0 QDQ8): round through e4m3 with a pow2 scale per block; keeps dtype."""
     q, s = act_quant(x, block)

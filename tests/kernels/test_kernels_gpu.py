@@ -62,6 +62,20 @@ def test_act_quant_matches_reference_exactly(shape, block, dtype, gen):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("m,k,rows,cols", [(1, 4096, 1, 128), (7, 2048, 1, 128), (4368, 2048, 1, 128),
+                                           (8192, 4096, 128, 128), (200, 384, 128, 128), (130, 256, 128, 128)])
+def test_fp8_dequant_matches_reference_exactly(m, k, rows, cols, gen):
+    """kernels.fp8_dequant (prefill's FP8 activations and wo_a's weight, widened to bf16) equals
+    the reference bit for bit, ragged edge blocks of rows included."""
+    from kernels.fp8_dequant import fp8_dequant_bf16
+    q = (torch.randn(m, k, generator=gen, device=DEV) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exps = torch.randint(-40, 20, (-(-m // rows), k // cols), generator=gen, device=DEV)
+    s = torch.pow(2.0, exps.float())
+    got = fp8_dequant_bf16(q, s, rows, cols)
+    want = ref.fp8_dequant_bf16(q, s, rows, cols)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_act_quant_scale_boundaries(gen):
     """amax exactly 448·2^k, just above it, and below the 1e-4 floor: the pow2 rounding edges."""
     from kernels.act_quant import act_quant

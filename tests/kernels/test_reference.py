@@ -282,6 +282,17 @@ def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
     assert torch.equal(dequant_fp8_bf16(w4, extremes, ref.e8m0_to_float(extremes)), dequant_fp8_bf16(w4, extremes))
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 256), (3, 384)])
+def test_fp8_dequant_of_activations_is_act_dequant_in_bf16(m, k):
+    """reference.fp8_dequant_bf16 at blocks of 1 x 128 (act_quant's output, widened for prefill's
+    GEMMs) equals act_dequant rounded to bf16, bit for bit, and loses nothing: every value is exact."""
+    gen = torch.Generator().manual_seed(5)
+    q, s = ref.act_quant(torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k), 128)
+    got = ref.fp8_dequant_bf16(q, s, 1, 128)
+    want = ref.act_dequant(q, s, 128)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want)
+
+
 def test_moe_combine_of_cells_by_row_equals_the_combine_in_token_order():
     """Cells [N·k, D] in any order with the row of each (token, choice): the same bits as the
     cells put back in (token, choice) order first."""
