@@ -11,13 +11,11 @@ runs two per layer. Here it is two launches:
    for chunks of up to 512 channels, a CTA per (chunk, 64 tokens): fn's chunk is staged once
    for 64 tokens instead of read again per token, and each thread keeps a register tile of 4
    tokens x every output over a sixteenth of the chunk's channels (warp shuffles sum them);
-2. `hc_gate_kernel`, 1 + D / (threads · 8) CTAs per token, each summing the partials in chunk
-   order: r = rsqrt(Σx²/(n·D) + eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps,
-   post = 2 · sigmoid(z). The first CTA writes post, and one of its warps runs the Sinkhorn
-   projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp macro); each other CTA
-   collapses its share of x = Σ_j pre_j · stream_j (streams' dtype), 8 channels per thread. One
-   token's gate is thus the Sinkhorn's latency beside one collapse step's, not their sum over
-   one CTA (a decode step runs 86 of them in its chain of dependent launches).
+2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
+   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
+   warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
+   macro) while the others collapse x = Σ_j pre_j · stream_j
+   (streams' dtype), 8 channels per thread and step.
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
@@ -173,13 +171,12 @@ def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[in
 def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: float, dtype: str,
                    arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
-    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; grid (1 + parts, S).
+    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; one CTA per token.
 
-    In every CTA threads 0..cols sum the partials (chunk order: deterministic) and threads
-    0..2n-1 make pre (and post). CTA 0 of a token writes post and runs the Sinkhorn projection
-    of the comb logits in its warp 1 (kernels.sinkhorn's warp macro, no barriers); CTA p >= 1
-    collapses channels (p - 1)·threads·VEC .. p·threads·VEC - 1 of x = Σ_j pre_j · stream_j,
-    `VEC` channels per thread, every load of a thread issued before its sums."""
+    Threads 0..cols sum the partials (chunk order: deterministic); threads 0..2n-1 make pre and
+    post; warp 1 runs the Sinkhorn projection of the comb logits (kernels.sinkhorn's warp macro,
+    no barriers) while the other warps start the collapse x = Σ_j pre_j · stream_j, `VEC`
+    channels per thread and step, every load of a thread issued before its sums."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
@@ -191,7 +188,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
         raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {VEC}")
     steps = sinkhorn_macro(T, n, iters, hc_eps)
     inv_nd = T.float32(1.0 / (n * d))
-    parts = (d // VEC + threads - 1) // threads  # collapse CTAs per token, one step of VEC channels per thread
+    rounds = (d // VEC + threads - 1) // threads  # collapse steps per thread
     chunk_loop = T.unroll if chunks <= 128 else T.serial
     tokens = T.dynamic("tokens")
 
@@ -204,7 +201,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
                 Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
                 Y: T.Tensor((tokens, d), dtype), Post: T.Tensor((tokens, n), "float32"),
                 Comb: T.Tensor((tokens, nn), "float32")):
-        with T.Kernel(1 + parts, tokens, threads=threads) as (bx, bs):
+        with T.Kernel(tokens, threads=threads) as bs:
             tx = T.get_thread_binding(0)
             sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
             v = T.alloc_local((2,), "float32")  # running sum / z; sigmoid(z)
@@ -225,21 +222,19 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
                 if tx < n:
                     sm[cols + 1 + tx] = v[1] + hc_eps
                 else:
-                    if bx == 0:
-                        Post[bs, tx - n] = 2.0 * v[1]
+                    Post[bs, tx - n] = 2.0 * v[1]
             T.sync_threads()
-            if bx == 0:
-                if tx // WARP == 1:  # the whole warp: the shuffles need every lane
-                    e = (tx - WARP) % nn  # element: row e // n, column e % n
-                    v[0] = logit(sm, Scale, Base, 2 * n + e)
-                    steps(v, acc, tx - WARP - e, e)
-                    if tx - WARP < nn:
-                        Comb[bs, e] = v[0]
-            else:
-                c0 = ((bx - 1) * threads + tx) * VEC
+            if tx // WARP == 1:  # the whole warp: the shuffles need every lane
+                e = (tx - WARP) % nn  # element: row e // n, column e % n
+                v[0] = logit(sm, Scale, Base, 2 * n + e)
+                steps(v, acc, tx - WARP - e, e)
+                if tx - WARP < nn:
+                    Comb[bs, e] = v[0]
+            for j in T.unroll(n):
+                pre[j] = sm[cols + 1 + j]
+            for i in T.unroll(rounds):
+                c0 = (i * threads + tx) * VEC
                 if c0 < d:
-                    for j in T.unroll(n):
-                        pre[j] = sm[cols + 1 + j]
                     for j in T.unroll(n):
                         for u in T.vectorized(VEC):
                             xs[j, u] = X[bs, j, c0 + u]
