@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import threading
@@ -103,7 +104,8 @@ def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[Kerne
     """The calls of every manifest or hint file in `paths` written for `shape` (its "shape"
     field), without repeats, in file order: the kernels an engine of these shapes will probably
     build, to compile in parallel before a full warm-up. Best effort: an unreadable file, another
-    shape, a malformed entry or an unknown factory is skipped."""
+    shape, a malformed entry, an unknown factory or arguments its signature does not take (a
+    manifest an older version of the kernels wrote into the same cache) is skipped."""
     calls: dict[KernelCall, None] = {}
     for path in paths:
         try:
@@ -116,8 +118,10 @@ def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[Kerne
             if (isinstance(entry, dict) and entry.get("factory") in factories and isinstance(entry.get("args"), list)
                     and isinstance(entry.get("kwargs", {}), dict)):
                 try:
-                    calls[_entry_call(entry)] = None
-                except TypeError:  # an argument no factory takes (a JSON object): not a call
+                    call = _entry_call(entry)
+                    inspect.signature(factories[call.factory]).bind(*call.args, **dict(call.kwargs))
+                    calls[call] = None
+                except TypeError:  # an argument no factory takes (a JSON object, one too many): not a call
                     continue
     return list(calls)
 

@@ -334,7 +334,9 @@ def test_hints_are_the_calls_of_every_file_of_the_shape_once(tmp_path):
                    shape="s2")  # another shape
     body = json.loads((tmp_path / "b.json").read_text())
     body["kernels"] += [{"factory": "fake_kernels.gone_kernel", "args": [1]}, {"args": 3}, "junk",
-                        {"factory": "fake_kernels.gemv_kernel", "args": [{"m": 1}, 2, [9, 0]]}]
+                        {"factory": "fake_kernels.gemv_kernel", "args": [{"m": 1}, 2, [9, 0]]},
+                        {"factory": "fake_kernels.gemv_kernel", "args": [1, 2, [9, 0], "bfloat16", 4]},  # an older
+                        {"factory": "fake_kernels.gemv_kernel", "args": [1, 2], "kwargs": {"depth": 2}}]  # signature
     (tmp_path / "b.json").write_text(json.dumps(body))
     (tmp_path / "d.json").write_text("{not json")
     paths = [tmp_path / n for n in ("a.json", "b.json", "c.json", "d.json", "missing.json")]
