@@ -35,6 +35,10 @@ from engine.state import SequenceState
 from engine.stats import StepTiming
 
 
+# Layers' expert uses (`ExpertProvider.record_later`) that a launch counts on the host while the
+# device runs it: about 2 x 256 cache lookups of the real model, well within a decode step.
+SETTLED_PER_LAUNCH = 2
+
 # Prefill chunks this short replay the decode graphs token by token (`Runtime.prefill`) when no
 # chunk step runs: 16 replayed steps at 43 layers (~7 ms each on the H200) beat one eager chunk
 # (~300 ms of launches).
@@ -136,9 +140,10 @@ class Runtime:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
             # the uses that earlier calls' MoEs counted on the device (record_later), counted on
-            # the host while the device runs this call: not between a call and its first token
-            # (a long chunk of the real model: up to 43 × 256 uses); statistics settle first
-            self.experts.settle_records(wait=False)
+            # the host while the device runs this call, a few layers' at a time: not between a
+            # call and its first token, nor all at once before the next step's launch (a long
+            # chunk of the real model records up to 43 × 256 uses); statistics settle first
+            self.experts.settle_records(wait=False, most=SETTLED_PER_LAUNCH)
         return Launched(out, n, graphed, timer, t0, wait, done)
 
     def _to_device(self, host: list[int]) -> torch.Tensor:

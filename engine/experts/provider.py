@@ -172,17 +172,19 @@ class ExpertProvider(ABC):
         done.record(torch.cuda.current_stream(counts.device))
         self._later.append((layer, host, done))
 
-    def settle_records(self, wait: bool = True) -> None:
+    def settle_records(self, wait: bool = True, most: int | None = None) -> None:
         """Count what `record_later` queued, in order: waiting for its copies (i.e. for the calls
         that made the counts), or without `wait` only those whose copies have completed (a call
-        queued after the one the caller waited for keeps running)."""
-        while self._later:
+        queued after the one the caller waited for keeps running); at most `most` of them (None:
+        all), so that a caller between launches spends a bounded time here."""
+        while self._later and (most is None or most > 0):
             layer, host, done = self._later[0]
             if not wait and not done.query():
                 return
             done.synchronize()
             self._later.popleft()
             self.record(layer, used_experts(host.tolist()))
+            most = None if most is None else most - 1
 
     @abstractmethod
     def all_resident(self) -> bool:

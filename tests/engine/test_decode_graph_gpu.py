@@ -177,8 +177,8 @@ def test_engine_turns_replay_graphs_and_match_the_eager_engine(packed):
 def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(packed):
     """Every expert resident and enough cells per expert (engine.moe.Cells.all_groups): the MoE
     groups the cells on the device with no host sync and counts its uses later
-    (`record_later`); once `settle_records` has waited, each layer counted each of its distinct
-    experts once, and the logits are those of the same prompt prefilled in chunks too short for
+    (`record_later`); `settle_records(most=2)` counts the first two layers' only, and once
+    `settle_records` has waited, each layer counted each of its distinct experts once, and the logits are those of the same prompt prefilled in chunks too short for
     the tensor cores (the grouped GEMV), within the native GPU paths' rounding."""
     from engine.moe import Cells
 
@@ -200,6 +200,9 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
         cells = Cells(torch.zeros(96, files.args.n_activated_experts, dtype=torch.long, device=dev),
                       files.experts.n_experts)
         assert cells.one_group and cells.all_groups(files.experts.arena.table[0])
+        files.experts.settle_records(most=2)
+        first = [a - b for a, b in zip(files.experts.usage.layer_uses, before)]
+        assert all(first[:2]) and not any(first[2:]) and files.args.n_layers > 2
         files.experts.settle_records()
         counted = [a - b for a, b in zip(files.experts.usage.layer_uses, before)]
         assert counted == [len(routes[layer]) for layer in range(files.args.n_layers)]
@@ -217,9 +220,9 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
 def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
     """On CUDA `Runtime.prefill` queues each chunk before waiting for the one before it: the same
     kernels in the same order as chunks run one at a time, so the same logits bit for bit and the
-    same uses counted once settled (each launch counts the earlier calls' finished uses; the
-    last chunk's wait for the runtime's settle, off its first token's path); the chunks' seconds
-    add up to no more than the prefill's wall time."""
+    same uses counted once settled (each launch counts at most SETTLED_PER_LAUNCH layers' uses
+    of the earlier calls; the rest wait for the runtime's settle, off the first token's path);
+    the chunks' seconds add up to no more than the prefill's wall time."""
     import threading
     import time
 
