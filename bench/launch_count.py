@@ -102,11 +102,13 @@ class _Counter(TorchDispatchMode):
 
 
 def _to_host(func, args, kwargs) -> bool:
-    """Whether a copy op moves device data to the CPU (a synchronisation)."""
+    """Whether a copy op moves device data to the CPU and waits for it (a synchronisation): not a
+    non-blocking copy into pinned memory (it is queued, as `ExpertProvider.record_later` does)."""
     dst = (kwargs or {}).get("device")
     src = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if func.overloadpacket.__name__ == "copy_":
-        return len(args) > 1 and args[1].device.type != "cpu" and args[0].device.type == "cpu"
+        queued = (len(args) > 2 and args[2] or (kwargs or {}).get("non_blocking", False)) and args[0].is_pinned()
+        return len(args) > 1 and args[1].device.type != "cpu" and args[0].device.type == "cpu" and not queued
     return src is not None and src.device.type != "cpu" and dst is not None and torch.device(dst).type == "cpu"
 
 
