@@ -142,7 +142,8 @@ class Runtime:
             # the uses that earlier calls' MoEs counted on the device (record_later), counted on
             # the host while the device runs this call, a few layers' at a time: not between a
             # call and its first token, nor all at once before the next step's launch (a long
-            # chunk of the real model records up to 43 × 256 uses); statistics settle first
+            # chunk of the real model records up to 43 × 256 uses); the provider's controls and
+            # statistics settle them all first
             self.experts.settle_records(wait=False, most=SETTLED_PER_LAUNCH)
         return Launched(out, n, graphed, timer, t0, wait, done)
 
