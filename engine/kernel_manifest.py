@@ -100,7 +100,7 @@ def hint_sources(cache_dir: Path) -> list[Path]:
     return sorted(HINTS_DIR.glob("*.json")) + sorted((Path(cache_dir) / MANIFEST_DIR).glob("*.json"))
 
 
-def read_hints(paths, shape: str, factories: Mapping[str, object]) -> list[KernelCall]:
+def read_hints(paths, shape: str, factories: Mapping[str, Callable]) -> list[KernelCall]:
     """The calls of every manifest or hint file in `paths` written for `shape` (its "shape"
     field), without repeats, in file order: the kernels an engine of these shapes will probably
     build, to compile in parallel before a full warm-up. Best effort: an unreadable file, another

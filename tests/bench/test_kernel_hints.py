@@ -23,7 +23,8 @@ def test_the_hints_file_lists_the_manifests_kernels_once_under_flashs_shape_key(
     flash = ModelArgs.from_dict(flash_config(43), "flash")
     shape = shape_key(flash, EngineConfig(), True, (9, 0), "0.1.15")
     assert json.loads(out.read_text())["shape"] == shape and "3 kernels" in capsys.readouterr().out
-    assert read_hints([out], shape, {"k.gemv": None, "k.norm": None}) == [a[0], a[1], b[1]]
+    factories = {"k.gemv": lambda m, n, arch: None, "k.norm": lambda d, eps: None}  # stand-ins: their signatures
+    assert read_hints([out], shape, factories) == [a[0], a[1], b[1]]
     # the 256-expert model, any depth, another max_seq_len: the same shapes
     real = ModelArgs.from_dict(flash_config(43, n_routed_experts=256), "flash")
     assert shape_key(real, EngineConfig(max_seq_len=65536), True, (9, 0), "0.1.15") == shape
