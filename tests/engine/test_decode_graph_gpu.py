@@ -178,8 +178,9 @@ def test_a_long_resident_prefill_skips_host_syncs_and_counts_its_uses_once_run(p
     """Every expert resident and enough cells per expert (engine.moe.Cells.all_groups): the MoE
     groups the cells on the device with no host sync and counts its uses later
     (`record_later`); `settle_records(most=2)` counts the first two layers' only, and once
-    `settle_records` has waited, each layer counted each of its distinct experts once, and the logits are those of the same prompt prefilled in chunks too short for
-    the tensor cores (the grouped GEMV), within the native GPU paths' rounding."""
+    `settle_records` has waited, each layer counted each of its distinct experts once, and the
+    logits are those of the same prompt prefilled in chunks too short for the tensor cores (the
+    grouped GEMV), within the native GPU paths' rounding."""
     from engine.moe import Cells
 
     dev = torch.device("cuda")
