@@ -171,9 +171,7 @@ def blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: tor
         q = torch.cat((q, q.new_zeros(pad, q.shape[1])))
         s = torch.cat((s, s.new_ones(pad, s.shape[1])))
     sa = s.float().t().contiguous().t()
-    if w_scale_f32 is None:
-        w_scale_f32 = torch.pow(2.0, scale_bytes(w_scale).to(torch.float32) - 127.0)
-    sw = w_scale_f32.t()
+    sw = weight_scales_f32(w_scale, w_scale_f32).t()
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
     return y[:m] if pad else y
 
