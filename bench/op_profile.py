@@ -208,12 +208,14 @@ def profile_all(a, eng) -> None:
     from kernels.backend import compiled_kernels
 
     runtime, model = eng.runtime, eng.model
-    ids = [int(i) for i in torch.randint(1000, 60000, (a.prefill,), generator=torch.Generator().manual_seed(0))]
+    # enough tokens for the prefill and for the follow-up's 128 + `followup`
+    ids = [int(i) for i in torch.randint(1000, 60000, (max(a.prefill, 128 + a.followup),),
+                                         generator=torch.Generator().manual_seed(0))]
 
     for chunk in a.chunks:
         def prefill(chunk=chunk):
             state = model.new_state()
-            for _ in runtime.prefill(state, ids, chunk):
+            for _ in runtime.prefill(state, ids[:a.prefill], chunk):
                 pass
         k0 = compiled_kernels()
         wall = timed(prefill)
