@@ -33,22 +33,26 @@ class HyperConnection:
     """HCPre/HCPost of one sub-block (attention or FFN) with its fn [24, n·D], scale [3], base [24].
 
     The math is `reference.hc_pre` / `reference.hc_post`; native runs the backend's (on CUDA a
-    handful of fused launches instead of ~15 per call), exact the reference."""
+    handful of fused launches instead of ~15 per call), exact the reference. The residual mix's
+    Sinkhorn projection runs in `post`, where its result is used: on CUDA the post kernel projects
+    while the sub-block's last kernel still runs (`early`), off the step's chain of kernels."""
 
     def __init__(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, args: ModelArgs,
                  numerics: Numerics):
         self.fn, self.base = fn.float(), base.float()
         self.scale = spread_scale(scale.float(), args.hc_mult)  # [2n + n²]
-        self.consts = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps)
+        self.n, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
         self.numerics = numerics
 
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [S, n, D] -> (block input x [S, D], post [S, n], comb [S, n, n])."""
-        return self.numerics.hc_pre(streams, self.fn, self.scale, self.base, *self.consts)
+        """streams [S, n, D] -> (block input x [S, D], post [S, n], comb_logits [S, n, n])."""
+        return self.numerics.hc_pre(streams, self.fn, self.scale, self.base, self.n, self.hc_eps, self.eps)
 
-    def post(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """Block output out [S, D] mixed back into the streams [S, n, D] -> new streams."""
-        return self.numerics.hc_post(out, streams, post, comb)
+    def post(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+             comb_logits: torch.Tensor) -> torch.Tensor:
+        """Block output out [S, D] mixed back into the streams [S, n, D] -> new streams. `pre`
+        made post and comb_logits, and the sub-block's kernels ran since: `early` holds."""
+        return self.numerics.hc_post(out, streams, post, comb_logits, self.iters, self.hc_eps, early=True)
 
 
 class HyperHead:

@@ -92,11 +92,11 @@ class Numerics(ABC):
         """RMSNorm (§C.0): native runs the backend's (one fused launch on CUDA), exact the reference."""
         return self.ops.rms_norm(x, weight, eps)
 
-    def hc_pre(self, streams, fn, scale, base, n, iters, hc_eps, eps):
-        return self.ops.hc_pre(streams, fn, scale, base, n, iters, hc_eps, eps)
+    def hc_pre(self, streams, fn, scale, base, n, hc_eps, eps):
+        return self.ops.hc_pre(streams, fn, scale, base, n, hc_eps, eps)
 
-    def hc_post(self, out, streams, post, comb):
-        return self.ops.hc_post(out, streams, post, comb)
+    def hc_post(self, out, streams, post, comb_logits, iters, hc_eps, early=False):
+        return self.ops.hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
 
     def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
         return self.ops.moe_gate(x, weight, bias, k, route_scale, hash_ids)

@@ -12,24 +12,27 @@ runs two per layer. Here it is two launches:
    for 64 tokens instead of read again per token, and each thread keeps a register tile of 4
    tokens x every output over a sixteenth of the chunk's channels (warp shuffles sum them);
 2. `hc_gate_kernel`, one CTA per token: sums the partials in chunk order, r = rsqrt(Σx²/(n·D) +
-   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z); one
-   warp runs the Sinkhorn projection of the comb logits z[2n:] (kernels/sinkhorn.py's warp
-   macro) while the others collapse x = Σ_j pre_j · stream_j
-   (streams' dtype), 8 channels per thread and step.
+   eps), z = (dot · r) · scale + base, pre = sigmoid(z) + hc_eps, post = 2 · sigmoid(z), writes
+   the comb logits z[2n:], and collapses x = Σ_j pre_j · stream_j (streams' dtype), 8 channels
+   per thread and step.
 
 The reference normalises before the GEMV (Σ (x_i · r) fn_i); here r multiplies the finished dot
 product, the same value up to fp32 rounding, so results match within fp32 summation-order
 tolerance (tests/kernels/test_kernels_gpu.py prints the errors).
 
-HCPost (`hc_post_kernel`): one thread per `VEC` channels d of every new stream k: new = post_k ·
-out_d + Σ_j comb[j, k] · stream_j[d] in fp32 (j in order, single roundings), rounded once into
-the streams' dtype: one launch instead of ~5.
+HCPost (`hc_post_kernel`): one warp per CTA runs the Sinkhorn projection of the comb logits
+(kernels/sinkhorn.py's warp macro) into shared memory, then one thread per `VEC` channels d of
+every new stream k: new = post_k · out_d + Σ_j comb[j, k] · stream_j[d] in fp32 (j in order,
+single roundings), rounded once into the streams' dtype: one launch instead of ~5. With `early`
+(the model's calls: the logits come from the sub-block's hc_pre, kernels before) the projection
+runs before the PDL wait, while the sub-block's last kernel still runs: its ~40 dependent steps
+(~2.3 µs on the H200) were on the decode step's chain of kernels inside hc_gate, twice a layer.
 
 `hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
 (the decode step did not move; docs/performance-log.md, 2026-12-01).
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
-scale/base [2n + n²] fp32, post [S, n] fp32, comb [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
+scale/base [2n + n²] fp32, post [S, n] fp32, comb logits [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
 fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) untested. (No `from __future__
 import annotations`: TileLang evaluates the kernel signatures' annotations.)
 """
@@ -168,33 +171,26 @@ def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[in
 
 
 @kernel_factory
-def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: float, dtype: str,
-                   arch: tuple[int, int]):
+def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype: str, arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
-    Post [S, n] fp32, Comb [S, n·n] fp32) with cols = 2n + n²; one CTA per token.
+    Post [S, n] fp32, Comb [S, n·n] fp32 logits) with cols = 2n + n²; one CTA per token.
 
     Threads 0..cols sum the partials (chunk order: deterministic); threads 0..2n-1 make pre and
-    post; warp 1 runs the Sinkhorn projection of the comb logits (kernels.sinkhorn's warp macro,
-    no barriers) while the other warps start the collapse x = Σ_j pre_j · stream_j, `VEC`
-    channels per thread and step, every load of a thread issued before its sums."""
+    post, threads 2n..cols-1 the comb logits; then every thread collapses x = Σ_j pre_j ·
+    stream_j, `VEC` channels per step, every load of a thread issued before its sums."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
     cols, nn = 2 * n + n * n, n * n
-    if cols + 1 > threads or threads < 2 * WARP:
-        raise KernelInputError(f"hc_pre needs at least max({cols + 1}, {2 * WARP}) threads per CTA (the mix "
-                               f"columns and a second warp for Sinkhorn), the tile gives {threads}")
+    if cols + 1 > threads:
+        raise KernelInputError(f"hc_pre needs at least {cols + 1} threads per CTA (the mix columns), the tile "
+                               f"gives {threads}")
     if d % VEC:
         raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {VEC}")
-    steps = sinkhorn_macro(T, n, iters, hc_eps)
     inv_nd = T.float32(1.0 / (n * d))
     rounds = (d // VEC + threads - 1) // threads  # collapse steps per thread
     chunk_loop = T.unroll if chunks <= 128 else T.serial
     tokens = T.dynamic("tokens")
-
-    def logit(sm, Scale, Base, c):
-        """z of mix column c from the summed partials (an expression)."""
-        return sm[c] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[c] + Base[c]
 
     @T.prim_func
     def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
@@ -205,7 +201,6 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
             tx = T.get_thread_binding(0)
             sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
             v = T.alloc_local((2,), "float32")  # running sum / z; sigmoid(z)
-            acc = T.alloc_local((1,), "float32")
             pre = T.alloc_local((n,), "float32")
             xs = T.alloc_local((n, VEC), dtype)
             ys = T.alloc_local((VEC,), dtype)
@@ -216,20 +211,17 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
                     v[0] = fp32_call(T, "__fadd_rn", v[0], P[bs, k, tx])
                 sm[tx] = v[0]
             T.sync_threads()
-            if tx < 2 * n:
-                v[0] = logit(sm, Scale, Base, tx)
-                v[1] = 1.0 / (1.0 + T.exp(-v[0]))
-                if tx < n:
-                    sm[cols + 1 + tx] = v[1] + hc_eps
+            if tx < cols:
+                v[0] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]  # z
+                if tx < 2 * n:
+                    v[1] = 1.0 / (1.0 + T.exp(-v[0]))
+                    if tx < n:
+                        sm[cols + 1 + tx] = v[1] + hc_eps
+                    else:
+                        Post[bs, tx - n] = 2.0 * v[1]
                 else:
-                    Post[bs, tx - n] = 2.0 * v[1]
+                    Comb[bs, tx - 2 * n] = v[0]
             T.sync_threads()
-            if tx // WARP == 1:  # the whole warp: the shuffles need every lane
-                e = (tx - WARP) % nn  # element: row e // n, column e % n
-                v[0] = logit(sm, Scale, Base, 2 * n + e)
-                steps(v, acc, tx - WARP - e, e)
-                if tx - WARP < nn:
-                    Comb[bs, e] = v[0]
             for j in T.unroll(n):
                 pre[j] = sm[cols + 1 + j]
             for i in T.unroll(rounds):
@@ -251,29 +243,54 @@ def hc_gate_kernel(n: int, d: int, chunks: int, iters: int, hc_eps: float, eps: 
 
 
 @kernel_factory
-def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
-    """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Comb [S, n, n]) -> Y [S, n, d] dtype.
+def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early: bool, arch: tuple[int, int]):
+    """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Z [S, n·n] comb logits) -> Y [S, n, d] dtype.
 
-    Each thread makes `VEC` channels of all n new streams: it loads those channels of every old
-    stream and of O once (vectorised), so each input is read once, not once per new stream."""
+    Warp 0 of each CTA projects its token's comb logits (Sinkhorn, `iters` rounds) into shared
+    memory; with `early` before the PDL wait, reading Z past L1 (Z must come from a kernel before
+    this one's predecessor: kernels/pdl.py). Then each thread makes `VEC` channels of all n new
+    streams: it loads those channels of every old stream and of O once (vectorised), so each
+    input is read once, not once per new stream."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
+    nn = n * n
     if d % VEC:
         raise KernelInputError(f"hc_post: D = {d} is not a multiple of {VEC}")
+    if threads < WARP:
+        raise KernelInputError(f"hc_post needs a whole warp per CTA for Sinkhorn, the tile gives {threads} threads")
+    steps = sinkhorn_macro(T, n, iters, hc_eps)
     tokens = T.dynamic("tokens")
+
+    def logit(Z, bs, e):
+        """Z[bs, e]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
+        must not answer a read made before the wait."""
+        return T.call_extern("float32", "__ldcg", T.address_of(Z[bs, e])) if early else Z[bs, e]
 
     @T.prim_func
     def hc_post(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
-                Post: T.Tensor((tokens, n), "float32"), Comb: T.Tensor((tokens, n, n), "float32"),
+                Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
                 Y: T.Tensor((tokens, n, d), dtype)):
         with T.Kernel(T.ceildiv(d // VEC, threads), tokens, threads=threads) as (bx, bs):
             tx = T.get_thread_binding(0)
+            comb = T.alloc_shared((nn,), "float32")
+            v = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
             m = T.alloc_local((1,), "float32")
             xs = T.alloc_local((n, VEC), dtype)
             ov = T.alloc_local((VEC,), dtype)
             ys = T.alloc_local((VEC,), dtype)
-            pdl.begin(T, arch)
+            if not early:
+                pdl.begin(T, arch)
+            if tx < WARP:  # the whole warp: the shuffles need every lane
+                e = tx % nn  # element: row e // n, column e % n
+                v[0] = logit(Z, bs, e)
+                steps(v, acc, tx - e, e)
+                if tx < nn:
+                    comb[e] = v[0]
+            T.sync_threads()
+            if early:
+                pdl.begin(T, arch)
             c0 = (bx * threads + tx) * VEC  # first channel of this thread
             if c0 < d:
                 for j in T.unroll(n):
@@ -286,7 +303,7 @@ def hc_post_kernel(n: int, d: int, dtype: str, arch: tuple[int, int]):
                         m[0] = 0.0
                         for j in T.unroll(n):
                             m[0] = fp32_call(T, "__fadd_rn", m[0], fp32_call(
-                                T, "__fmul_rn", Comb[bs, j, k], T.Cast("float32", xs[j, u])))
+                                T, "__fmul_rn", comb[j * n + k], T.Cast("float32", xs[j, u])))
                         ys[u] = T.Cast(dtype, fp32_call(T, "__fadd_rn", fp32_call(
                             T, "__fmul_rn", Post[bs, k], T.Cast("float32", ov[u])), m[0]))
                     for u in T.vectorized(VEC):
@@ -302,8 +319,8 @@ def _check_streams(streams: torch.Tensor) -> None:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [S, n, D] -> (x [S, D], post [S, n], comb [S, n, n]), as `reference.hc_pre`."""
+           hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [S, n, D] -> (x [S, D], post [S, n], comb_logits [S, n, n]), as `reference.hc_pre`."""
     _check_streams(streams)
     s, _, d = streams.shape
     cols, nd = 2 * n + n * n, n * d
@@ -329,21 +346,26 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         if s:
             hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
     if s:
-        hc_gate_kernel(n, d, partial.shape[1], int(iters), float(hc_eps), float(eps), dt, arch)(
+        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), dt, arch)(
             partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
     return x, post, comb.view(s, n, n)
 
 
-def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out [S, D], streams [S, n, D], post [S, n], comb [S, n, n] -> new streams, as `reference.hc_post`."""
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
+            hc_eps: float, early: bool = False) -> torch.Tensor:
+    """out [S, D], streams [S, n, D], post [S, n], comb_logits [S, n, n] -> new streams, as
+    `reference.hc_post`; `early`: comb_logits were written before the kernel launched just
+    before this call (the sub-block's last), which the projection then overlaps."""
     _check_streams(streams)
     s, n, d = streams.shape
-    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb.shape) != (s, n, n):
-        raise KernelInputError(f"hc_post: out {tuple(out.shape)}, post {tuple(post.shape)}, comb "
-                               f"{tuple(comb.shape)} do not fit streams {tuple(streams.shape)}")
+    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb_logits.shape) != (s, n, n):
+        raise KernelInputError(f"hc_post: out {tuple(out.shape)}, post {tuple(post.shape)}, comb logits "
+                               f"{tuple(comb_logits.shape)} do not fit streams {tuple(streams.shape)}")
+    check_n(n)
     y = torch.empty_like(streams, memory_format=torch.contiguous_format)
     if s:
-        hc_post_kernel(n, d, TORCH_TO_TL[streams.dtype], cuda_arch(streams.device))(
+        hc_post_kernel(n, d, int(iters), float(hc_eps), TORCH_TO_TL[streams.dtype], bool(early),
+                       cuda_arch(streams.device))(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
-            comb.float().contiguous(), y)
+            comb_logits.float().reshape(s, n * n).contiguous(), y)
     return y

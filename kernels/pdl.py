@@ -21,9 +21,10 @@ ordinary full ordering, so a PDL kernel after a torch kernel waits as before.
 
 Rules each kernel keeps (else a race):
 * nothing before `begin` reads a buffer any kernel writes, and nothing before it writes. The one
-  exception (kernels/fp4_mma_one_token.py's `early`): a buffer that only kernels before the predecessor
-  write (the slot table, the expert ids), read past L1 -- this grid starts only once every CTA of
-  its predecessor has passed that predecessor's own `begin`, so every earlier kernel has completed;
+  exception (the `early` of kernels/fp4_mma_one_token.py and kernels/mhc.py's hc_post): a buffer
+  that only kernels before the predecessor write (the slot table, the expert ids; mHC's comb
+  logits), read past L1 -- this grid starts only once every CTA of its predecessor has passed that
+  predecessor's own `begin`, so every earlier kernel has completed;
 * every thread of every CTA runs `begin` unconditionally, so no grid can complete before its
   predecessor has: completion stays ordered along the stream (transitively).
 

@@ -521,9 +521,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-           iters: int, hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC HCPre (§C.3): streams [S, n, D] -> (block input x [S, D] in the streams' dtype,
-    post [S, n] fp32, comb [S, n, n] fp32). fn [2n + n², n·D], scale and base [2n + n²] (scale
+    post [S, n] fp32, comb_logits [S, n, n] fp32: the residual mix's logits, which `hc_post`
+    projects by Sinkhorn where it uses them). fn [2n + n², n·D], scale and base [2n + n²] (scale
     spread over the mix columns: pre, post, comb)."""
     sf = streams.float()
     m = matmul(rms_norm(sf.flatten(1), None, eps), fn.T)  # [S, 2n + n²], stream 0 first
@@ -531,14 +532,18 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     gates = torch.sigmoid(z[:, :2 * n])  # pre and post columns in one launch
     pre = gates[:, :n] + hc_eps
     post = 2 * gates[:, n:]
-    comb = sinkhorn(z[:, 2 * n:].view(-1, n, n), iters, hc_eps)  # row-major n×n
     x = (pre.unsqueeze(-1) * sf).sum(dim=1)
-    return x.to(streams.dtype), post, comb
+    return x.to(streams.dtype), post, z[:, 2 * n:].reshape(-1, n, n)  # row-major n×n
 
 
-def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """mHC HCPost: new stream k = post_k · out + Σ_j comb[j, k] · stream_j, fp32 math, rounded
-    once into the streams' dtype. out [S, D], streams [S, n, D], post [S, n], comb [S, n, n]."""
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
+            hc_eps: float, early: bool = False) -> torch.Tensor:
+    """mHC HCPost: comb = sinkhorn(comb_logits, iters, hc_eps) (§C.3 step 6), then new stream k =
+    post_k · out + Σ_j comb[j, k] · stream_j, fp32 math, rounded once into the streams' dtype.
+    out [S, D], streams [S, n, D], post [S, n], comb_logits [S, n, n] (`hc_pre`'s). `early`
+    (kernels only): the kernel may read comb_logits before its predecessor kernel completes
+    (kernels/pdl.py: they were written before that predecessor)."""
+    comb = sinkhorn(comb_logits, iters, hc_eps)
     mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
     # bf16 `out` widens exactly inside the product
     new = torch.empty(mixed.shape, dtype=streams.dtype, device=streams.device)

@@ -826,28 +826,42 @@ def test_hc_pre_matches_reference(s, n, d, dtype, gen):
     from kernels.mhc import hc_pre
     streams = (torch.randn(s, n, d, generator=gen, device=DEV) * 3).to(dtype)
     fn, scale, base = mhc_params(n, d, gen)
-    got = hc_pre(streams, fn, scale, base, n, 20, 1e-6, 1e-6)
-    want = ref.hc_pre(streams, fn, scale, base, n, 20, 1e-6, 1e-6)
-    for name, g, w in zip(("x", "post", "comb"), got, want):
+    got = hc_pre(streams, fn, scale, base, n, 1e-6, 1e-6)
+    want = ref.hc_pre(streams, fn, scale, base, n, 1e-6, 1e-6)
+    for name, g, w in zip(("x", "post", "comb_logits"), got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         err = rel_err(g, w)
         print(f"hc_pre {name} S={s} n={n} D={d} {dtype}: rel err {err:.2e}")
         assert err < (4e-3 if name == "x" and dtype == torch.bfloat16 else 1e-4), name
 
 
+def mix_streams(out, streams, post, comb):
+    """HCPost's mix with a given (projected) comb: the reference's formula after its Sinkhorn."""
+    mixed = torch.einsum("sjk,sjd->skd", comb, streams.float())
+    return (post.unsqueeze(-1) * out.unsqueeze(1) + mixed).to(streams.dtype)
+
+
 @pytest.mark.parametrize("s,n,d,dtype", MHC_CASES)
 def test_hc_post_matches_reference(s, n, d, dtype, gen):
+    """The kernel projects the comb logits with the Sinkhorn warp macro (the same bits as
+    `sinkhorn_alone`), then mixes within one output rounding; `early` (projection before the PDL
+    wait) changes no bit; against the pure reference within Sinkhorn's bound."""
     from kernels.mhc import hc_post
     streams = (torch.randn(s, n, d, generator=gen, device=DEV) * 3).to(dtype)
     out = torch.randn(s, d, generator=gen, device=DEV).to(dtype)
     post = torch.rand(s, n, generator=gen, device=DEV) * 2
-    comb = ref.sinkhorn(torch.randn(s, n, n, generator=gen, device=DEV), 20, 1e-6)
-    got, want = hc_post(out, streams, post, comb), ref.hc_post(out, streams, post, comb)
+    logits = torch.randn(s, n, n, generator=gen, device=DEV) * 3
+    got = hc_post(out, streams, post, logits, 20, 1e-6)
+    assert torch.equal(hc_post(out, streams, post, logits, 20, 1e-6, early=True), got)
+    want = mix_streams(out, streams, post, sinkhorn_alone(logits, 20, 1e-6))
     assert got.shape == want.shape and got.dtype == want.dtype
     diff = (got.double() - want.double()).abs()
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
     print(f"hc_post S={s} n={n} D={d} {dtype}: max abs diff {diff.max().item():.2e}")
     assert (diff <= ulp * want.double().abs() + 1e-6).all()  # at most one rounding step of the output
+    pure = ref.hc_post(out, streams, post, logits, 20, 1e-6)
+    bound = ulp * pure.double().abs() + 1e-5 * streams.double().abs().sum(dim=1, keepdim=True) + 1e-6
+    assert ((got.double() - pure.double()).abs() <= bound).all()
 
 
 def test_mhc_rejects_bad_shapes(gen):
@@ -856,9 +870,9 @@ def test_mhc_rejects_bad_shapes(gen):
     streams = torch.randn(1, 4, 4096, device=DEV).to(torch.bfloat16)
     fn, scale, base = mhc_params(4, 4096, gen)
     with pytest.raises(KernelInputError, match="do not fit"):
-        hc_pre(streams, fn[:, :100], scale, base, 4, 20, 1e-6, 1e-6)
+        hc_pre(streams, fn[:, :100], scale, base, 4, 1e-6, 1e-6)
     with pytest.raises(KernelInputError, match="do not fit"):
-        hc_post(streams[:, 0], streams, torch.rand(1, 3, device=DEV), torch.rand(1, 4, 4, device=DEV))
+        hc_post(streams[:, 0], streams, torch.rand(1, 3, device=DEV), torch.rand(1, 4, 4, device=DEV), 20, 1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 3, 20])

@@ -6,6 +6,8 @@ CUDA graph (where PDL overlaps the links) and must equal the same chain run with
 synchronisation after every kernel (where nothing overlaps), bit for bit.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -55,6 +57,25 @@ def test_fp8_mma_one_token_reads_only_weights_before_the_wait():
     wait = src.index("cudaGridDependencySynchronize();")
     assert max(src.index("W + "), src.index("SW[")) < wait < min(src.index("Q + "), src.index("SA["))
     assert src.count("Q + ") == src[wait:].count("Q + ")
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_hc_post_projects_the_comb_before_the_wait_only_when_early(early):
+    """Early, only the comb logits (written kernels before: kernels/pdl.py) are read before the
+    wait, past L1; the streams, the sub-block's output and post only after it."""
+    from kernels import pdl
+    from kernels.mhc import hc_post_kernel
+    from kernels.toolkit import cuda_arch
+    arch = cuda_arch(torch.device(DEV))
+    src = hc_post_kernel(4, 4096, 20, 1e-6, "bfloat16", early, arch).get_kernel_source()
+    if not pdl.enabled(arch):
+        pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
+    body = src[src.index("{", src.index("hc_post_kernel(")):]  # after the parameter list
+    wait = body.index("cudaGridDependencySynchronize();")
+    first_z = re.search(r"\bZ\b", body).start()
+    assert min(m.start() for m in re.finditer(r"\b(X|O|Post)\b", body)) > wait
+    assert (first_z < wait) == early
+    assert ("__ldcg" in body[:wait]) == early
 
 
 @pytest.mark.parametrize("links", [24])

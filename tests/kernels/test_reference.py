@@ -171,6 +171,32 @@ def test_sinkhorn_column_first_doubly_stochastic():
     assert not torch.allclose(one.sum(-1), torch.ones(5, 4), atol=0.05)
 
 
+def test_hc_pre_hands_comb_logits_and_hc_post_projects_them():
+    """HCPre returns the residual mix's logits z[2n:] (scale · r · fn·x + base); HCPost projects
+    them by Sinkhorn, then mixes: post_k · out + Σ_j comb[j, k] · stream_j (spec §C.3)."""
+    s, n, d, eps, hc_eps = 3, 4, 64, 1e-6, 1e-6
+    cols = 2 * n + n * n
+    streams = torch.randn(s, n, d).to(torch.bfloat16)
+    fn, base = torch.randn(cols, n * d) * 0.1, torch.randn(cols)
+    scale = torch.cat((torch.full((n,), 0.7), torch.full((n,), 1.3), torch.full((n * n,), 2.0)))
+    x, post, logits = ref.hc_pre(streams, fn, scale, base, n, hc_eps, eps)
+    flat = streams.double().flatten(1)
+    z = (flat / (flat.pow(2).mean(-1, keepdim=True) + eps).sqrt()) @ fn.double().T * scale.double() + base.double()
+    assert logits.shape == (s, n, n) and logits.dtype == torch.float32
+    assert torch.allclose(logits.double(), z[:, 2 * n:].view(s, n, n), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(post.double(), 2 * torch.sigmoid(z[:, n:2 * n]), atol=1e-6)
+    pre = torch.sigmoid(z[:, :n]) + hc_eps
+    assert torch.allclose(x.double(), (pre.unsqueeze(-1) * streams.double()).sum(1), rtol=1e-2, atol=1e-2)
+
+    out = torch.randn(s, d).to(torch.bfloat16)
+    new = ref.hc_post(out, streams, post, logits, 20, hc_eps)
+    comb = ref.sinkhorn(logits, 20, hc_eps).double()
+    want = post.double().unsqueeze(-1) * out.double().unsqueeze(1) + torch.einsum(
+        "sjk,sjd->skd", comb, streams.double())
+    assert new.dtype == torch.bfloat16 and torch.allclose(new.double(), want, rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(ref.hc_post(out, streams, post, logits, 20, hc_eps, early=True), new)  # a kernel hint
+
+
 def test_topk_breaks_ties_by_lowest_index():
     scores = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0, 0.5]])
     assert ref.topk_desc(scores, 4).tolist() == [[1, 3, 5, 0]]
