@@ -15,7 +15,10 @@ shape outside these buckets:
   changes no result;
 * compressed-cache capacities: powers of two from `engine.state.MIN_ENTRIES` up to what
   `max_seq_len` needs (`engine.state.LayerState.reserve` grows them that way);
-* rows of a one-launch GEMV: padded to powers of two by the kernels (kernels.act_quant).
+* rows of a one-launch GEMV: padded to powers of two by the kernels (kernels.act_quant);
+* rows of the cuBLAS GEMMs whose algorithm choice per new row count costs milliseconds: padded
+  to multiples of `kernels.bf16_gemm.CUBLAS_ROW_BUCKET` (`cublas_rows`), and `chunk_buckets`
+  holds a chunk length for each of those row counts up to `longest_chunk`.
 
 The warm-up at load (engine/warmup.py) runs every one of them once.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from engine.config import ModelArgs
 from engine.state import MIN_ENTRIES
+from kernels.bf16_gemm import CUBLAS_ROW_BUCKET, cublas_rows
 from kernels.fp8_gemm import GEMV_MAX_M
 
 
@@ -59,14 +63,22 @@ def longest_chunk(chunk: int) -> int:
 def chunk_buckets(chunk: int) -> list[int]:
     """The chunk lengths the warm-up runs, largest first: `chunk` and every power of two below it
     (every length up to GEMV_MAX_M that `chunk_lengths` can produce, and representatives of the
-    longer ones, whose kernels take any length)."""
+    longer ones, whose kernels take any length), and a length for each row count of the cuBLAS
+    GEMMs (`cublas_rows`) up to `longest_chunk` that those leave out (its first call chooses
+    cuBLAS's algorithm)."""
     out = [chunk]
     bit = 1 << max(0, (chunk - 1).bit_length() - 1)
     while bit:
         if bit < chunk:
             out.append(bit)
         bit >>= 1
-    return out
+    longest = longest_chunk(chunk)
+    covered = {cublas_rows(n) for n in out}
+    for rows in range(CUBLAS_ROW_BUCKET, cublas_rows(longest) + 1, CUBLAS_ROW_BUCKET):
+        n = min(rows, longest)
+        if n > GEMV_MAX_M and rows not in covered:
+            out.append(n)
+    return sorted(out, reverse=True)
 
 
 def capacity_buckets(max_seq_len: int, ratio: int) -> list[int]:

@@ -23,6 +23,7 @@ import torch
 
 from kernels import lowbit, pdl
 from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket
+from kernels.bf16_gemm import pad_rows_for_cublas
 from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.fp8_gemm import GEMV_MAX_M, check_fp8_weight, gemv_tile, weight_scales_f32
 from kernels.gemv import VEC, as_words, scale_bytes, store_rows_macro, weight_steps_macro
@@ -94,10 +95,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
         return torch.empty(0, n, dtype=torch.bfloat16, device=x.device)
     rows, warps, ksplit = gemv_tile(n, k, arch)
     if m > GEMV_MAX_M or (n // groups) % (rows * warps // ksplit):
-        u = x.view(m, groups, k)  # [S, G, K]
+        xp = pad_rows_for_cublas(x)  # cuBLAS meets bucketed row counts only
+        u = xp.view(xp.shape[0], groups, k)  # [S', G, K]
         wd = fp8_dequant_bf16(w, weight_scales_f32(w_scale, w_scale_f32), 128, 128)  # exact
         wd = wd.view(groups, n // groups, k)  # [G, R, K]
-        return torch.einsum("sgi,gri->sgr", u, wd).reshape(m, n)
+        return torch.einsum("sgi,gri->sgr", u, wd).reshape(xp.shape[0], n)[:m]
     xp = aligned16(pad_rows_to_bucket(x.contiguous()))  # zero rows: zero outputs, sliced off
     y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
     grouped_gemv_kernel(xp.shape[0], groups, k, n, rows, warps, ksplit, arch)(xp, as_words(w), scale_bytes(w_scale), y)

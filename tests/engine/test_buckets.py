@@ -11,6 +11,7 @@ from engine.state import LayerState, new_layer_state
 from engine.runtime import SHORT_PREFILL
 from kernels.fp4_moe import GROUPED_MIN_CELLS
 from engine.warmup import plan_warmup
+from kernels.bf16_gemm import CUBLAS_ROW_BUCKET, cublas_rows
 from kernels.fp8_gemm import GEMV_MAX_M
 
 import torch
@@ -31,6 +32,16 @@ def test_chunk_lengths_cover_the_prompt_with_bucketed_lengths_only(chunk):
         assert len(lengths) <= n // chunk + max(1, GEMV_MAX_M.bit_length())
 
 
+@pytest.mark.parametrize("chunk", [2048, 256, 100, 17, 1000])
+def test_the_buckets_meet_every_cublas_row_count_a_prompt_can(chunk):
+    """Every chunk a prompt can make reaches cuBLAS with rows (`cublas_rows`) that a bucket the
+    warm-up runs has: a prompt of a new length meets no new cuBLAS shape."""
+    warmed = {cublas_rows(n) for n in chunk_buckets(chunk)}
+    for n in range(1, 2 * chunk + 40):
+        assert {cublas_rows(n_) for n_ in chunk_lengths(n, chunk)} <= warmed, n
+    assert cublas_rows(728) == 768 and cublas_rows(16) == 16 and cublas_rows(17) == CUBLAS_ROW_BUCKET
+
+
 def test_chunk_examples():
     assert chunk_lengths(203, 256) == [203]
     assert chunk_lengths(600, 256) == [256, 256, 88]
@@ -40,8 +51,9 @@ def test_chunk_examples():
     assert chunk_lengths(4100, 2048) == [2052, 2048] and chunk_lengths(2065, 2048) == [2048, 17]
     assert chunk_lengths(9, 8) == [8, 1]  # chunks short enough for the GEMVs stay bucketed
     assert longest_chunk(2048) == 2048 + GEMV_MAX_M and longest_chunk(8) == 8
-    assert chunk_buckets(256) == [256, 128, 64, 32, 16, 8, 4, 2, 1]
+    assert chunk_buckets(256) == [272, 256, 128, 64, 32, 16, 8, 4, 2, 1]  # 272: 512 cuBLAS rows
     assert chunk_buckets(100) == [100, 64, 32, 16, 8, 4, 2, 1]
+    assert chunk_buckets(2048)[:9] == [2064, 2048, 1792, 1536, 1280, 1024, 768, 512, 256]
     with pytest.raises(ValueError):
         chunk_lengths(5, 0)
 
