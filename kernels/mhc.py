@@ -32,9 +32,9 @@ runs before the PDL wait, while the sub-block's last kernel still runs: its ~40 
 (the decode step did not move; docs/performance-log.md, 2026-12-01).
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
-scale/base [2n + n²] fp32, post [S, n] fp32, comb logits [S, n, n] fp32 row-major; n ≤ 5 (a comb matrix
-fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) untested. (No `from __future__
-import annotations`: TileLang evaluates the kernel signatures' annotations.)
+scale/base [2n + n²] fp32, post [S, n] fp32, comb logits [S, n, n] fp32 row-major; n ≤ 5 (a
+comb matrix fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) untested. (No
+`from __future__ import annotations`: TileLang evaluates the kernel signatures' annotations.)
 """
 
 import torch
