@@ -75,9 +75,8 @@ def chunk_buckets(chunk: int) -> list[int]:
     longest = longest_chunk(chunk)
     covered = {cublas_rows(n) for n in out}
     for rows in range(CUBLAS_ROW_BUCKET, cublas_rows(longest) + 1, CUBLAS_ROW_BUCKET):
-        n = min(rows, longest)
-        if n > GEMV_MAX_M and rows not in covered:
-            out.append(n)
+        if rows not in covered:
+            out.append(min(rows, longest))
     return sorted(out, reverse=True)
 
 
