@@ -111,7 +111,8 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     (`dense_only`: up to the dense weights' rows, without the FP4 and attention sweeps)."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import grouped_gemv, fp4_gemm, fp4_gemm_grouped
-    from kernels.fp8_gemm import dequant_fp8_bf16, fp8_gemm, fp8_gemm_quantized
+    from kernels.fp8_dequant import fp8_dequant_bf16
+    from kernels.fp8_gemm import fp8_gemm, fp8_gemm_quantized, weight_scales_f32
     from kernels.grouped_linear import grouped_linear
     from kernels.sparse_attention import sparse_attention
 
@@ -142,7 +143,8 @@ def bench_rows(dev: torch.device, dense_only: bool = False) -> list[tuple[str, i
     xo = torch.randn(1, g * k, device=dev).to(torch.bfloat16)
     t, graphed = time_rotating(ws, lambda w: grouped_linear(xo, w[0], w[1], g))
     rows.append((f"grouped_linear wo_a M=1 {g}x{r}x{k}", nbytes + 2 * g * k + 2 * g * r, t, graphed))
-    wb = [dequant_fp8_bf16(*w).view(g, r, k) for w in ws[:copies(2 * g * r * k)]]
+    wb = [fp8_dequant_bf16(w[0], weight_scales_f32(w[1], None), 128, 128).view(g, r, k)
+          for w in ws[:copies(2 * g * r * k)]]
     t, graphed = time_rotating(wb, lambda w: torch.einsum("sgi,gri->sgr", xo.view(1, g, k), w))
     rows.append((f"bf16 einsum wo_a (before) M=1 {g}x{r}x{k}", 2 * g * r * k + 2 * g * k + 2 * g * r, t, graphed))
     if dense_only:

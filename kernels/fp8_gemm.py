@@ -29,7 +29,7 @@ TileLang is imported lazily (see kernels/toolkit.py).
 
 import torch
 
-from kernels import fp8_mma_few_tokens, fp8_mma_one_token, lowbit, pdl, reference as ref
+from kernels import fp8_mma_few_tokens, fp8_mma_one_token, lowbit, pdl
 from kernels.act_quant import act_quant
 from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
@@ -132,13 +132,6 @@ def check_fp8_weight(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) ->
                                f"{((n + 127) // 128, k // 128)} for weight [{n}, {k}]")
     if not (x.device == w.device == w_scale.device):
         raise KernelInputError("fp8_gemm: x, weight and scale must be on one device")
-
-
-def dequant_fp8_bf16(w: torch.Tensor, w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 weight -> bf16 [N, K], exactly (e4m3 times a power of two fits bf16), in torch (any
-    device; the CUDA paths use kernels/fp8_dequant.py). `w_scale_f32`: the scales' fp32 values
-    when prepared (else decoded from `w_scale` here)."""
-    return ref.fp8_dequant_bf16(w, weight_scales_f32(w_scale, w_scale_f32), 128, 128)
 
 
 def weight_scales_f32(w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None) -> torch.Tensor:

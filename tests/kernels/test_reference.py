@@ -291,9 +291,14 @@ def test_norm_rope_writes_buffer_rows_in_place():
 
 @pytest.mark.parametrize("n,k", [(256, 384), (200, 300), (128, 128)])
 def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
-    """kernels.fp8_gemm.dequant_fp8_bf16 (the prefill GEMMs' weights) equals the fp32 reference
-    rounded to bf16, bit for bit: e4m3 times a power of two fits bf16; ragged edge blocks too."""
-    from kernels.fp8_gemm import dequant_fp8_bf16
+    """`reference.fp8_dequant_bf16` of an FP8 weight's 128x128 blocks, on the scales
+    `kernels.fp8_gemm.weight_scales_f32` gives (prepared at load, or decoded from e8m0), equals
+    the fp32 reference rounded to bf16, bit for bit: e4m3 times a power of two fits bf16; ragged
+    edge blocks too."""
+    from kernels.fp8_gemm import weight_scales_f32
+
+    def dequant(w, scale, prepared=None):
+        return ref.fp8_dequant_bf16(w, weight_scales_f32(scale, prepared), 128, 128)
 
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -301,11 +306,11 @@ def test_fp8_weight_dequantises_to_bf16_exactly(n, k):
     scale = exps.view(torch.float8_e8m0fnu)
     want = ref.dequant_fp8_block(w, scale)
     for prepared in (None, ref.e8m0_to_float(scale)):  # the scales' fp32 values, prepared at load
-        got = dequant_fp8_bf16(w, scale, prepared)
+        got = dequant(w, scale, prepared)
         assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want.float())
     extremes = torch.tensor([[0, 1], [254, 127]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^-127 .. 2^127
     w4 = torch.ones(256, 256).to(torch.float8_e4m3fn)
-    assert torch.equal(dequant_fp8_bf16(w4, extremes, ref.e8m0_to_float(extremes)), dequant_fp8_bf16(w4, extremes))
+    assert torch.equal(dequant(w4, extremes, ref.e8m0_to_float(extremes)), dequant(w4, extremes))
 
 
 @pytest.mark.parametrize("m,k", [(1, 4096), (7, 256), (3, 384)])
