@@ -147,6 +147,12 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
         must not answer a read made before the wait."""
         return T.call_extern(dtype, "__ldcg", T.address_of(buf[i])) if early else buf[i]
 
+    def wait_unless_early():
+        """Not early: wait for the predecessor before the slot is read (a kernel before wrote it).
+        Here, not in `body`: a macro binds its arguments (the slot's loads) where it is called."""
+        if not early:
+            pdl.begin(T, arch)
+
     @T.macro
     def load_scales(SWA, sw, slot, warp, lane, row0, part):
         """Issue the loads of the scale words of the warp's whole K range, `vs` words each, into sw."""
@@ -188,8 +194,6 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
         acc = T.alloc_local((tiles, 4), "float32")
         ga = T.min(g, agroups - 1)
         row0 = bn * cta_rows
-        if not early:
-            pdl.begin(T, arch)  # before the slot is read: a kernel before wrote it
         load_scales(SWA, sw, slot, warp, lane, row0, part)
         for i in T.unroll(lead):  # the warp's first `lead` blocks of weight words
             load(WA, ww, slot, warp, lane, row0, part, i)
@@ -247,6 +251,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
                      Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                wait_unless_early()
                 body(Q, SA, WA, SWA, Y, T.max(index(TABLE, index(IDS, g, "int64"), "int32"), 0), bn, g, part)
     else:
         @T.prim_func
@@ -254,6 +259,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
                      SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
+                wait_unless_early()
                 body(Q, SA, WA, SWA, Y, index(SLOT, g, "int32"), bn, g, part)
 
     return compile_kernel(fp4_mma1, arch, pass_configs=UNGUARDED)

@@ -78,6 +78,29 @@ def test_hc_post_projects_the_comb_before_the_wait_only_when_early(early):
     assert ("__ldcg" in body[:wait]) == early
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_fp4_mma_one_token_reads_the_slot_after_the_wait_unless_early(early):
+    """The routed experts' one-token kernel looks its slot up (TABLE[IDS[g]]) after the wait when
+    not early: the router just before it writes the ids (a macro argument's loads land where the
+    macro is called, so the wait must come first there). Early, they are read before it, past L1."""
+    from kernels import pdl
+    from kernels.fp4_mma_one_token import fp4_mma_one_token_kernel
+    from kernels.toolkit import cuda_arch
+    arch = cuda_arch(torch.device(DEV))
+    if not pdl.enabled(arch):
+        pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
+    w_bytes, s_bytes = 2048 * 4096 // 2, 2048 * 4096 // 32
+    stride = 2 * (w_bytes + s_bytes)
+    src = fp4_mma_one_token_kernel(2048, 4096, stride, (0, w_bytes), stride, (2 * w_bytes, 2 * w_bytes + s_bytes),
+                                   2, 4, "bfloat16", arch, lookup=True, early=early).get_kernel_source()
+    body = src[src.index("{", src.index("fp4_mma1_kernel(")):]
+    wait = body.index("cudaGridDependencySynchronize();")
+    first_lookup = min(re.search(rf"\b{name}\b", body).start() for name in ("TABLE", "IDS"))
+    assert (first_lookup < wait) == early
+    assert ("__ldcg" in body[:wait]) == early
+    assert min(m.start() for m in re.finditer(r"\bQ\b", body)) > wait  # the activations: always after
+
+
 @pytest.mark.parametrize("links", [24])
 def test_chain_in_a_graph_equals_the_chain_synchronised(links):
     from kernels.fp8_gemm import fp8_gemm
