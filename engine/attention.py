@@ -12,6 +12,7 @@ import torch
 from engine.chunk_position import ChunkPosition
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
+from engine.lanes import Lanes
 from engine.linear import FP8Linear, FP8Linears, GroupedOutProj
 from engine.numerics import Numerics, unquantized
 from engine.prefill_position import PrefillPosition
@@ -178,41 +179,33 @@ class Indexer:
         `rot` is the queries' RoPE table if the caller has it."""
         self.compressor(x, at, st)
         visible = at.visible[self.ratio]  # entries w < visible are complete at p
-        scores = self._scores(x, c, at.pos, visible, st.entries[:at.n_entries(self.ratio)], rot)
+        scores = self._scores(c, self.weights(x), at.pos, visible, st.entries[:at.n_entries(self.ratio)], rot)
         if log is not None:
             log(scores)
         return self._select(scores, visible)
 
-    def decode(self, x: torch.Tensor, c, at: DecodePosition, st: CompressorState,
-               n_keys: int, emit: bool, rot=None) -> torch.Tensor:
-        """One token at decode position `at`, scoring the first `n_keys` (static) entry slots:
-        all of them, best first [1, n_keys] (the caller keeps the first `index_topk` and drops
-        those not yet visible: they score -inf, so the picks equal those of `__call__`). `emit`
-        as for `Compressor.decode`."""
-        self.compressor.decode(x, at, st, emit)
-        return self._ranked(x, c, at, st, n_keys, rot)
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The heads' weights [S, IH] fp32 of the block inputs x [S, D] (the scores weigh each
+        head's by them)."""
+        return self.numerics.indexer_weights(x, self.weights_proj, self.n_heads ** -0.5)
 
-    def chunk(self, x: torch.Tensor, c, at: ChunkPosition, st: CompressorState, n_keys: int,
-              rot=None) -> torch.Tensor:
-        """A chunk step's token slots (`Compressor.chunk`), scoring the first `n_keys` (static)
-        entry slots: all of them, best first [size, n_keys], as `decode`."""
-        self.compressor.chunk(x, at, st)
-        return self._ranked(x, c, at, st, n_keys, rot)
-
-    def _ranked(self, x: torch.Tensor, c, at: DecodePosition | ChunkPosition, st: CompressorState, n_keys: int,
-                rot=None) -> torch.Tensor:
-        """The first `n_keys` entry slots, best first, for the queries at `at` (static shapes)."""
-        scores = self._scores(x, c, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+    def ranked(self, c, w: torch.Tensor, at: DecodePosition | ChunkPosition, st: CompressorState, n_keys: int,
+               rot=None) -> torch.Tensor:
+        """A decode or chunk step's queries (q_lora activation `c`, head weights `w` of
+        `weights`) at `at`, scoring the first `n_keys` (static) entry slots: all of them, best
+        first [S, n_keys] (the caller keeps the first `index_topk` and drops those not yet
+        visible: they score -inf, so the picks equal those of `__call__`). The step's keys must
+        be in `st.entries` already (`Compressor.decode` / `chunk` on the same inputs)."""
+        scores = self._scores(c, w, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
         return ref.topk_desc(scores, scores.shape[1])
 
-    def _scores(self, x: torch.Tensor, c, positions: torch.Tensor, visible: torch.Tensor,
+    def _scores(self, c, w: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 keys: torch.Tensor, rot=None) -> torch.Tensor:
         """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
         after `visible` [S] (the count complete at each query)."""
-        s = x.shape[0]
+        s = unquantized(c).shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
         q = self.numerics.round_index(self.rope(q, positions if rot is None else rot))  # one launch each on CUDA
-        w = self.numerics.indexer_weights(x, self.weights_proj, self.n_heads ** -0.5)  # [S, IH]
         return self.numerics.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -294,50 +287,71 @@ class Attention:
         self._update_ring(kv, at, st)
         return self._output(self._attend(q, keys, idx, rot))
 
-    def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, at: DecodePosition, st: LayerState, emit: bool, lanes: Lanes) -> torch.Tensor:
         """One token x [1, D] at decode position `at` -> [1, D], with static shapes.
 
         Keys are read in place from `st.kv` (ring rows in position order, then entry slots
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry p // ratio first and says whether the token completes a
-        compression window (`emit`, from the host position: `Transformer.emitting`). Equals `__call__`."""
+        compression window (`emit`, from the host position: `Transformer.emitting`). The
+        compressors, the indexer and the key selection run on `lanes`' side lane, beside the
+        query projections (engine/lanes.py). Equals `__call__`."""
         xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        c, q, _ = self._project(xq, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         idx = at.window_rows  # [1, W]
         if self.ratio:
-            self.compressor.decode(x, at, st.compressor, emit)
-            if self.indexer is not None:  # entry slots best first; the top index_topk kept
-                order = self.indexer.decode(x, c, at, st.indexer, st.capacity, emit, rot)
-                width = self.indexer.topk
-            else:  # every entry slot
-                order, width = self._slots(st.capacity, idx.device), st.capacity
-            idx = self.numerics.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]),
-                                             self.window, width)  # one launch on CUDA
+            with lanes.side():  # they read x alone
+                self.compressor.decode(x, at, st.compressor, emit)
+                if self.indexer is not None:
+                    self.indexer.compressor.decode(x, at, st.indexer, emit)
+                    w = self.indexer.weights(x)
+                else:  # every entry slot
+                    idx = self._key_rows(idx, self._slots(st.capacity, idx.device), at.visible[self.ratio],
+                                         st.capacity, self.window)
+        c, kv = self._query_lora(xq)
+        if self.indexer is not None:
+            with lanes.side():  # entry slots best first, the top index_topk kept; beside wq_b
+                order = self.indexer.ranked(c, w, at, st.indexer, st.capacity, rot)
+                idx = self._key_rows(idx, order, at.visible[self.ratio], self.indexer.topk, self.window)
+        q, _ = self._queries(c, kv, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
+        lanes.join()
         return self._output(self._attend(q, st.kv, idx, rot))
 
-    def chunk(self, x: torch.Tensor, at: ChunkPosition, st: LayerState) -> torch.Tensor:
+    def chunk(self, x: torch.Tensor, at: ChunkPosition, st: LayerState, lanes: Lanes) -> torch.Tensor:
         """A chunk step's token slots x [size, D] (engine/chunk_position.py) -> [size, D], with
         static shapes (no host sync): the keys are gathered from the chunk's new keys and
         `st.kv` (after the compressors have written the entries the chunk completes), then the
-        ring takes the real tokens' keys. Equals `__call__` on the real tokens."""
+        ring takes the real tokens' keys. The compressors and the indexer run on `lanes`' side
+        lane, as in `decode`. Equals `__call__` on the real tokens."""
         xq, x = x, unquantized(x)
         size = x.shape[0]
         rot = self.rope.table(at.pos)
-        c, q, kv = self._project(xq, rot)
         idx = at.window_rows  # [size, W] rows of `keys`
         if self.ratio:
-            self.compressor.chunk(x, at, st.compressor)
-            if self.indexer is not None:
-                order = self.indexer.chunk(x, c, at, st.indexer, st.capacity, rot)
-                width = self.indexer.topk
-            else:
-                order, width = self._slots(st.capacity, idx.device).expand(size, -1), st.capacity
-            idx = self.numerics.sparse_index(idx, order, at.visible[self.ratio], min(width, order.shape[1]),
-                                             at.entry_offset, width)
+            with lanes.side():
+                self.compressor.chunk(x, at, st.compressor)
+                if self.indexer is not None:
+                    self.indexer.compressor.chunk(x, at, st.indexer)
+                    w = self.indexer.weights(x)
+                else:
+                    idx = self._key_rows(idx, self._slots(st.capacity, idx.device).expand(size, -1),
+                                         at.visible[self.ratio], st.capacity, at.entry_offset)
+        c, kv = self._query_lora(xq)
+        if self.indexer is not None:
+            with lanes.side():
+                order = self.indexer.ranked(c, w, at, st.indexer, st.capacity, rot)
+                idx = self._key_rows(idx, order, at.visible[self.ratio], self.indexer.topk, at.entry_offset)
+        q, kv = self._queries(c, kv, rot)
+        lanes.join()
         keys = torch.cat((kv.to(st.kv.dtype), st.kv))  # [size + W + capacity, D]
         st.window.copy_(keys[at.ring_src])
         return self._output(self._attend(q, keys, idx, rot))
+
+    def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,
+                  offset: int) -> torch.Tensor:
+        """A static step's key rows: the window's rows, then the first `width` entry slots of
+        `order` (best first) that are visible, at `offset` + slot, -1 padded (one launch on CUDA)."""
+        return self.numerics.sparse_index(window_rows, order, visible, min(width, order.shape[1]), offset, width)
 
     def _slots(self, n: int, device: torch.device) -> torch.Tensor:
         """[1, n] entry slots 0..n-1, made once per size (decode steps reuse them)."""
@@ -345,18 +359,30 @@ class Attention:
             self._slot_ids = torch.arange(n, device=device).unsqueeze(0)
         return self._slot_ids
 
-    def _project(self, x: torch.Tensor, rot, kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def _project(self, x: torch.Tensor, rot) -> tuple:
         """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
-        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table. With
-        `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes its place."""
-        eps, s = self.args.norm_eps, unquantized(x).shape[0]
+        normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
+        c, kv = self._query_lora(x)
+        q, kv = self._queries(c, kv, rot)
+        return c, q, kv
+
+    def _query_lora(self, x: torch.Tensor) -> tuple:
+        """x [S, D] (attn-normed; may carry its quantisation) -> (c, the q_lora activation after
+        q_norm (native: `Quantized`, read by wq_b and the indexer's wq_b), kv [S, D] unnormed)."""
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
         qa, kv = self.wq_a_kv(xq)
-        c = self.numerics.norm_quantized(qa, self.q_norm, eps)  # read by wq_b and the indexer's wq_b
+        return self.numerics.norm_quantized(qa, self.q_norm, self.args.norm_eps), kv
+
+    def _queries(self, c, kv: torch.Tensor, rot,
+                 kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+        """(q [S, H, D] normed + roped, kv normed + roped, storage-rounded) of `_query_lora`'s
+        outputs; with `kv_out` = (buffer, rows), kv goes to buffer[rows] instead and None takes
+        its place."""
+        eps, s = self.args.norm_eps, kv.shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, H, D]
         q = self.rope.normed(q, None, eps, rot)
         kv = self.rope.normed(kv, self.kv_norm, eps, rot, round_lead=self.args.nope_head_dim, out=kv_out)  # [S, D]
-        return c, q, kv
+        return q, kv
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output o [S, H, D] (numerics dtype, rotated back) -> wo_a -> wo_b -> [S, D]."""

@@ -57,6 +57,7 @@ import torch
 
 from engine.experts.provider import ExpertProvider
 from engine.graph_homes import HOMES, GraphHomes
+from engine.lanes import Lanes
 from engine.model import DecodeCarry, Transformer
 from engine.moe import Cells
 from engine.state import SequenceState
@@ -89,11 +90,13 @@ class DecodeRunner:
     """One-token decode steps of `model` with experts from `provider.arena` (module docstring)."""
 
     def __init__(self, model: Transformer, provider: ExpertProvider, whole: bool, graphs: bool | None = None,
-                 on_routes: Callable[[int, int, list[int]], None] | None = None, homes: int = HOMES):
+                 on_routes: Callable[[int, int, list[int]], None] | None = None, homes: int = HOMES,
+                 lanes: Lanes | None = None):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
         provider counts the uses itself, in `acquire` and `record`); `homes`: graph homes kept
-        (engine/graph_homes.py `homes_for`)."""
+        (engine/graph_homes.py `homes_for`); `lanes`: where a step's work off its chain of kernels
+        runs (engine/lanes.py), None: a side stream on the model's device."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
@@ -104,6 +107,8 @@ class DecodeRunner:
         # stream it has run on (32 MiB on the H200), so a fresh stream per capture held up to 33 of
         # them (1.03 GiB) until the process ended.
         self._side = torch.cuda.Stream(self.device) if self.graphs else None
+        # the step's second lane (engine/lanes.py): work off its chain of kernels, on CUDA
+        self.lanes = Lanes(self.device) if lanes is None else lanes
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.at = model.decode_position(self.device)  # static position inputs, set per step
         # Per home (state buffers of one capacity), one graph set per mode and emission pattern
@@ -134,9 +139,10 @@ class DecodeRunner:
         if i == 0:
             streams = self.model.decode_begin(self.ids)
         else:
-            streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena)
+            streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena, self.lanes)
         if i < len(blocks):
-            out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.at, state.layers[i], emitting)
+            out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.at, state.layers[i], emitting,
+                                                      self.lanes)
             if self._lookahead and not self.whole:
                 predicted = self.model.predict_next(i, out.carry[i].hidden, self.ids)
                 if predicted is not None:
@@ -329,8 +335,8 @@ class DecodeRunner:
         """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`)."""
         at, streams = self.chunk_at, self.model.decode_begin(self.chunk_at.ids)
         for i, block in enumerate(self.model.blocks):
-            out.carry[i] = block.chunk_attention(streams, at, state.layers[i])
-            streams = block.chunk_ffn(out.carry[i], self.provider.arena)
+            out.carry[i] = block.chunk_attention(streams, at, state.layers[i], self.lanes)
+            streams = block.chunk_ffn(out.carry[i], self.provider.arena, self.lanes)
         out.final = streams
 
     def _chunk_head(self, out: _Outputs) -> None:

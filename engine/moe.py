@@ -21,6 +21,7 @@ import torch
 from engine.config import ModelArgs
 from engine.experts.provider import ExpertProvider, used_experts
 from engine.experts.weights import ExpertWeights
+from engine.lanes import Lanes
 from engine.numerics import Numerics, Quantized
 from kernels.fp4_moe import EXPERTS_PER_DEQUANT, dense, expert_groups
 
@@ -120,48 +121,65 @@ class MoE:
         return self.numerics.batched_experts and provider.arena is not None
 
     def _arena_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list) -> torch.Tensor:
+        """Every (token, choice) cell [N·k] in one fp4_moe call (`_routed_cells`), summed per
+        token where they lie (`Cells.rows`) with the shared expert; the same per-cell math as
+        `decode`. Every expert of the call must be resident (and held while this enqueues its kernels)."""
+        return self.numerics.moe_combine(self._routed_cells(x, w, cells, arena, groups), self._shared(x), cells.rows)
+
+    def _routed_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells grouped by expert (`cells.order`)
-        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV), summed
-        per token where they lie (`Cells.rows`); the same per-cell math as `decode`. Every expert
-        of the call must be resident (and held while this enqueues its kernels)."""
+        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV) -> [N·k, D]
+        bf16 in that order."""
         k = cells.shape[1]
         order = cells.order
         slots = arena.table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
-        y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, w.reshape(-1).index_select(0, order),
-                                          self.limit, groups, order // k)  # [N·k, D] bf16, each token quantised once
-        return self.numerics.moe_combine(y, self._shared(x), cells.rows)
+        return self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots,
+                                             w.reshape(-1).index_select(0, order), self.limit, groups,
+                                             order // k)  # each token quantised once
 
-    def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
+    def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena,
+               lanes: Lanes) -> torch.Tensor:
         """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
         routed experts then share) with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
 
         Experts are read from `arena` (engine.experts.arena.ExpertArena: `data` [slots, R] u8,
         `table` [units, E] int32 slot per (layer, expert), `record.fields`); every routed expert
-        of this layer must be resident. Equals `__call__`: same per-expert math, same order."""
+        of this layer must be resident. The shared expert runs on `lanes`' side lane, beside the
+        routed ones (engine/lanes.py). Equals `__call__`: same per-expert math, same order."""
         idx, w = routed
         xq = self.numerics.quantize(x)  # native: one row for all k choices
-        # the shared expert first: the routed kernels then follow launches that do not write
-        # the ids, and may read them and their weights before those launches complete
-        shared = self._shared(xq)
-        y = self.numerics.arena_experts(xq, arena, self.layer, idx, w, self.limit)  # [k, D], row j = choice j
+        with lanes.side():
+            shared = self._shared(xq)
+        # in one lane the shared expert's launches come first, and they write neither the ids nor
+        # the arena: the routed kernels may then read those before their predecessor completes;
+        # forked, their predecessor is the router's
+        y = self.numerics.arena_experts(xq, arena, self.layer, idx, w, self.limit,
+                                        early=not lanes.forks)  # [k, D], row j = choice j
+        lanes.join()
         return self._combine(y.unsqueeze(0), shared)  # [1, k, D]
 
-    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena) -> torch.Tensor:
+    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena, lanes: Lanes) -> torch.Tensor:
         """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> [N, D],
         no host sync: every cell in one `fp4_moe` call from `arena` (every expert of the layer
-        resident). With no more experts than cells, each expert is read once for its run of N
-        cells (`ExpertRuns`); else each cell reads its expert, scheduled from the device counts
-        (`Cells.static`). Equals `__call__`."""
+        resident), the shared expert on `lanes`' side lane. With no more experts than cells, each
+        expert is read once for its run of N cells (`ExpertRuns`); else each cell reads its
+        expert, scheduled from the device counts (`Cells.static`). Equals `__call__`."""
         idx, w = routed
         experts = arena.table.shape[1]
+        with lanes.side():
+            shared = self._shared(x)
         if experts > idx.numel():
             cells = Cells(idx, experts)
-            return self._arena_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
-        runs = ExpertRuns(idx, experts)
-        slots = arena.table[self.layer].repeat_interleave(runs.run)  # [E·N] int32
-        y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, runs.spread(w), self.limit, [],
-                                          runs.tokens, runs.run)  # [E·N, D] bf16
-        return self.numerics.moe_combine(y, self._shared(x), runs.rows)
+            y = self._routed_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+            rows = cells.rows
+        else:
+            runs = ExpertRuns(idx, experts)
+            slots = arena.table[self.layer].repeat_interleave(runs.run)  # [E·N] int32
+            y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, runs.spread(w), self.limit, [],
+                                              runs.tokens, runs.run)  # [E·N, D] bf16
+            rows = runs.rows
+        lanes.join()
+        return self.numerics.moe_combine(y, shared, rows)
 
     def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival

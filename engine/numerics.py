@@ -202,9 +202,11 @@ class Numerics(ABC):
 
     @abstractmethod
     def arena_experts(self, x: "torch.Tensor | Quantized", arena, layer: int, idx: torch.Tensor,
-                      w: torch.Tensor, limit: float) -> torch.Tensor:
+                      w: torch.Tensor, limit: float, early: bool = False) -> torch.Tensor:
         """One token's k routed experts (ids idx [1, k], weights w [1, k]) read from `arena`'s
-        slots of `layer` -> fp32 [k, D] (row j = choice j), no host sync."""
+        slots of `layer` -> fp32 [k, D] (row j = choice j), no host sync. `early`: the kernel
+        queued just before this call writes neither the ids nor the arena and its table, so the
+        experts' kernels may read them before it completes (kernels/pdl.py)."""
 
     @abstractmethod
     def shared_expert_weights(self, w1: tuple[torch.Tensor, torch.Tensor], w3: tuple[torch.Tensor, torch.Tensor],
@@ -293,7 +295,7 @@ class Exact(Numerics):
         h = ref.swiglu(ref.matmul(xf, w1.T), ref.matmul(xf, w3.T), limit) * weight.unsqueeze(1)
         return ref.matmul(h, w2.T)
 
-    def arena_experts(self, x, arena, layer, idx, w, limit):
+    def arena_experts(self, x, arena, layer, idx, w, limit, early=False):
         x = unquantized(x)
         slots = arena.table[layer].index_select(0, idx[0]).clamp_min(0)  # [k] int32
         recs = arena.data.index_select(0, slots.long())  # [k, R]
@@ -387,12 +389,11 @@ class Native(Numerics):
         return ref.routed_expert(x, e.w1, e.w1_scale, e.w3, e.w3_scale, e.w2, e.w2_scale, weight, limit,
                                  self.backend.fp4_gemm)
 
-    def arena_experts(self, x, arena, layer, idx, w, limit):
+    def arena_experts(self, x, arena, layer, idx, w, limit, early=False):
         xq = self.quantize(x)  # one row for all k choices
-        # the kernels look the experts' slots up in the layer's table; `early`: the launches just
-        # before (the shared expert's) write neither ids, table nor arena
+        # the kernels look the experts' slots up in the layer's table
         return self.backend.fp4_moe_quantized(xq.q, xq.s, arena.data, arena.record.fields, idx[0], w[0], limit,
-                                              arena.table[layer], early=True)
+                                              arena.table[layer], early=early)
 
     def shared_expert_weights(self, w1, w3, w2):
         # w1 and w3 read the same activations: one GEMM over both (inter % 128 == 0)

@@ -255,3 +255,42 @@ def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
     for got, want in zip(results, one):
         assert torch.equal(got.logits, want.logits)
     assert sum(r.seconds for r in results) <= wall
+
+
+def _lane_steps(packed: Path, forked: bool) -> list[torch.Tensor]:
+    """Graphed chunk steps, then graphed decode steps, with the side work on a second stream or
+    in place (engine/lanes.py): every step's logits."""
+    from engine.lanes import Lanes
+
+    dev = torch.device("cuda")
+    files = open_model(packed, device="cuda")
+    assert files.experts.load_all()
+    model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                        Numerics.named("native", make_backend("tilelang", dev)))
+    runner = DecodeRunner(model, files.experts, whole=True, graphs=True, lanes=None if forked else Lanes(None))
+    assert runner.lanes.forks == forked
+    ids = torch.randint(0, 129280, (200,), generator=torch.Generator().manual_seed(11)).tolist()
+    out = []
+    with torch.inference_mode():
+        state = model.new_state()
+        model.forward(torch.tensor(ids[:40], device=dev), state, files.experts)
+        for n in (16, 16, 7, 16):  # the chunk graphs captured, then replayed
+            out.append(runner.chunk(state, ids[state.pos:state.pos + n]))
+        tok = out[-1].argmax(-1)
+        for _ in range(60):  # positions 95..154: ratio 4 and ratio 128 windows completed, capacity growth
+            out.append(runner.step(state, tok))
+            tok = out[-1].argmax(-1)
+        runner.settle()
+    assert runner.capture_error is None and runner.captures >= 4
+    files.close()
+    return out
+
+
+def test_the_side_lane_changes_no_bit_of_a_step(packed):
+    """The compressors, the indexer and the shared expert on a second stream, forked and joined
+    inside the captured graphs (engine/lanes.py): every chunk and decode step's logits equal the
+    one-stream runner's bitwise (a missing join or an early read racing a fork would not)."""
+    forked, inline = _lane_steps(packed, True), _lane_steps(packed, False)
+    assert len(forked) == len(inline) == 64
+    for i, (a, b) in enumerate(zip(forked, inline)):
+        assert torch.equal(a, b), f"step {i}"
