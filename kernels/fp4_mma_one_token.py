@@ -142,11 +142,6 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
     shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
     warp_sums = fp4_mma_few_tokens.warp_sums_macro(T, tiles, ksplit)
 
-    def index(buf, i, dtype: str):
-        """buf[i]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
-        must not answer a read made before the wait."""
-        return T.call_extern(dtype, "__ldcg", T.address_of(buf[i])) if early else buf[i]
-
     def wait_unless_early():
         """Not early: wait for the predecessor before the slot is read (a kernel before wrote it).
         Here, not in `body`: a macro binds its arguments (the slot's loads) where it is called."""
@@ -252,7 +247,9 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
                 wait_unless_early()
-                body(Q, SA, WA, SWA, Y, T.max(index(TABLE, index(IDS, g, "int64"), "int32"), 0), bn, g, part)
+                body(Q, SA, WA, SWA, Y,
+                     T.max(pdl.early_read(T, TABLE[pdl.early_read(T, IDS[g], "int64", early)], "int32", early), 0),
+                     bn, g, part)
     else:
         @T.prim_func
         def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
@@ -260,6 +257,6 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
                 wait_unless_early()
-                body(Q, SA, WA, SWA, Y, index(SLOT, g, "int32"), bn, g, part)
+                body(Q, SA, WA, SWA, Y, pdl.early_read(T, SLOT[g], "int32", early), bn, g, part)
 
     return compile_kernel(fp4_mma1, arch, pass_configs=UNGUARDED)

@@ -262,11 +262,6 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
     steps = sinkhorn_macro(T, n, iters, hc_eps)
     tokens = T.dynamic("tokens")
 
-    def logit(Z, bs, e):
-        """Z[bs, e]; read past L1 (`__ldcg`) when early: a line an earlier kernel cached on this SM
-        must not answer a read made before the wait."""
-        return T.call_extern("float32", "__ldcg", T.address_of(Z[bs, e])) if early else Z[bs, e]
-
     @T.prim_func
     def hc_post(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
                 Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
@@ -284,7 +279,7 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
                 pdl.begin(T, arch)
             if tx < WARP:  # the whole warp: the shuffles need every lane
                 e = tx % nn  # element: row e // n, column e % n
-                v[0] = logit(Z, bs, e)
+                v[0] = pdl.early_read(T, Z[bs, e], "float32", early)
                 steps(v, acc, tx - e, e)
                 if tx < nn:
                     comb[e] = v[0]

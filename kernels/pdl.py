@@ -63,6 +63,13 @@ def begin(T, arch: tuple[int, int]) -> None:
         T.evaluate(T.pdl_trigger())
 
 
+def early_read(T, elem, dtype: str, early: bool):
+    """Buffer element `elem` (e.g. Z[bs, e]) of type `dtype` as an expression: with `early` (a
+    read before `begin`, the exception above) read past L1 (`__ldcg`), since a line an earlier
+    kernel cached on this SM must not answer it; else a plain load."""
+    return T.call_extern(dtype, "__ldcg", T.address_of(elem)) if early else elem
+
+
 def prefetch_rows(T, arch: tuple[int, int], weight_bytes: int, elem, nbytes) -> None:
     """Start an L2 prefetch of `nbytes` bytes (a multiple of 16) from buffer element `elem` (a
     16-byte aligned weight element, e.g. W[row, 0]) if `prefetches(arch, weight_bytes)`, where
