@@ -7,11 +7,14 @@ bf16 and multiplies bf16 activations without quantising them; dequantisation is 
 value times a power of two fits bf16), so reading the FP8 bytes and decoding them in the kernel
 computes the same products from half the bytes (32 MiB instead of 64 MiB per Flash layer).
 
-* Decode (M <= GEMV_MAX_M rows): the FP8 GEMV's layout (kernels/fp8_gemm.py) over the G·R weight
-  rows: each warp owns `rows` output rows of one group, each lane reads 16 weight bytes per row
-  per step and 16 bf16 activations of that group (two 16-byte loads, widened exactly to fp32),
-  and the 16-term fp32 dot product is added times the block scale · 2^8 (exact). Rows finish as
-  in the FP8 GEMV (warp sum, K-split warps added in shared memory in a fixed order).
+* Decode (one row, or up to GEMV_MAX_M where the next kernel does not take them): the FP8 GEMV's
+  layout (kernels/fp8_gemm.py) over the G·R weight rows: each warp owns `rows` output rows of
+  one group, each lane reads 16 weight bytes per row per step and 16 bf16 activations of that
+  group (two 16-byte loads, widened exactly to fp32), and the 16-term fp32 dot product is added
+  times the block scale · 2^8 (exact). Rows finish as in the FP8 GEMV (warp sum, K-split warps
+  added in shared memory in a fixed order).
+* 2 to 16 rows on sm_90: kernels/grouped_mma_few_tokens.py's tensor-core kernel (same contract),
+  where a group's rows are whole CTAs of it.
 * Otherwise (prefill, or groups of rows that do not split into whole CTAs): the weight is
   dequantised to bf16 and multiplied by cuBLAS, as the reference does.
 
@@ -21,7 +24,7 @@ are the FP8 GEMV's (sm_90 tested, sm_121 untested). TileLang is imported lazily.
 
 import torch
 
-from kernels import lowbit, pdl
+from kernels import grouped_mma_few_tokens, lowbit, pdl
 from kernels.toolkit import KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket
 from kernels.bf16_gemm import pad_rows_for_cublas
 from kernels.fp8_dequant import fp8_dequant_bf16
@@ -102,5 +105,12 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, grou
         return torch.einsum("sgi,gri->sgr", u, wd).reshape(xp.shape[0], n)[:m]
     xp = aligned16(pad_rows_to_bucket(x.contiguous()))  # zero rows: zero outputs, sliced off
     y = torch.empty(xp.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    grouped_gemv_kernel(xp.shape[0], groups, k, n, rows, warps, ksplit, arch)(xp, as_words(w), scale_bytes(w_scale), y)
+    few = grouped_mma_few_tokens
+    tile = few.mma_tile(n, k, groups) if m >= few.MIN_M and arch in few.MMA_ARCHS else None
+    if tile is not None:  # 2..16 rows: the tensor cores
+        few.grouped_mma_few_tokens_kernel(xp.shape[0], groups, k, n, *tile, arch)(
+            xp.view(torch.int32), as_words(w), scale_bytes(w_scale), y)
+    else:
+        grouped_gemv_kernel(xp.shape[0], groups, k, n, rows, warps, ksplit, arch)(
+            xp, as_words(w), scale_bytes(w_scale), y)
     return y[:m]

@@ -254,6 +254,34 @@ def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
     assert rel_err(y, ref.grouped_linear(x, w, s, groups)) < 4e-3
 
 
+
+@pytest.mark.parametrize("m,groups,r,k,tiles,ksplit", [(16, 8, 1024, 4096, 2, 8), (2, 8, 1024, 4096, 2, 8),
+                                                       (9, 3, 48, 384, 1, 1), (5, 2, 64, 1024, 2, 2),
+                                                       (8, 4, 32, 256, 1, 2), (13, 2, 96, 640, 2, 5)])
+def test_grouped_mma_few_tokens_is_the_exact_product(m, groups, r, k, tiles, ksplit, gen):
+    """The tensor-core grouped projection (kernels/grouped_mma_few_tokens.py) on its own: 2 to 16 tokens (one
+    or two columns of 8), 1 or 2 tiles, K split over 1 to 8 warps, every e4m3 code (subnormals too) in
+    the weight; each output within one bf16 step of the exact (fp64) product: exact products, fp32
+    sums, one bf16 rounding. A wrong channel, scale or token would be off by about the value itself."""
+    from kernels.gemv import as_words, scale_bytes
+    from kernels.grouped_mma_few_tokens import DEPTH, grouped_mma_few_tokens_kernel
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs
+    n = groups * r
+    w = codes[torch.randint(0, codes.numel(), (n, k), generator=gen, device=DEV)].view(torch.float8_e4m3fn)
+    s = torch.randint(118, 128, ((n + 127) // 128, k // 128), generator=gen, device=DEV, dtype=torch.uint8)
+    x = activations(m, groups * k, gen)
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    grouped_mma_few_tokens_kernel(m, groups, k, n, tiles, ksplit, DEPTH, torch.cuda.get_device_capability())(
+        x.view(torch.int32), as_words(w), scale_bytes(s), y)
+    wd = ref.dequant_fp8_block(w, s.view(torch.float8_e8m0fnu)).double().view(groups, r, k)
+    exact = torch.einsum("sgi,gri->sgr", x.double().view(m, groups, k), wd).reshape(m, n)
+    terms = torch.einsum("sgi,gri->sgr", x.double().abs().view(m, groups, k), wd.abs()).reshape(m, n)
+    step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)  # one bf16 step (8 bits)
+    assert torch.isfinite(y).all()  # every (token, row) stored
+    # one bf16 step, and the fp32 sums' rounding (a few units of 2^-24 of the terms' magnitude)
+    assert ((y.double() - exact).abs() <= step + 2.0 ** -21 * terms).all()
+
 def test_grouped_linear_rejects_mismatched_groups(gen):
     from kernels.toolkit import KernelInputError
     from kernels.grouped_linear import grouped_linear
