@@ -250,6 +250,37 @@ def prefill_attention_rows(dev, queries: int = 2048, tiles=PREFILL_ATTENTION_TIL
     return rows
 
 
+def few_query_attention_rows(dev, queries: int, nsplits=(32, 16, 8, 4, 2)) -> list[tuple[str, int, float, bool]]:
+    """A chunk step's sparse attention (`queries` queries of 64 heads of 512, K = 640 selected rows
+    as a CSA layer's: a window of 128 and 512 chosen) at decode's tiles and each count of K splits
+    (kernels/sparse_attention.py `splits`): both launches, the partial outputs the combine reads
+    back growing with the splits. Bytes: the selected rows, read once per query."""
+    from kernels.sparse_attention import TILE_PARAMS, combine_kernel, partial_kernel
+    from kernels.toolkit import cuda_arch
+
+    arch, h, d, k, scale = cuda_arch(dev), 64, 512, 640, 512 ** -0.5
+    p = TILE_PARAMS[arch]
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(queries, h, d, device=dev, generator=g).to(torch.bfloat16)
+    kv = torch.randn(4096, d, device=dev, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 4096, (queries, k), device=dev, generator=g)
+    sink = torch.zeros(h, device=dev)
+    out = torch.empty(queries, h, d, dtype=torch.bfloat16, device=dev)
+    rows = []
+    for nsplit in nsplits:
+        po = torch.empty(queries, nsplit, h, d, device=dev)
+        pm, pl = torch.empty(queries, nsplit, h, device=dev), torch.empty(queries, nsplit, h, device=dev)
+        part = partial_kernel(h, d, scale, nsplit, arch, p["decode_block_i"], p["block_h"], p["threads"])
+        comb = combine_kernel(h, d, scale, nsplit, "bfloat16", arch, 0)
+
+        def both(part=part, comb=comb, po=po, pm=pm, pl=pl):
+            part(q, kv, idx, po, pm, pl)
+            comb(po, pm, pl, sink, out)
+        t, graphed = time_calls([both] * CALLS_PER_GRAPH)
+        rows.append((f"sparse attention S={queries} K={k} splits {nsplit}", queries * k * d * 2, t, graphed))
+    return rows
+
+
 def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     """The small ops every layer runs, at decode shapes (one token, n = 4 streams of D = 4096,
     bf16): mHC pre (mix + gate), mHC post (Sinkhorn folded in), the RMSNorm + FP8
@@ -340,13 +371,15 @@ def fp4_tile_rows(dev, arena, n: int, k: int, g: int, m: int = 1, cuda_tiles=CUD
 def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
     """A chunk step's largest launches at `m` token rows (engine/decode_graph.py `DecodeRunner.chunk`):
     every FP8 linear of a layer by the dispatched kernel (fp8_gemm_quantized: the tensor cores'
-    few-token GEMV on sm_90), the CUDA-core GEMV and cuBLAS's block-scaled FP8 GEMM; and the
+    few-token GEMV on sm_90), the CUDA-core GEMV and cuBLAS's block-scaled FP8 GEMM; wo_a's grouped
+    projection (bf16 activations) dispatched and on the CUDA-core grouped GEMV; and the
     routed experts of a 24-expert layer (m tokens x 6 choices) in runs of m cells per expert
     (each expert read once) against one cell per group (each cell reading its expert)."""
     from kernels.act_quant import act_quant
     from kernels.fp4_moe import fp4_moe
     from kernels.fp8_gemm import blockwise_mm, fp8_gemm_quantized, fp8_gemv_kernel, gemv_tile
     from kernels.gemv import as_words, scale_bytes
+    from kernels.grouped_linear import grouped_gemv_kernel, grouped_linear
     from kernels.toolkit import cuda_arch
     from engine.moe import ExpertRuns
     from engine.pack import FieldLayout
@@ -365,6 +398,17 @@ def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
                             ("cuBLAS block-scaled", lambda w: blockwise_mm(q, sq, w[0], w[1], w[2]))):
             t, graphed = time_rotating(ws, call)
             rows.append((f"fp8 {name} M={m} {n}x{k} {label}", nbytes + m * (k + 2 * n), t, graphed))
+    g, r, k = 8, 1024, 4096  # wo_a: bf16 activations of 8 groups, FP8 weight
+    nbytes = g * r * k + g * r * k // 16384
+    ws = [_fp8(g * r, k, dev) for _ in range(copies(nbytes))]
+    xo = torch.randn(m, g * k, device=dev).to(torch.bfloat16)
+    y = torch.empty(m, g * r, dtype=torch.bfloat16, device=dev)
+    core = grouped_gemv_kernel(m, g, k, g * r, *gemv_tile(g * r, k, arch), arch)
+    for label, call in (("dispatched", lambda w: grouped_linear(xo, w[0], w[1], g)),
+                        ("CUDA-core GEMV", lambda w: core(xo, as_words(w[0]), scale_bytes(w[1]), y))):
+        t, graphed = time_rotating(ws, call)
+        rows.append((f"grouped_linear wo_a M={m} {g}x{r}x{k} {label}", nbytes + m * 2 * g * (k + r), t, graphed))
+    rows.extend(few_query_attention_rows(dev, m))
     experts, k_routed, inter, dim = 24, 6, 2048, 4096
     shapes = {"w1.weight": (inter, dim // 2), "w1.scale": (inter, dim // 32), "w3.weight": (inter, dim // 2),
               "w3.scale": (inter, dim // 32), "w2.weight": (dim, inter // 2), "w2.scale": (dim, inter // 32)}
@@ -393,7 +437,7 @@ def chunk_rows(dev, m: int = 16) -> list[tuple[str, int, float, bool]]:
     rows.append((f"fp4_moe {m * k_routed} cells, one a group", nbytes, t, graphed))
     n, k = inter, dim  # the runs' two launches alone, per tile
     rows.extend(fp4_tile_rows(dev, fp4_arena(4 * experts, 2 * n, k, dev), n, k, experts, m, [],
-                              [(2, 4), (2, 2), (2, 8), (1, 4)], []))
+                              [(2, 4), (2, 2), (2, 8), (1, 4), (4, 4), (4, 2), (4, 1)], []))
     return rows
 
 

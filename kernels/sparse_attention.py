@@ -29,18 +29,21 @@ from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_
 # decode_block_i: rows per block when the K rows are split (decode). H200 (bench.kernels' sweep,
 # one query, 64 heads): both launches 7.80 us at K = 640 with 32 rows x 32 splits vs 9.14 at
 # 64 x 16, and 8.36 vs 9.56 at K = 128: a CTA's one block of rows is latency-bound, so smaller.
+# few_query_ctas: the CTAs a few queries' split launch may take (`splits`). H200, K = 640, both
+# launches (`python -m bench.kernels --chunk 16`): 16 queries 82.9 / 53.7 / 33.6 / 21.4 / 32.1 us
+# at 32 / 16 / 8 / 4 / 2 splits, 8 queries 39.4 / 29.4 / 18.1 us at 32 / 16 / 8.
 # prefill_block_h / prefill_threads: heads and threads a CTA when the queries fill the GPU (a
 # selected row is gathered into shared memory once per head block). H200, 2,048 queries of 64
 # heads, K = 640 (`python -m bench.kernels --prefill-attention 2048`): 0.88 ms at 64 heads and
 # 256 threads against 2.29 at 16 and 128, the same output bit for bit.
 TILE_PARAMS = {
     (9, 0): {"block_h": 16, "block_i": 64, "decode_block_i": 32, "threads": 128, "stages": 2, "min_ctas": 132,
-             "splits": 32, "prefill_block_h": 64, "prefill_threads": 256},
+             "splits": 32, "few_query_ctas": 256, "prefill_block_h": 64, "prefill_threads": 256},
     (12, 1): {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 48,
-              "splits": 8, "prefill_block_h": 16, "prefill_threads": 128},
+              "splits": 8, "few_query_ctas": 192, "prefill_block_h": 16, "prefill_threads": 128},
 }
 DEFAULT_TILE = {"block_h": 16, "block_i": 32, "decode_block_i": 32, "threads": 128, "stages": 1, "min_ctas": 64,
-                "splits": 8, "prefill_block_h": 16, "prefill_threads": 128}
+                "splits": 8, "few_query_ctas": 256, "prefill_block_h": 16, "prefill_threads": 128}
 _LOG2E = 1.4426950408889634
 _NO_MAX = -(2.0 ** 30)  # a finite "-inf" for running maxima: keeps (m_prev - m) free of inf - inf
 _OUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -205,9 +208,18 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
 
 def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
     """K splits per (query, head block): 1 when the queries fill the GPU (prefill), else the
-    architecture's fixed count (fixed, so a growing key count never compiles a new kernel)."""
+    largest power of two up to the architecture's `splits` that keeps the launch within
+    `few_query_ctas` CTAs: decode's one query takes them all, a chunk step's 16 queries fewer,
+    since the combine reads back S x splits x H x D fp32 partial outputs (67 MB at 16 x 32).
+    Fixed per query count, so a growing key count never compiles a new kernel."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    return 1 if s_len * (heads // p["block_h"]) >= p["min_ctas"] else p["splits"]
+    blocks = s_len * (heads // p["block_h"])
+    if blocks >= p["min_ctas"]:
+        return 1
+    n = p["splits"]
+    while n > 1 and blocks * n > p["few_query_ctas"]:
+        n //= 2
+    return n
 
 
 def launch_shape(s_len: int, heads: int, arch: tuple[int, int]) -> tuple[int, int, int, int]:

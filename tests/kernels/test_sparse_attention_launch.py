@@ -1,5 +1,5 @@
 """The launch shapes of kernels/sparse_attention.py (pure host arithmetic, no GPU): decode splits
-the selected rows over 16-head blocks; prefill gathers each row once for a whole block of heads
+the selected rows over 16-head blocks, a few queries into fewer splits; prefill gathers each row once for a whole block of heads
 while the queries still fill the GPU, and never pads heads beyond the next multiple of 16."""
 
 import pytest
@@ -12,6 +12,15 @@ H200 = (9, 0)
 def test_decode_splits_sixteen_head_blocks():
     p = TILE_PARAMS[H200]
     assert launch_shape(1, 64, H200) == (p["splits"], 16, p["threads"], p["decode_block_i"])
+
+
+@pytest.mark.parametrize("queries,nsplit", [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)])
+def test_a_few_queries_split_less_than_one(queries, nsplit):
+    # a chunk step's queries: the launch stays within few_query_ctas CTAs, so the partial outputs
+    # the combine reads back shrink (S x splits x H x D fp32), while every split still has rows
+    p = TILE_PARAMS[H200]
+    assert launch_shape(queries, 64, H200) == (nsplit, 16, p["threads"], p["decode_block_i"])
+    assert queries * 4 * nsplit <= p["few_query_ctas"]
 
 
 @pytest.mark.parametrize("queries", [132, 728, 2048])
