@@ -2,9 +2,9 @@
 `grouped_gemv_kernel` contract (bf16 activations, FP8 weight, bf16 out) at 2 <= m <= MAX_M.
 
 Why: the CUDA-core grouped GEMV widens every weight byte to fp32 and spends one FMA per weight
-and token, so at a chunk step's 16 token rows it ran 16 times its one-token arithmetic (H200:
-~70 us a layer for 32 MiB, a tenth of the chunk step's kernel time). Here a weight word is
-decoded once for the one or two MMAs (8 tokens each) that use it.
+and token, so at a chunk step's 16 token rows it runs 16 times its one-token arithmetic. Here a
+weight word is decoded once for the one or two MMAs (8 tokens each) that use it (H200, 16 rows:
+14.0 us against 45.4; docs/performance-log.md, 2026-12-03 18:50).
 
 The activations stay bf16 (the reference multiplies them unquantised), so the MMA is bf16 x bf16
 with fp32 sums, and the A operand is the weight code as a bf16, exactly: kernels/lowbit.py's bit

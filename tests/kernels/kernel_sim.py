@@ -35,11 +35,12 @@ def e4m3_word_pairs(word: torch.Tensor) -> list:
     return [(c[0], c[2]), (c[1], c[3])]
 
 
-def fp8_block_mma(words: torch.Tensor, row0: int, kb: int, b_of) -> torch.Tensor:
+def fp8_block_mma(words: torch.Tensor, row0: int, kb: int, b_of, a_pairs=e4m3_word_pairs) -> torch.Tensor:
     """The eight MMAs of the FP8 tensor-core GEMVs over 128-channel block kb of the 16-row tile at
     row0 of weight words [n, k/4] (rows past n read row n - 1): lane (gi, ti) loads word
-    32·kb + 16s + 4ti + v of rows gi and gi + 8 as its A fragment (`dsv4_fp8_a_fragment`), and
-    `b_of(gi, col)` gives its B pairs for that word -> D [16, 8] fp64, summed over the 8 MMAs."""
+    col = 32·kb + 16s + 4ti + v of rows gi and gi + 8, whose two pairs (`a_pairs`: the fp16 ones of
+    `dsv4_fp8_a_fragment` unless given) are its A fragment, and `b_of(gi, col)` gives its B pairs
+    for that word -> D [16, 8] fp64, summed over the 8 MMAs."""
     n = words.shape[0]
     d = torch.zeros(16, 8, dtype=torch.float64)
     for s in range(2):
@@ -48,7 +49,7 @@ def fp8_block_mma(words: torch.Tensor, row0: int, kb: int, b_of) -> torch.Tensor
             for lane in range(32):
                 gi, ti = lane // 4, lane % 4
                 col = 32 * kb + 16 * s + 4 * ti + v
-                h0, h1 = (e4m3_word_pairs(words[min(row0 + 8 * h + gi, n - 1), col]) for h in (0, 1))
+                h0, h1 = (a_pairs(words[min(row0 + 8 * h + gi, n - 1), col]) for h in (0, 1))
                 a_regs.append([h0[0], h1[0], h0[1], h1[1]])
                 b_regs.append(b_of(gi, col))
             d += mma_m16n8k16(a_regs, b_regs)

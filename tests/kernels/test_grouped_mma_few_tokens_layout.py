@@ -12,7 +12,7 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.grouped_mma_few_tokens import DEPTH, mma_tile
 
-from kernel_sim import decode_e4m3_words, mma_m16n8k16
+from kernel_sim import decode_e4m3_words, fp8_block_mma
 
 
 def bf16_of_fp32_upper_half(f: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,20 @@ def test_every_e4m3_code_is_its_bf16_exactly():
     assert torch.equal(f.to(torch.bfloat16).float(), f)
 
 
+def bf16_word_pairs(word: torch.Tensor) -> list:
+    """One e4m3 word -> its two bf16x2 pairs as `dsv4_e4m3x4_to_bf16x2` forms them: [(channel 0,
+    channel 1), (channel 2, channel 3)], values times 2^-8."""
+    c = bf16_of_fp32_upper_half(decode_e4m3_words(word.view(1))).double()  # [4] in channel order
+    return [(c[0], c[1]), (c[2], c[3])]
+
+
+def bf16_x_pairs(row: torch.Tensor, c: int) -> list:
+    """A token's B pairs for the word of channels c .. c + 3: its two bf16x2 words as they lie in
+    memory, [(c, c + 1), (c + 2, c + 3)]."""
+    v = row[c:c + 4].double()
+    return [(v[0], v[1]), (v[2], v[3])]
+
+
 def emulate(w: torch.Tensor, ws: torch.Tensor, x: torch.Tensor, groups: int, tiles: int, ksplit: int):
     """The kernel's arithmetic: W [n, k] e4m3 (uint8) of `groups` row groups, its e8m0 block scales
     [ceil(n/128), k/128] (uint8), activations x [m, groups·k] bf16 -> fp64 [m, n]."""
@@ -47,22 +61,9 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, x: torch.Tensor, groups: int, til
             for i in range(per):
                 kb = warp * per + i
                 for t in range(tiles):
-                    for u in range(cols):
-                        d = torch.zeros(16, 8, dtype=torch.float64)
-                        for s in range(2):
-                            for v in range(4):  # word v of span s: one MMA
-                                a_regs, b_regs = [], []
-                                for lane in range(32):
-                                    gi, ti = lane // 4, lane % 4
-                                    c = 128 * kb + 64 * s + 16 * ti + 4 * v
-                                    rows = [min(row0 + 16 * t + 8 * h + gi, n - 1) for h in (0, 1)]
-                                    f = [bf16_of_fp32_upper_half(decode_e4m3_words(words[r, c // 4].view(1))).double()
-                                         for r in rows]
-                                    a_regs.append([(f[0][0], f[0][1]), (f[1][0], f[1][1]),
-                                                   (f[0][2], f[0][3]), (f[1][2], f[1][3])])
-                                    xs = x[min(8 * u + gi, m - 1), c0 + c: c0 + c + 4].double()
-                                    b_regs.append([(xs[0], xs[1]), (xs[2], xs[3])])
-                                d += mma_m16n8k16(a_regs, b_regs)
+                    for u in range(cols):  # lane gi's B: token 8u + gi's channels of word col, as stored
+                        d = fp8_block_mma(words, row0 + 16 * t, kb, lambda gi, col, u=u: bf16_x_pairs(
+                            x[min(8 * u + gi, m - 1)], c0 + 4 * col), bf16_word_pairs)
                         scale = 2.0 ** (int(ws[min(row0 + 16 * t, n - 1) // 128, kb]) - 127 + lowbit.E4M3_SHIFT)
                         for lane in range(32):
                             gi, ti = lane // 4, lane % 4
