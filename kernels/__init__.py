@@ -8,7 +8,7 @@ By operation:
                   row-per-warp GEMV building blocks), bf16_gemv.py
   FP8 linears     act_quant.py, fp8_gemm.py (dispatch: CUDA-core GEMV, cuBLAS prefill),
                   fp8_mma_one_token.py, fp8_mma_few_tokens.py (the tensor cores: one token, 2-16
-                  tokens), grouped_linear.py (wo_a)
+                  tokens), grouped_linear.py (wo_a; grouped_mma_few_tokens.py: its 2-16 tokens)
   routed experts  fp4_moe.py (dispatch and the CUDA-core GEMV), fp4_mma_one_token.py,
                   fp4_mma_few_tokens.py (tensor cores: one token, 2-16 tokens), moe_gate.py,
                   swiglu_quant.py, moe_combine.py

@@ -155,9 +155,10 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
 # Every module that defines `@kernel_factory` functions (tests/kernels/test_kernel_factory.py checks the list).
 KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_dequant",
                   "kernels.fp4_mma_few_tokens", "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_dequant",
-                  "kernels.fp8_gemm", "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token", "kernels.grouped_linear",
-                  "kernels.hadamard_qdq4", "kernels.head_gemv", "kernels.indexer_scores", "kernels.indexer_weights",
-                  "kernels.mhc", "kernels.moe_combine", "kernels.moe_gate", "kernels.norm_rope", "kernels.rms_norm",
+                  "kernels.fp8_gemm", "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token",
+                  "kernels.grouped_linear", "kernels.grouped_mma_few_tokens", "kernels.hadamard_qdq4",
+                  "kernels.head_gemv", "kernels.indexer_scores", "kernels.indexer_weights", "kernels.mhc",
+                  "kernels.moe_combine", "kernels.moe_gate", "kernels.norm_rope", "kernels.rms_norm",
                   "kernels.rms_norm_quant", "kernels.rope", "kernels.sparse_attention", "kernels.sparse_index",
                   "kernels.swiglu_quant")
 
