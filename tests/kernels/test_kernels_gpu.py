@@ -254,7 +254,6 @@ def test_grouped_gemv_every_tile_matches_reference(rows, warps, ksplit, gen):
     assert rel_err(y, ref.grouped_linear(x, w, s, groups)) < 4e-3
 
 
-
 @pytest.mark.parametrize("m,groups,r,k,tiles,ksplit", [(16, 8, 1024, 4096, 2, 8), (2, 8, 1024, 4096, 2, 8),
                                                        (9, 3, 48, 384, 1, 1), (5, 2, 64, 1024, 2, 2),
                                                        (8, 4, 32, 256, 1, 2), (13, 2, 96, 640, 2, 5)])
@@ -281,6 +280,7 @@ def test_grouped_mma_few_tokens_is_the_exact_product(m, groups, r, k, tiles, ksp
     assert torch.isfinite(y).all()  # every (token, row) stored
     # one bf16 step, and the fp32 sums' rounding (a few units of 2^-24 of the terms' magnitude)
     assert ((y.double() - exact).abs() <= step + 2.0 ** -21 * terms).all()
+
 
 def test_grouped_linear_rejects_mismatched_groups(gen):
     from kernels.toolkit import KernelInputError
