@@ -11,7 +11,7 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp8_mma_few_tokens import BLOCKS_PER_WARP, DEPTH, mma_tile
 
-from kernel_sim import e4m3_word_pairs, fp8_block_mma
+from kernel_sim import e4m3_word_pairs, fp8_block_mma, store_tile_sums
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -44,15 +44,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                                 acc[t, u, c, lane] += d[gi + 8 * (c // 2), 2 * ti + c % 2] * (
                                     wscale * sa[tok, kb].item())
             red[warp] = acc
-        total = red.sum(0)  # warp 0 adds the others in warp order
-        for t in range(tiles):
-            for u in range(cols):
-                for c in range(4):
-                    for lane in range(32):
-                        gi, ti = lane // 4, lane % 4
-                        row, tok = row0 + 16 * t + 8 * (c // 2) + gi, 8 * u + 2 * ti + c % 2
-                        if row < n and tok < m:
-                            y[tok, row] = total[t, u, c, lane]
+        store_tile_sums(y, red.sum(0), row0)  # warp 0 adds the others in warp order
     return y
 
 

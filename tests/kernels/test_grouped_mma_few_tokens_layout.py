@@ -12,7 +12,7 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.grouped_mma_few_tokens import DEPTH, mma_tile
 
-from kernel_sim import decode_e4m3_words, fp8_block_mma
+from kernel_sim import decode_e4m3_words, fp8_block_mma, store_tile_sums
 
 
 def bf16_of_fp32_upper_half(f: torch.Tensor) -> torch.Tensor:
@@ -69,15 +69,7 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, x: torch.Tensor, groups: int, til
                             gi, ti = lane // 4, lane % 4
                             for c in range(4):
                                 red[warp, t, u, c, lane] += d[gi + 8 * (c // 2), 2 * ti + c % 2] * scale
-        total = red.sum(0)  # warp 0 adds the others in warp order
-        for t in range(tiles):
-            for u in range(cols):
-                for c in range(4):
-                    for lane in range(32):
-                        gi, ti = lane // 4, lane % 4
-                        row, tok = row0 + 16 * t + 8 * (c // 2) + gi, 8 * u + 2 * ti + c % 2
-                        if tok < m:
-                            y[tok, row] = total[t, u, c, lane]
+        store_tile_sums(y, red.sum(0), row0)  # warp 0 adds the others in warp order
     return y
 
 
