@@ -13,6 +13,9 @@ the cold warm-up), then profiles with torch.profiler, each after one unprofiled 
    when it is a graphed chunk step, that step eagerly (its kernels by GPU time);
 3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
    from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
+   `--timeline` adds the replayed step's timeline: the time with no kernel running, one, or
+   more at once, and every kernel of the middle layer in start order (stream, start, duration,
+   the gap since the previous kernel of its stream ended), with each kind's time over the step.
 
 `--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
 synchronises the host with the device in a chunk (`torch.cuda.set_sync_debug_mode`), with its
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,9 +59,10 @@ def kernel_table(prof, calls: int, top: int | None, host_top: int = 8) -> list[s
     return lines
 
 
-def profiled(label: str, fn, calls: int, top: int) -> float:
-    """Run fn once unprofiled, then `calls` times under the profiler; prints wall and the table.
-    Returns the wall seconds of one call (from the profiled runs, synchronised)."""
+def profiled(label: str, fn, calls: int, top: int, timeline_layers: int = 0) -> float:
+    """Run fn once unprofiled, then `calls` times under the profiler; prints wall and the table
+    (and with `timeline_layers` > 0 the last call's timeline, `timeline`). Returns the wall
+    seconds of one call (from the profiled runs, synchronised)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -70,7 +75,84 @@ def profiled(label: str, fn, calls: int, top: int) -> float:
         wall = (time.perf_counter() - t) / calls
     print(f"\n== {label}: wall {1e3 * wall:.2f} ms per call", flush=True)
     print("\n".join(kernel_table(prof, calls, top)), flush=True)
+    if timeline_layers:
+        print("\n".join(timeline(kernel_spans(prof), calls, timeline_layers)), flush=True)
     return wall
+
+
+@dataclass(frozen=True)
+class Span:
+    """One kernel's run on the device: name, stream, start and end in microseconds."""
+
+    name: str
+    stream: int
+    start: float
+    end: float
+
+
+def kernel_spans(prof) -> list[Span]:
+    """The profile's kernels in start order (its Chrome trace's "kernel" events)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    spans = [Span(e["name"], stream_id(e.get("tid", 0)), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+             for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sorted(spans, key=lambda s: s.start)
+
+
+def stream_id(tid) -> int:
+    """A Chrome trace's kernel "tid" (the stream: 7, or "stream 7") as an int (-1 if none)."""
+    digits = "".join(ch for ch in str(tid) if ch.isdigit())
+    return int(digits) if digits else -1
+
+
+def occupancy(spans: list[Span]) -> dict[int, float]:
+    """Microseconds from the first kernel's start to the last one's end during which 0, 1, 2, ...
+    kernels ran at once."""
+    edges = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    time_at: dict[int, float] = {}
+    running, prev = 0, edges[0][0] if edges else 0.0
+    for t, step in edges:
+        time_at[running] = time_at.get(running, 0.0) + t - prev
+        running, prev = running + step, t
+    return time_at
+
+
+def timeline(spans: list[Span], calls: int, layers: int) -> list[str]:
+    """The last of `calls` equal calls in `spans` (a model step of `layers` layers): how long 0,
+    1, 2+ kernels ran at once, each kernel kind's time, and the middle layer's kernels in start
+    order with their stream, start, duration and the gap since their stream's previous kernel."""
+    per = len(spans) // calls
+    step = spans[-per:] if per else []
+    if not step:
+        return ["  timeline: the profile holds no kernels"]
+    t0, t1 = step[0].start, max(s.end for s in step)
+    at = occupancy(step)
+    lines = [f"  timeline of the last call: {t1 - t0:.1f} us from the first kernel's start to the last's end, "
+             f"{len(step)} kernels; no kernel {at.get(0, 0.0):.1f} us, one {at.get(1, 0.0):.1f} us, "
+             f"two or more {sum(v for k, v in at.items() if k >= 2):.1f} us"]
+    kinds: dict[str, list[float]] = {}
+    for s in step:
+        kinds.setdefault(s.name[:60], []).append(s.end - s.start)
+    lines.append("  kernel kinds by time in the call (count, sum us, median us):")
+    for name, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:30]:
+        lines.append(f"  {len(d):5d} {sum(d):9.1f} {sorted(d)[len(d) // 2]:7.2f}  {name}")
+    first, last = len(step) * (layers // 2) // layers, len(step) * (layers // 2 + 1) // layers
+    lines.append(f"  kernels {first}..{last - 1} (about layer {layers // 2}): stream, start us (from the "
+                 "first shown), duration us, gap us since its stream's previous kernel ended")
+    prev_end: dict[int, float] = {}
+    for s in step[:first]:
+        prev_end[s.stream] = max(prev_end.get(s.stream, s.end), s.end)
+    base = step[first].start
+    for s in step[first:last]:
+        gap = s.start - prev_end[s.stream] if s.stream in prev_end else float("nan")
+        lines.append(f"  {s.stream:4d} {s.start - base:9.2f} {s.end - s.start:8.2f} {gap:8.2f}  {s.name[:70]}")
+        prev_end[s.stream] = max(prev_end.get(s.stream, s.end), s.end)
+    return lines
 
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -162,6 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="the N Python functions of most own host time in one prefill (the first chunk size), "
                    "by cProfile: where a host-bound chunk's launches come from")
+    p.add_argument("--timeline", action="store_true", help="the replayed decode step's kernel timeline and "
+                   "the middle layer's kernels in order")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.op_profile needs a CUDA GPU", file=sys.stderr)
@@ -255,7 +339,8 @@ def profile_all(a, eng) -> None:
         runtime.reserve(state2, state2.pos + 64)
         for _ in range(3):
             runner.step(state2, token)
-        profiled("decode step, CUDA graph replay", lambda: runner.step(state2, token), 8, 40)
+        profiled("decode step, CUDA graph replay", lambda: runner.step(state2, token), 8, 40,
+                 a.layers if a.timeline else 0)
         runner.settle()
 
 

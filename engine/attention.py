@@ -102,12 +102,14 @@ class Compressor:
         self.numerics.compressor_project_rows(self.w, x, self.ape, row, st.buf_kv, st.buf_gate)  # one launch on CUDA
         if not emit:
             return
-        win_kv, win_gate = st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0)  # [1, r, c·d]
-        if self.overlap:
-            win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)
-            st.prev_kv.copy_(st.buf_kv[:, :self.dim])
-            st.prev_gate.copy_(st.buf_gate[:, :self.dim])
-        st.entries.index_copy_(0, entry, self._pool(win_kv, win_gate, entry * r))
+        # the window pooled (an overlap compressor's prev takes its first halves), then normed and
+        # rotated at its first position: one launch each on CUDA; attention keys straight into their row
+        pooled = self.numerics.compressor_pool(st.buf_kv, st.buf_gate, st.prev_kv, st.prev_gate)  # [1, d]
+        if self.kind == "attention":
+            self.rope.normed(pooled, self.norm, self.eps, at.first[r], self.dim - self.rope_dim,
+                             out=(st.entries, entry))
+        else:
+            st.entries.index_copy_(0, entry, self._stored(pooled, at.first[r]))
 
     def chunk(self, x: torch.Tensor, at: ChunkPosition, st: CompressorState) -> None:
         """A chunk step's token slots x [size, D] (engine/chunk_position.py), with static shapes
@@ -149,13 +151,14 @@ class Compressor:
     def _pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Gated pooling of windows [n_win, slots, d] whose first positions are `first` [n_win]
         (entry · ratio: where each is rotated) -> stored entries."""
-        # over the window's slots, per channel (softmax along the last dim: the fast CUDA kernel)
-        weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)
-        pooled = (win_kv * weights).sum(dim=1)  # [n_win, d] fp32
-        # normed and rotated; native storage rounding: QDQ8 of the nope dims (attention keys) or
-        # Hadamard + QDQ4 (indexer keys)
+        return self._stored(ref.pool_windows(win_kv, win_gate).to(self.numerics.dtype), first)
+
+    def _stored(self, pooled: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Pooled entries [n, d] (numerics dtype) whose first positions are `first` [n] -> normed
+        and rotated there, with native's storage rounding: QDQ8 of the nope dims (attention
+        keys) or Hadamard + QDQ4 (indexer keys)."""
         lead = self.dim - self.rope_dim if self.kind == "attention" else 0
-        entries = self.rope.normed(pooled.to(self.numerics.dtype), self.norm, self.eps, first, lead)
+        entries = self.rope.normed(pooled, self.norm, self.eps, first, lead)
         return self.numerics.round_index(entries) if self.kind == "indexer" else entries
 
 

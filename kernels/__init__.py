@@ -12,7 +12,7 @@ By operation:
   routed experts  fp4_moe.py (dispatch and the CUDA-core GEMV), fp4_mma_one_token.py,
                   fp4_mma_few_tokens.py (tensor cores: one token, 2-16 tokens), moe_gate.py,
                   swiglu_quant.py, moe_combine.py
-  attention       norm_rope.py, rope.py, compressor_project.py, indexer_weights.py,
+  attention       norm_rope.py, rope.py, compressor_project.py, compressor_pool.py, indexer_weights.py,
                   indexer_scores.py, hadamard_qdq4.py, sparse_index.py, sparse_attention.py
   mHC and norms   mhc.py, sinkhorn.py (a warp macro used by mhc.py), rms_norm.py,
                   rms_norm_quant.py

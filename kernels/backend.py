@@ -44,6 +44,7 @@ OPS: tuple[Op, ...] = (
     Op("fp4_gemm", ref.fp4_gemm, "kernels.fp4_moe"),
     Op("bf16_gemm", ref.bf16_gemm, "kernels.bf16_gemm"),
     Op("compressor_project", ref.compressor_project, "kernels.compressor_project"),
+    Op("compressor_pool", ref.compressor_pool, "kernels.compressor_pool"),
     Op("grouped_linear", ref.grouped_linear, "kernels.grouped_linear"),
     Op("moe_gate", ref.moe_gate, "kernels.moe_gate"),
     Op("swiglu_quant", ref.swiglu_quant, "kernels.swiglu_quant"),
@@ -153,7 +154,7 @@ def make_backend(name: str, device: str | torch.device = "cpu") -> Backend:
 
 
 # Every module that defines `@kernel_factory` functions (tests/kernels/test_kernel_factory.py checks the list).
-KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_project", "kernels.fp4_dequant",
+KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_pool", "kernels.compressor_project", "kernels.fp4_dequant",
                   "kernels.fp4_mma_few_tokens", "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_dequant",
                   "kernels.fp8_gemm", "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token",
                   "kernels.grouped_linear", "kernels.grouped_mma_few_tokens", "kernels.hadamard_qdq4",

@@ -285,6 +285,31 @@ def compressor_project(x: torch.Tensor, w: torch.Tensor, ape: torch.Tensor, row:
     buf_gate.index_copy_(0, row, bf16_gemm(x, w[c:]) + ape[row])
 
 
+def pool_windows(win_kv: torch.Tensor, win_gate: torch.Tensor) -> torch.Tensor:
+    """Gated pooling (§C.5): windows win_kv, win_gate [n, slots, d] fp32 -> [n, d] fp32, each
+    channel's kv summed over the slots with the softmax of its gate logits over the slots."""
+    weights = torch.softmax(win_gate.transpose(1, 2), dim=-1).transpose(1, 2)  # the fast CUDA softmax: last dim
+    return (win_kv * weights).sum(dim=1)
+
+
+def compressor_pool(buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                    prev_gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A decode step's one completed window of a compressor (§C.5) -> its pooled entry [1, d] in
+    `dtype` (before the entry's norm and rotation). buf_kv, buf_gate [r, C] fp32: the window's
+    kv and gate logits (ape added). Without overlap (prev None) C = d and the slots are the r rows;
+    with overlap (prev_kv, prev_gate [r, d] fp32: the previous window's first halves) C = 2d and
+    the slots are prev's r rows, then the window's second halves buf[:, d:]; prev then takes this
+    window's first halves buf[:, :d] (in place). `pool_windows` of that one window."""
+    if prev_kv is None:
+        kv, gate = buf_kv, buf_gate
+    else:
+        d = prev_kv.shape[1]
+        kv, gate = torch.cat((prev_kv, buf_kv[:, d:])), torch.cat((prev_gate, buf_gate[:, d:]))
+        prev_kv.copy_(buf_kv[:, :d])
+        prev_gate.copy_(buf_gate[:, :d])
+    return pool_windows(kv.unsqueeze(0), gate.unsqueeze(0)).to(dtype)
+
+
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Official FP4 expert linear: FP8-quantised activations × FP4 (1×32 scaled) weights -> bf16."""
     return fp4_gemm_dequantized(act_dequant(*act_quant(x, 128), 128), w, w_scale)

@@ -19,6 +19,7 @@ def test_position_facts_equal_the_device_derivations(p):
     assert at.pos.item() == p and at.window_row.item() == p % 128 and at.host == p
     for r in (4, 128):
         assert (at.row[r].item(), at.entry[r].item(), at.visible[r].item()) == (p % r, p // r, (p + 1) // r)
+        assert at.first[r].item() == (p // r) * r  # the entry's first position: where it is rotated
 
 
 def test_views_stay_put_across_steps():

@@ -329,6 +329,34 @@ def test_compressor_project_every_tile(rows, warps, ksplit, gen):
     assert rel_err(bufs[0], want[0]) < 1e-5 and rel_err(bufs[1], want[1]) < 1e-5
 
 
+# ---------------------------------------------------------------------- compressor pooling
+# Flash's CSA attention and indexer compressors (ratio 4, overlapping) and its HCA one (ratio 128),
+# the tiny model's, in bf16 and fp32; the first window's -inf prev logits included
+@pytest.mark.parametrize("r,d,overlap,dtype", [(4, 512, True, torch.bfloat16), (4, 128, True, torch.bfloat16),
+                                               (128, 512, False, torch.bfloat16), (4, 64, True, torch.float32),
+                                               (8, 32, False, torch.float32)])
+def test_compressor_pool_matches_reference(r, d, overlap, dtype, gen):
+    from kernels.compressor_pool import compressor_pool
+    c = 2 * d if overlap else d
+    buf_kv = torch.randn(r, c, generator=gen, device=DEV)
+    buf_gate = torch.randn(r, c, generator=gen, device=DEV) * 3
+    for first in (True, False) if overlap else (False,):
+        prev = None
+        if overlap:
+            prev = [torch.randn(r, d, generator=gen, device=DEV),
+                    torch.full((r, d), float("-inf"), device=DEV) if first else torch.randn(r, d, generator=gen,
+                                                                                          device=DEV)]
+        want_prev = None if prev is None else [t.clone() for t in prev]
+        got = compressor_pool(buf_kv, buf_gate, *(prev or (None, None)), dtype)
+        want = ref.compressor_pool(buf_kv, buf_gate, *(want_prev or (None, None)), dtype)
+        assert got.shape == want.shape == (1, d) and got.dtype == dtype
+        err = rel_err(got, want)
+        print(f"compressor_pool r={r} d={d} overlap={overlap} first={first} {dtype}: rel err {err:.2e}")
+        assert err < (1e-6 if dtype == torch.float32 else 4e-3)  # fp32 summation order; one rounding into bf16
+        if prev is not None:
+            assert torch.equal(prev[0], buf_kv[:, :d]) and torch.equal(prev[1], buf_gate[:, :d])
+
+
 def test_compressor_project_rejects_mismatched_weight(gen):
     from kernels.toolkit import KernelInputError
     from kernels.compressor_project import compressor_project

@@ -342,3 +342,30 @@ def test_bf16_gemm_is_the_fp32_product_of_the_widened_operands():
     assert got.dtype == torch.float32 and got.shape == (6, 40)
     assert torch.equal(got, ref.matmul(x.float(), w.float().T))
     assert (got - x.double() @ w.double().T).abs().max() < 1e-4  # exact products, fp32 sums
+
+
+def test_compressor_pool_weighs_the_overlapping_slots_and_hands_prev_the_first_halves():
+    r, d = 4, 6
+    buf_kv, buf_gate = torch.randn(r, 2 * d), torch.randn(r, 2 * d)
+    prev_kv, prev_gate = torch.randn(r, d), torch.randn(r, d)
+    kv = torch.cat((prev_kv, buf_kv[:, d:]))  # the 2r slots: prev's rows, then the window's second halves
+    gate = torch.cat((prev_gate, buf_gate[:, d:]))
+    want = (kv * torch.softmax(gate, dim=0)).sum(dim=0, keepdim=True)
+    got = ref.compressor_pool(buf_kv, buf_gate, prev_kv, prev_gate, torch.float32)
+    assert got.shape == (1, d) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(prev_kv, buf_kv[:, :d]) and torch.equal(prev_gate, buf_gate[:, :d])
+    # the first window: prev's -inf logits weigh nothing
+    prev_gate.fill_(float("-inf"))
+    alone = (buf_kv[:, d:] * torch.softmax(buf_gate[:, d:], dim=0)).sum(dim=0, keepdim=True)
+    assert torch.allclose(ref.compressor_pool(buf_kv, buf_gate, prev_kv, prev_gate, torch.float32), alone,
+                          rtol=1e-6, atol=1e-6)
+
+
+def test_compressor_pool_without_overlap_rounds_once_into_the_dtype():
+    buf_kv, buf_gate = torch.randn(128, 8), torch.randn(128, 8) * 4
+    want = (buf_kv * torch.softmax(buf_gate, dim=0)).sum(dim=0, keepdim=True)
+    got = ref.compressor_pool(buf_kv, buf_gate, None, None, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ref.pool_windows(buf_kv.unsqueeze(0), buf_gate.unsqueeze(0)).to(torch.bfloat16))
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-3)
