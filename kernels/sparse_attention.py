@@ -36,6 +36,8 @@ from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_
 # selected row is gathered into shared memory once per head block). H200, 2,048 queries of 64
 # heads, K = 640 (`python -m bench.kernels --prefill-attention 2048`): 0.88 ms at 64 heads and
 # 256 threads against 2.29 at 16 and 128, the same output bit for bit.
+# A chunk step's token slots (engine/decode_graph.py's CHUNK_SLOTS): `splits` treats 2..16 queries alike.
+FEW_QUERIES = 16
 TILE_PARAMS = {
     (9, 0): {"block_h": 16, "block_i": 64, "decode_block_i": 32, "threads": 128, "stages": 2, "min_ctas": 132,
              "splits": 32, "few_query_ctas": 256, "prefill_block_h": 64, "prefill_threads": 256},
@@ -211,9 +213,12 @@ def splits(s_len: int, heads: int, arch: tuple[int, int]) -> int:
     largest power of two up to the architecture's `splits` that keeps the launch within
     `few_query_ctas` CTAs: decode's one query takes them all, a chunk step's 16 queries fewer,
     since the combine reads back S x splits x H x D fp32 partial outputs (67 MB at 16 x 32).
-    Fixed per query count, so a growing key count never compiles a new kernel."""
+    2..FEW_QUERIES queries split as FEW_QUERIES do: a chunk step runs that many slots whatever its
+    real tokens, and an eager call of the same tokens must sum each query's keys in the same
+    order, or the two differ in the last bits (4 % in the logits after the FP8 quantisations that
+    follow). Fixed per query count, so a growing key count never compiles a new kernel."""
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
-    blocks = s_len * (heads // p["block_h"])
+    blocks = (FEW_QUERIES if 1 < s_len <= FEW_QUERIES else s_len) * (heads // p["block_h"])
     if blocks >= p["min_ctas"]:
         return 1
     n = p["splits"]
