@@ -122,12 +122,24 @@ def occupancy(spans: list[Span]) -> dict[int, float]:
     return time_at
 
 
+def last_call(spans: list[Span], calls: int) -> list[Span]:
+    """The kernels of the last of `calls` calls in `spans` (start order): those after the longest
+    of the calls - 1 longest stretches with no kernel running (the host's work between calls)."""
+    gaps, end = [], float("-inf")
+    for i, s in enumerate(spans):
+        if i:
+            gaps.append((s.start - end, i))
+        end = max(end, s.end)
+    cuts = sorted(gaps)[-(calls - 1):] if calls > 1 else []
+    return spans[max((i for _, i in cuts), default=0):]
+
+
 def timeline(spans: list[Span], calls: int, layers: int) -> list[str]:
-    """The last of `calls` equal calls in `spans` (a model step of `layers` layers): how long 0,
-    1, 2+ kernels ran at once, each kernel kind's time, and the middle layer's kernels in start
-    order with their stream, start, duration and the gap since their stream's previous kernel."""
-    per = len(spans) // calls
-    step = spans[-per:] if per else []
+    """The last of `calls` calls in `spans` (`last_call`; a model step of `layers` layers): how
+    long 0, 1, 2+ kernels ran at once, each kernel kind's time, and the middle layer's kernels in
+    start order with their stream, start, duration and the gap since their stream's previous
+    kernel."""
+    step = last_call(spans, calls)
     if not step:
         return ["  timeline: the profile holds no kernels"]
     t0, t1 = step[0].start, max(s.end for s in step)

@@ -1,6 +1,6 @@
 """bench/op_profile.py's timeline of a replayed step, on hand-made kernel spans (CPU)."""
 
-from bench.op_profile import Span, occupancy, stream_id, timeline
+from bench.op_profile import Span, last_call, occupancy, stream_id, timeline
 
 
 def test_occupancy_counts_idle_single_and_overlapping_time():
@@ -43,3 +43,12 @@ def test_timeline_of_the_last_call_shows_the_middle_layer_with_gaps():
 
 def test_timeline_of_nothing_says_so():
     assert "no kernels" in timeline([], calls=1, layers=43)[0]
+
+
+def test_the_last_call_starts_after_the_longest_idle_stretches_whatever_its_kernel_count():
+    first = [Span("a", 7, 0.0, 2.0), Span("b", 7, 2.5, 4.0)]  # 0.5 us inside a call
+    second = [Span("c", 7, 50.0, 51.0)]  # 46 us of host work before it
+    third = [Span("d", 7, 90.0, 91.0), Span("e", 9, 90.5, 92.0), Span("f", 7, 93.0, 94.0)]
+    spans = first + second + third
+    assert last_call(spans, 3) == third
+    assert last_call(spans, 1) == spans
