@@ -103,13 +103,9 @@ class Compressor:
         if not emit:
             return
         # the window pooled (an overlap compressor's prev takes its first halves), then normed and
-        # rotated at its first position: one launch each on CUDA; attention keys straight into their row
+        # rotated at its first position into its entry row: one launch each on CUDA
         pooled = self.numerics.compressor_pool(st.buf_kv, st.buf_gate, st.prev_kv, st.prev_gate)  # [1, d]
-        if self.kind == "attention":
-            self.rope.normed(pooled, self.norm, self.eps, at.first[r], self.dim - self.rope_dim,
-                             out=(st.entries, entry))
-        else:
-            st.entries.index_copy_(0, entry, self._stored(pooled, at.first[r]))
+        self._stored(pooled, at.first[r], out=(st.entries, entry))
 
     def chunk(self, x: torch.Tensor, at: ChunkPosition, st: CompressorState) -> None:
         """A chunk step's token slots x [size, D] (engine/chunk_position.py), with static shapes
@@ -153,13 +149,19 @@ class Compressor:
         (entry · ratio: where each is rotated) -> stored entries."""
         return self._stored(ref.pool_windows(win_kv, win_gate).to(self.numerics.dtype), first)
 
-    def _stored(self, pooled: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    def _stored(self, pooled: torch.Tensor, first: torch.Tensor,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Pooled entries [n, d] (numerics dtype) whose first positions are `first` [n] -> normed
         and rotated there, with native's storage rounding: QDQ8 of the nope dims (attention
-        keys) or Hadamard + QDQ4 (indexer keys)."""
-        lead = self.dim - self.rope_dim if self.kind == "attention" else 0
-        entries = self.rope.normed(pooled, self.norm, self.eps, first, lead)
-        return self.numerics.round_index(entries) if self.kind == "indexer" else entries
+        keys) or Hadamard + QDQ4 (indexer keys). `out` = (entries, rows): entry i is written to
+        entries[rows[i]] instead and None returned (attention keys straight from the norm)."""
+        if self.kind == "attention":
+            return self.rope.normed(pooled, self.norm, self.eps, first, self.dim - self.rope_dim, out=out)
+        entries = self.numerics.round_index(self.rope.normed(pooled, self.norm, self.eps, first))
+        if out is None:
+            return entries
+        out[0].index_copy_(0, out[1], entries)
+        return None
 
 
 class Indexer:

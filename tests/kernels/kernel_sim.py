@@ -56,7 +56,6 @@ def fp8_block_mma(words: torch.Tensor, row0: int, kb: int, b_of, a_pairs=e4m3_wo
     return d
 
 
-
 def store_tile_sums(y: torch.Tensor, total: torch.Tensor, row0: int) -> None:
     """The FP8 few-token tensor-core kernels' store: the CTA at row0's summed lane results total
     [tiles, cols, 4, 32] ([t, u, 2h + j, lane]: row row0 + 16t + 8h + gi, token 8u + 2ti + j) into
@@ -71,6 +70,7 @@ def store_tile_sums(y: torch.Tensor, total: torch.Tensor, row0: int) -> None:
                     row, tok = row0 + 16 * t + 8 * (c // 2) + gi, 8 * u + 2 * ti + c % 2
                     if row < n and tok < m:
                         y[tok, row] = total[t, u, c, lane]
+
 
 def decode_e2m1_words(words: torch.Tensor) -> torch.Tensor:
     """int32 words [..., W] of e2m1 codes (record order) -> fp32 [..., 8W] (values times 2^-14):
