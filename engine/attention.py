@@ -83,13 +83,12 @@ class Compressor:
         st.buf_gate[:rest] = gate[n_win * r:]
         if n_win == 0:
             return
-        win_kv = kv[: n_win * r].view(n_win, r, -1)  # [n_win, r, c·d]
-        win_gate = gate[: n_win * r].view(n_win, r, -1)
-        if self.overlap:
-            win_kv, win_gate = self._overlap(win_kv, win_gate, st.prev_kv, st.prev_gate)  # [n_win, 2r, d]
-            st.prev_kv.copy_(kv[(n_win - 1) * r:n_win * r, :self.dim])  # in place: graphs hold it
-            st.prev_gate.copy_(gate[(n_win - 1) * r:n_win * r, :self.dim])
-        st.store_entries(at.first_window(r), self._pool(win_kv, win_gate, at.window_pos[r]))
+        # the completed windows [n_win, r, c·d] pooled (an overlap compressor's prev takes the last
+        # one's first halves), normed and rotated at their first positions: one launch each on CUDA
+        win = (n_win, r, kv.shape[1])
+        pooled = self.numerics.compressor_pool(kv[:n_win * r].view(win), gate[:n_win * r].view(win), st.prev_kv,
+                                               st.prev_gate)
+        st.store_entries(at.first_window(r), self._stored(pooled, at.window_pos[r]))
 
     def decode(self, x: torch.Tensor, at: DecodePosition, st: CompressorState, emit: bool) -> None:
         """One token x [1, D] at decode position `at`, with static shapes (no host sync).
@@ -104,7 +103,8 @@ class Compressor:
             return
         # the window pooled (an overlap compressor's prev takes its first halves), then normed and
         # rotated at its first position into its entry row: one launch each on CUDA
-        pooled = self.numerics.compressor_pool(st.buf_kv, st.buf_gate, st.prev_kv, st.prev_gate)  # [1, d]
+        pooled = self.numerics.compressor_pool(st.buf_kv.unsqueeze(0), st.buf_gate.unsqueeze(0), st.prev_kv,
+                                               st.prev_gate)  # [1, d]
         self._stored(pooled, at.first[r], out=(st.entries, entry))
 
     def chunk(self, x: torch.Tensor, at: ChunkPosition, st: CompressorState) -> None:
@@ -132,17 +132,6 @@ class Compressor:
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D] -> (kv, gate logits without ape) [S, c·d], fp32 products of the bf16 weights."""
         return self.numerics.compressor_project(self.w, x)
-
-    def _overlap(self, win_kv, win_gate, prev_kv, prev_gate):
-        """8 slots per entry: the previous window's first half, then this window's second half.
-
-        win_* [n_win, r, 2d]; prev_* [r, d] (the window before the first) -> [n_win, 2r, d]."""
-        d = self.dim
-        prev_kv = torch.cat((prev_kv.unsqueeze(0), win_kv[:-1, :, :d]))  # [n_win, r, d]
-        prev_gate = torch.cat((prev_gate.unsqueeze(0), win_gate[:-1, :, :d]))
-        kv = torch.cat((prev_kv, win_kv[:, :, d:]), dim=1)  # [n_win, 2r, d]
-        gate = torch.cat((prev_gate, win_gate[:, :, d:]), dim=1)
-        return kv, gate
 
     def _pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Gated pooling of windows [n_win, slots, d] whose first positions are `first` [n_win]

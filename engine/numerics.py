@@ -98,12 +98,12 @@ class Numerics(ABC):
     def hc_post(self, out, streams, post, comb_logits, iters, hc_eps, early=False):
         return self.ops.hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
 
-    def compressor_pool(self, buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,
+    def compressor_pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                         prev_gate: torch.Tensor | None) -> torch.Tensor:
-        """A decode step's completed window -> its pooled entry [1, d] in this mode's dtype
-        (`reference.compressor_pool`: an overlap compressor's prev takes the window's first
-        halves in place); native: one launch on CUDA instead of about ten."""
-        return self.ops.compressor_pool(buf_kv, buf_gate, prev_kv, prev_gate, self.dtype)
+        """Consecutive completed windows [n, r, C] -> their pooled entries [n, d] in this mode's
+        dtype (`reference.compressor_pool`: an overlap compressor's prev takes the last window's
+        first halves in place); native: one launch on CUDA instead of about ten."""
+        return self.ops.compressor_pool(win_kv, win_gate, prev_kv, prev_gate, self.dtype)
 
     def moe_gate(self, x, weight, bias, k, route_scale, hash_ids):
         return self.ops.moe_gate(x, weight, bias, k, route_scale, hash_ids)

@@ -292,22 +292,27 @@ def pool_windows(win_kv: torch.Tensor, win_gate: torch.Tensor) -> torch.Tensor:
     return (win_kv * weights).sum(dim=1)
 
 
-def compressor_pool(buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,
+def compressor_pool(win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                     prev_gate: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A decode step's one completed window of a compressor (§C.5) -> its pooled entry [1, d] in
-    `dtype` (before the entry's norm and rotation). buf_kv, buf_gate [r, C] fp32: the window's
-    kv and gate logits (ape added). Without overlap (prev None) C = d and the slots are the r rows;
-    with overlap (prev_kv, prev_gate [r, d] fp32: the previous window's first halves) C = 2d and
-    the slots are prev's r rows, then the window's second halves buf[:, d:]; prev then takes this
-    window's first halves buf[:, :d] (in place). `pool_windows` of that one window."""
+    """n consecutive completed windows of a compressor (§C.5) -> their pooled entries [n, d] in
+    `dtype` (before each entry's norm and rotation). win_kv, win_gate [n, r, C] fp32: the windows'
+    kv and gate logits (ape added). Without overlap (prev None) C = d and window i's slots are its
+    r rows; with overlap (prev_kv, prev_gate [r, d] fp32: the first halves of the window before
+    window 0) C = 2d and window i's 2r slots are the first halves of the window before it
+    (win[i - 1, :, :d], prev for i = 0), then its own second halves win[i, :, d:]; prev then takes
+    the last window's first halves win[n - 1, :, :d] (in place; n = 0 leaves it). `pool_windows`
+    of those slots."""
+    if win_kv.shape[0] == 0:
+        return win_kv.new_empty(0, win_kv.shape[2] if prev_kv is None else prev_kv.shape[1], dtype=dtype)
     if prev_kv is None:
-        kv, gate = buf_kv, buf_gate
+        kv, gate = win_kv, win_gate
     else:
         d = prev_kv.shape[1]
-        kv, gate = torch.cat((prev_kv, buf_kv[:, d:])), torch.cat((prev_gate, buf_gate[:, d:]))
-        prev_kv.copy_(buf_kv[:, :d])
-        prev_gate.copy_(buf_gate[:, :d])
-    return pool_windows(kv.unsqueeze(0), gate.unsqueeze(0)).to(dtype)
+        kv = torch.cat((torch.cat((prev_kv.unsqueeze(0), win_kv[:-1, :, :d])), win_kv[:, :, d:]), dim=1)
+        gate = torch.cat((torch.cat((prev_gate.unsqueeze(0), win_gate[:-1, :, :d])), win_gate[:, :, d:]), dim=1)
+        prev_kv.copy_(win_kv[-1, :, :d])
+        prev_gate.copy_(win_gate[-1, :, :d])
+    return pool_windows(kv, gate).to(dtype)
 
 
 def fp4_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

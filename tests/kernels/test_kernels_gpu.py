@@ -331,15 +331,19 @@ def test_compressor_project_every_tile(rows, warps, ksplit, gen):
 
 # ---------------------------------------------------------------------- compressor pooling
 # Flash's CSA attention and indexer compressors (ratio 4, overlapping) and its HCA one (ratio 128),
-# the tiny model's, in bf16 and fp32; the first window's -inf prev logits included
+# the tiny model's, in bf16 and fp32; the first window's -inf prev logits included; one window (a
+# decode step's) and several (a prefill chunk's: the kv values a column slice of the projection's
+# output, as `Compressor.__call__` hands them)
 @pytest.mark.parametrize("r,d,overlap,dtype", [(4, 512, True, torch.bfloat16), (4, 128, True, torch.bfloat16),
                                                (128, 512, False, torch.bfloat16), (4, 64, True, torch.float32),
                                                (8, 32, False, torch.float32)])
-def test_compressor_pool_matches_reference(r, d, overlap, dtype, gen):
+@pytest.mark.parametrize("n,strided", [(1, False), (37, True), (6, False)])
+def test_compressor_pool_matches_reference(r, d, overlap, dtype, n, strided, gen):
     from kernels.compressor_pool import compressor_pool
     c = 2 * d if overlap else d
-    buf_kv = torch.randn(r, c, generator=gen, device=DEV)
-    buf_gate = torch.randn(r, c, generator=gen, device=DEV) * 3
+    rows = torch.randn(n * r, 2 * c if strided else c, generator=gen, device=DEV)
+    win_kv = rows[:, :c].view(n, r, c)  # strided: every row c values at a pitch of 2c
+    win_gate = torch.randn(n, r, c, generator=gen, device=DEV) * 3
     for first in (True, False) if overlap else (False,):
         prev = None
         if overlap:
@@ -347,14 +351,15 @@ def test_compressor_pool_matches_reference(r, d, overlap, dtype, gen):
                     torch.full((r, d), float("-inf"), device=DEV) if first else torch.randn(r, d, generator=gen,
                                                                                           device=DEV)]
         want_prev = None if prev is None else [t.clone() for t in prev]
-        got = compressor_pool(buf_kv, buf_gate, *(prev or (None, None)), dtype)
-        want = ref.compressor_pool(buf_kv, buf_gate, *(want_prev or (None, None)), dtype)
-        assert got.shape == want.shape == (1, d) and got.dtype == dtype
+        got = compressor_pool(win_kv, win_gate, *(prev or (None, None)), dtype)
+        want = ref.compressor_pool(win_kv, win_gate, *(want_prev or (None, None)), dtype)
+        assert got.shape == want.shape == (n, d) and got.dtype == dtype
         err = rel_err(got, want)
-        print(f"compressor_pool r={r} d={d} overlap={overlap} first={first} {dtype}: rel err {err:.2e}")
+        print(f"compressor_pool r={r} d={d} overlap={overlap} n={n} strided={strided} first={first} {dtype}: "
+              f"rel err {err:.2e}")
         assert err < (1e-6 if dtype == torch.float32 else 4e-3)  # fp32 summation order; one rounding into bf16
         if prev is not None:
-            assert torch.equal(prev[0], buf_kv[:, :d]) and torch.equal(prev[1], buf_gate[:, :d])
+            assert torch.equal(prev[0], win_kv[-1, :, :d]) and torch.equal(prev[1], win_gate[-1, :, :d])
 
 
 def test_compressor_project_rejects_mismatched_weight(gen):

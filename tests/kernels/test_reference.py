@@ -351,21 +351,41 @@ def test_compressor_pool_weighs_the_overlapping_slots_and_hands_prev_the_first_h
     kv = torch.cat((prev_kv, buf_kv[:, d:]))  # the 2r slots: prev's rows, then the window's second halves
     gate = torch.cat((prev_gate, buf_gate[:, d:]))
     want = (kv * torch.softmax(gate, dim=0)).sum(dim=0, keepdim=True)
-    got = ref.compressor_pool(buf_kv, buf_gate, prev_kv, prev_gate, torch.float32)
+    got = ref.compressor_pool(buf_kv.unsqueeze(0), buf_gate.unsqueeze(0), prev_kv, prev_gate, torch.float32)
     assert got.shape == (1, d) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(prev_kv, buf_kv[:, :d]) and torch.equal(prev_gate, buf_gate[:, :d])
     # the first window: prev's -inf logits weigh nothing
     prev_gate.fill_(float("-inf"))
     alone = (buf_kv[:, d:] * torch.softmax(buf_gate[:, d:], dim=0)).sum(dim=0, keepdim=True)
-    assert torch.allclose(ref.compressor_pool(buf_kv, buf_gate, prev_kv, prev_gate, torch.float32), alone,
-                          rtol=1e-6, atol=1e-6)
+    assert torch.allclose(ref.compressor_pool(buf_kv.unsqueeze(0), buf_gate.unsqueeze(0), prev_kv, prev_gate,
+                                              torch.float32), alone, rtol=1e-6, atol=1e-6)
+
+
+def test_compressor_pool_of_several_windows_equals_one_window_at_a_time():
+    # n consecutive windows at once: window i's first halves come from window i - 1 (prev for the
+    # first), prev ends as the last window's; pooling them one by one gives the same bits
+    r, d, n = 4, 8, 5
+    win_kv, win_gate = torch.randn(n, r, 2 * d), torch.randn(n, r, 2 * d) * 3
+    prev = [torch.randn(r, d), torch.full((r, d), float("-inf"))]
+    one_by_one = [t.clone() for t in prev]
+    got = ref.compressor_pool(win_kv, win_gate, *prev, torch.bfloat16)
+    want = torch.cat([ref.compressor_pool(win_kv[i:i + 1], win_gate[i:i + 1], *one_by_one, torch.bfloat16)
+                      for i in range(n)])
+    assert got.shape == (n, d) and torch.equal(got, want)
+    assert torch.equal(prev[0], one_by_one[0]) and torch.equal(prev[1], win_gate[-1, :, :d])
+    # without overlap each window is its own r slots
+    flat = ref.compressor_pool(win_kv, win_gate, None, None, torch.float32)
+    assert torch.equal(flat, ref.pool_windows(win_kv, win_gate))
+    # no window: nothing pooled, prev kept
+    assert ref.compressor_pool(win_kv[:0], win_gate[:0], *prev, torch.float32).shape == (0, d)
+    assert torch.equal(prev[1], win_gate[-1, :, :d])
 
 
 def test_compressor_pool_without_overlap_rounds_once_into_the_dtype():
     buf_kv, buf_gate = torch.randn(128, 8), torch.randn(128, 8) * 4
     want = (buf_kv * torch.softmax(buf_gate, dim=0)).sum(dim=0, keepdim=True)
-    got = ref.compressor_pool(buf_kv, buf_gate, None, None, torch.bfloat16)
+    got = ref.compressor_pool(buf_kv.unsqueeze(0), buf_gate.unsqueeze(0), None, None, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, ref.pool_windows(buf_kv.unsqueeze(0), buf_gate.unsqueeze(0)).to(torch.bfloat16))
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-3)
