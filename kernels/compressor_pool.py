@@ -6,8 +6,8 @@ logits over the window's slots weighs the kv values. In torch that is about ten 
 compressor (an overlap compressor's slots gathered by concatenations, its previous half copied
 twice, the transposed softmax, the product, the sum over slots, the narrowing), each a few
 microseconds of latency: on a decode step's critical path at a ratio-4 layer (the one step in four
-that emits took ~1.2 ms longer at 43 layers, H200), and ~440 of the ~5,300 launches that bound an
-eager 728-token prefill chunk on the host.
+that emits took ~1.2 ms longer at 43 layers, H200), and hundreds of the launches whose issue
+bounds an eager prefill chunk on the host.
 
 Layout: a CTA per (window, up to 128 output channels), a thread per channel ch; each thread reads
 its channel of every slot of its window -- the first halves of the window before it (rows of the
