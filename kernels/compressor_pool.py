@@ -143,7 +143,7 @@ def compressor_pool_kernel(r: int, d: int, overlap: bool, kv_pitch: int, gate_pi
     return compile_kernel(compressor_pool, arch)
 
 
-def _rows(t: torch.Tensor, c: int) -> torch.Tensor | None:
+def pitched_rows(t: torch.Tensor, c: int) -> torch.Tensor | None:
     """Windows t [n, r, C] whose rows are C-element runs at a common pitch (contiguous, or a column
     slice of wider rows) -> the [n·r, pitch] view of their storage the kernel reads, else None."""
     n, r, _ = t.shape
@@ -174,7 +174,7 @@ def compressor_pool(win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch
     if any(t.dtype != torch.float32 for t in (win_kv, win_gate) + prevs) or dtype not in TORCH_TO_TL:
         raise KernelInputError(f"compressor_pool takes fp32 windows and a bf16, fp16 or fp32 result, got "
                                f"{[t.dtype for t in (win_kv, win_gate) + prevs]} -> {dtype}")
-    kv_rows, gate_rows = _rows(win_kv, c), _rows(win_gate, c)
+    kv_rows, gate_rows = pitched_rows(win_kv, c), pitched_rows(win_gate, c)
     if (n == 0 or kv_rows is None or gate_rows is None or d % 32 or (d > THREADS and d % THREADS)
             or (r > UNROLL and r % UNROLL) or not all(t.is_contiguous() for t in prevs)):
         return ref.compressor_pool(win_kv, win_gate, prev_kv, prev_gate, dtype)
