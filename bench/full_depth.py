@@ -222,7 +222,7 @@ def child(a) -> dict:
                           max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
                           host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB),
                           fill_host_tier=not a.no_tier_fill, lookahead_prefetch=not a.no_lookahead,
-                          routing_lookahead=a.lookahead_accuracy, l2_prefetch=not a.no_l2_prefetch)
+                          routing_lookahead=a.lookahead_accuracy)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -435,9 +435,6 @@ def main(argv=None) -> int:
                    "(default: the whole pool when free host RAM allows); misses beyond it are read from the pack")
     p.add_argument("--no-tier-fill", action="store_true",
                    help="fill the host-RAM tier on demand only (no background fill after load)")
-    p.add_argument("--no-l2-prefetch", action="store_true",
-                   help="no L2 prefetch of the next weights beside the decode step's small kernels "
-                        "(EngineConfig.l2_prefetch off)")
     p.add_argument("--no-lookahead", action="store_true",
                    help="no router lookahead prefetch (EngineConfig.lookahead_prefetch off): its reads against "
                         "the misses it saves")
@@ -510,8 +507,6 @@ def main(argv=None) -> int:
             cmd += ["--no-tier-fill"]
         if a.no_lookahead:
             cmd += ["--no-lookahead"]
-        if a.no_l2_prefetch:
-            cmd += ["--no-l2-prefetch"]
         if a.trace:
             Path(a.trace).mkdir(parents=True, exist_ok=True)
             cmd += ["--trace", a.trace]
@@ -529,7 +524,7 @@ def main(argv=None) -> int:
         r["label"] = (label + (" forced routing" if a.routing_trace else "")
                       + (f" lookahead stand-in {a.lookahead_accuracy:.0%}" if a.lookahead_accuracy is not None else "")
                       + (" TIMING PACK" if a.timing_pack else "") + (" no tier fill" if a.no_tier_fill else "")
-                      + (" no lookahead" if a.no_lookahead else "") + (" no L2 prefetch" if a.no_l2_prefetch else ""))
+                      + (" no lookahead" if a.no_lookahead else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)

@@ -308,16 +308,8 @@ class Attention:
                 order = self.indexer.ranked(c, w, at, st.indexer, st.capacity, rot)
                 idx = self._key_rows(idx, order, at.visible[self.ratio], self.indexer.topk, self.window)
         q, _ = self._queries(c, kv, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
-        # the output projections' weights into L2 while RoPE, the key selection and the
-        # attention itself read little (engine/lanes.py)
-        lanes.warm(lambda nbytes: self.numerics.prefetch(self.wo_a.weights() + self.wo_b.weights(), nbytes))
         lanes.join()
         return self._output(self._attend(q, st.kv, idx, rot))
-
-    def warm_queries(self, lanes: Lanes) -> None:
-        """Queue the L2 prefetch of the query projections' weights (wq_a|wkv, then wq_b) on
-        `lanes`' warm lane: the step's mHC kernels before them read little."""
-        lanes.warm(lambda nbytes: self.numerics.prefetch(self.wq_a_kv.weights() + self.wq_b.weights(), nbytes))
 
     def chunk(self, x: torch.Tensor, at: ChunkPosition, st: LayerState, lanes: Lanes) -> torch.Tensor:
         """A chunk step's token slots x [size, D] (engine/chunk_position.py) -> [size, D], with

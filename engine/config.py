@@ -332,7 +332,6 @@ class EngineConfig:
     routing_lookahead: float | None = None  # with routing_trace: a stand-in lookahead right this share of the time
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
     lookahead_prefetch: bool = True  # streaming: prefetch layer L+1's experts predicted by its gate on layer L's state
-    l2_prefetch: bool = True  # CUDA decode: warm L2 with the next big weights beside the step's small kernels
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -91,13 +91,12 @@ class DecodeRunner:
 
     def __init__(self, model: Transformer, provider: ExpertProvider, whole: bool, graphs: bool | None = None,
                  on_routes: Callable[[int, int, list[int]], None] | None = None, homes: int = HOMES,
-                 lanes: Lanes | None = None, warm: bool = True):
+                 lanes: Lanes | None = None):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
         provider counts the uses itself, in `acquire` and `record`); `homes`: graph homes kept
         (engine/graph_homes.py `homes_for`); `lanes`: where a step's work off its chain of kernels
-        runs (engine/lanes.py), None: a side stream on the model's device, and a warm lane for L2
-        prefetches when `warm` (EngineConfig.l2_prefetch)."""
+        runs (engine/lanes.py), None: a side stream on the model's device."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
@@ -109,7 +108,7 @@ class DecodeRunner:
         # them (1.03 GiB) until the process ended.
         self._side = torch.cuda.Stream(self.device) if self.graphs else None
         # the step's second lane (engine/lanes.py): work off its chain of kernels, on CUDA
-        self.lanes = Lanes(self.device, warm) if lanes is None else lanes
+        self.lanes = Lanes(self.device) if lanes is None else lanes
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.at = model.decode_position(self.device)  # static position inputs, set per step
         # Per home (state buffers of one capacity), one graph set per mode and emission pattern
@@ -190,7 +189,6 @@ class DecodeRunner:
         self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1)
         if logits:
             self._head(out)
-        self.lanes.settle()
         return out
 
     def _capture(self, state: SequenceState, emitting: frozenset[int]) -> _GraphSet:
@@ -217,7 +215,6 @@ class DecodeRunner:
             # thread_local: the app's other threads may touch CUDA (e.g. an I/O thread's copy)
             with torch.cuda.graph(g, pool=self._pool, stream=self._side, capture_error_mode="thread_local"):
                 part()
-                self.lanes.settle()  # a capture joins every stream it forked
             graphs.append(g)
         self.captures += 1
         return graphs
@@ -396,16 +393,13 @@ class DecodeRunner:
 
 def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,
                 on_routes: Callable[[int, int, list[int]], None] | None = None,
-                on_loaded: Callable[[int, int], None] | None = None, homes: int = HOMES,
-                warm: bool = True) -> DecodeRunner | None:
+                on_loaded: Callable[[int, int], None] | None = None, homes: int = HOMES) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, numerics that
     decode eagerly (exact: `Numerics.decode_graphs`), graphs disabled, or a provider without a
     device slot table. Reads every expert into the arena first when the cache budget holds the
-    whole pool (then one graph per step), reporting `on_loaded(units done, units)`. `warm`: L2
-    prefetches of the next weights beside the step's chains (EngineConfig.l2_prefetch)."""
+    whole pool (then one graph per step), reporting `on_loaded(units done, units)`."""
     if not enabled or device.type != "cuda" or not model.numerics.decode_graphs:
         return None
     if provider.arena is None:
         return None
-    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes, homes=homes,
-                        warm=warm)
+    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes, homes=homes)

@@ -66,7 +66,7 @@ class Engine:
         loaded = None if progress is None else (
             lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
         runner = make_runner(model, self.experts, self.device, config.cuda_graphs, self._graph_routes, loaded,
-                             homes_for(files.args, config.max_seq_len), config.l2_prefetch)
+                             homes_for(files.args, config.max_seq_len))
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False

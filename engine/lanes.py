@@ -19,39 +19,25 @@ Rules the callers keep:
   relies on its predecessor in its stream not writing it: the first kernel after a side block
   follows the last one before it (engine/moe.py's routed experts then follow the router).
 
-A third lane carries hints: `warm(work)` queues L2 prefetches of the weights a chain's end will
-read (kernels/l2_prefetch.py) on a stream forked at that point and joined only by `settle()`, at
-the end of a step or captured segment, so no kernel of the chain ever waits for them. Its byte
-budget per call (`warm_bytes`) is a share of the device's L2.
-
-Off CUDA (`Lanes(None)`, the CPU reference) side work runs in place: one stream, the same order;
-warm work, which changes no value, does not run.
+Off CUDA (`Lanes(None)`, the CPU reference) both run in place: one stream, the same order.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
-
-# The share of L2 one `warm` call may fill: what it prefetches must survive until its reader runs.
-WARM_SHARE = 0.5
 
 
 class Lanes:
     """The side stream of one device's steps (None: no CUDA, work runs in place)."""
 
-    def __init__(self, device: torch.device | None, warm: bool = True):
-        """A side stream on `device` when it is a CUDA device; else the in-place lanes. `warm`:
-        whether `warm` queues its hints (on CUDA; EngineConfig.l2_prefetch)."""
+    def __init__(self, device: torch.device | None):
+        """A side stream on `device` when it is a CUDA device; else the in-place lanes."""
         on_cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if on_cuda else None
         self._unjoined = False  # work queued on the side stream since the last join
-        self.warm_stream = torch.cuda.Stream(device) if on_cuda and warm else None
-        self.warm_bytes = (int(torch.cuda.get_device_properties(device).L2_cache_size * WARM_SHARE) // 16 * 16
-                           if self.warm_stream is not None else 0)
-        self._warm_unjoined = False  # hints queued since the last settle
 
     @property
     def forks(self) -> bool:
@@ -78,21 +64,3 @@ class Lanes:
         if self._unjoined:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._unjoined = False
-
-    def warm(self, work: Callable[[int], None]) -> None:
-        """Queue `work(warm_bytes)` (L2 prefetches, which change no value) on the warm lane, after
-        everything queued on the current stream so far; nothing when the lanes do not warm."""
-        if self.warm_stream is None:
-            return
-        self.warm_stream.wait_stream(torch.cuda.current_stream(self.warm_stream.device))
-        self._warm_unjoined = True
-        with torch.cuda.stream(self.warm_stream):
-            work(self.warm_bytes)
-
-    def settle(self) -> None:
-        """The current stream waits for both lanes' work queued since their last joins: at the
-        end of every step and captured segment (a capture must join every stream it forked)."""
-        self.join()
-        if self._warm_unjoined:
-            torch.cuda.current_stream(self.warm_stream.device).wait_stream(self.warm_stream)
-            self._warm_unjoined = False

@@ -28,10 +28,6 @@ class FP8Linear:
         """x [..., K], or a `Numerics.quantize`d [M, K] (its quantisation reused) -> [..., N]."""
         return self.numerics.fp8_linear(self.w, x)
 
-    def weights(self) -> list:
-        """The prepared weight, in read order (`Numerics.prefetch` takes them)."""
-        return [self.w]
-
 
 class FP8Linears:
     """Several FP8 linears that read the same input, in order: the numerics may stack them into
@@ -40,10 +36,6 @@ class FP8Linears:
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], numerics: Numerics):
         self.numerics = numerics
         self.groups = numerics.fp8_groups(parts)  # [(prepared weight, rows of each part)]
-
-    def weights(self) -> list:
-        """The prepared weights, in read order (`Numerics.prefetch` takes them)."""
-        return [w for w, _ in self.groups]
 
     def __call__(self, x: torch.Tensor | Quantized) -> list[torch.Tensor]:
         """x as for `FP8Linear` -> each part's output [M, N_i]."""
@@ -75,7 +67,3 @@ class GroupedOutProj:
     def __call__(self, o: torch.Tensor) -> torch.Tensor:
         """o [S, H*D] -> [S, G*R] (native: bf16 result)."""
         return self.numerics.grouped_linear(self.w, o, self.groups)
-
-    def weights(self) -> list:
-        """The prepared weight, in read order (`Numerics.prefetch` takes them)."""
-        return [self.w]

@@ -90,11 +90,9 @@ class Block:
         """First half of the block for one token: mHC + attention + mHC pre of the FFN + route.
         `emitting`: the compression ratios whose window this token completes; `lanes`: where
         work off the step's chain runs (engine/lanes.py)."""
-        self.attn.warm_queries(lanes)
         x, post, comb = self.hc_attn.pre(streams)
         emit = self.attn.ratio in emitting
         a = self.attn.decode(self.norm_q(x, self.attn_norm, self.eps), at, st, emit, lanes)
-        self.ffn.warm_shared(lanes)
         streams = self.hc_attn.post(a, streams, post, comb)
         h, post, comb = self.hc_ffn.pre(streams)
         x = self.norm_q(h, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts

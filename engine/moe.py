@@ -60,11 +60,6 @@ class MoE:
              for n in ("w1", "w3", "w2")}
         self.shared = numerics.shared_expert_weights(w["w1"], w["w3"], w["w2"])  # prepared for the mode
 
-    def warm_shared(self, lanes: Lanes) -> None:
-        """Queue the L2 prefetch of the shared expert's weights on `lanes`' warm lane: the mHC
-        and routing kernels before it read little."""
-        lanes.warm(lambda nbytes: self.numerics.prefetch(list(self.shared), nbytes))
-
     def route(self, x: torch.Tensor, ids: torch.Tensor,
               forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate's (ids, weights) of x [N, D]; `forced` [N, k] ids override the choice (`Gate`)."""

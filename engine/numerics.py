@@ -142,11 +142,6 @@ class Numerics(ABC):
         part in it)]: one group per part (native stacks them, `Native.fp8_groups`)."""
         return [(self.fp8_weight(w, s), [w.shape[0]]) for w, s in parts]
 
-    def prefetch(self, weights: list, nbytes: int) -> None:
-        """Warm the device's L2 with the first `nbytes` bytes of the prepared FP8 weights
-        `weights` taken in order (a hint for the kernel that reads them next: engine/lanes.py
-        `Lanes.warm`). Exact's fp32 copies are not what a kernel reads: nothing."""
-
     @abstractmethod
     def fp8_linear(self, w, x: "torch.Tensor | Quantized") -> torch.Tensor:
         """x [..., K] (or a `quantize`d [M, K]) times a prepared FP8 weight -> [..., N]
@@ -352,14 +347,6 @@ class Native(Numerics):
             return [(FP8Weight.of(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts])),
                      [w.shape[0] for w, _ in parts])]
         return super().fp8_groups(parts)
-
-    def prefetch(self, weights, nbytes):
-        for w in weights:  # FP8Weight: the codes, the scales are 1/16,384 of them
-            if nbytes < 16:
-                return
-            take = min(nbytes, w.weight.numel() * w.weight.element_size()) // 16 * 16
-            self.backend.l2_prefetch(w.weight, take)
-            nbytes -= take
 
     def fp8_linear(self, w, x):
         if isinstance(x, Quantized):

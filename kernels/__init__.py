@@ -4,7 +4,7 @@ GPU library: TileLang is imported inside the functions that build kernels.
 
 By operation:
   shared          toolkit.py (compile, device, tile tables, input errors), lowbit.py (FP8/FP4
-                  decoding by bit moves), pdl.py (programmatic dependent launch), l2_prefetch.py (warming L2 with the next weight), gemv.py (the
+                  decoding by bit moves), pdl.py (programmatic dependent launch), gemv.py (the
                   row-per-warp GEMV building blocks), bf16_gemv.py
   FP8 linears     act_quant.py, fp8_gemm.py (dispatch: CUDA-core GEMV, cuBLAS prefill),
                   fp8_mma_one_token.py, fp8_mma_few_tokens.py (the tensor cores: one token, 2-16

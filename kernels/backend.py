@@ -65,7 +65,6 @@ OPS: tuple[Op, ...] = (
     Op("hadamard_qdq4", ref.hadamard_qdq4, "kernels.hadamard_qdq4"),
     Op("hc_pre", ref.hc_pre, "kernels.mhc"),
     Op("hc_post", ref.hc_post, "kernels.mhc"),
-    Op("l2_prefetch", ref.l2_prefetch, "kernels.l2_prefetch"),
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 
@@ -159,7 +158,7 @@ KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_pool", "kernels.compr
                   "kernels.fp4_mma_few_tokens", "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_dequant",
                   "kernels.fp8_gemm", "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token",
                   "kernels.grouped_linear", "kernels.grouped_mma_few_tokens", "kernels.hadamard_qdq4",
-                  "kernels.head_gemv", "kernels.l2_prefetch", "kernels.indexer_scores", "kernels.indexer_weights", "kernels.mhc",
+                  "kernels.head_gemv", "kernels.indexer_scores", "kernels.indexer_weights", "kernels.mhc",
                   "kernels.moe_combine", "kernels.moe_gate", "kernels.norm_rope", "kernels.rms_norm",
                   "kernels.rms_norm_quant", "kernels.rope", "kernels.sparse_attention", "kernels.sparse_index",
                   "kernels.swiglu_quant")

@@ -531,16 +531,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def l2_prefetch(w: torch.Tensor, nbytes: int) -> None:
-    """Warm the device's L2 cache with the first `nbytes` bytes of `w` (contiguous; nbytes a
-    multiple of 16, at most w's size) for a kernel that reads them next: a hint that changes no
-    value. Here (no cache to warm) the arguments are checked and nothing runs."""
-    total = w.numel() * w.element_size()
-    if not w.is_contiguous() or nbytes < 0 or nbytes % 16 or nbytes > total:
-        raise ValueError(f"l2_prefetch needs a contiguous tensor and nbytes a multiple of 16 in 0..{total}, "
-                         f"got nbytes={nbytes}")
-
-
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor | None, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm of x [M, K], and its FP8 quantisation for the FP8 linears that read it:

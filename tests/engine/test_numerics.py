@@ -82,32 +82,6 @@ def test_exact_ops_are_the_reference_and_never_the_backend():
     assert isinstance(q, Quantized) and native.quantize(q) is q and calls == ["rms_norm_quant"]
 
 
-def test_prefetch_spends_its_byte_budget_on_the_weights_in_order():
-    """Native warms the head of the weights in read order, each part a multiple of 16 bytes and
-    the whole within the budget; exact (fp32 copies, no kernel reads them) warms nothing."""
-    calls = []
-
-    def l2_prefetch(w, nbytes):
-        ref.l2_prefetch(w, nbytes)  # the contract's checks
-        calls.append((w.data_ptr(), nbytes))
-
-    backend = kb.torch_backend().with_ops(l2_prefetch=l2_prefetch)
-    native, exact = Numerics.named("native", backend), Numerics.named("exact", backend)
-    scale = torch.full((1, 2), 1.0).to(torch.float8_e8m0fnu)
-    a, b = (FP8Weight.of(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), scale) for _ in range(2))
-    native.prefetch([a, b], 40_000)  # a whole (32,768 bytes), then b's head
-    assert calls == [(a.weight.data_ptr(), 32_768), (b.weight.data_ptr(), 7_232)]
-    calls.clear()
-    native.prefetch([a, b], 1_000)  # within a; b untouched
-    native.prefetch([a], 15)  # under 16 bytes: nothing
-    assert calls == [(a.weight.data_ptr(), 992)]
-    calls.clear()
-    exact.prefetch([a, b], 1 << 20)
-    assert calls == []
-    with pytest.raises(ValueError, match="multiple of 16"):
-        ref.l2_prefetch(a.weight, 8)
-
-
 def test_fp8_readers_stack_in_native_when_the_block_scales_stack():
     gen = torch.Generator().manual_seed(0)
 

@@ -1060,31 +1060,3 @@ def test_rms_norm_quant_rejects_partial_blocks():
     from kernels.rms_norm_quant import rms_norm_quant
     with pytest.raises(KernelInputError, match="blocks of 128"):
         rms_norm_quant(torch.zeros(2, 200, dtype=torch.bfloat16, device=DEV), None, 1e-6)
-
-
-@pytest.mark.parametrize("nbytes", [0, 16, 4096, 33_554_432 - 16, 33_554_432])
-def test_l2_prefetch_changes_nothing_and_rejects_what_the_reference_rejects(nbytes, gen):
-    """A hint: the prefetched weight (wo_b's 32 MiB, and heads of it, one a request's tail) and
-    every other byte stay as they were, launched eagerly and in a graph; bad arguments fail as
-    in the reference."""
-    from kernels.l2_prefetch import l2_prefetch
-
-    w = torch.randint(0, 256, (4096, 8192), generator=gen, device=DEV, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    before = w.view(torch.uint8).clone()
-    ref.l2_prefetch(w, nbytes)
-    l2_prefetch(w, nbytes)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=side):
-        l2_prefetch(w, nbytes)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(w.view(torch.uint8), before)
-    for bad in (8, -16, w.numel() + 16):
-        with pytest.raises(ValueError, match="multiple of 16"):
-            ref.l2_prefetch(w, bad)
-        with pytest.raises(ValueError, match="multiple of 16"):
-            l2_prefetch(w, bad)
-    with pytest.raises(ValueError, match="contiguous"):
-        l2_prefetch(w.t(), 16)
