@@ -136,13 +136,14 @@ class DecodeRunner:
         block i; after the last block, its streams go to `out.final` (the head is `_head`).
         Reads/writes `out`."""
         blocks = self.model.blocks
+        following = blocks[i].hc_attn if i < len(blocks) else None  # its mHC pre fused into the post before
         if i == 0:
-            streams = self.model.decode_begin(self.ids)
+            streams, pre = self.model.decode_begin(self.ids), None
         else:
-            streams = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena, self.lanes)
+            streams, pre = blocks[i - 1].decode_ffn(out.carry[i - 1], self.provider.arena, self.lanes, following)
         if i < len(blocks):
             out.carry[i] = blocks[i].decode_attention(streams, self.ids, self.at, state.layers[i], emitting,
-                                                      self.lanes)
+                                                      self.lanes, pre)
             if self._lookahead and not self.whole:
                 predicted = self.model.predict_next(i, out.carry[i].hidden, self.ids)
                 if predicted is not None:
@@ -333,10 +334,12 @@ class DecodeRunner:
 
     def _chunk_body(self, state: SequenceState, out: _Outputs) -> None:
         """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`)."""
-        at, streams = self.chunk_at, self.model.decode_begin(self.chunk_at.ids)
-        for i, block in enumerate(self.model.blocks):
-            out.carry[i] = block.chunk_attention(streams, at, state.layers[i], self.lanes)
-            streams = block.chunk_ffn(out.carry[i], self.provider.arena, self.lanes)
+        at, streams, pre = self.chunk_at, self.model.decode_begin(self.chunk_at.ids), None
+        blocks = self.model.blocks
+        for i, block in enumerate(blocks):
+            out.carry[i] = block.chunk_attention(streams, at, state.layers[i], self.lanes, pre)
+            following = blocks[i + 1].hc_attn if i + 1 < len(blocks) else None
+            streams, pre = block.chunk_ffn(out.carry[i], self.provider.arena, self.lanes, following)
         out.final = streams
 
     def _chunk_head(self, out: _Outputs) -> None:

@@ -14,6 +14,10 @@ from engine.numerics import Numerics
 from kernels import reference as ref
 
 
+# A sub-block's mHC pre: (block input x [S, D], post [S, n], comb_logits [S, n, n]).
+MixedIn = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
     """[3] (pre, post, comb) -> [2n + n²]: each mix column's scale."""
     return torch.cat((scale[0].expand(n), scale[1].expand(n), scale[2].expand(n * n)))
@@ -44,7 +48,7 @@ class HyperConnection:
         self.n, self.iters, self.hc_eps, self.eps = args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.norm_eps
         self.numerics = numerics
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre(self, streams: torch.Tensor) -> MixedIn:
         """streams [S, n, D] -> (block input x [S, D], post [S, n], comb_logits [S, n, n])."""
         return self.numerics.hc_pre(streams, self.fn, self.scale, self.base, self.n, self.hc_eps, self.eps)
 
@@ -53,6 +57,15 @@ class HyperConnection:
         """Block output out [S, D] mixed back into the streams [S, n, D] -> new streams. `pre`
         made post and comb_logits, and the sub-block's kernels ran since: `early` holds."""
         return self.numerics.hc_post(out, streams, post, comb_logits, self.iters, self.hc_eps, early=True)
+
+    def post_pre(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor,
+                 following: HyperConnection) -> tuple[torch.Tensor, MixedIn]:
+        """`post`, then `following.pre` of the new streams, as one op (on CUDA one launch fewer on
+        the decode step's chain) -> (new streams, following's (x, post, comb_logits))."""
+        new, x, post2, comb2 = self.numerics.hc_post_pre(out, streams, post, comb_logits, self.iters, self.hc_eps,
+                                                         following.fn, following.scale, following.base,
+                                                         following.eps, early=True)
+        return new, (x, post2, comb2)
 
 
 class HyperHead:

@@ -98,6 +98,9 @@ class Numerics(ABC):
     def hc_post(self, out, streams, post, comb_logits, iters, hc_eps, early=False):
         return self.ops.hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
 
+    def hc_post_pre(self, out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early=False):
+        return self.ops.hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
+
     def compressor_pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                         prev_gate: torch.Tensor | None) -> torch.Tensor:
         """Consecutive completed windows [n, r, C] -> their pooled entries [n, d] in this mode's

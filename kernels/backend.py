@@ -65,6 +65,7 @@ OPS: tuple[Op, ...] = (
     Op("hadamard_qdq4", ref.hadamard_qdq4, "kernels.hadamard_qdq4"),
     Op("hc_pre", ref.hc_pre, "kernels.mhc"),
     Op("hc_post", ref.hc_post, "kernels.mhc"),
+    Op("hc_post_pre", ref.hc_post_pre, "kernels.mhc"),
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 

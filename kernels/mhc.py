@@ -6,7 +6,7 @@ runs two per layer. Here it is two launches:
 
 1. `hc_mix_kernel`, grid (n·D / CHUNK, S): each CTA widens CHUNK channels of the flattened
    streams [S, n·D] and writes, for its chunk, the sum of squares and the 2n + n² dot products
-   with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (TileLang block reductions);
+   with fn's columns -> partial [S, chunks, 2n + n² + 1] fp32 (`mix_partials_macro`: a fixed order);
    From MIX_TILED_TOKENS tokens (prefill chunks) `hc_mix_tokens_kernel` writes the same partials
    for chunks of up to 512 channels, a CTA per (chunk, 64 tokens): fn's chunk is staged once
    for 64 tokens instead of read again per token, and each thread keeps a register tile of 4
@@ -27,6 +27,12 @@ single roundings), rounded once into the streams' dtype: one launch instead of ~
 (the model's calls: the logits come from the sub-block's hc_pre, kernels before) the projection
 runs before the PDL wait, while the sub-block's last kernel still runs: its ~40 dependent steps
 (~2.3 µs on the H200) were on the decode step's chain of kernels inside hc_gate, twice a layer.
+
+Between two sub-blocks the decode step runs HCPost of one and HCPre of the next on the new
+streams: `hc_post_pre` makes the new streams and the mix partials in one launch
+(`hc_post_mix_kernel`: a CTA per chunk of one new stream computes its channels as hc_post does,
+writes them, and takes hc_mix's dot products of them: the two kernels share `mix_partials_macro`,
+whose summation order is fixed by hand), then hc_gate: two launches instead of three, the same bits.
 
 `hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
 (the decode step did not move; docs/performance-log.md, 2026-12-01).
@@ -58,6 +64,49 @@ MIX_LANES = 16  # threads per token (a half warp: their sums meet by shuffles)
 MIX_STEP = 64  # channels staged in shared memory at a time
 
 
+def mix_partials_macro(T, cols: int, chunk: int, threads: int):
+    """A TileLang macro mix(xv, Fn, P, bs, bc, dots, red): thread tx holds channels
+    bc·chunk + tx·per + u (u < per = chunk / threads) of token bs's flattened streams, widened, in
+    xv [per]; writes P[bs, bc] = the cols dot products with fn's rows and the sum of squares.
+    The order is fixed by hand (a thread's channels by fused multiply-adds, warp shuffles,
+    then the warps in order), so every kernel using it makes the same bits from the same values."""
+    per, warps = chunk // threads, threads // WARP
+    if per * threads != chunk or threads % WARP:
+        raise KernelInputError(f"mHC mix: a {chunk}-channel chunk does not split over {threads} threads in whole warps")
+
+    def fma(a, b, c):
+        return fp32_call(T, "__fmaf_rn", a, b, c)
+
+    @T.macro
+    def mix(xv, Fn, P, bs, bc, dots, red):
+        tx = T.get_thread_binding(0)
+        c0 = bc * chunk + tx * per
+        for c in T.unroll(cols):
+            dots[c] = 0.0
+            for u in T.unroll(per):
+                dots[c] = fma(xv[u], Fn[c, c0 + u], dots[c])
+        dots[cols] = 0.0
+        for u in T.unroll(per):
+            dots[cols] = fma(xv[u], xv[u], dots[cols])
+        for c in T.unroll(cols + 1):
+            dots[c] = dots[c] + T.shfl_xor(dots[c], 16)
+            dots[c] = dots[c] + T.shfl_xor(dots[c], 8)
+            dots[c] = dots[c] + T.shfl_xor(dots[c], 4)
+            dots[c] = dots[c] + T.shfl_xor(dots[c], 2)
+            dots[c] = dots[c] + T.shfl_xor(dots[c], 1)
+        if tx % WARP == 0:
+            for c in T.unroll(cols + 1):
+                red[tx // WARP, c] = dots[c]
+        T.sync_threads()
+        if tx < cols + 1:
+            dots[0] = red[0, tx]
+            for w in T.unroll(1, warps):
+                dots[0] = dots[0] + red[w, tx]
+            P[bs, bc, tx] = dots[0]
+
+    return mix, per, warps
+
+
 @kernel_factory
 def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
     """(X [S, nd] dtype, Fn [cols, nd] fp32, P [S, nd / chunk, cols + 1] fp32): per chunk of
@@ -67,29 +116,21 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
     chunk, threads = p["chunk"], p["threads"]
     chunks = nd // chunk
+    mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
     tokens = T.dynamic("tokens")
 
     @T.prim_func
     def hc_mix(X: T.Tensor((tokens, nd), dtype), Fn: T.Tensor((cols, nd), "float32"),
                P: T.Tensor((tokens, chunks, cols + 1), "float32")):
         with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
-            x = T.alloc_fragment((chunk,), "float32")
-            sq = T.alloc_fragment((chunk,), "float32")
-            prod = T.alloc_fragment((cols, chunk), "float32")
-            dots = T.alloc_fragment((cols,), "float32")
-            ss = T.alloc_fragment((1,), "float32")
+            tx = T.get_thread_binding(0)
+            xv = T.alloc_local((per,), "float32")
+            dots = T.alloc_local((cols + 1,), "float32")
+            red = T.alloc_shared((warps, cols + 1), "float32")
             pdl.begin(T, arch)
-            for i in T.Parallel(chunk):
-                x[i] = T.Cast("float32", X[bs, bc * chunk + i])
-            for i in T.Parallel(chunk):
-                sq[i] = x[i] * x[i]
-            for c, i in T.Parallel(cols, chunk):
-                prod[c, i] = x[i] * Fn[c, bc * chunk + i]
-            T.reduce_sum(prod, dots, dim=1)
-            T.reduce_sum(sq, ss, dim=0)
-            for c in T.Parallel(cols):
-                P[bs, bc, c] = dots[c]
-            P[bs, bc, cols] = ss[0]
+            for u in T.unroll(per):
+                xv[u] = T.Cast("float32", X[bs, bc * chunk + tx * per + u])
+            mix(xv, Fn, P, bs, bc, dots, red)
 
     return compile_kernel(hc_mix, arch)
 
@@ -307,6 +348,81 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
     return compile_kernel(hc_post, arch)
 
 
+@kernel_factory
+def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early: bool, arch: tuple[int, int]):
+    """(O [S, d], X [S, n, d], Post [S, n], Z [S, n·n], Fn [cols, n·d] fp32) -> (Y [S, n, d] dtype,
+    P [S, n·d / chunk, cols + 1] fp32), cols = 2n + n²: `hc_post_kernel`'s new streams and, from
+    them, `hc_mix_kernel`'s partials of the next sub-block's HCPre, a CTA per (chunk, token).
+
+    Chunk bc is `chunk` channels of one new stream k (d a multiple of chunk). Warp 0 projects the
+    comb logits as hc_post_kernel does (before the PDL wait with `early`); then each channel's new
+    value is hc_post_kernel's expression, rounded once into dtype and written, and hc_mix_kernel's
+    dot products and sum of squares run on it widened back: the same values as the two kernels,
+    one link fewer on the decode step's chain."""
+    import tilelang.language as T
+
+    p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
+    chunk, threads = p["chunk"], p["threads"]
+    nd, nn, cols = n * d, n * n, 2 * n + n * n
+    chunks = nd // chunk
+    if d % chunk:
+        raise KernelInputError(f"hc_post_mix: D = {d} is not a multiple of the {chunk}-channel chunk")
+    if threads < WARP:
+        raise KernelInputError(f"hc_post_mix needs a whole warp per CTA for Sinkhorn, the tile gives {threads} threads")
+    steps = sinkhorn_macro(T, n, iters, hc_eps)
+    mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
+    tokens = T.dynamic("tokens")
+
+    def f32(value):
+        return T.Cast("float32", value)
+
+    def fadd(a, b):
+        return fp32_call(T, "__fadd_rn", a, b)
+
+    def fmul(a, b):
+        return fp32_call(T, "__fmul_rn", a, b)
+
+    def new_value(O, X, Post, comb, bs, k, c):  # new stream k at channel c: hc_post_kernel's order and roundings
+        m = T.float32(0.0)
+        for j in range(n):
+            m = fadd(m, fmul(comb[j * n + k], f32(X[bs, j, c])))
+        return T.Cast(dtype, fadd(fmul(Post[bs, k], f32(O[bs, c])), m))
+
+    @T.prim_func
+    def hc_post_mix(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
+                    Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
+                    Fn: T.Tensor((cols, nd), "float32"), Y: T.Tensor((tokens, n, d), dtype),
+                    P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+        with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
+            tx = T.get_thread_binding(0)
+            comb = T.alloc_shared((nn,), "float32")
+            v = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            xv = T.alloc_local((per,), "float32")
+            dots = T.alloc_local((cols + 1,), "float32")
+            red = T.alloc_shared((warps, cols + 1), "float32")
+            if not early:
+                pdl.begin(T, arch)
+            if tx < WARP:  # the whole warp: the shuffles need every lane
+                e = tx % nn
+                v[0] = pdl.early_read(T, Z[bs, e], "float32", early)
+                steps(v, acc, tx - e, e)
+                if tx < nn:
+                    comb[e] = v[0]
+            T.sync_threads()
+            if early:
+                pdl.begin(T, arch)
+            k = bc * chunk // d  # this chunk's new stream
+            d0 = bc * chunk % d + tx * per  # this thread's first channel
+            for u in T.unroll(per):
+                xv[u] = f32(new_value(O, X, Post, comb, bs, k, d0 + u))
+            for u in T.unroll(per):
+                Y[bs, k, d0 + u] = T.Cast(dtype, xv[u])  # exact: xv holds a dtype value
+            mix(xv, Fn, P, bs, bc, dots, red)
+
+    return compile_kernel(hc_post_mix, arch)
+
+
 def _check_streams(streams: torch.Tensor) -> None:
     if streams.dim() != 3 or streams.dtype not in TORCH_TO_TL:
         raise KernelInputError(f"mHC kernels take streams [S, n, D] in bf16, fp16 or fp32, got "
@@ -364,3 +480,41 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_l
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb_logits.float().reshape(s, n * n).contiguous(), y)
     return y
+
+
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
+                hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+                early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post` of a sub-block, then `hc_pre` of the next one (fn, scale, base) on the new
+    streams -> (new streams, x, post, comb_logits), as `reference.hc_post_pre`. Under
+    MIX_TILED_TOKENS tokens two launches (`hc_post_mix_kernel`, `hc_gate_kernel`) instead of
+    three, the same values; from there (prefill chunks) the two ops."""
+    _check_streams(streams)
+    s, n, d = streams.shape
+    arch = cuda_arch(streams.device)
+    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
+    if s >= MIX_TILED_TOKENS or d % chunk:
+        new = hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
+        return (new, *hc_pre(new, fn, scale, base, n, hc_eps, eps))
+    cols, nd = 2 * n + n * n, n * d
+    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb_logits.shape) != (s, n, n):
+        raise KernelInputError(f"hc_post_pre: out {tuple(out.shape)}, post {tuple(post.shape)}, comb logits "
+                               f"{tuple(comb_logits.shape)} do not fit streams {tuple(streams.shape)}")
+    if tuple(fn.shape) != (cols, nd) or scale.numel() != cols or base.numel() != cols:
+        raise KernelInputError(f"hc_post_pre: fn {tuple(fn.shape)}, scale {scale.numel()}, base {base.numel()} do "
+                               f"not fit n={n}, D={d} ({cols} mix columns)")
+    check_n(n)
+    dt = TORCH_TO_TL[streams.dtype]
+    dev = streams.device
+    y = torch.empty(s, n, d, dtype=streams.dtype, device=dev)
+    x = torch.empty(s, d, dtype=streams.dtype, device=dev)
+    post2 = torch.empty(s, n, dtype=torch.float32, device=dev)
+    comb2 = torch.empty(s, n * n, dtype=torch.float32, device=dev)
+    partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=dev)
+    if s:
+        hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch)(
+            out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
+            comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
+        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), dt, arch)(
+            partial, y, scale.float().contiguous(), base.float().contiguous(), x, post2, comb2)
+    return y, x, post2, comb2.view(s, n, n)

@@ -580,6 +580,17 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_l
     return torch.add(post.unsqueeze(-1) * out.unsqueeze(1), mixed, out=new)
 
 
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
+                hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+                early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post` of one sub-block, then `hc_pre` of the next (its fn, scale, base; n and hc_eps
+    shared) on the new streams -> (new streams [S, n, D], x [S, D], post [S, n], comb_logits
+    [S, n, n]): what the decode step does between a sub-block's last kernel and the next one's
+    first, as one op (`early` as in `hc_post`)."""
+    new = hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
+    return (new, *hc_pre(new, fn, scale, base, streams.shape[1], hc_eps, eps))
+
+
 # -------------------------------------------------------------------------- top-k, attention
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
                    scale: float) -> torch.Tensor:

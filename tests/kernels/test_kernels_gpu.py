@@ -925,6 +925,25 @@ def test_hc_post_matches_reference(s, n, d, dtype, gen):
     assert ((got.double() - pure.double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("s,n,d,dtype", MHC_CASES)
+def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(s, n, d, dtype, gen):
+    """The decode step's fused post + next pre (two launches under MIX_TILED_TOKENS tokens when
+    D is whole 256-channel chunks, the two ops otherwise) gives the bits of the two ops, `early`
+    or not."""
+    from kernels.mhc import hc_post, hc_post_pre, hc_pre
+    streams = (torch.randn(s, n, d, generator=gen, device=DEV) * 3).to(dtype)
+    out = torch.randn(s, d, generator=gen, device=DEV).to(dtype)
+    post = torch.rand(s, n, generator=gen, device=DEV) * 2
+    logits = torch.randn(s, n, n, generator=gen, device=DEV) * 3
+    fn, scale, base = mhc_params(n, d, gen)
+    new = hc_post(out, streams, post, logits, 20, 1e-6)
+    want = (new, *hc_pre(new, fn, scale, base, n, 1e-6, 1e-6))
+    for early in (False, True):
+        got = hc_post_pre(out, streams, post, logits, 20, 1e-6, fn, scale, base, 1e-6, early=early)
+        for name, g, w in zip(("streams", "x", "post", "comb_logits"), got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), (name, early)
+
+
 def test_mhc_rejects_bad_shapes(gen):
     from kernels.toolkit import KernelInputError
     from kernels.mhc import hc_post, hc_pre
