@@ -106,8 +106,12 @@ class Launcher:
     """A compiled TileLang kernel (tilelang 0.1.15's `JITKernel`, TVM-FFI execution backend),
     called with all its arguments, outputs included (it allocates none).
 
-    The first call goes through TileLang's adapter, which checks the arguments' count and builds
-    the compiled module; later calls go to that module's entry function directly, without the
+    The host module is made ready here, on the thread that compiles or loads the kernel: a kernel
+    loaded from TileLang's disk cache has it loaded already; one compiled in this process has a
+    `tvm.runtime.Executable` whose host library is built (a host compiler run and a load) when its
+    entry is first looked up, which its first call would otherwise do, one kernel at a time on the
+    engine's thread in the warm-up. The first call goes through TileLang's adapter, which checks
+    the arguments' count; later calls go to the module's entry function directly, without the
     adapter's per-call Python (the argument list rebuilt, outputs looked for, the device
     prepared): a 728-token prefill chunk makes ~1,400 TileLang launches, and its host is what
     bounds it (docs/performance-log.md, 2026-12-03). The entry function converts and checks each
@@ -115,6 +119,8 @@ class Launcher:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        # the loaded module, or the Executable: both give the entry by name
+        self._main = kernel.adapter.get_exportable_executable()["main"]
         self._entry = None
 
     def __call__(self, *args) -> None:
@@ -123,11 +129,7 @@ class Launcher:
             entry(*args)
             return
         self.kernel(*args)
-        executable = self.kernel.adapter.executable  # built by that call
-        if executable is not None:
-            # a kernel loaded from the cache has a module here, one compiled in this process a
-            # `tvm.runtime.Executable` (no `main` attribute): both give the entry by name
-            self._entry = executable["main"]
+        self._entry = self._main
 
     def get_kernel_source(self) -> str:
         """The generated CUDA source."""
