@@ -283,6 +283,32 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
     return compile_kernel(hc_gate, arch)
 
 
+def comb_macro(T, n: int, iters: int, hc_eps: float, early: bool, arch: tuple[int, int]):
+    """A TileLang macro project(Z, bs, comb, v, acc) of the HCPost kernels: warp 0 projects token
+    bs's comb logits Z[bs] [n·n] (Sinkhorn, `iters` rounds; v, acc: fp32 locals [1]) into the
+    shared comb [n·n], and every thread passes the PDL wait: after the projection with `early`
+    (Z then read past L1, kernels/pdl.py), before it without."""
+    steps = sinkhorn_macro(T, n, iters, hc_eps)
+    nn = n * n
+
+    @T.macro
+    def project(Z, bs, comb, v, acc):
+        tx = T.get_thread_binding(0)
+        if not early:
+            pdl.begin(T, arch)
+        if tx < WARP:  # the whole warp: the shuffles need every lane
+            e = tx % nn  # element: row e // n, column e % n
+            v[0] = pdl.early_read(T, Z[bs, e], "float32", early)
+            steps(v, acc, tx - e, e)
+            if tx < nn:
+                comb[e] = v[0]
+        T.sync_threads()
+        if early:
+            pdl.begin(T, arch)
+
+    return project
+
+
 @kernel_factory
 def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early: bool, arch: tuple[int, int]):
     """(O [S, d] dtype, X [S, n, d] dtype, Post [S, n], Z [S, n·n] comb logits) -> Y [S, n, d] dtype.
@@ -300,7 +326,7 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
         raise KernelInputError(f"hc_post: D = {d} is not a multiple of {VEC}")
     if threads < WARP:
         raise KernelInputError(f"hc_post needs a whole warp per CTA for Sinkhorn, the tile gives {threads} threads")
-    steps = sinkhorn_macro(T, n, iters, hc_eps)
+    project = comb_macro(T, n, iters, hc_eps, early, arch)
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -316,17 +342,7 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
             xs = T.alloc_local((n, VEC), dtype)
             ov = T.alloc_local((VEC,), dtype)
             ys = T.alloc_local((VEC,), dtype)
-            if not early:
-                pdl.begin(T, arch)
-            if tx < WARP:  # the whole warp: the shuffles need every lane
-                e = tx % nn  # element: row e // n, column e % n
-                v[0] = pdl.early_read(T, Z[bs, e], "float32", early)
-                steps(v, acc, tx - e, e)
-                if tx < nn:
-                    comb[e] = v[0]
-            T.sync_threads()
-            if early:
-                pdl.begin(T, arch)
+            project(Z, bs, comb, v, acc)
             c0 = (bx * threads + tx) * VEC  # first channel of this thread
             if c0 < d:
                 for j in T.unroll(n):
@@ -369,7 +385,7 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
         raise KernelInputError(f"hc_post_mix: D = {d} is not a multiple of the {chunk}-channel chunk")
     if threads < WARP:
         raise KernelInputError(f"hc_post_mix needs a whole warp per CTA for Sinkhorn, the tile gives {threads} threads")
-    steps = sinkhorn_macro(T, n, iters, hc_eps)
+    project = comb_macro(T, n, iters, hc_eps, early, arch)
     mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
     tokens = T.dynamic("tokens")
 
@@ -401,17 +417,7 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
             xv = T.alloc_local((per,), "float32")
             dots = T.alloc_local((cols + 1,), "float32")
             red = T.alloc_shared((warps, cols + 1), "float32")
-            if not early:
-                pdl.begin(T, arch)
-            if tx < WARP:  # the whole warp: the shuffles need every lane
-                e = tx % nn
-                v[0] = pdl.early_read(T, Z[bs, e], "float32", early)
-                steps(v, acc, tx - e, e)
-                if tx < nn:
-                    comb[e] = v[0]
-            T.sync_threads()
-            if early:
-                pdl.begin(T, arch)
+            project(Z, bs, comb, v, acc)
             k = bc * chunk // d  # this chunk's new stream
             d0 = bc * chunk % d + tx * per  # this thread's first channel
             for u in T.unroll(per):
