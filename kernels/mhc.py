@@ -1,4 +1,4 @@
-"""mHC HCPre / HCPost on CUDA (TileLang); same contracts as `reference.hc_pre` / `reference.hc_post`.
+"""mHC HCPre / HCPost on CUDA (TileLang); same contracts as `reference.hc_pre`, `hc_post`, `hc_post_pre`.
 
 HCPre of one sub-block in torch is ~13 launches (widen, RMSNorm, the 24-column mix GEMV,
 scale, bias, sigmoid, pre/post, the weighted collapse, narrowing) plus Sinkhorn; a decode step
