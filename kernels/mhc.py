@@ -435,6 +435,39 @@ def _check_streams(streams: torch.Tensor) -> None:
                                f"{streams.dtype} {tuple(streams.shape)}")
 
 
+def _check_pre(caller: str, streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               n: int) -> None:
+    """HCPre's parameters against streams [S, n, D]: fn [2n + n², n·D], scale and base [2n + n²]."""
+    _, _, d = streams.shape
+    cols = 2 * n + n * n
+    if streams.shape[1] != n or tuple(fn.shape) != (cols, n * d) or scale.numel() != cols or base.numel() != cols:
+        raise KernelInputError(f"{caller}: streams {tuple(streams.shape)}, fn {tuple(fn.shape)}, scale "
+                               f"{scale.numel()}, base {base.numel()} do not fit n={n} ({cols} mix columns)")
+
+
+def _check_post(caller: str, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                comb_logits: torch.Tensor) -> None:
+    """HCPost's inputs against streams [S, n, D]: out [S, D], post [S, n], comb_logits [S, n, n]."""
+    s, n, d = streams.shape
+    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb_logits.shape) != (s, n, n):
+        raise KernelInputError(f"{caller}: out {tuple(out.shape)}, post {tuple(post.shape)}, comb logits "
+                               f"{tuple(comb_logits.shape)} do not fit streams {tuple(streams.shape)}")
+
+
+def _gate(partial: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+          eps: float, arch: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_gate_kernel` on the mix partials [S, chunks, 2n + n² + 1] of streams [S, n, D]
+    (contiguous) -> (x [S, D], post [S, n], comb_logits [S, n, n])."""
+    s, n, d = streams.shape
+    x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
+    if s:
+        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), TORCH_TO_TL[streams.dtype], arch)(
+            partial, streams, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
+    return x, post, comb.view(s, n, n)
+
+
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
            hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [S, n, D] -> (x [S, D], post [S, n], comb_logits [S, n, n]), as `reference.hc_pre`."""
@@ -443,17 +476,12 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     cols, nd = 2 * n + n * n, n * d
     arch = cuda_arch(streams.device)
     chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
-    if streams.shape[1] != n or tuple(fn.shape) != (cols, nd) or scale.numel() != cols or base.numel() != cols:
-        raise KernelInputError(f"hc_pre: streams {tuple(streams.shape)}, fn {tuple(fn.shape)}, scale "
-                               f"{scale.numel()}, base {base.numel()} do not fit n={n} ({cols} mix columns)")
+    _check_pre("hc_pre", streams, fn, scale, base, n)
     if nd % chunk:
         raise KernelInputError(f"hc_pre: n·D = {nd} is not a multiple of the {chunk}-channel chunk")
     check_n(n)
     x3 = streams.contiguous()
     dt = TORCH_TO_TL[streams.dtype]
-    x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
-    post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
-    comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
     if s >= MIX_TILED_TOKENS:  # chunks of up to 512 channels, MIX_TILE tokens a CTA
         kc = next(k for k in (512, 256, MIX_STEP) if nd % k == 0)
         partial = torch.empty(s, nd // kc, cols + 1, dtype=torch.float32, device=streams.device)
@@ -462,10 +490,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
         partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
         if s:
             hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
-    if s:
-        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), dt, arch)(
-            partial, x3, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
-    return x, post, comb.view(s, n, n)
+    return _gate(partial, x3, scale, base, hc_eps, eps, arch)
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
@@ -475,9 +500,7 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_l
     before this call (the sub-block's last), which the projection then overlaps."""
     _check_streams(streams)
     s, n, d = streams.shape
-    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb_logits.shape) != (s, n, n):
-        raise KernelInputError(f"hc_post: out {tuple(out.shape)}, post {tuple(post.shape)}, comb logits "
-                               f"{tuple(comb_logits.shape)} do not fit streams {tuple(streams.shape)}")
+    _check_post("hc_post", out, streams, post, comb_logits)
     check_n(n)
     y = torch.empty_like(streams, memory_format=torch.contiguous_format)
     if s:
@@ -502,25 +525,14 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
     if s >= MIX_TILED_TOKENS or d % chunk:
         new = hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
         return (new, *hc_pre(new, fn, scale, base, n, hc_eps, eps))
-    cols, nd = 2 * n + n * n, n * d
-    if tuple(out.shape) != (s, d) or tuple(post.shape) != (s, n) or tuple(comb_logits.shape) != (s, n, n):
-        raise KernelInputError(f"hc_post_pre: out {tuple(out.shape)}, post {tuple(post.shape)}, comb logits "
-                               f"{tuple(comb_logits.shape)} do not fit streams {tuple(streams.shape)}")
-    if tuple(fn.shape) != (cols, nd) or scale.numel() != cols or base.numel() != cols:
-        raise KernelInputError(f"hc_post_pre: fn {tuple(fn.shape)}, scale {scale.numel()}, base {base.numel()} do "
-                               f"not fit n={n}, D={d} ({cols} mix columns)")
+    _check_post("hc_post_pre", out, streams, post, comb_logits)
+    _check_pre("hc_post_pre", streams, fn, scale, base, n)
     check_n(n)
     dt = TORCH_TO_TL[streams.dtype]
-    dev = streams.device
-    y = torch.empty(s, n, d, dtype=streams.dtype, device=dev)
-    x = torch.empty(s, d, dtype=streams.dtype, device=dev)
-    post2 = torch.empty(s, n, dtype=torch.float32, device=dev)
-    comb2 = torch.empty(s, n * n, dtype=torch.float32, device=dev)
-    partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=dev)
+    y = torch.empty(s, n, d, dtype=streams.dtype, device=streams.device)
+    partial = torch.empty(s, n * d // chunk, 2 * n + n * n + 1, dtype=torch.float32, device=streams.device)
     if s:
         hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch)(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
-        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), dt, arch)(
-            partial, y, scale.float().contiguous(), base.float().contiguous(), x, post2, comb2)
-    return y, x, post2, comb2.view(s, n, n)
+    return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))
