@@ -14,8 +14,8 @@ cold warm-up), then profiles with torch.profiler, each after one unprofiled run:
    when it is a graphed chunk step, that step eagerly (its kernels by GPU time);
 3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
    from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
-   `--timeline` adds the replayed step's timeline: the time with no kernel running, one, or
-   more at once, and every kernel of the middle layer in start order (stream, start, duration,
+   `--timeline [N]` adds the replayed step's timeline: the time with no kernel running, one, or
+   more at once, and every kernel of N layers (default 1) from the middle one on in start order (stream, start, duration,
    the gap since the previous kernel of its stream ended), with each kind's time over the step.
 
 `--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
@@ -60,10 +60,10 @@ def kernel_table(prof, calls: int, top: int | None, host_top: int = 8) -> list[s
     return lines
 
 
-def profiled(label: str, fn, calls: int, top: int, timeline_layers: int = 0) -> float:
+def profiled(label: str, fn, calls: int, top: int, timeline_layers: int = 0, shown: int = 1) -> float:
     """Run fn once unprofiled, then `calls` times under the profiler; prints wall and the table
-    (and with `timeline_layers` > 0 the last call's timeline, `timeline`). Returns the wall
-    seconds of one call (from the profiled runs, synchronised)."""
+    (and with `timeline_layers` > 0 the last call's timeline, `timeline`, with `shown` layers'
+    kernels). Returns the wall seconds of one call (from the profiled runs, synchronised)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -77,7 +77,7 @@ def profiled(label: str, fn, calls: int, top: int, timeline_layers: int = 0) -> 
     print(f"\n== {label}: wall {1e3 * wall:.2f} ms per call", flush=True)
     print("\n".join(kernel_table(prof, calls, top)), flush=True)
     if timeline_layers:
-        print("\n".join(timeline(kernel_spans(prof), calls, timeline_layers)), flush=True)
+        print("\n".join(timeline(kernel_spans(prof), calls, timeline_layers, shown)), flush=True)
     return wall
 
 
@@ -135,11 +135,11 @@ def last_call(spans: list[Span], calls: int) -> list[Span]:
     return spans[max((i for _, i in cuts), default=0):]
 
 
-def timeline(spans: list[Span], calls: int, layers: int) -> list[str]:
+def timeline(spans: list[Span], calls: int, layers: int, shown: int = 1) -> list[str]:
     """The last of `calls` calls in `spans` (`last_call`; a model step of `layers` layers): how
-    long 0, 1, 2+ kernels ran at once, each kernel kind's time, and the middle layer's kernels in
-    start order with their stream, start, duration and the gap since their stream's previous
-    kernel."""
+    long 0, 1, 2+ kernels ran at once, each kernel kind's time, and the kernels of `shown` layers
+    from the middle one on (an even number shows both kinds of compressed layer) in start order
+    with their stream, start, duration and the gap since their stream's previous kernel."""
     step = last_call(spans, calls)
     if not step:
         return ["  timeline: the profile holds no kernels"]
@@ -154,8 +154,10 @@ def timeline(spans: list[Span], calls: int, layers: int) -> list[str]:
     lines.append("  kernel kinds by time in the call (count, sum us, median us):")
     for name, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:30]:
         lines.append(f"  {len(d):5d} {sum(d):9.1f} {sorted(d)[len(d) // 2]:7.2f}  {name}")
-    first, last = len(step) * (layers // 2) // layers, len(step) * (layers // 2 + 1) // layers
-    lines.append(f"  kernels {first}..{last - 1} (about layer {layers // 2}): stream, start us (from the "
+    mid = layers // 2
+    first, last = len(step) * mid // layers, len(step) * min(mid + shown, layers) // layers
+    about = f"layer {mid}" if shown == 1 else f"layers {mid}..{min(mid + shown, layers) - 1}"
+    lines.append(f"  kernels {first}..{last - 1} (about {about}): stream, start us (from the "
                  "first shown), duration us, gap us since its stream's previous kernel ended")
     prev_end: dict[int, float] = {}
     for s in step[:first]:
@@ -257,8 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="the N Python functions of most own host time in one prefill (the first chunk size), "
                    "by cProfile: where a host-bound chunk's launches come from")
-    p.add_argument("--timeline", action="store_true", help="the replayed decode step's kernel timeline and "
-                   "the middle layer's kernels in order")
+    p.add_argument("--timeline", type=int, nargs="?", const=1, default=0, metavar="LAYERS",
+                   help="the replayed decode step's kernel timeline and the kernels of LAYERS layers (default 1) "
+                   "from the middle one on, in order")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.op_profile needs a CUDA GPU", file=sys.stderr)
@@ -355,7 +358,7 @@ def profile_all(a, eng) -> None:
         for _ in range(3):
             runner.step(state2, token)
         profiled("decode step, CUDA graph replay", lambda: runner.step(state2, token), 8, 40,
-                 a.layers if a.timeline else 0)
+                 a.layers if a.timeline else 0, max(a.timeline, 1))
         runner.settle()
 
 

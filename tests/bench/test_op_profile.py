@@ -52,3 +52,15 @@ def test_the_last_call_starts_after_the_longest_idle_stretches_whatever_its_kern
     spans = first + second + third
     assert last_call(spans, 3) == third
     assert last_call(spans, 1) == spans
+
+
+def test_timeline_can_show_several_layers_from_the_middle_one():
+    # one call of a 4-layer step, 2 kernels a layer: layers 2 and 3 shown
+    spans = [Span(f"k{layer}_{j}", 7, 10.0 * (2 * layer + j), 10.0 * (2 * layer + j) + 5.0)
+             for layer in range(4) for j in range(2)]
+    lines = timeline(spans, calls=1, layers=4, shown=2)
+    order = next(i for i, line in enumerate(lines) if "about layers 2..3" in line)
+    assert [line.split()[-1] for line in lines[order + 1:]] == ["k2_0", "k2_1", "k3_0", "k3_1"]
+    lines = timeline(spans, calls=1, layers=4, shown=9)  # no further than the last layer
+    order = next(i for i, line in enumerate(lines) if "about layers 2..3" in line)
+    assert len(lines) - order - 1 == 4
