@@ -136,7 +136,7 @@ class DecodeRunner:
         block i; after the last block, its streams go to `out.final` (the head is `_head`).
         Reads/writes `out`."""
         blocks = self.model.blocks
-        following = blocks[i] if i < len(blocks) else None  # its mHC pre (normalised) fused into the post before
+        following = blocks[i].hc_attn if i < len(blocks) else None  # its mHC pre fused into the post before
         if i == 0:
             streams, pre = self.model.decode_begin(self.ids), None
         else:
@@ -338,7 +338,7 @@ class DecodeRunner:
         blocks = self.model.blocks
         for i, block in enumerate(blocks):
             out.carry[i] = block.chunk_attention(streams, at, state.layers[i], self.lanes, pre)
-            following = blocks[i + 1] if i + 1 < len(blocks) else None
+            following = blocks[i + 1].hc_attn if i + 1 < len(blocks) else None
             streams, pre = block.chunk_ffn(out.carry[i], self.provider.arena, self.lanes, following)
         out.final = streams
 

@@ -10,15 +10,12 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelArgs
-from engine.numerics import Numerics, Quantized
+from engine.numerics import Numerics
 from kernels import reference as ref
 
 
 # A sub-block's mHC pre: (block input x [S, D], post [S, n], comb_logits [S, n, n]).
 MixedIn = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-# The same with the input normalised for its FP8 linears first (`Numerics.norm_quantized`):
-# (normed x, post, comb_logits, x).
-NormedIn = tuple["torch.Tensor | Quantized", torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def spread_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -69,21 +66,6 @@ class HyperConnection:
                                                          following.fn, following.scale, following.base,
                                                          following.eps, early=True)
         return new, (x, post2, comb2)
-
-    def pre_norm(self, streams: torch.Tensor, weight: torch.Tensor) -> NormedIn:
-        """`pre`, then the sub-block's RMSNorm (`weight`) and FP8 quantisation of x, as one op (on
-        CUDA the mHC gate kernel normalises: one launch fewer on the decode step's chain)."""
-        return self.numerics.hc_pre_norm(streams, self.fn, self.scale, self.base, self.n, self.hc_eps, self.eps,
-                                         weight, self.eps)
-
-    def post_pre_norm(self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor,
-                      following: HyperConnection, weight: torch.Tensor) -> tuple[torch.Tensor, NormedIn]:
-        """`post_pre`, then the following sub-block's RMSNorm (`weight`) and FP8 quantisation of
-        its x, as one op -> (new streams, following's (normed x, post, comb_logits, x))."""
-        new, xn, post2, comb2, x = self.numerics.hc_post_pre_norm(
-            out, streams, post, comb_logits, self.iters, self.hc_eps, following.fn, following.scale, following.base,
-            following.eps, weight, following.eps, early=True)
-        return new, (xn, post2, comb2, x)
 
 
 class HyperHead:

@@ -20,7 +20,7 @@ from engine.chunk_position import ChunkPosition
 from engine.config import ModelArgs
 from engine.decode_position import DecodePosition
 from engine.lanes import Lanes
-from engine.mhc import HyperConnection, HyperHead, NormedIn
+from engine.mhc import HyperConnection, HyperHead, MixedIn
 from engine.experts.provider import ExpertProvider
 from engine.moe import MoE
 from engine.numerics import Numerics, Quantized, unquantized
@@ -86,51 +86,50 @@ class Block:
     # One-token decode with static shapes and a device position (CUDA-graph capturable), split at
     # the routing decision so a streaming runner can load the chosen experts in between.
     def decode_attention(self, streams: torch.Tensor, ids: torch.Tensor, at: DecodePosition, st,
-                         emitting: frozenset[int], lanes: Lanes, pre: NormedIn | None = None) -> DecodeCarry:
+                         emitting: frozenset[int], lanes: Lanes, pre: MixedIn | None = None) -> DecodeCarry:
         """First half of the block for one token: mHC + attention + mHC pre of the FFN + route.
         `emitting`: the compression ratios whose window this token completes; `lanes`: where
         work off the step's chain runs (engine/lanes.py); `pre`: the attention's mHC pre of
-        `streams`, normalised, when the block before made it (`decode_ffn`'s `following`)."""
-        xn, post, comb, _ = self.hc_attn.pre_norm(streams, self.attn_norm) if pre is None else pre
+        `streams` when the block before made it (`decode_ffn`'s `following`)."""
+        x, post, comb = self.hc_attn.pre(streams) if pre is None else pre
         emit = self.attn.ratio in emitting
-        a = self.attn.decode(xn, at, st, emit, lanes)
-        # the FFN's input normalised in the same op; native: quantised once for the shared and routed experts
-        streams, (x, post, comb, h) = self.hc_attn.post_pre_norm(a, streams, post, comb, self.hc_ffn, self.ffn_norm)
+        a = self.attn.decode(self.norm_q(x, self.attn_norm, self.eps), at, st, emit, lanes)
+        streams, (h, post, comb) = self.hc_attn.post_pre(a, streams, post, comb, self.hc_ffn)
+        x = self.norm_q(h, self.ffn_norm, self.eps)  # native: quantised once for the shared and routed experts
         forced = None if self.routing is None else self.routing.decode_ids(self.layer)  # set before the step
         return DecodeCarry(streams, x, post, comb, self.ffn.route(unquantized(x), ids, forced), h)
 
     def chunk_attention(self, streams: torch.Tensor, at: ChunkPosition, st, lanes: Lanes,
-                        pre: NormedIn | None = None) -> DecodeCarry:
+                        pre: MixedIn | None = None) -> DecodeCarry:
         """First half of the block for a chunk step's token slots (engine/chunk_position.py):
         streams [size, n_hc, D], static shapes, the route of every slot; `pre` as in
         `decode_attention`."""
-        xn, post, comb, _ = self.hc_attn.pre_norm(streams, self.attn_norm) if pre is None else pre
-        a = self.attn.chunk(xn, at, st, lanes)
+        x, post, comb = self.hc_attn.pre(streams) if pre is None else pre
+        a = self.attn.chunk(self.norm_q(x, self.attn_norm, self.eps), at, st, lanes)
         streams, (h, post, comb) = self.hc_attn.post_pre(a, streams, post, comb, self.hc_ffn)
         x = self.norm(h, self.ffn_norm, self.eps)
         return DecodeCarry(streams, x, post, comb, self.ffn.route(x, at.ids), h)
 
     def chunk_ffn(self, carry: DecodeCarry, arena, lanes: Lanes,
-                  following: Block | None = None) -> tuple[torch.Tensor, NormedIn | None]:
+                  following: HyperConnection | None = None) -> tuple[torch.Tensor, MixedIn | None]:
         """Second half of a chunk step: every slot's routed experts from the arena in one call
         (`MoE.chunk`), the shared expert, mHC post -> streams [size, n_hc, D], and as
-        `decode_ffn` the next block's normalised mHC pre of them."""
+        `decode_ffn` the next block's mHC pre of them."""
         f = self.ffn.chunk(carry.x, carry.routed, arena, lanes)
         return self._post(f, carry, following)
 
     def decode_ffn(self, carry: DecodeCarry, arena, lanes: Lanes,
-                   following: Block | None = None) -> tuple[torch.Tensor, NormedIn | None]:
+                   following: HyperConnection | None = None) -> tuple[torch.Tensor, MixedIn | None]:
         """Second half: routed experts from the arena + shared expert, mHC post -> (streams, the
-        `following` block's attention mHC pre of them, normalised, in the same op; None without one)."""
+        `following` block's attention mHC pre of them in the same op, None without one)."""
         f = self.ffn.decode(carry.x, carry.routed, arena, lanes)
         return self._post(f, carry, following)
 
     def _post(self, f: torch.Tensor, carry: DecodeCarry,
-              following: Block | None) -> tuple[torch.Tensor, NormedIn | None]:
+              following: HyperConnection | None) -> tuple[torch.Tensor, MixedIn | None]:
         if following is None:
             return self.hc_ffn.post(f, carry.streams, carry.post, carry.comb), None
-        return self.hc_ffn.post_pre_norm(f, carry.streams, carry.post, carry.comb, following.hc_attn,
-                                         following.attn_norm)
+        return self.hc_ffn.post_pre(f, carry.streams, carry.post, carry.comb, following)
 
 
 @dataclass

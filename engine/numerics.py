@@ -101,19 +101,6 @@ class Numerics(ABC):
     def hc_post_pre(self, out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early=False):
         return self.ops.hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
 
-    def hc_pre_norm(self, streams, fn, scale, base, n, hc_eps, eps, norm_weight, norm_eps):
-        """`hc_pre`, then `norm_quantized` of its x -> (normed x, post, comb_logits, x)."""
-        x, post, comb = self.hc_pre(streams, fn, scale, base, n, hc_eps, eps)
-        return self.norm_quantized(x, norm_weight, norm_eps), post, comb, x
-
-    def hc_post_pre_norm(self, out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, norm_weight,
-                         norm_eps, early=False):
-        """`hc_post_pre`, then `norm_quantized` of the next x -> (new streams, normed x, post,
-        comb_logits, x)."""
-        new, x, post2, comb2 = self.hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps,
-                                                early)
-        return new, self.norm_quantized(x, norm_weight, norm_eps), post2, comb2, x
-
     def compressor_pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                         prev_gate: torch.Tensor | None) -> torch.Tensor:
         """Consecutive completed windows [n, r, C] -> their pooled entries [n, d] in this mode's
@@ -352,17 +339,6 @@ class Native(Numerics):
 
     def norm_quantized(self, x, weight, eps):
         return Quantized(*self.backend.rms_norm_quant(x, weight, eps))
-
-    def hc_pre_norm(self, streams, fn, scale, base, n, hc_eps, eps, norm_weight, norm_eps):
-        # one backend op (on CUDA the mHC gate kernel also normalises and quantises)
-        x, post, comb, *yqs = self.backend.hc_pre_norm(streams, fn, scale, base, n, hc_eps, eps, norm_weight, norm_eps)
-        return Quantized(*yqs), post, comb, x
-
-    def hc_post_pre_norm(self, out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, norm_weight,
-                         norm_eps, early=False):
-        new, x, post2, comb2, *yqs = self.backend.hc_post_pre_norm(out, streams, post, comb_logits, iters, hc_eps, fn,
-                                                                   scale, base, eps, norm_weight, norm_eps, early)
-        return new, Quantized(*yqs), post2, comb2, x
 
     def fp8_weight(self, weight, scale):
         return FP8Weight.of(weight, scale)  # kept in the on-disk format for the backend's FP8 GEMM

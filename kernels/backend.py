@@ -66,8 +66,6 @@ OPS: tuple[Op, ...] = (
     Op("hc_pre", ref.hc_pre, "kernels.mhc"),
     Op("hc_post", ref.hc_post, "kernels.mhc"),
     Op("hc_post_pre", ref.hc_post_pre, "kernels.mhc"),
-    Op("hc_pre_norm", ref.hc_pre_norm, "kernels.mhc"),
-    Op("hc_post_pre_norm", ref.hc_post_pre_norm, "kernels.mhc"),
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 

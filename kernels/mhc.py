@@ -47,8 +47,7 @@ import torch
 
 from kernels import pdl
 from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
-                             pow2_scale_bits, tile_params)
-from kernels.rms_norm_quant import rms_norm_quant
+                             tile_params)
 from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
 
 TILE_PARAMS = {(9, 0): {"chunk": 256, "threads": 128}, (12, 1): {"chunk": 256, "threads": 128}}
@@ -213,20 +212,13 @@ def hc_mix_tokens_kernel(nd: int, cols: int, kc: int, dtype: str, arch: tuple[in
 
 
 @kernel_factory
-def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype: str, arch: tuple[int, int],
-                   normed: bool = False, norm_eps: float = 0.0):
+def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype: str, arch: tuple[int, int]):
     """(P [S, chunks, cols + 1], X [S, n, d], Scale [cols], Base [cols]) -> (Y [S, d] dtype,
     Post [S, n] fp32, Comb [S, n·n] fp32 logits) with cols = 2n + n²; one CTA per token.
 
     Threads 0..cols sum the partials (chunk order: deterministic); threads 0..2n-1 make pre and
     post, threads 2n..cols-1 the comb logits; then every thread collapses x = Σ_j pre_j ·
-    stream_j, `VEC` channels per step, every load of a thread issued before its sums.
-
-    `normed` (d a multiple of 128) adds the sub-block's RMSNorm and FP8 quantisation of x, as
-    `rms_norm_quant` computes them, from the x each thread holds: inputs W [d] fp32 after Base,
-    outputs Yn [S, d] dtype, Q [S, d] e4m3, Sq [S, d/128] fp32 after Comb; the sum of squares
-    meets by warp shuffles then warps in order, a 128-channel block's maximum over the 16
-    threads that hold it."""
+    stream_j, `VEC` channels per step, every load of a thread issued before its sums."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
@@ -234,131 +226,61 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
     if cols + 1 > threads:
         raise KernelInputError(f"hc_pre needs at least {cols + 1} threads per CTA (the mix columns), the tile "
                                f"gives {threads}")
-    if d % VEC or (normed and d % 128):
-        raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {128 if normed else VEC}")
-    inv_nd, inv_d = T.float32(1.0 / (n * d)), T.float32(1.0 / d)
+    if d % VEC:
+        raise KernelInputError(f"hc_pre: D = {d} is not a multiple of {VEC}")
+    inv_nd = T.float32(1.0 / (n * d))
     rounds = (d // VEC + threads - 1) // threads  # collapse steps per thread
-    warps, lanes_per_block = threads // WARP, 128 // VEC
     chunk_loop = T.unroll if chunks <= 128 else T.serial
     tokens = T.dynamic("tokens")
 
-    @T.macro
-    def gate(P, X, Scale, Base, Y, Post, Comb, bs, tx, xn):
-        """The gate and the collapse; xn [rounds, VEC] takes x widened (zeros past d)."""
-        sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
-        v = T.alloc_local((2,), "float32")  # running sum / z; sigmoid(z)
-        pre = T.alloc_local((n,), "float32")
-        xs = T.alloc_local((n, VEC), dtype)
-        ys = T.alloc_local((VEC,), dtype)
-        if tx < cols + 1:
-            v[0] = 0.0
-            for k in chunk_loop(chunks):
-                v[0] = fp32_call(T, "__fadd_rn", v[0], P[bs, k, tx])
-            sm[tx] = v[0]
-        T.sync_threads()
-        if tx < cols:
-            v[0] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]  # z
-            if tx < 2 * n:
-                v[1] = 1.0 / (1.0 + T.exp(-v[0]))
-                if tx < n:
-                    sm[cols + 1 + tx] = v[1] + hc_eps
-                else:
-                    Post[bs, tx - n] = 2.0 * v[1]
-            else:
-                Comb[bs, tx - 2 * n] = v[0]
-        T.sync_threads()
-        for j in T.unroll(n):
-            pre[j] = sm[cols + 1 + j]
-        for i in T.unroll(rounds):
-            c0 = (i * threads + tx) * VEC
-            if c0 < d:
-                for j in T.unroll(n):
-                    for u in T.vectorized(VEC):
-                        xs[j, u] = X[bs, j, c0 + u]
-                for u in T.unroll(VEC):
-                    v[0] = 0.0
-                    for j in T.unroll(n):
-                        v[0] = fp32_call(T, "__fadd_rn", v[0], fp32_call(
-                            T, "__fmul_rn", pre[j], T.Cast("float32", xs[j, u])))
-                    ys[u] = T.Cast(dtype, v[0])
-                for u in T.vectorized(VEC):
-                    Y[bs, c0 + u] = ys[u]
-                for u in T.unroll(VEC):
-                    xn[i, u] = T.Cast("float32", ys[u])
-            else:
-                for u in T.unroll(VEC):
-                    xn[i, u] = 0.0
-
-    @T.macro
-    def norm_quant(W, Yn, Q, Sq, bs, tx, xn):
-        """RMSNorm of the x in xn, rounded to dtype, and its FP8 quantisation per 128 channels."""
-        r = T.alloc_local((2,), "float32")  # sum of squares, then rsqrt; a block's maximum
-        red = T.alloc_shared((warps,), "float32")
-        yv = T.alloc_local((VEC,), dtype)
-        qv = T.alloc_local((VEC,), "float8_e4m3")
-        r[0] = 0.0
-        for i in T.unroll(rounds):
-            for u in T.unroll(VEC):
-                r[0] = fp32_call(T, "__fmaf_rn", xn[i, u], xn[i, u], r[0])
-        for k in T.unroll(5):  # lanes 16, 8, 4, 2, 1 apart
-            r[0] = r[0] + T.shfl_xor(r[0], 16 >> k)
-        if tx % WARP == 0:
-            red[tx // WARP] = r[0]
-        T.sync_threads()
-        r[0] = red[0]
-        for w in T.unroll(1, warps):
-            r[0] = r[0] + red[w]
-        r[0] = T.rsqrt(r[0] * inv_d + norm_eps)
-        for i in T.unroll(rounds):
-            c0 = (i * threads + tx) * VEC
-            for u in T.unroll(VEC):  # y, rounded to the output dtype, kept widened
-                xn[i, u] = T.Cast("float32", T.Cast(dtype, W[T.min(c0 + u, d - 1)] * (xn[i, u] * r[0])))
-            r[1] = T.abs(xn[i, 0])
-            for u in T.unroll(1, VEC):
-                r[1] = T.max(r[1], T.abs(xn[i, u]))
-            for k in T.unroll(4):  # the block's 16 threads: lanes 8, 4, 2, 1 apart
-                r[1] = T.max(r[1], T.shfl_xor(r[1], (lanes_per_block // 2) >> k))
-            s, inv = pow2_scale_bits(T, r[1])
-            for u in T.unroll(VEC):
-                yv[u] = T.Cast(dtype, xn[i, u])
-                qv[u] = T.Cast("float8_e4m3", T.clamp(xn[i, u] * inv, -448.0, 448.0))
-            if c0 < d:
-                for u in T.vectorized(VEC):
-                    Yn[bs, c0 + u] = yv[u]
-                for u in T.vectorized(VEC):
-                    Q[bs, c0 + u] = qv[u]
-                if tx % lanes_per_block == 0:
-                    Sq[bs, c0 // 128] = s
-
-    if not normed:
-        @T.prim_func
-        def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
-                    Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
-                    Y: T.Tensor((tokens, d), dtype), Post: T.Tensor((tokens, n), "float32"),
-                    Comb: T.Tensor((tokens, nn), "float32")):
-            with T.Kernel(tokens, threads=threads) as bs:
-                tx = T.get_thread_binding(0)
-                xn = T.alloc_local((rounds, VEC), "float32")
-                pdl.begin(T, arch)
-                gate(P, X, Scale, Base, Y, Post, Comb, bs, tx, xn)
-
-        return compile_kernel(hc_gate, arch)
-
     @T.prim_func
-    def hc_gate_norm(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
-                     Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
-                     W: T.Tensor((d,), "float32"), Y: T.Tensor((tokens, d), dtype),
-                     Post: T.Tensor((tokens, n), "float32"), Comb: T.Tensor((tokens, nn), "float32"),
-                     Yn: T.Tensor((tokens, d), dtype), Q: T.Tensor((tokens, d), "float8_e4m3"),
-                     Sq: T.Tensor((tokens, d // 128), "float32")):
+    def hc_gate(P: T.Tensor((tokens, chunks, cols + 1), "float32"), X: T.Tensor((tokens, n, d), dtype),
+                Scale: T.Tensor((cols,), "float32"), Base: T.Tensor((cols,), "float32"),
+                Y: T.Tensor((tokens, d), dtype), Post: T.Tensor((tokens, n), "float32"),
+                Comb: T.Tensor((tokens, nn), "float32")):
         with T.Kernel(tokens, threads=threads) as bs:
             tx = T.get_thread_binding(0)
-            xn = T.alloc_local((rounds, VEC), "float32")
+            sm = T.alloc_shared((cols + 1 + n,), "float32")  # summed partials, then pre_j
+            v = T.alloc_local((2,), "float32")  # running sum / z; sigmoid(z)
+            pre = T.alloc_local((n,), "float32")
+            xs = T.alloc_local((n, VEC), dtype)
+            ys = T.alloc_local((VEC,), dtype)
             pdl.begin(T, arch)
-            gate(P, X, Scale, Base, Y, Post, Comb, bs, tx, xn)
-            norm_quant(W, Yn, Q, Sq, bs, tx, xn)
+            if tx < cols + 1:
+                v[0] = 0.0
+                for k in chunk_loop(chunks):
+                    v[0] = fp32_call(T, "__fadd_rn", v[0], P[bs, k, tx])
+                sm[tx] = v[0]
+            T.sync_threads()
+            if tx < cols:
+                v[0] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]  # z
+                if tx < 2 * n:
+                    v[1] = 1.0 / (1.0 + T.exp(-v[0]))
+                    if tx < n:
+                        sm[cols + 1 + tx] = v[1] + hc_eps
+                    else:
+                        Post[bs, tx - n] = 2.0 * v[1]
+                else:
+                    Comb[bs, tx - 2 * n] = v[0]
+            T.sync_threads()
+            for j in T.unroll(n):
+                pre[j] = sm[cols + 1 + j]
+            for i in T.unroll(rounds):
+                c0 = (i * threads + tx) * VEC
+                if c0 < d:
+                    for j in T.unroll(n):
+                        for u in T.vectorized(VEC):
+                            xs[j, u] = X[bs, j, c0 + u]
+                    for u in T.unroll(VEC):
+                        v[0] = 0.0
+                        for j in T.unroll(n):
+                            v[0] = fp32_call(T, "__fadd_rn", v[0], fp32_call(
+                                T, "__fmul_rn", pre[j], T.Cast("float32", xs[j, u])))
+                        ys[u] = T.Cast(dtype, v[0])
+                    for u in T.vectorized(VEC):
+                        Y[bs, c0 + u] = ys[u]
 
-    return compile_kernel(hc_gate_norm, arch)
+    return compile_kernel(hc_gate, arch)
 
 
 def comb_macro(T, n: int, iters: int, hc_eps: float, early: bool, arch: tuple[int, int]):
@@ -533,42 +455,22 @@ def _check_post(caller: str, out: torch.Tensor, streams: torch.Tensor, post: tor
 
 
 def _gate(partial: torch.Tensor, streams: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
-          eps: float, arch: tuple[int, int], norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
+          eps: float, arch: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_gate_kernel` on the mix partials [S, chunks, 2n + n² + 1] of streams [S, n, D]
-    (contiguous) -> (x [S, D], post [S, n], comb_logits [S, n, n]); with `norm` = (weight [D],
-    eps) also `rms_norm_quant(x, weight, eps)`'s (y [S, D], q [S, D] e4m3, s [S, D/128] fp32)."""
+    (contiguous) -> (x [S, D], post [S, n], comb_logits [S, n, n])."""
     s, n, d = streams.shape
     x = torch.empty(s, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(s, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(s, n * n, dtype=torch.float32, device=streams.device)
-    dt, chunks = TORCH_TO_TL[streams.dtype], partial.shape[1]
-    args = (partial, streams, scale.float().contiguous(), base.float().contiguous())
-    if norm is None:
-        if s:
-            hc_gate_kernel(n, d, chunks, float(hc_eps), float(eps), dt, arch)(*args, x, post, comb)
-        return x, post, comb.view(s, n, n)
-    weight, norm_eps = norm
-    y = torch.empty_like(x)
-    q = torch.empty(s, d, dtype=torch.float8_e4m3fn, device=streams.device)
-    sq = torch.empty(s, d // 128, dtype=torch.float32, device=streams.device)
     if s:
-        hc_gate_kernel(n, d, chunks, float(hc_eps), float(eps), dt, arch, True, float(norm_eps))(
-            *args, weight.float().contiguous(), x, post, comb, y, q, sq)
-    return x, post, comb.view(s, n, n), y, q, sq
+        hc_gate_kernel(n, d, partial.shape[1], float(hc_eps), float(eps), TORCH_TO_TL[streams.dtype], arch)(
+            partial, streams, scale.float().contiguous(), base.float().contiguous(), x, post, comb)
+    return x, post, comb.view(s, n, n)
 
 
-def _norm_of(streams: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, float] | None:
-    """`_gate`'s norm for streams [S, n, D]: (weight, eps) where the gate kernel normalises
-    (decode: S under MIX_TILED_TOKENS, D whole 128-channel blocks), else None (rms_norm_quant after)."""
-    s, _, d = streams.shape
-    if tuple(norm_weight.shape) != (d,):
-        raise KernelInputError(f"mHC pre + norm: the norm weight {tuple(norm_weight.shape)} does not fit D = {d}")
-    return (norm_weight, norm_eps) if s < MIX_TILED_TOKENS and d % 128 == 0 else None
-
-
-def _pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-         hc_eps: float, eps: float, norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
-    """hc_pre's launches; with `norm` (`_norm_of`) the gate also normalises (`_gate`)."""
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
+           hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [S, n, D] -> (x [S, D], post [S, n], comb_logits [S, n, n]), as `reference.hc_pre`."""
     _check_streams(streams)
     s, _, d = streams.shape
     cols, nd = 2 * n + n * n, n * d
@@ -588,23 +490,7 @@ def _pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: tor
         partial = torch.empty(s, nd // chunk, cols + 1, dtype=torch.float32, device=streams.device)
         if s:
             hc_mix_kernel(nd, cols, dt, arch)(x3.view(s, nd), fn.float().contiguous(), partial)
-    return _gate(partial, x3, scale, base, hc_eps, eps, arch, norm)
-
-
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-           hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [S, n, D] -> (x [S, D], post [S, n], comb_logits [S, n, n]), as `reference.hc_pre`."""
-    return _pre(streams, fn, scale, base, n, hc_eps, eps)
-
-
-def hc_pre_norm(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-                hc_eps: float, eps: float, norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, ...]:
-    """`hc_pre`, then `rms_norm_quant` of its x -> (x, post, comb_logits, y, q, s), as
-    `reference.hc_pre_norm`: one launch fewer under MIX_TILED_TOKENS tokens (the gate kernel
-    normalises), the two ops from there."""
-    norm = _norm_of(streams, norm_weight, norm_eps)
-    got = _pre(streams, fn, scale, base, n, hc_eps, eps, norm)
-    return got if norm is not None else (*got, *rms_norm_quant(got[0], norm_weight, norm_eps))
+    return _gate(partial, x3, scale, base, hc_eps, eps, arch)
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
@@ -625,17 +511,20 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_l
     return y
 
 
-def _post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
-              hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float, early: bool,
-              norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
-    """hc_post_pre's launches; with `norm` (`_norm_of`) the gate also normalises (`_gate`)."""
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
+                hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
+                early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post` of a sub-block, then `hc_pre` of the next one (fn, scale, base) on the new
+    streams -> (new streams, x, post, comb_logits), as `reference.hc_post_pre`. Under
+    MIX_TILED_TOKENS tokens two launches (`hc_post_mix_kernel`, `hc_gate_kernel`) instead of
+    three, the same values; from there (prefill chunks) the two ops."""
     _check_streams(streams)
     s, n, d = streams.shape
     arch = cuda_arch(streams.device)
     chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
     if s >= MIX_TILED_TOKENS or d % chunk:
         new = hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
-        return (new, *_pre(new, fn, scale, base, n, hc_eps, eps, norm))
+        return (new, *hc_pre(new, fn, scale, base, n, hc_eps, eps))
     _check_post("hc_post_pre", out, streams, post, comb_logits)
     _check_pre("hc_post_pre", streams, fn, scale, base, n)
     check_n(n)
@@ -646,25 +535,4 @@ def _post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb
         hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch)(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
-    return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch, norm))
-
-
-def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor, iters: int,
-                hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
-                early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_post` of a sub-block, then `hc_pre` of the next one (fn, scale, base) on the new
-    streams -> (new streams, x, post, comb_logits), as `reference.hc_post_pre`. Under
-    MIX_TILED_TOKENS tokens two launches (`hc_post_mix_kernel`, `hc_gate_kernel`) instead of
-    three, the same values; from there (prefill chunks) the two ops."""
-    return _post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
-
-
-def hc_post_pre_norm(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor,
-                     iters: int, hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
-                     norm_weight: torch.Tensor, norm_eps: float, early: bool = False) -> tuple[torch.Tensor, ...]:
-    """`hc_post_pre`, then `rms_norm_quant` of the next sub-block's x -> (new streams, x, post,
-    comb_logits, y, q, s), as `reference.hc_post_pre_norm`: the decode step's chain between two
-    sub-blocks in two launches (`hc_post_mix_kernel`, the normalising `hc_gate_kernel`)."""
-    norm = _norm_of(streams, norm_weight, norm_eps)
-    got = _post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early, norm)
-    return got if norm is not None else (*got, *rms_norm_quant(got[1], norm_weight, norm_eps))
+    return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))

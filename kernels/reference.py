@@ -591,24 +591,6 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
     return (new, *hc_pre(new, fn, scale, base, streams.shape[1], hc_eps, eps))
 
 
-def hc_pre_norm(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int,
-                hc_eps: float, eps: float, norm_weight: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, ...]:
-    """`hc_pre`, then `rms_norm_quant(x, norm_weight, norm_eps)` of the sub-block's input x ->
-    (x, post, comb_logits, y, q, s): a decode step's sub-block input, normalised and quantised
-    for its FP8 linears, as one op."""
-    x, post, comb = hc_pre(streams, fn, scale, base, n, hc_eps, eps)
-    return (x, post, comb, *rms_norm_quant(x, norm_weight, norm_eps))
-
-
-def hc_post_pre_norm(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor,
-                     iters: int, hc_eps: float, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: float,
-                     norm_weight: torch.Tensor, norm_eps: float, early: bool = False) -> tuple[torch.Tensor, ...]:
-    """`hc_post_pre`, then `rms_norm_quant` of the next sub-block's x -> (new streams, x, post,
-    comb_logits, y, q, s) (`early` as in `hc_post`)."""
-    new, x, post2, comb2 = hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
-    return (new, x, post2, comb2, *rms_norm_quant(x, norm_weight, norm_eps))
-
-
 # -------------------------------------------------------------------------- top-k, attention
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
                    scale: float) -> torch.Tensor:
