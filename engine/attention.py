@@ -173,7 +173,8 @@ class Indexer:
         `rot` is the queries' RoPE table if the caller has it."""
         self.compressor(x, at, st)
         visible = at.visible[self.ratio]  # entries w < visible are complete at p
-        scores = self._scores(c, self.weights(x), at.pos, visible, st.entries[:at.n_entries(self.ratio)], rot)
+        scores = self._scores(self.queries(c, at.pos, rot), self.weights(x), visible,
+                              st.entries[:at.n_entries(self.ratio)])
         if log is not None:
             log(scores)
         return self._select(scores, visible)
@@ -183,23 +184,26 @@ class Indexer:
         head's by them)."""
         return self.numerics.indexer_weights(x, self.weights_proj, self.n_heads ** -0.5)
 
-    def ranked(self, c, w: torch.Tensor, at: DecodePosition | ChunkPosition, st: CompressorState, n_keys: int,
-               rot=None) -> torch.Tensor:
-        """A decode or chunk step's queries (q_lora activation `c`, head weights `w` of
-        `weights`) at `at`, scoring the first `n_keys` (static) entry slots: all of them, best
-        first [S, n_keys] (the caller keeps the first `index_topk` and drops those not yet
-        visible: they score -inf, so the picks equal those of `__call__`). The step's keys must
-        be in `st.entries` already (`Compressor.decode` / `chunk` on the same inputs)."""
-        scores = self._scores(c, w, at.pos, at.visible[self.ratio], st.entries[:n_keys], rot)
+    def ranked(self, q: torch.Tensor, w: torch.Tensor, at: DecodePosition | ChunkPosition, st: CompressorState,
+               n_keys: int) -> torch.Tensor:
+        """A decode or chunk step's index queries (`queries`) with head weights `w` (`weights`)
+        at `at`, scoring the first `n_keys` (static) entry slots: all of them, best first [S,
+        n_keys] (the caller keeps the first `index_topk` and drops those not yet visible: they
+        score -inf, so the picks equal those of `__call__`). The step's keys must be in
+        `st.entries` already (`Compressor.decode` / `chunk` on the same inputs)."""
+        scores = self._scores(q, w, at.visible[self.ratio], st.entries[:n_keys])
         return ref.topk_desc(scores, scores.shape[1])
 
-    def _scores(self, c, w: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                keys: torch.Tensor, rot=None) -> torch.Tensor:
-        """Index scores [S, T] of queries at `positions` over keys [T, ID]; -inf for entries at or
-        after `visible` [S] (the count complete at each query)."""
+    def queries(self, c, positions: torch.Tensor, rot=None) -> torch.Tensor:
+        """The index queries [S, IH, ID] of the q_lora activation `c` at `positions`: wq_b,
+        RoPE (`rot`: the caller's table, if it has one), Hadamard + QDQ4 (one launch each on CUDA)."""
         s = unquantized(c).shape[0]
         q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
-        q = self.numerics.round_index(self.rope(q, positions if rot is None else rot))  # one launch each on CUDA
+        return self.numerics.round_index(self.rope(q, positions if rot is None else rot))
+
+    def _scores(self, q: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [S, T] of queries q [S, IH, ID] (`queries`) over keys [T, ID]; -inf for
+        entries at or after `visible` [S] (the count complete at each query)."""
         return self.numerics.indexer_scores(q, keys, w, visible, self.head_dim ** -0.5)
 
     def _select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -288,25 +292,17 @@ class Attention:
         0..capacity-1 with -1 for those not visible), so the call is CUDA-graph capturable; the
         caller reserves room for entry p // ratio first and says whether the token completes a
         compression window (`emit`, from the host position: `Transformer.emitting`). The
-        compressors, the indexer and the key selection run on `lanes`' side lane, beside the
-        query projections (engine/lanes.py). Equals `__call__`."""
+        compressors, the indexer's scores and the key selection run on `lanes`' side lanes,
+        beside the query projections (`_keys_beside`). Equals `__call__`."""
         xq, x = x, unquantized(x)  # x may carry its FP8 quantisation (`Numerics.norm_quantized`)
         rot = self.rope.table(at.pos)
-        idx = at.window_rows  # [1, W]
-        if self.ratio:
-            with lanes.side():  # they read x alone
-                self.compressor.decode(x, at, st.compressor, emit)
-                if self.indexer is not None:
-                    self.indexer.compressor.decode(x, at, st.indexer, emit)
-                    w = self.indexer.weights(x)
-                else:  # every entry slot
-                    idx = self._key_rows(idx, self._slots(st.capacity, idx.device), at.visible[self.ratio],
-                                         st.capacity, self.window)
+        idx, w = self._keys_beside(x, at.window_rows, at, st, lanes, self.window,
+                                   lambda: self.compressor.decode(x, at, st.compressor, emit),
+                                   lambda: self.indexer.compressor.decode(x, at, st.indexer, emit))
         c, kv = self._query_lora(xq)
-        if self.indexer is not None:
-            with lanes.side():  # entry slots best first, the top index_topk kept; beside wq_b
-                order = self.indexer.ranked(c, w, at, st.indexer, st.capacity, rot)
-                idx = self._key_rows(idx, order, at.visible[self.ratio], self.indexer.topk, self.window)
+        if self.indexer is not None:  # the index queries on the chain (held until the join)
+            qi = self.indexer.queries(c, at.pos, rot)
+            idx = self._picks_beside(qi, w, idx, at, st, lanes, self.window)
         q, _ = self._queries(c, kv, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         lanes.join()
         return self._output(self._attend(q, st.kv, idx, rot))
@@ -316,30 +312,54 @@ class Attention:
         static shapes (no host sync): the keys are gathered from the chunk's new keys and
         `st.kv` (after the compressors have written the entries the chunk completes), then the
         ring takes the real tokens' keys. The compressors and the indexer run on `lanes`' side
-        lane, as in `decode`. Equals `__call__` on the real tokens."""
+        lanes, as in `decode`. Equals `__call__` on the real tokens."""
         xq, x = x, unquantized(x)
-        size = x.shape[0]
         rot = self.rope.table(at.pos)
-        idx = at.window_rows  # [size, W] rows of `keys`
-        if self.ratio:
-            with lanes.side():
-                self.compressor.chunk(x, at, st.compressor)
-                if self.indexer is not None:
-                    self.indexer.compressor.chunk(x, at, st.indexer)
-                    w = self.indexer.weights(x)
-                else:
-                    idx = self._key_rows(idx, self._slots(st.capacity, idx.device).expand(size, -1),
-                                         at.visible[self.ratio], st.capacity, at.entry_offset)
+        idx, w = self._keys_beside(x, at.window_rows, at, st, lanes, at.entry_offset,
+                                   lambda: self.compressor.chunk(x, at, st.compressor),
+                                   lambda: self.indexer.compressor.chunk(x, at, st.indexer))
         c, kv = self._query_lora(xq)
-        if self.indexer is not None:
-            with lanes.side():
-                order = self.indexer.ranked(c, w, at, st.indexer, st.capacity, rot)
-                idx = self._key_rows(idx, order, at.visible[self.ratio], self.indexer.topk, at.entry_offset)
+        if self.indexer is not None:  # the index queries on the chain (held until the join)
+            qi = self.indexer.queries(c, at.pos, rot)
+            idx = self._picks_beside(qi, w, idx, at, st, lanes, at.entry_offset)
         q, kv = self._queries(c, kv, rot)
         lanes.join()
         keys = torch.cat((kv.to(st.kv.dtype), st.kv))  # [size + W + capacity, D]
         st.window.copy_(keys[at.ring_src])
         return self._output(self._attend(q, keys, idx, rot))
+
+    # A static step's keys beside its chain of kernels (engine/lanes.py): in a CSA layer the
+    # indexer's keys and head weights, then (once the chain has made the index queries) its
+    # scores and picks, run on side lane 0 and the attention's compressor on lane 1, so the picks
+    # do not wait for the attention's keys; in an HCA layer the compressor and the key rows (every
+    # entry slot) run on lane 0.
+    def _keys_beside(self, x: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState, lanes: Lanes,
+                     offset: int, compress, compress_index) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queue the step's compressors (`compress`; the indexer's `compress_index`) on the side
+        lanes -> (key rows so far [S, ...]: an HCA layer's whole rows, else `window_rows`; the
+        indexer's head weights [S, IH] or None)."""
+        if not self.ratio:
+            return window_rows, None
+        if self.indexer is None:
+            with lanes.side(0):  # they read x alone
+                compress()
+                slots = self._slots(st.capacity, window_rows.device).expand(window_rows.shape[0], -1)
+                return self._key_rows(window_rows, slots, at.visible[self.ratio], st.capacity, offset), None
+        with lanes.side(0):  # the indexer's head weights and keys: they read x alone
+            w = self.indexer.weights(x)  # first: one small launch, before the chain's GEMVs fill the GPU
+            compress_index()
+        with lanes.side(1):  # the attention's keys, read by the attention alone
+            compress()
+        return window_rows, w
+
+    def _picks_beside(self, q: torch.Tensor, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
+                      lanes: Lanes, offset: int) -> torch.Tensor:
+        """On side lane 0, after the indexer's keys, with the index queries q the chain made (the
+        picks wait for them alone; the caller holds q until the join): the entry slots best first
+        and the key rows (the window's, then the top index_topk visible entries) -> [S, W + index_topk]."""
+        with lanes.side(0):
+            order = self.indexer.ranked(q, w, at, st.indexer, st.capacity)
+            return self._key_rows(window_rows, order, at.visible[self.ratio], self.indexer.topk, offset)
 
     def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,
                   offset: int) -> torch.Tensor:

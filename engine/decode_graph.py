@@ -96,7 +96,7 @@ class DecodeRunner:
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
         provider counts the uses itself, in `acquire` and `record`); `homes`: graph homes kept
         (engine/graph_homes.py `homes_for`); `lanes`: where a step's work off its chain of kernels
-        runs (engine/lanes.py), None: a side stream on the model's device."""
+        runs (engine/lanes.py), None: side streams on the model's device."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
@@ -107,7 +107,7 @@ class DecodeRunner:
         # stream it has run on (32 MiB on the H200), so a fresh stream per capture held up to 33 of
         # them (1.03 GiB) until the process ended.
         self._side = torch.cuda.Stream(self.device) if self.graphs else None
-        # the step's second lane (engine/lanes.py): work off its chain of kernels, on CUDA
+        # the step's side lanes (engine/lanes.py): work off its chain of kernels, on CUDA
         self.lanes = Lanes(self.device) if lanes is None else lanes
         self.ids = torch.zeros(1, dtype=torch.long, device=self.device)  # static inputs
         self.at = model.decode_position(self.device)  # static position inputs, set per step

@@ -258,7 +258,7 @@ def test_prefill_chunks_queued_ahead_equal_one_at_a_time(packed):
 
 
 def _lane_steps(packed: Path, forked: bool) -> list[torch.Tensor]:
-    """Graphed chunk steps, then graphed decode steps, with the side work on a second stream or
+    """Graphed chunk steps, then graphed decode steps, with the side work on the side streams or
     in place (engine/lanes.py): every step's logits."""
     from engine.lanes import Lanes
 
@@ -287,9 +287,10 @@ def _lane_steps(packed: Path, forked: bool) -> list[torch.Tensor]:
 
 
 def test_the_side_lane_changes_no_bit_of_a_step(packed):
-    """The compressors, the indexer and the shared expert on a second stream, forked and joined
-    inside the captured graphs (engine/lanes.py): every chunk and decode step's logits equal the
-    one-stream runner's bitwise (a missing join or an early read racing a fork would not)."""
+    """The compressors, the indexer and the shared expert on side streams (a CSA layer's two
+    compressors on two), forked and joined inside the captured graphs (engine/lanes.py): every
+    chunk and decode step's logits equal the one-stream runner's bitwise (a missing join, a read
+    across side lanes or an early read racing a fork would not)."""
     forked, inline = _lane_steps(packed, True), _lane_steps(packed, False)
     assert len(forked) == len(inline) == 64
     for i, (a, b) in enumerate(zip(forked, inline)):

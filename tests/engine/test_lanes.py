@@ -1,24 +1,33 @@
-"""engine/lanes.py off CUDA: the side lane runs in place, in program order (the GPU tests check
-that a forked lane changes no bit of a step: tests/engine/test_decode_graph_gpu.py)."""
+"""engine/lanes.py off CUDA: the side lanes run in place, in program order (the GPU tests check
+that forked lanes change no bit of a step: tests/engine/test_decode_graph_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.lanes import Lanes
+from engine.lanes import SIDE_LANES, Lanes
 
 
-def test_off_cuda_the_side_lane_runs_in_place_in_order():
+def test_off_cuda_the_side_lanes_run_in_place_in_order():
     for lanes in (Lanes(None), Lanes(torch.device("cpu"))):
-        assert lanes.stream is None and not lanes.forks
+        assert lanes.streams == [] and not lanes.forks
         x = torch.zeros(3)
         with lanes.side():
             x += 1
             assert x.tolist() == [1, 1, 1]  # ran at once, on the one stream
+        with lanes.side(SIDE_LANES - 1):
+            x *= 3
         x *= 2
         lanes.join()
-        assert x.tolist() == [2, 2, 2]
+        assert x.tolist() == [6, 6, 6]
+
+
+def test_a_side_lane_that_does_not_exist_is_refused():
+    for lane in (-1, SIDE_LANES):
+        with pytest.raises(ValueError, match=f"side lane {lane} does not exist"):
+            with Lanes(None).side(lane):
+                pass
 
 
 def test_an_error_inside_the_side_lane_propagates():
@@ -49,15 +58,18 @@ def test_in_a_graph_capture_the_side_lane_forks_and_joins_and_a_bare_join_waits_
     capture = torch.cuda.Stream(dev)
     capture.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph()
+    z = torch.zeros(4, device=dev)
     with torch.cuda.graph(graph, stream=capture):
         lanes.join()  # nothing forked yet
         x.mul_(2)
         with lanes.side():
             x.add_(3)
+        with lanes.side(1):  # a second branch beside the first
+            z.add_(7)
         lanes.join()
-        y = x * 10
+        y = x * 10 + z
     torch.cuda.synchronize()
     assert x.tolist() == [1.0] * 4  # captured, not run
     graph.replay()
     torch.cuda.synchronize()
-    assert x.tolist() == [5.0] * 4 and y.tolist() == [50.0] * 4
+    assert x.tolist() == [5.0] * 4 and y.tolist() == [57.0] * 4
