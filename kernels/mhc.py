@@ -35,7 +35,8 @@ writes them, and takes hc_mix's dot products of them: the two kernels share `mix
 whose summation order is fixed by hand), then hc_gate: two launches instead of three, the same bits.
 
 `hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
-(the decode step did not move; docs/performance-log.md, 2026-12-01).
+(the decode step did not move at 4 layers, and was 0.07-0.11 ms slower at 43; docs/performance-log.md,
+2026-12-01 and 2026-12-04 13:56).
 
 Layouts: streams [S, n, D] contiguous (stream-major per token), fn [2n + n², n·D] fp32 row-major,
 scale/base [2n + n²] fp32, post [S, n] fp32, comb logits [S, n, n] fp32 row-major; n ≤ 5 (a
