@@ -15,8 +15,9 @@ cold warm-up), then profiles with torch.profiler, each after one unprofiled run:
 3. the one-token decode step: eagerly (every kernel by GPU time and launch count) and replayed
    from the CUDA graphs (wall time, and the kernels the profiler sees inside the replay).
    `--timeline [N]` adds the replayed step's timeline: the time with no kernel running, one, or
-   more at once, and every kernel of N layers (default 1) from the middle one on in start order (stream, start, duration,
-   the gap since the previous kernel of its stream ended), with each kind's time over the step.
+   more at once, and every kernel of N layers (default 1) from the middle one on in start order
+   (stream, start, duration, the gap since the previous kernel of its stream ended), with each
+   kind's time over the step.
 
 `--syncs` adds, for the first prefill chunk size, every source line (engine/, kernels/) that
 synchronises the host with the device in a chunk (`torch.cuda.set_sync_debug_mode`), with its
