@@ -307,6 +307,29 @@ def layer_op_rows(dev) -> list[tuple[str, int, float, bool]]:
     return rows
 
 
+def index_picks_rows(dev, sizes=(16, 128, 512, 2048, 4096, 8192), queries=(1, 128)) -> list[tuple[str, float, float]]:
+    """A CSA step's key rows from its index scores (top 512 of N entry slots, window of 128): the
+    in-kernel ranking (`kernels.index_picks`) against torch's stable sort + `kernels.sparse_index`
+    (what the wrapper falls back to above MAX_N), graphed, per (queries, N) -> (name, us, us)."""
+    from kernels import reference as ref
+    from kernels.index_picks import index_picks_kernel
+    from kernels.sparse_index import sparse_index
+    from kernels.toolkit import cuda_arch
+
+    rows, arch = [], cuda_arch(dev)
+    for s in queries:
+        for n in sizes:
+            scores = torch.randn(s, n, device=dev)
+            window, visible = torch.arange(128, device=dev).expand(s, -1).contiguous(), torch.full((s,), n, device=dev)
+            k, out = min(512, n), torch.empty(s, 128 + 512, dtype=torch.int64, device=dev)
+            kernel = index_picks_kernel(128, n, k, 128, 512, min(128, max(32, 1 << (n - 1).bit_length())), arch)
+            ranked, _ = time_calls([lambda: kernel(scores, window, visible, out)] * CALLS_PER_GRAPH)
+            sorted_, _ = time_calls([lambda: sparse_index(window, ref.topk_desc(scores, k), visible, k, 128, 512)]
+                                    * CALLS_PER_GRAPH)
+            rows.append((f"S={s} N={n}", ranked * 1e6, sorted_ * 1e6))
+    return rows
+
+
 CUDA_TILES = [(1, 4), (2, 4), (4, 4), (2, 8), (4, 8)]  # (rows per warp, warps) of the CUDA-core FP4 GEMV
 MMA_TILES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (2, 2), (4, 2)]  # (tiles, ksplit warps) of the MMA one
 MMA1_TILES = [(2, 4), (2, 4, True), (2, 2, True, 2), (2, 2, True, 3), (2, 4, True, 3), (2, 4, True, 4), (2, 8, True, 4)]
@@ -459,6 +482,8 @@ def main(argv=None) -> None:
                     help="only a chunk step's FP8 linears and routed experts at M token rows, per kernel")
     ap.add_argument("--prefill-attention", type=lambda v: [int(x) for x in v.split(",")], metavar="S,S",
                     help="only prefill's sparse attention at these query counts, per (heads, threads) a CTA")
+    ap.add_argument("--index-picks", action="store_true",
+                    help="only a CSA step's key rows: the in-kernel ranking against torch's sort, per entry count")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels needs a CUDA GPU")
@@ -470,6 +495,12 @@ def main(argv=None) -> None:
         for s in a.prefill_attention:
             for name, ms, diff in prefill_attention_rows(dev, s):
                 print(f"| {name} | {ms:.3f} | {diff:.3g} |")
+        return
+    if a.index_picks:
+        print("| queries, entry slots | in-kernel rank, us | torch sort + sparse_index, us |")
+        print("|---|---|---|")
+        for name, ranked, sorted_ in index_picks_rows(dev):
+            print(f"| {name} | {ranked:.2f} | {sorted_:.2f} |")
         return
     ceiling = copy_bandwidth(dev)
     print_table(chunk_rows(dev, a.chunk) if a.chunk else bench_rows(dev, a.dense_only), ceiling)

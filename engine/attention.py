@@ -184,15 +184,17 @@ class Indexer:
         head's by them)."""
         return self.numerics.indexer_weights(x, self.weights_proj, self.n_heads ** -0.5)
 
-    def ranked(self, q: torch.Tensor, w: torch.Tensor, at: DecodePosition | ChunkPosition, st: CompressorState,
-               n_keys: int) -> torch.Tensor:
-        """A decode or chunk step's index queries (`queries`) with head weights `w` (`weights`)
-        at `at`, scoring the first `n_keys` (static) entry slots: all of them, best first [S,
-        n_keys] (the caller keeps the first `index_topk` and drops those not yet visible: they
-        score -inf, so the picks equal those of `__call__`). The step's keys must be in
-        `st.entries` already (`Compressor.decode` / `chunk` on the same inputs)."""
-        scores = self._scores(q, w, at.visible[self.ratio], st.entries[:n_keys])
-        return ref.topk_desc(scores, scores.shape[1])
+    def picks(self, q: torch.Tensor, w: torch.Tensor, at: DecodePosition | ChunkPosition, st: CompressorState,
+              n_keys: int, window_rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """A decode or chunk step's key rows [S, W + index_topk]: `window_rows` [S, W], then the
+        top `index_topk` of the first `n_keys` (static) entry slots, scored by the index queries
+        q (`queries`) with head weights w (`weights`), at `offset` + slot where visible at `at`
+        and -1 elsewhere (not yet visible slots score -inf, so the picks equal `__call__`'s),
+        -1 padded (`Numerics.index_picks`: one launch after the scores on CUDA). The step's keys
+        must be in `st.entries` already (`Compressor.decode` / `chunk` on the same inputs)."""
+        visible = at.visible[self.ratio]
+        scores = self._scores(q, w, visible, st.entries[:n_keys])
+        return self.numerics.index_picks(scores, window_rows, visible, min(self.topk, n_keys), offset, self.topk)
 
     def queries(self, c, positions: torch.Tensor, rot=None) -> torch.Tensor:
         """The index queries [S, IH, ID] of the q_lora activation `c` at `positions`: wq_b,
@@ -355,11 +357,10 @@ class Attention:
     def _picks_beside(self, q: torch.Tensor, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
                       lanes: Lanes, offset: int) -> torch.Tensor:
         """On side lane 0, after the indexer's keys, with the index queries q the chain made (the
-        picks wait for them alone; the caller holds q until the join): the entry slots best first
-        and the key rows (the window's, then the top index_topk visible entries) -> [S, W + index_topk]."""
+        picks wait for them alone; the caller holds q until the join): the key rows (the
+        window's, then the top index_topk visible entries) -> [S, W + index_topk]."""
         with lanes.side(0):
-            order = self.indexer.ranked(q, w, at, st.indexer, st.capacity)
-            return self._key_rows(window_rows, order, at.visible[self.ratio], self.indexer.topk, offset)
+            return self.indexer.picks(q, w, at, st.indexer, st.capacity, window_rows, offset)
 
     def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,
                   offset: int) -> torch.Tensor:

@@ -119,6 +119,9 @@ class Numerics(ABC):
     def sparse_index(self, window_rows, order, visible, k, offset, width):
         return self.ops.sparse_index(window_rows, order, visible, k, offset, width)
 
+    def index_picks(self, scores, window_rows, visible, k, offset, width):
+        return self.ops.index_picks(scores, window_rows, visible, k, offset, width)
+
     def indexer_scores(self, q, keys, weights, visible, scale):
         return self.ops.indexer_scores(q, keys, weights, visible, scale)
 

@@ -13,7 +13,8 @@ By operation:
                   fp4_mma_few_tokens.py (tensor cores: one token, 2-16 tokens), moe_gate.py,
                   swiglu_quant.py, moe_combine.py
   attention       norm_rope.py, rope.py, compressor_project.py, compressor_pool.py, indexer_weights.py,
-                  indexer_scores.py, hadamard_qdq4.py, sparse_index.py, sparse_attention.py
+                  indexer_scores.py, hadamard_qdq4.py, sparse_index.py, index_picks.py,
+                  sparse_attention.py
   mHC and norms   mhc.py, sinkhorn.py (a warp macro used by mhc.py), rms_norm.py,
                   rms_norm_quant.py
   output head     head_gemv.py

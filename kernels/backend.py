@@ -51,6 +51,7 @@ OPS: tuple[Op, ...] = (
     Op("moe_combine", ref.moe_combine, "kernels.moe_combine"),
     Op("indexer_weights", ref.indexer_weights, "kernels.indexer_weights"),
     Op("sparse_index", ref.sparse_index, "kernels.sparse_index"),
+    Op("index_picks", ref.index_picks, "kernels.index_picks"),
     Op("sparse_attention", ref.sparse_attention, "kernels.sparse_attention"),
     Op("indexer_scores", ref.indexer_scores, "kernels.indexer_scores"),
     Op("fp4_moe", ref.fp4_moe, "kernels.fp4_moe"),
@@ -159,8 +160,8 @@ KERNEL_MODULES = ("kernels.act_quant", "kernels.compressor_pool", "kernels.compr
                   "kernels.fp4_mma_few_tokens", "kernels.fp4_mma_one_token", "kernels.fp4_moe", "kernels.fp8_dequant",
                   "kernels.fp8_gemm", "kernels.fp8_mma_few_tokens", "kernels.fp8_mma_one_token",
                   "kernels.grouped_linear", "kernels.grouped_mma_few_tokens", "kernels.hadamard_qdq4",
-                  "kernels.head_gemv", "kernels.indexer_scores", "kernels.indexer_weights", "kernels.mhc",
-                  "kernels.moe_combine", "kernels.moe_gate", "kernels.norm_rope", "kernels.rms_norm",
+                  "kernels.head_gemv", "kernels.index_picks", "kernels.indexer_scores", "kernels.indexer_weights",
+                  "kernels.mhc", "kernels.moe_combine", "kernels.moe_gate", "kernels.norm_rope", "kernels.rms_norm",
                   "kernels.rms_norm_quant", "kernels.rope", "kernels.sparse_attention", "kernels.sparse_index",
                   "kernels.swiglu_quant")
 

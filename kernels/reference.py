@@ -631,6 +631,14 @@ def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.
     return torch.cat((window_rows, chosen, pad), dim=1)
 
 
+def index_picks(scores: torch.Tensor, window_rows: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
+                width: int) -> torch.Tensor:
+    """A CSA query's key rows from its index scores [S, N] fp32 (best first, ties -> the lower
+    slot: `topk_desc`), int64 [S, W + width]: `sparse_index` of the first k (<= min(N, width))
+    slots in that order, with the window's rows window_rows [S, W] and `visible` [S]."""
+    return sparse_index(window_rows, topk_desc(scores, k), visible, k, offset, width)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention with a learned sink over a per-query set of shared K=V rows (§C.4 steps 10–12).

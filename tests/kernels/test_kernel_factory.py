@@ -65,7 +65,7 @@ def test_kernel_modules_lists_every_module_with_factories():
                 with_factories.add(f"kernels.{path.stem}")
     assert set(KERNEL_MODULES) == with_factories
     factories = kernel_factories(kernel_modules())
-    assert len(factories) == 33
+    assert len(factories) == 34
     assert all(name.rsplit(".", 1)[1].endswith("_kernel") for name in factories)
     assert "kernels.fp8_gemm.fp8_gemv_kernel" in factories and "kernels.mhc.hc_post_kernel" in factories
 

@@ -716,6 +716,30 @@ def test_sparse_index_matches_reference(s, w, n, k, width, gen):
     assert got.dtype == torch.int64 and torch.equal(got, ref.sparse_index(window_rows, order, visible, k, w, width))
 
 
+# Flash CSA decode at short, chat and long contexts (capacity 16 .. 2048 slots ranked in-kernel,
+# 4096 sorted by torch), chunk steps (several queries: 512 slots ranked, 1024 sorted), fewer
+# slots than the width, and ties: scores drawn from a few values, with -inf (not visible) and both zeros
+@pytest.mark.parametrize("s,w,n,k,width,offset", [(1, 128, 16, 16, 512, 128), (1, 128, 512, 512, 512, 128),
+                                                  (1, 128, 2048, 512, 512, 128), (1, 128, 4096, 512, 512, 128),
+                                                  (5, 128, 64, 64, 512, 133), (7, 128, 512, 512, 512, 140),
+                                                  (2, 128, 1024, 512, 512, 128), (3, 16, 300, 4, 4, 16)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_index_picks_matches_reference(s, w, n, k, width, offset, ties, gen):
+    from kernels.index_picks import index_picks
+    if ties:
+        values = torch.tensor([1.5, 0.0, -0.0, -2.0, float("-inf")], device=DEV)
+        scores = values[torch.randint(0, len(values), (s, n), generator=gen, device=DEV)]
+    else:
+        scores = torch.randn(s, n, generator=gen, device=DEV)
+    visible = torch.randint(0, n + 1, (s,), generator=gen, device=DEV)
+    scores = scores.masked_fill(torch.arange(n, device=DEV) >= visible.unsqueeze(1), float("-inf"))
+    window_rows = torch.randint(-1, w, (s, w), generator=gen, device=DEV)
+    got = index_picks(scores, window_rows, visible, k, offset, width)
+    want = ref.index_picks(scores, window_rows, visible, k, offset, width)  # torch's stable sort on the GPU
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(want.cpu(), ref.index_picks(scores.cpu(), window_rows.cpu(), visible.cpu(), k, offset, width))
+
+
 def test_sparse_attention_all_absent_gives_zero(gen):
     from kernels.sparse_attention import sparse_attention
     q = torch.randn(2, 16, 64, generator=gen, device=DEV).to(torch.bfloat16)

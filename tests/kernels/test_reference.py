@@ -204,6 +204,21 @@ def test_topk_breaks_ties_by_lowest_index():
     assert ref.topk_desc(inf, 3).tolist() == [[1, 3, 0]]
 
 
+def test_index_picks_orders_visible_slots_best_first():
+    inf = float("-inf")
+    # slots 1 and 3 tie (the lower first); slots 4 and 5 are not visible yet (they score -inf, as
+    # the indexer's scores do): the fifth pick is -1; the window's rows lead, -1 pads to width
+    scores = torch.tensor([[0.5, 2.0, 1.0, 2.0, inf, inf]])
+    window = torch.tensor([[7, 8, -1]])
+    got = ref.index_picks(scores, window, torch.tensor([4]), 5, 100, 7)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[7, 8, -1, 101, 103, 102, 100, -1, -1, -1]]
+    # k < the visible count keeps the best k; each query has its own visible count
+    two = ref.index_picks(torch.tensor([[3.0, 1.0, 2.0], [3.0, 1.0, 2.0]]), torch.tensor([[0], [1]]),
+                          torch.tensor([3, 1]), 2, 10, 2)
+    assert two.tolist() == [[0, 10, 12], [1, 10, -1]]
+
+
 def test_sparse_attention_sink_and_absent_rows():
     q = torch.randn(2, 3, 8)
     kv = torch.randn(5, 8)
