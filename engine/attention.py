@@ -302,9 +302,8 @@ class Attention:
                                    lambda: self.compressor.decode(x, at, st.compressor, emit),
                                    lambda: self.indexer.compressor.decode(x, at, st.indexer, emit))
         c, kv = self._query_lora(xq)
-        if self.indexer is not None:  # the index queries on the chain (held until the join)
-            qi = self.indexer.queries(c, at.pos, rot)
-            idx = self._picks_beside(qi, w, idx, at, st, lanes, self.window)
+        if self.indexer is not None:
+            idx = self._picks_beside(c, rot, w, idx, at, st, lanes, self.window)
         q, _ = self._queries(c, kv, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         lanes.join()
         return self._output(self._attend(q, st.kv, idx, rot))
@@ -321,9 +320,8 @@ class Attention:
                                    lambda: self.compressor.chunk(x, at, st.compressor),
                                    lambda: self.indexer.compressor.chunk(x, at, st.indexer))
         c, kv = self._query_lora(xq)
-        if self.indexer is not None:  # the index queries on the chain (held until the join)
-            qi = self.indexer.queries(c, at.pos, rot)
-            idx = self._picks_beside(qi, w, idx, at, st, lanes, at.entry_offset)
+        if self.indexer is not None:
+            idx = self._picks_beside(c, rot, w, idx, at, st, lanes, at.entry_offset)
         q, kv = self._queries(c, kv, rot)
         lanes.join()
         keys = torch.cat((kv.to(st.kv.dtype), st.kv))  # [size + W + capacity, D]
@@ -331,10 +329,10 @@ class Attention:
         return self._output(self._attend(q, keys, idx, rot))
 
     # A static step's keys beside its chain of kernels (engine/lanes.py): in a CSA layer the
-    # indexer's keys and head weights, then (once the chain has made the index queries) its
-    # scores and picks, run on side lane 0 and the attention's compressor on lane 1, so the picks
-    # do not wait for the attention's keys; in an HCA layer the compressor and the key rows (every
-    # entry slot) run on lane 0.
+    # indexer's head weights and keys, then (once the chain has made c) its queries, scores and
+    # picks run on side lane 0, and the attention's compressor on lane 1, so the picks do not
+    # wait for the attention's keys nor the chain for the index queries; in an HCA layer the
+    # compressor and the key rows (every entry slot) run on lane 0.
     def _keys_beside(self, x: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState, lanes: Lanes,
                      offset: int, compress, compress_index) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queue the step's compressors (`compress`; the indexer's `compress_index`) on the side
@@ -354,12 +352,14 @@ class Attention:
             compress()
         return window_rows, w
 
-    def _picks_beside(self, q: torch.Tensor, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
+    def _picks_beside(self, c, rot, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
                       lanes: Lanes, offset: int) -> torch.Tensor:
-        """On side lane 0, after the indexer's keys, with the index queries q the chain made (the
-        picks wait for them alone; the caller holds q until the join): the key rows (the
-        window's, then the top index_topk visible entries) -> [S, W + index_topk]."""
+        """On side lane 0, after the indexer's head weights w and keys, from the q_lora activation
+        c the chain made (the caller holds c and the RoPE table `rot` until the join): the index
+        queries, then the key rows (the window's, then the top index_topk visible entries) ->
+        [S, W + index_topk]."""
         with lanes.side(0):
+            q = self.indexer.queries(c, at.pos, rot)
             return self.indexer.picks(q, w, at, st.indexer, st.capacity, window_rows, offset)
 
     def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,
