@@ -312,7 +312,7 @@ def index_picks_rows(dev, sizes=(16, 128, 512, 2048, 4096, 8192), queries=(1, 12
     in-kernel ranking (`kernels.index_picks`) against torch's stable sort + `kernels.sparse_index`
     (what the wrapper falls back to above MAX_N), graphed, per (queries, N) -> (name, us, us)."""
     from kernels import reference as ref
-    from kernels.index_picks import index_picks_kernel
+    from kernels.index_picks import index_picks_kernel, kernel_threads
     from kernels.sparse_index import sparse_index
     from kernels.toolkit import cuda_arch
 
@@ -322,7 +322,7 @@ def index_picks_rows(dev, sizes=(16, 128, 512, 2048, 4096, 8192), queries=(1, 12
             scores = torch.randn(s, n, device=dev)
             window, visible = torch.arange(128, device=dev).expand(s, -1).contiguous(), torch.full((s,), n, device=dev)
             k, out = min(512, n), torch.empty(s, 128 + 512, dtype=torch.int64, device=dev)
-            kernel = index_picks_kernel(128, n, k, 128, 512, min(128, max(32, 1 << (n - 1).bit_length())), arch)
+            kernel = index_picks_kernel(128, n, k, 128, 512, kernel_threads(n), arch)
             ranked, _ = time_calls([lambda: kernel(scores, window, visible, out)] * CALLS_PER_GRAPH)
             sorted_, _ = time_calls([lambda: sparse_index(window, ref.topk_desc(scores, k), visible, k, 128, 512)]
                                     * CALLS_PER_GRAPH)

@@ -20,12 +20,17 @@ slots a chunk of 128 queries ranked in 225 µs against torch's 27 on the H200).
 import torch
 
 from kernels import pdl, reference as ref
-from kernels.sparse_index import sparse_index
+from kernels.sparse_index import check_key_rows, sparse_index
 from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory
 
 MAX_N = 512  # entry slots ranked in-kernel for several queries; torch sorts more
 MAX_N_ONE_QUERY = 2048  # ... and for one query (8 KB of shared memory per CTA)
 MAX_THREADS = 128
+
+
+def kernel_threads(n: int) -> int:
+    """The kernel's CTA size for n entry slots: one thread a slot, a warp to MAX_THREADS."""
+    return min(MAX_THREADS, max(32, 1 << (n - 1).bit_length()))
 
 
 @kernel_factory
@@ -72,11 +77,7 @@ def index_picks_kernel(w: int, n: int, k: int, offset: int, width: int, threads:
 def index_picks(scores: torch.Tensor, window_rows: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
                 width: int) -> torch.Tensor:
     """scores [S, N] fp32, window_rows [S, W], visible [S] (int64) -> int64 [S, W + width], as the reference."""
-    if (scores.dim() != 2 or window_rows.dim() != 2 or tuple(visible.shape) != (scores.shape[0],)
-            or window_rows.shape[0] != scores.shape[0] or not 0 <= k <= min(scores.shape[1], width)):
-        raise KernelInputError(f"index_picks takes scores [S, N], window_rows [S, W], visible [S] and "
-                               f"k <= min(N, width); got {tuple(scores.shape)}, {tuple(window_rows.shape)}, "
-                               f"{tuple(visible.shape)}, k={k}, width={width}")
+    check_key_rows("index_picks", "scores", window_rows, scores, visible, k, width)
     if scores.dtype != torch.float32:
         raise KernelInputError(f"index_picks takes fp32 scores (the indexer's), got {scores.dtype}")
     arch = cuda_arch(scores.device)
@@ -85,7 +86,6 @@ def index_picks(scores: torch.Tensor, window_rows: torch.Tensor, visible: torch.
         return sparse_index(window_rows, ref.topk_desc(scores, k), visible, k, offset, width)
     out = torch.empty(s_len, window_rows.shape[1] + width, dtype=torch.int64, device=scores.device)
     if s_len:
-        threads = min(MAX_THREADS, max(32, 1 << (n - 1).bit_length()))
-        index_picks_kernel(window_rows.shape[1], n, k, int(offset), width, threads, arch)(
+        index_picks_kernel(window_rows.shape[1], n, k, int(offset), width, kernel_threads(n), arch)(
             scores.contiguous(), window_rows.to(torch.int64).contiguous(), visible.to(torch.int64).contiguous(), out)
     return out

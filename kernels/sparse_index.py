@@ -40,14 +40,21 @@ def sparse_index_kernel(w: int, n: int, k: int, offset: int, width: int, arch: t
     return compile_kernel(sparse_index, arch)
 
 
+def check_key_rows(op: str, slots_name: str, window_rows: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                   k: int, width: int) -> None:
+    """The shapes of a key-row op (`sparse_index`, `kernels.index_picks`): window_rows [S, W], a
+    per-slot tensor `slots_name` [S, N] (the order, or the scores), visible [S] and k <= min(N, width)."""
+    if (window_rows.dim() != 2 or slots.dim() != 2 or tuple(visible.shape) != (window_rows.shape[0],)
+            or slots.shape[0] != window_rows.shape[0] or not 0 <= k <= min(slots.shape[1], width)):
+        raise KernelInputError(f"{op} takes window_rows [S, W], {slots_name} [S, N], visible [S] and "
+                               f"k <= min(N, width); got {tuple(window_rows.shape)}, {tuple(slots.shape)}, "
+                               f"{tuple(visible.shape)}, k={k}, width={width}")
+
+
 def sparse_index(window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, k: int, offset: int,
                  width: int) -> torch.Tensor:
     """window_rows [S, W], order [S, N], visible [S] (int64) -> int64 [S, W + width], as the reference."""
-    if (window_rows.dim() != 2 or order.dim() != 2 or tuple(visible.shape) != (window_rows.shape[0],)
-            or order.shape[0] != window_rows.shape[0] or not 0 <= k <= min(order.shape[1], width)):
-        raise KernelInputError(f"sparse_index takes window_rows [S, W], order [S, N], visible [S] and "
-                               f"k <= min(N, width); got {tuple(window_rows.shape)}, {tuple(order.shape)}, "
-                               f"{tuple(visible.shape)}, k={k}, width={width}")
+    check_key_rows("sparse_index", "order", window_rows, order, visible, k, width)
     arch = cuda_arch(order.device)
     if order.shape[1] == 0 or window_rows.shape[1] == 0:  # no entries (or no window) to compile for
         return ref.sparse_index(window_rows, order, visible, k, offset, width)

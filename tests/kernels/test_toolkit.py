@@ -74,3 +74,23 @@ def test_launcher_readies_the_module_when_made_then_calls_the_adapter_once_then_
     launch(2, "b")
     launch(3, "c")
     assert kernel.calls == [("adapter", (1, "a")), ("entry", (2, "b")), ("entry", (3, "c"))]
+
+
+def test_the_key_row_ops_refuse_shapes_that_do_not_fit_by_name():
+    # checked before any device is asked for: on the CPU, with CPU tensors
+    import torch
+
+    from kernels.index_picks import index_picks
+    from kernels.sparse_index import sparse_index
+
+    window, visible = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    slots = torch.zeros(2, 16, dtype=torch.long)
+    scores = torch.zeros(2, 16)
+    cases = [(torch.zeros(3, 16, dtype=torch.long), 4, 4), (slots, 17, 32), (slots, 8, 4)]
+    for rows, k, width in cases:  # another query count; k beyond the slots; k beyond the width
+        with pytest.raises(KernelInputError, match=r"^sparse_index takes window_rows \[S, W\], order \[S, N\]"):
+            sparse_index(window, rows, visible, k, 8, width)
+        with pytest.raises(KernelInputError, match=r"^index_picks takes window_rows \[S, W\], scores \[S, N\]"):
+            index_picks(rows.float(), window, visible, k, 8, width)
+    with pytest.raises(KernelInputError, match="^index_picks takes fp32 scores"):
+        index_picks(scores.double(), window, visible, 4, 8, 4)
