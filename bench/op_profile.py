@@ -2,6 +2,7 @@
 
     python -m bench.op_profile [--layers 43] [--experts 24] [--prefill 2048] [--chunks 256,2048]
                                [--followup 8] [--top 25] [--syncs] [--host N] [--workdir /tmp/dsv4fd]
+                               [--timeline [N]] [--steps-before 3]
 
 Builds (or reuses) the pack of bench/full_depth.py, loads it with every expert resident
 (`Engine.load` with the engine's default prefill chunk, whatever `--chunks` says, so the kernel
@@ -260,6 +261,9 @@ def main(argv=None) -> int:
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="the N Python functions of most own host time in one prefill (the first chunk size), "
                    "by cProfile: where a host-bound chunk's launches come from")
+    p.add_argument("--steps-before", type=int, default=3, metavar="N",
+                   help="decode steps replayed before the profiled ones (which then start at position 128 + N: "
+                        "whether the last, the timeline's, completes a compressor window depends on it)")
     p.add_argument("--timeline", type=int, nargs="?", const=1, default=0, metavar="LAYERS",
                    help="the replayed decode step's kernel timeline and the kernels of LAYERS layers (default 1) "
                    "from the middle one on, in order")
@@ -356,7 +360,7 @@ def profile_all(a, eng) -> None:
     if runner is not None:
         state2 = base.clone()
         runtime.reserve(state2, state2.pos + 64)
-        for _ in range(3):
+        for _ in range(a.steps_before):
             runner.step(state2, token)
         profiled("decode step, CUDA graph replay", lambda: runner.step(state2, token), 8, 40,
                  a.layers if a.timeline else 0, max(a.timeline, 1))

@@ -67,6 +67,16 @@ class HyperConnection:
                                                          following.eps, early=True)
         return new, (x, post2, comb2)
 
+    def moe_post_pre(self, routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None,
+                     streams: torch.Tensor, post: torch.Tensor, comb_logits: torch.Tensor,
+                     following: HyperConnection) -> tuple[torch.Tensor, MixedIn]:
+        """`post_pre` of a MoE layer's output given as its parts (engine/moe.py's `MoEParts`:
+        routed, shared, rows): their combine is part of the op (on CUDA one launch fewer again)."""
+        new, x, post2, comb2 = self.numerics.moe_post_pre(routed, shared, rows, streams, post, comb_logits,
+                                                          self.iters, self.hc_eps, following.fn, following.scale,
+                                                          following.base, following.eps, early=True)
+        return new, (x, post2, comb2)
+
 
 class HyperHead:
     """HCHead parameters: fn [n, n·D], scale [1], base [n]; native normalises through the backend

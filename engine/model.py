@@ -22,7 +22,7 @@ from engine.decode_position import DecodePosition
 from engine.lanes import Lanes
 from engine.mhc import HyperConnection, HyperHead, MixedIn
 from engine.experts.provider import ExpertProvider
-from engine.moe import MoE
+from engine.moe import MoE, MoEParts
 from engine.numerics import Numerics, Quantized, unquantized
 from engine.prefill_position import PrefillPosition
 from engine.routing_override import ForcedRouting
@@ -115,21 +115,19 @@ class Block:
         """Second half of a chunk step: every slot's routed experts from the arena in one call
         (`MoE.chunk`), the shared expert, mHC post -> streams [size, n_hc, D], and as
         `decode_ffn` the next block's mHC pre of them."""
-        f = self.ffn.chunk(carry.x, carry.routed, arena, lanes)
-        return self._post(f, carry, following)
+        return self._post(self.ffn.chunk(carry.x, carry.routed, arena, lanes), carry, following)
 
     def decode_ffn(self, carry: DecodeCarry, arena, lanes: Lanes,
                    following: HyperConnection | None = None) -> tuple[torch.Tensor, MixedIn | None]:
         """Second half: routed experts from the arena + shared expert, mHC post -> (streams, the
         `following` block's attention mHC pre of them in the same op, None without one)."""
-        f = self.ffn.decode(carry.x, carry.routed, arena, lanes)
-        return self._post(f, carry, following)
+        return self._post(self.ffn.decode(carry.x, carry.routed, arena, lanes), carry, following)
 
-    def _post(self, f: torch.Tensor, carry: DecodeCarry,
+    def _post(self, f: MoEParts, carry: DecodeCarry,
               following: HyperConnection | None) -> tuple[torch.Tensor, MixedIn | None]:
         if following is None:
-            return self.hc_ffn.post(f, carry.streams, carry.post, carry.comb), None
-        return self.hc_ffn.post_pre(f, carry.streams, carry.post, carry.comb, following)
+            return self.hc_ffn.post(f.combine(), carry.streams, carry.post, carry.comb), None
+        return self.hc_ffn.moe_post_pre(f.routed, f.shared, f.rows, carry.streams, carry.post, carry.comb, following)
 
 
 @dataclass

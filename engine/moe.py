@@ -15,6 +15,7 @@ the tensor cores' path (`Cells.one_group`; its uses are then counted after the c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -138,9 +139,10 @@ class MoE:
                                              order // k)  # each token quantised once
 
     def decode(self, x: torch.Tensor | Quantized, routed: tuple[torch.Tensor, torch.Tensor], arena,
-               lanes: Lanes) -> torch.Tensor:
+               lanes: Lanes) -> MoEParts:
         """One token x [1, D] (native: may carry its FP8 quantisation, which the shared and the
-        routed experts then share) with its route ([1, k] ids, [1, k] weights) -> [1, D], no host sync.
+        routed experts then share) with its route ([1, k] ids, [1, k] weights) -> its output's
+        parts (routed [1, k, D], shared [1, D]; `MoEParts.combine` sums them), no host sync.
 
         Experts are read from `arena` (engine.experts.arena.ExpertArena: `data` [slots, R] u8,
         `table` [units, E] int32 slot per (layer, expert), `record.fields`); every routed expert
@@ -156,14 +158,15 @@ class MoE:
         y = self.numerics.arena_experts(xq, arena, self.layer, idx, w, self.limit,
                                         early=not lanes.forks)  # [k, D], row j = choice j
         lanes.join()
-        return self._combine(y.unsqueeze(0), shared)  # [1, k, D]
+        return MoEParts(self.numerics, y.unsqueeze(0), shared)  # [1, k, D]
 
-    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena, lanes: Lanes) -> torch.Tensor:
-        """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> [N, D],
-        no host sync: every cell in one `fp4_moe` call from `arena` (every expert of the layer
-        resident), the shared expert on `lanes`' side lane. With no more experts than cells, each
-        expert is read once for its run of N cells (`ExpertRuns`); else each cell reads its
-        expert, scheduled from the device counts (`Cells.static`). Equals `__call__`."""
+    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena, lanes: Lanes) -> MoEParts:
+        """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> the
+        output's parts (cells with their rows, shared [N, D]), no host sync: every cell in one
+        `fp4_moe` call from `arena` (every expert of the layer resident), the shared expert on
+        `lanes`' side lane. With no more experts than cells, each expert is read once for its run
+        of N cells (`ExpertRuns`); else each cell reads its expert, scheduled from the device
+        counts (`Cells.static`). Equals `__call__`."""
         idx, w = routed
         experts = arena.table.shape[1]
         with lanes.side():
@@ -179,7 +182,7 @@ class MoE:
                                               runs.tokens, runs.run)  # [E·N, D] bf16
             rows = runs.rows
         lanes.join()
-        return self.numerics.moe_combine(y, shared, rows)
+        return MoEParts(self.numerics, y, shared, rows)
 
     def _combine(self, slots: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Sum the (token, choice) cells [N, k, D] in routing order (independent of expert arrival
@@ -195,6 +198,24 @@ class MoE:
         quantisation when it carries one; SwiGLU fused with w2's activation quantisation),
         exact -> fp32 (`Numerics.shared_expert`)."""
         return self.numerics.shared_expert(self.shared, x, self.limit)
+
+
+@dataclass(frozen=True)
+class MoEParts:
+    """A MoE layer's output before its sum, for a consumer that sums it itself (the mHC post of
+    the decode and chunk steps: `HyperConnection.moe_post_pre`, one launch fewer on CUDA):
+    routed [N, k, D] in routing order, or cells [G, D] with `rows` [N, k] int64 (where each
+    (token, choice) cell is), and the shared expert's shared [N, D]."""
+
+    numerics: Numerics
+    routed: torch.Tensor
+    shared: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def combine(self) -> torch.Tensor:
+        """The output [N, D]: the routed cells summed in routing order, then shared, rounded once
+        into the numerics' dtype (`Numerics.moe_combine`)."""
+        return self.numerics.moe_combine(self.routed, self.shared, self.rows)
 
 
 class Cells:

@@ -101,6 +101,13 @@ class Numerics(ABC):
     def hc_post_pre(self, out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early=False):
         return self.ops.hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
 
+    def moe_post_pre(self, routed, shared, rows, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps,
+                     early=False):
+        """`moe_combine` of a MoE layer's parts (into the streams' dtype, which is `dtype`), then
+        `hc_post_pre`, as one op (on CUDA the combine's launch goes)."""
+        return self.ops.moe_post_pre(routed, shared, rows, streams, post, comb_logits, iters, hc_eps, fn, scale,
+                                     base, eps, early)
+
     def compressor_pool(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                         prev_gate: torch.Tensor | None) -> torch.Tensor:
         """Consecutive completed windows [n, r, C] -> their pooled entries [n, d] in this mode's

@@ -67,6 +67,7 @@ OPS: tuple[Op, ...] = (
     Op("hc_pre", ref.hc_pre, "kernels.mhc"),
     Op("hc_post", ref.hc_post, "kernels.mhc"),
     Op("hc_post_pre", ref.hc_post_pre, "kernels.mhc"),
+    Op("moe_post_pre", ref.moe_post_pre, "kernels.mhc"),
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 

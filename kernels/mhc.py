@@ -1,4 +1,5 @@
-"""mHC HCPre / HCPost on CUDA (TileLang); same contracts as `reference.hc_pre`, `hc_post`, `hc_post_pre`.
+"""mHC HCPre / HCPost on CUDA (TileLang); same contracts as `reference.hc_pre`, `hc_post`, `hc_post_pre`,
+`moe_post_pre`.
 
 HCPre of one sub-block in torch is ~13 launches (widen, RMSNorm, the 24-column mix GEMV,
 scale, bias, sigmoid, pre/post, the weighted collapse, narrowing) plus Sinkhorn; a decode step
@@ -33,6 +34,8 @@ streams: `hc_post_pre` makes the new streams and the mix partials in one launch
 (`hc_post_mix_kernel`: a CTA per chunk of one new stream computes its channels as hc_post does,
 writes them, and takes hc_mix's dot products of them: the two kernels share `mix_partials_macro`,
 whose summation order is fixed by hand), then hc_gate: two launches instead of three, the same bits.
+After a MoE layer `moe_post_pre` also sums the layer's output from its parts inside that kernel
+(kernels/moe_combine.py's expression), so the combine's launch goes too.
 
 `hc_gate` going on to the sub-block's RMSNorm + FP8 quantisation was measured and not adopted
 (the decode step did not move at 4 layers, and was 0.07-0.11 ms slower at 43; docs/performance-log.md,
@@ -47,6 +50,7 @@ comb matrix fits one warp) and D a multiple of 8. sm_90 tested; sm_121 (GB10) un
 import torch
 
 from kernels import pdl
+from kernels.moe_combine import check_parts, moe_combine
 from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, fp32_call, kernel_factory,
                              tile_params)
 from kernels.sinkhorn import WARP, check_n, sinkhorn_macro
@@ -366,7 +370,8 @@ def hc_post_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early:
 
 
 @kernel_factory
-def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early: bool, arch: tuple[int, int]):
+def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, early: bool, arch: tuple[int, int],
+                       moe: int = 0, routed_dtype: str = "", shared_dtype: str = "", indexed: bool = False):
     """(O [S, d], X [S, n, d], Post [S, n], Z [S, n·n], Fn [cols, n·d] fp32) -> (Y [S, n, d] dtype,
     P [S, n·d / chunk, cols + 1] fp32), cols = 2n + n²: `hc_post_kernel`'s new streams and, from
     them, `hc_mix_kernel`'s partials of the next sub-block's HCPre, a CTA per (chunk, token).
@@ -375,7 +380,14 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
     comb logits as hc_post_kernel does (before the PDL wait with `early`); then each channel's new
     value is hc_post_kernel's expression, rounded once into dtype and written, and hc_mix_kernel's
     dot products and sum of squares run on it widened back: the same values as the two kernels,
-    one link fewer on the decode step's chain."""
+    one link fewer on the decode step's chain.
+
+    `moe` = k > 0: O is a MoE layer's output made here from its parts, `moe_combine_kernel`'s
+    expression (routed choices summed in order, then the shared expert, one rounding into dtype):
+    (R [S, k, d] routed_dtype, Sh [S, d] shared_dtype, X, Post, Z, Fn) -> (Y, P); with `indexed`,
+    R is cells [G, d] and (token s, choice j) is row ROWS[s, j] (ROWS [S, k] int64, after R).
+    Each of the n CTAs of a channel range sums its parts again (k + 1 rows of a few KB, L2-hot):
+    one more link fewer."""
     import tilelang.language as T
 
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
@@ -399,35 +411,71 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
     def fmul(a, b):
         return fp32_call(T, "__fmul_rn", a, b)
 
-    def new_value(O, X, Post, comb, bs, k, c):  # new stream k at channel c: hc_post_kernel's order and roundings
+    def new_value(out, X, Post, comb, bs, k, c):  # new stream k at channel c: hc_post_kernel's order and roundings
         m = T.float32(0.0)
         for j in range(n):
             m = fadd(m, fmul(comb[j * n + k], f32(X[bs, j, c])))
-        return T.Cast(dtype, fadd(fmul(Post[bs, k], f32(O[bs, c])), m))
+        return T.Cast(dtype, fadd(fmul(Post[bs, k], f32(out)), m))
+
+    def out_value(O, R, ROWS, Sh, bs, c):  # the sub-block output at channel c (read, or the MoE's from its parts)
+        if not moe:
+            return O[bs, c]
+        y = f32(R[ROWS[bs, 0], c] if indexed else R[bs, 0, c])  # from the first choice (not 0 + it: -0 stays -0)
+        for j in range(1, moe):  # routing order: moe_combine_kernel's sums and rounding
+            y = fadd(y, f32(R[ROWS[bs, j], c] if indexed else R[bs, j, c]))
+        return T.Cast(dtype, fadd(y, f32(Sh[bs, c])))
+
+    @T.macro
+    def post_mix(O, R, ROWS, Sh, X, Post, Z, Fn, Y, P, bc, bs):
+        tx = T.get_thread_binding(0)
+        comb = T.alloc_shared((nn,), "float32")
+        v = T.alloc_local((1,), "float32")
+        acc = T.alloc_local((1,), "float32")
+        xv = T.alloc_local((per,), "float32")
+        dots = T.alloc_local((cols + 1,), "float32")
+        red = T.alloc_shared((warps, cols + 1), "float32")
+        project(Z, bs, comb, v, acc)
+        k = bc * chunk // d  # this chunk's new stream
+        d0 = bc * chunk % d + tx * per  # this thread's first channel
+        for u in T.unroll(per):
+            xv[u] = f32(new_value(out_value(O, R, ROWS, Sh, bs, d0 + u), X, Post, comb, bs, k, d0 + u))
+        for u in T.unroll(per):
+            Y[bs, k, d0 + u] = T.Cast(dtype, xv[u])  # exact: xv holds a dtype value
+        mix(xv, Fn, P, bs, bc, dots, red)
+
+    if not moe:
+        @T.prim_func
+        def hc_post_mix(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
+                        Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
+                        Fn: T.Tensor((cols, nd), "float32"), Y: T.Tensor((tokens, n, d), dtype),
+                        P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+            with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
+                post_mix(O, O, O, O, X, Post, Z, Fn, Y, P, bc, bs)  # O alone: no MoE parts
+
+        return compile_kernel(hc_post_mix, arch)
+    if indexed:
+        cells = T.dynamic("cells")
+
+        @T.prim_func
+        def moe_post_mix_rows(R: T.Tensor((cells, d), routed_dtype), ROWS: T.Tensor((tokens, moe), "int64"),
+                              Sh: T.Tensor((tokens, d), shared_dtype), X: T.Tensor((tokens, n, d), dtype),
+                              Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
+                              Fn: T.Tensor((cols, nd), "float32"), Y: T.Tensor((tokens, n, d), dtype),
+                              P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+            with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
+                post_mix(R, R, ROWS, Sh, X, Post, Z, Fn, Y, P, bc, bs)
+
+        return compile_kernel(moe_post_mix_rows, arch)
 
     @T.prim_func
-    def hc_post_mix(O: T.Tensor((tokens, d), dtype), X: T.Tensor((tokens, n, d), dtype),
-                    Post: T.Tensor((tokens, n), "float32"), Z: T.Tensor((tokens, nn), "float32"),
-                    Fn: T.Tensor((cols, nd), "float32"), Y: T.Tensor((tokens, n, d), dtype),
-                    P: T.Tensor((tokens, chunks, cols + 1), "float32")):
+    def moe_post_mix(R: T.Tensor((tokens, moe, d), routed_dtype), Sh: T.Tensor((tokens, d), shared_dtype),
+                     X: T.Tensor((tokens, n, d), dtype), Post: T.Tensor((tokens, n), "float32"),
+                     Z: T.Tensor((tokens, nn), "float32"), Fn: T.Tensor((cols, nd), "float32"),
+                     Y: T.Tensor((tokens, n, d), dtype), P: T.Tensor((tokens, chunks, cols + 1), "float32")):
         with T.Kernel(chunks, tokens, threads=threads) as (bc, bs):
-            tx = T.get_thread_binding(0)
-            comb = T.alloc_shared((nn,), "float32")
-            v = T.alloc_local((1,), "float32")
-            acc = T.alloc_local((1,), "float32")
-            xv = T.alloc_local((per,), "float32")
-            dots = T.alloc_local((cols + 1,), "float32")
-            red = T.alloc_shared((warps, cols + 1), "float32")
-            project(Z, bs, comb, v, acc)
-            k = bc * chunk // d  # this chunk's new stream
-            d0 = bc * chunk % d + tx * per  # this thread's first channel
-            for u in T.unroll(per):
-                xv[u] = f32(new_value(O, X, Post, comb, bs, k, d0 + u))
-            for u in T.unroll(per):
-                Y[bs, k, d0 + u] = T.Cast(dtype, xv[u])  # exact: xv holds a dtype value
-            mix(xv, Fn, P, bs, bc, dots, red)
+            post_mix(R, R, R, Sh, X, Post, Z, Fn, Y, P, bc, bs)  # no row table
 
-    return compile_kernel(hc_post_mix, arch)
+    return compile_kernel(moe_post_mix, arch)
 
 
 def _check_streams(streams: torch.Tensor) -> None:
@@ -536,4 +584,42 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
         hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch)(
             out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
             comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
+    return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))
+
+
+def moe_post_pre(routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None, streams: torch.Tensor,
+                 post: torch.Tensor, comb_logits: torch.Tensor, iters: int, hc_eps: float, fn: torch.Tensor,
+                 scale: torch.Tensor, base: torch.Tensor, eps: float,
+                 early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's parts (routed [S, k, D], or cells [G, D] with rows [S, k] int64; shared
+    [S, D]) combined into the streams' dtype, then `hc_post_pre` -> (new streams, x, post,
+    comb_logits), as `reference.moe_post_pre`. Under MIX_TILED_TOKENS tokens two launches
+    (`hc_post_mix_kernel` summing the parts itself, `hc_gate_kernel`) instead of three, the same
+    bits; from there (prefill chunks) `moe_combine`, then `hc_post_pre`."""
+    _check_streams(streams)
+    s, n, d = streams.shape
+    k = check_parts("moe_post_pre", routed, shared, rows)[1]
+    arch = cuda_arch(streams.device)
+    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
+    if s >= MIX_TILED_TOKENS or d % chunk:
+        return hc_post_pre(moe_combine(routed, shared, streams.dtype, rows), streams, post, comb_logits, iters,
+                           hc_eps, fn, scale, base, eps, early)
+    _check_post("moe_post_pre", shared, streams, post, comb_logits)
+    _check_pre("moe_post_pre", streams, fn, scale, base, n)
+    check_n(n)
+    for name, t in (("routed", routed), ("shared", shared)):
+        if t.dtype not in TORCH_TO_TL or t.device != streams.device:
+            raise KernelInputError(f"moe_post_pre: {name} must be bf16, fp16 or fp32 on {streams.device}, got "
+                                   f"{t.dtype} on {t.device}")
+    if rows is not None and rows.device != streams.device:
+        raise KernelInputError(f"moe_post_pre: rows on {rows.device}, streams on {streams.device}")
+    dt = TORCH_TO_TL[streams.dtype]
+    y = torch.empty(s, n, d, dtype=streams.dtype, device=streams.device)
+    partial = torch.empty(s, n * d // chunk, 2 * n + n * n + 1, dtype=torch.float32, device=streams.device)
+    if s:
+        kernel = hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch, k,
+                                    TORCH_TO_TL[routed.dtype], TORCH_TO_TL[shared.dtype], rows is not None)
+        parts = (routed.contiguous(),) + (() if rows is None else (rows.contiguous(),)) + (shared.contiguous(),)
+        kernel(*parts, streams.contiguous(), post.float().contiguous(),
+               comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
     return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))

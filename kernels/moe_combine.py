@@ -3,10 +3,11 @@
 routed [N, k, D] (bf16/fp16/fp32), shared [N, D] (bf16/fp16/fp32) -> out [N, D] in `dtype`:
 y = routed[:, 0] + routed[:, 1] + ... + routed[:, k-1] in this order in fp32, then + shared
 (widened), rounded once into dtype. The reference is 2k launches (widen, add per expert, the
-final add with its narrowing); decode runs one combine per MoE layer. A prefill's cells come
-grouped by expert ([G, D] bf16, `rows` [N, k] says where each (token, choice) is): read in
-place, instead of widened and put back in (token, choice) order first (at 728 tokens, 108 MB of
-widening and 144 MB of index_copy per layer).
+final add with its narrowing). The decode and chunk steps sum all but their last layer's MoE
+output inside the next mHC kernel instead (kernels/mhc.py `moe_post_pre`, the same expression). A
+prefill's cells come grouped by expert ([G, D] bf16, `rows` [N, k] says where each (token,
+choice) is): read in place, instead of widened and put back in (token, choice) order first (at
+728 tokens, 108 MB of widening and 144 MB of index_copy per layer).
 
 Bits: each sum is a single fp32 rounding (`__fadd_rn`: nvcc may not reassociate or contract
 it), the sum starts from routed[:, 0] itself (not from 0, which would turn -0 into +0), and
@@ -75,22 +76,30 @@ def moe_combine_kernel(k: int, d: int, routed_dtype: str, shared_dtype: str, out
     return compile_kernel(moe_combine_main, arch)
 
 
+def check_parts(caller: str, routed: torch.Tensor, shared: torch.Tensor,
+                rows: torch.Tensor | None) -> tuple[int, int, int]:
+    """(N, k, D) of a MoE layer's parts: routed [N, k, D], or cells [G, D] with rows [N, k] int64,
+    and shared [N, D]; a KernelInputError naming `caller` where they do not fit."""
+    if rows is not None:
+        if routed.dim() != 2 or rows.dim() != 2 or rows.shape[1] < 1 or rows.dtype != torch.int64:
+            raise KernelInputError(f"{caller} with rows needs cells [G, D] and rows [N, k] int64, got cells "
+                                   f"{tuple(routed.shape)} and rows {rows.dtype} {tuple(rows.shape)}")
+        (n, k), d = rows.shape, routed.shape[1]
+    elif routed.dim() != 3 or routed.shape[1] < 1:
+        raise KernelInputError(f"{caller} needs routed [N, k, D] with k >= 1, got {tuple(routed.shape)}")
+    else:
+        n, k, d = routed.shape
+    if tuple(shared.shape) != (n, d):
+        raise KernelInputError(f"{caller}: shared {tuple(shared.shape)} does not fit routed "
+                               f"{tuple(routed.shape)} (want {(n, d)})")
+    return n, k, d
+
+
 def moe_combine(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """routed [N, k, D] (or cells [G, D] with rows [N, k] int64), shared [N, D] -> [N, D] in
     dtype, as `reference.moe_combine`."""
-    if rows is not None:
-        if routed.dim() != 2 or rows.dim() != 2 or rows.shape[1] < 1 or rows.dtype != torch.int64:
-            raise KernelInputError(f"moe_combine with rows needs cells [G, D] and rows [N, k] int64, got cells "
-                                   f"{tuple(routed.shape)} and rows {rows.dtype} {tuple(rows.shape)}")
-        (n, k), d = rows.shape, routed.shape[1]
-    elif routed.dim() != 3 or routed.shape[1] < 1:
-        raise KernelInputError(f"moe_combine needs routed [N, k, D] with k >= 1, got {tuple(routed.shape)}")
-    else:
-        n, k, d = routed.shape
-    if tuple(shared.shape) != (n, d):
-        raise KernelInputError(f"moe_combine: shared {tuple(shared.shape)} does not fit routed "
-                               f"{tuple(routed.shape)} (want {(n, d)})")
+    n, k, d = check_parts("moe_combine", routed, shared, rows)
     for name, dt in (("routed", routed.dtype), ("shared", shared.dtype), ("out", dtype)):
         if dt not in TORCH_TO_TL:
             raise KernelInputError(f"moe_combine: {name} dtype must be bf16, fp16 or fp32, got {dt}")

@@ -968,6 +968,57 @@ def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(s, n, d, dtype, gen):
             assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), (name, early)
 
 
+
+@pytest.mark.parametrize("s,n,d,dtype", MHC_CASES)
+@pytest.mark.parametrize("indexed", [False, True])
+def test_moe_post_pre_is_moe_combine_then_hc_post_pre_bit_for_bit(s, n, d, dtype, indexed, gen):
+    """The decode and chunk steps' MoE output summed inside the fused post + next pre gives the
+    bits of `moe_combine` then `hc_post_pre` (k = 6 choices: fp32 in routing order, or bf16 cells
+    with their rows; a -0.0 cell sum keeps its sign), `early` or not; and the reference's values."""
+    from kernels.mhc import hc_post_pre, moe_post_pre
+    from kernels.moe_combine import moe_combine
+    k = 6
+    streams = (torch.randn(s, n, d, generator=gen, device=DEV) * 3).to(dtype)
+    # the decode step's routed outputs are fp32, a chunk step's cells bf16
+    routed = torch.randn(s, k, d, generator=gen, device=DEV).to(torch.bfloat16 if indexed else torch.float32)
+    routed[:, :, :8] = -0.0  # with a -0.0 shared: the sum must stay -0.0
+    shared = torch.randn(s, d, generator=gen, device=DEV).to(torch.bfloat16)
+    shared[:, :8] = -0.0
+    rows = None
+    if indexed:  # the cells in another order, as a chunk step's grouped-by-expert calls leave them
+        perm = torch.randperm(s * k, generator=gen, device=DEV)
+        cells = torch.empty(s * k, d, dtype=routed.dtype, device=DEV)
+        cells[perm] = routed.reshape(s * k, d)
+        routed, rows = cells, perm.reshape(s, k)
+    post = torch.rand(s, n, generator=gen, device=DEV) * 2
+    logits = torch.randn(s, n, n, generator=gen, device=DEV) * 3
+    fn, scale, base = mhc_params(n, d, gen)
+    out = moe_combine(routed, shared, dtype, rows)
+    assert torch.signbit(out[:, :8]).all()
+    want = hc_post_pre(out, streams, post, logits, 20, 1e-6, fn, scale, base, 1e-6)
+    for early in (False, True):
+        got = moe_post_pre(routed, shared, rows, streams, post, logits, 20, 1e-6, fn, scale, base, 1e-6, early=early)
+        for name, g, w in zip(("streams", "x", "post", "comb_logits"), got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), (name, early)
+    pure = ref.moe_post_pre(routed, shared, rows, streams, post, logits, 20, 1e-6, fn, scale, base, 1e-6)
+    assert torch.equal(ref.moe_combine(routed, shared, dtype, rows), out)
+    bound = 2.0 ** -7 * pure[0].double().abs() + 1e-5 * streams.double().abs().sum(dim=1, keepdim=True) + 1e-4
+    assert ((got[0].double() - pure[0].double()).abs() <= bound).all()
+
+
+def test_moe_post_pre_rejects_parts_that_do_not_fit(gen):
+    from kernels.toolkit import KernelInputError
+    from kernels.mhc import moe_post_pre
+    streams = torch.randn(1, 4, 4096, device=DEV).to(torch.bfloat16)
+    fn, scale, base = mhc_params(4, 4096, gen)
+    post, logits = torch.rand(1, 4, device=DEV), torch.rand(1, 4, 4, device=DEV)
+    routed = torch.randn(1, 6, 4096, device=DEV).to(torch.bfloat16)
+    with pytest.raises(KernelInputError, match="shared .* does not fit"):
+        moe_post_pre(routed, routed[:, 0, :100], None, streams, post, logits, 20, 1e-6, fn, scale, base, 1e-6)
+    with pytest.raises(KernelInputError, match="rows"):
+        moe_post_pre(routed[0], routed[:, 0], torch.zeros(1, 6, dtype=torch.int32, device=DEV), streams, post,
+                     logits, 20, 1e-6, fn, scale, base, 1e-6)
+
 def test_mhc_rejects_bad_shapes(gen):
     from kernels.toolkit import KernelInputError
     from kernels.mhc import hc_post, hc_pre
