@@ -591,7 +591,6 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
     return (new, *hc_pre(new, fn, scale, base, streams.shape[1], hc_eps, eps))
 
 
-
 def moe_post_pre(routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None, streams: torch.Tensor,
                  post: torch.Tensor, comb_logits: torch.Tensor, iters: int, hc_eps: float, fn: torch.Tensor,
                  scale: torch.Tensor, base: torch.Tensor, eps: float,
@@ -601,6 +600,7 @@ def moe_post_pre(routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor 
     step does between a MoE layer's expert kernels and the next block's attention, as one op."""
     out = moe_combine(routed, shared, streams.dtype, rows)
     return hc_post_pre(out, streams, post, comb_logits, iters, hc_eps, fn, scale, base, eps, early)
+
 
 # -------------------------------------------------------------------------- top-k, attention
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,

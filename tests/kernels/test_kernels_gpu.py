@@ -968,7 +968,6 @@ def test_hc_post_pre_is_hc_post_then_hc_pre_bit_for_bit(s, n, d, dtype, gen):
             assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w), (name, early)
 
 
-
 @pytest.mark.parametrize("s,n,d,dtype", MHC_CASES)
 @pytest.mark.parametrize("indexed", [False, True])
 def test_moe_post_pre_is_moe_combine_then_hc_post_pre_bit_for_bit(s, n, d, dtype, indexed, gen):
@@ -1018,6 +1017,7 @@ def test_moe_post_pre_rejects_parts_that_do_not_fit(gen):
     with pytest.raises(KernelInputError, match="rows"):
         moe_post_pre(routed[0], routed[:, 0], torch.zeros(1, 6, dtype=torch.int32, device=DEV), streams, post,
                      logits, 20, 1e-6, fn, scale, base, 1e-6)
+
 
 def test_mhc_rejects_bad_shapes(gen):
     from kernels.toolkit import KernelInputError
