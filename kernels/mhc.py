@@ -568,23 +568,12 @@ def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
     MIX_TILED_TOKENS tokens two launches (`hc_post_mix_kernel`, `hc_gate_kernel`) instead of
     three, the same values; from there (prefill chunks) the two ops."""
     _check_streams(streams)
-    s, n, d = streams.shape
-    arch = cuda_arch(streams.device)
-    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
-    if s >= MIX_TILED_TOKENS or d % chunk:
+    if not _post_mix_takes(streams):
         new = hc_post(out, streams, post, comb_logits, iters, hc_eps, early)
-        return (new, *hc_pre(new, fn, scale, base, n, hc_eps, eps))
+        return (new, *hc_pre(new, fn, scale, base, streams.shape[1], hc_eps, eps))
     _check_post("hc_post_pre", out, streams, post, comb_logits)
-    _check_pre("hc_post_pre", streams, fn, scale, base, n)
-    check_n(n)
-    dt = TORCH_TO_TL[streams.dtype]
-    y = torch.empty(s, n, d, dtype=streams.dtype, device=streams.device)
-    partial = torch.empty(s, n * d // chunk, 2 * n + n * n + 1, dtype=torch.float32, device=streams.device)
-    if s:
-        hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch)(
-            out.to(streams.dtype).contiguous(), streams.contiguous(), post.float().contiguous(),
-            comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
-    return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))
+    return _post_mix_gate("hc_post_pre", (out.to(streams.dtype).contiguous(),), (), streams, post, comb_logits,
+                          iters, hc_eps, fn, scale, base, eps, early)
 
 
 def moe_post_pre(routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor | None, streams: torch.Tensor,
@@ -597,29 +586,44 @@ def moe_post_pre(routed: torch.Tensor, shared: torch.Tensor, rows: torch.Tensor 
     (`hc_post_mix_kernel` summing the parts itself, `hc_gate_kernel`) instead of three, the same
     bits; from there (prefill chunks) `moe_combine`, then `hc_post_pre`."""
     _check_streams(streams)
-    s, n, d = streams.shape
     k = check_parts("moe_post_pre", routed, shared, rows)[1]
-    arch = cuda_arch(streams.device)
-    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
-    if s >= MIX_TILED_TOKENS or d % chunk:
+    if not _post_mix_takes(streams):
         return hc_post_pre(moe_combine(routed, shared, streams.dtype, rows), streams, post, comb_logits, iters,
                            hc_eps, fn, scale, base, eps, early)
     _check_post("moe_post_pre", shared, streams, post, comb_logits)
-    _check_pre("moe_post_pre", streams, fn, scale, base, n)
-    check_n(n)
     for name, t in (("routed", routed), ("shared", shared)):
         if t.dtype not in TORCH_TO_TL or t.device != streams.device:
             raise KernelInputError(f"moe_post_pre: {name} must be bf16, fp16 or fp32 on {streams.device}, got "
                                    f"{t.dtype} on {t.device}")
     if rows is not None and rows.device != streams.device:
         raise KernelInputError(f"moe_post_pre: rows on {rows.device}, streams on {streams.device}")
-    dt = TORCH_TO_TL[streams.dtype]
+    parts = (routed.contiguous(),) + (() if rows is None else (rows.contiguous(),)) + (shared.contiguous(),)
+    variant = (k, TORCH_TO_TL[routed.dtype], TORCH_TO_TL[shared.dtype], rows is not None)
+    return _post_mix_gate("moe_post_pre", parts, variant, streams, post, comb_logits, iters, hc_eps, fn, scale,
+                          base, eps, early)
+
+
+def _post_mix_takes(streams: torch.Tensor) -> bool:
+    """Whether `hc_post_mix_kernel` takes streams [S, n, D]: under MIX_TILED_TOKENS tokens and D
+    whole chunks (else the ops it fuses run apart)."""
+    s, _, d = streams.shape
+    return s < MIX_TILED_TOKENS and d % tile_params(TILE_PARAMS, cuda_arch(streams.device), DEFAULT_TILE)["chunk"] == 0
+
+
+def _post_mix_gate(caller: str, inputs: tuple, variant: tuple, streams: torch.Tensor, post: torch.Tensor,
+                   comb_logits: torch.Tensor, iters: int, hc_eps: float, fn: torch.Tensor, scale: torch.Tensor,
+                   base: torch.Tensor, eps: float, early: bool) -> tuple[torch.Tensor, ...]:
+    """`hc_post_mix_kernel` (its arguments after arch: `variant`) on the sub-block output's
+    `inputs` (O, or the MoE parts), then `hc_gate` -> (new streams, x, post, comb_logits)."""
+    s, n, d = streams.shape
+    _check_pre(caller, streams, fn, scale, base, n)
+    check_n(n)
+    arch = cuda_arch(streams.device)
+    chunk = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["chunk"]
     y = torch.empty(s, n, d, dtype=streams.dtype, device=streams.device)
     partial = torch.empty(s, n * d // chunk, 2 * n + n * n + 1, dtype=torch.float32, device=streams.device)
     if s:
-        kernel = hc_post_mix_kernel(n, d, int(iters), float(hc_eps), dt, bool(early), arch, k,
-                                    TORCH_TO_TL[routed.dtype], TORCH_TO_TL[shared.dtype], rows is not None)
-        parts = (routed.contiguous(),) + (() if rows is None else (rows.contiguous(),)) + (shared.contiguous(),)
-        kernel(*parts, streams.contiguous(), post.float().contiguous(),
-               comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
+        hc_post_mix_kernel(n, d, int(iters), float(hc_eps), TORCH_TO_TL[streams.dtype], bool(early), arch, *variant)(
+            *inputs, streams.contiguous(), post.float().contiguous(),
+            comb_logits.float().reshape(s, n * n).contiguous(), fn.float().contiguous(), y, partial)
     return (y, *_gate(partial, y, scale, base, hc_eps, eps, arch))
