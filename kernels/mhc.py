@@ -70,11 +70,14 @@ MIX_STEP = 64  # channels staged in shared memory at a time
 
 
 def mix_partials_macro(T, cols: int, chunk: int, threads: int):
-    """A TileLang macro mix(xv, Fn, P, bs, bc, dots, red): thread tx holds channels
-    bc·chunk + tx·per + u (u < per = chunk / threads) of token bs's flattened streams, widened, in
-    xv [per]; writes P[bs, bc] = the cols dot products with fn's rows and the sum of squares.
-    The order is fixed by hand (a thread's channels by fused multiply-adds, warp shuffles,
-    then the warps in order), so every kernel using it makes the same bits from the same values."""
+    """TileLang macros (load_fn(Fn, bc, fv), mix(xv, fv, P, bs, bc, dots, red)), per, warps:
+    thread tx holds channels bc·chunk + tx·per + u (u < per = chunk / threads) of token bs's
+    flattened streams, widened, in xv [per]; load_fn loads fn's columns of those channels into
+    the fp32 local fv [cols, per] (called before the PDL wait: fn is never written while kernels
+    run, so its DRAM latency overlaps the predecessor instead of the chain); mix writes P[bs, bc]
+    = the cols dot products with fn's rows and the sum of squares. The order is fixed by hand (a
+    thread's channels by fused multiply-adds, warp shuffles, then the warps in order), so every
+    kernel using it makes the same bits from the same values."""
     per, warps = chunk // threads, threads // WARP
     if per * threads != chunk or threads % WARP:
         raise KernelInputError(f"mHC mix: a {chunk}-channel chunk does not split over {threads} threads in whole warps")
@@ -83,13 +86,20 @@ def mix_partials_macro(T, cols: int, chunk: int, threads: int):
         return fp32_call(T, "__fmaf_rn", a, b, c)
 
     @T.macro
-    def mix(xv, Fn, P, bs, bc, dots, red):
+    def load_fn(Fn, bc, fv):
         tx = T.get_thread_binding(0)
         c0 = bc * chunk + tx * per
         for c in T.unroll(cols):
+            for u in T.vectorized(per):
+                fv[c, u] = Fn[c, c0 + u]
+
+    @T.macro
+    def mix(xv, fv, P, bs, bc, dots, red):
+        tx = T.get_thread_binding(0)
+        for c in T.unroll(cols):
             dots[c] = 0.0
             for u in T.unroll(per):
-                dots[c] = fma(xv[u], Fn[c, c0 + u], dots[c])
+                dots[c] = fma(xv[u], fv[c, u], dots[c])
         dots[cols] = 0.0
         for u in T.unroll(per):
             dots[cols] = fma(xv[u], xv[u], dots[cols])
@@ -109,7 +119,7 @@ def mix_partials_macro(T, cols: int, chunk: int, threads: int):
                 dots[0] = dots[0] + red[w, tx]
             P[bs, bc, tx] = dots[0]
 
-    return mix, per, warps
+    return load_fn, mix, per, warps
 
 
 @kernel_factory
@@ -121,7 +131,7 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
     p = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)
     chunk, threads = p["chunk"], p["threads"]
     chunks = nd // chunk
-    mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
+    load_fn, mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
     tokens = T.dynamic("tokens")
 
     @T.prim_func
@@ -132,10 +142,12 @@ def hc_mix_kernel(nd: int, cols: int, dtype: str, arch: tuple[int, int]):
             xv = T.alloc_local((per,), "float32")
             dots = T.alloc_local((cols + 1,), "float32")
             red = T.alloc_shared((warps, cols + 1), "float32")
+            fv = T.alloc_local((cols, per), "float32")
+            load_fn(Fn, bc, fv)
             pdl.begin(T, arch)
             for u in T.unroll(per):
                 xv[u] = T.Cast("float32", X[bs, bc * chunk + tx * per + u])
-            mix(xv, Fn, P, bs, bc, dots, red)
+            mix(xv, fv, P, bs, bc, dots, red)
 
     return compile_kernel(hc_mix, arch)
 
@@ -223,7 +235,8 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
 
     Threads 0..cols sum the partials (chunk order: deterministic); threads 0..2n-1 make pre and
     post, threads 2n..cols-1 the comb logits; then every thread collapses x = Σ_j pre_j ·
-    stream_j, `VEC` channels per step, every load of a thread issued before its sums."""
+    stream_j, `VEC` channels per step, every load of a thread issued before its sums. Scale and
+    base, never written while kernels run, are loaded before the PDL wait."""
     import tilelang.language as T
 
     threads = tile_params(TILE_PARAMS, arch, DEFAULT_TILE)["threads"]
@@ -250,6 +263,10 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
             pre = T.alloc_local((n,), "float32")
             xs = T.alloc_local((n, VEC), dtype)
             ys = T.alloc_local((VEC,), dtype)
+            sb = T.alloc_local((2,), "float32")  # this column's scale and base, loaded before the wait
+            if tx < cols:
+                sb[0] = Scale[tx]
+                sb[1] = Base[tx]
             pdl.begin(T, arch)
             if tx < cols + 1:
                 v[0] = 0.0
@@ -258,7 +275,7 @@ def hc_gate_kernel(n: int, d: int, chunks: int, hc_eps: float, eps: float, dtype
                 sm[tx] = v[0]
             T.sync_threads()
             if tx < cols:
-                v[0] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * Scale[tx] + Base[tx]  # z
+                v[0] = sm[tx] * T.rsqrt(sm[cols] * inv_nd + eps) * sb[0] + sb[1]  # z
                 if tx < 2 * n:
                     v[1] = 1.0 / (1.0 + T.exp(-v[0]))
                     if tx < n:
@@ -399,7 +416,7 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
     if threads < WARP:
         raise KernelInputError(f"hc_post_mix needs a whole warp per CTA for Sinkhorn, the tile gives {threads} threads")
     project = comb_macro(T, n, iters, hc_eps, early, arch)
-    mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
+    load_fn, mix, per, warps = mix_partials_macro(T, cols, chunk, threads)
     tokens = T.dynamic("tokens")
 
     def f32(value):
@@ -434,6 +451,8 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
         xv = T.alloc_local((per,), "float32")
         dots = T.alloc_local((cols + 1,), "float32")
         red = T.alloc_shared((warps, cols + 1), "float32")
+        fv = T.alloc_local((cols, per), "float32")
+        load_fn(Fn, bc, fv)  # before the PDL wait (in `project`)
         project(Z, bs, comb, v, acc)
         k = bc * chunk // d  # this chunk's new stream
         d0 = bc * chunk % d + tx * per  # this thread's first channel
@@ -441,7 +460,7 @@ def hc_post_mix_kernel(n: int, d: int, iters: int, hc_eps: float, dtype: str, ea
             xv[u] = f32(new_value(out_value(O, R, ROWS, Sh, bs, d0 + u), X, Post, comb, bs, k, d0 + u))
         for u in T.unroll(per):
             Y[bs, k, d0 + u] = T.Cast(dtype, xv[u])  # exact: xv holds a dtype value
-        mix(xv, Fn, P, bs, bc, dots, red)
+        mix(xv, fv, P, bs, bc, dots, red)
 
     if not moe:
         @T.prim_func

@@ -4,11 +4,12 @@
 
 1. `gate_gemv_kernel`, grid (E, N / `tokens`): logits [N, E] fp32 = x · weightᵀ. A CTA per expert
    row, its warps split D into contiguous ranges; a lane loads 4 fp32 weights (16 bytes) per 128
-   channels, all before the FMAs (bytes in flight); warp shuffle sums, then the warps' partials
+   channels, all before the PDL wait (the weight is never written while kernels run: its DRAM
+   latency overlaps the predecessor) and so before the FMAs; warp shuffle sums, then the warps' partials
    in warp order (deterministic). Above GEMV_MAX_N tokens: torch's fp32 matmul, the reference's op.
 2. `gate_select_kernel`, a CTA per token: scores = sqrtf(l > 20 ? l : log1pf(expf(l))) (torch's
    CUDA softplus, beta 1, threshold 20; precise libm: TileLang does not pass --use_fast_math),
-   key = scores + bias (NaN counts as +inf). An expert's rank = the number of experts with a
+   key = scores + bias (NaN counts as +inf; the bias loaded before the PDL wait). An expert's rank = the number of experts with a
    larger key, or an equal key and a lower index: a strict total order, so rank r < k fills slot
    r exactly as the reference's stable descending sort (ties -> lowest index). Hash layers: slot
    j = hash_ids[:, j] (not range-checked, that needs a host sync; clamped to [0, E) for the
@@ -49,21 +50,18 @@ def gate_gemv_kernel(e: int, d: int, mt: int, warps: int, dtype: str, arch: tupl
     @T.prim_func
     def gate_gemv(X: T.Tensor((tokens, d), dtype), W: T.Tensor((e, d), "float32"), L: T.Tensor((tokens, e), "float32")):
         with T.Kernel(e, T.ceildiv(tokens, mt), threads=(32, warps)) as (row, bt):
-            T.import_source(pdl.SOURCE)
             lane = T.get_thread_binding(0)
             warp = T.get_thread_binding(1)
             wr = T.alloc_local((spw, 4), "float32")
             xr = T.alloc_local((4,), dtype)
             acc = T.alloc_local((mt,), "float32")
             red = T.alloc_shared((warps, mt), "float32")
-            if lane == 0 and warp == 0 and bt == 0:  # the CTA's weight row
-                pdl.prefetch_rows(T, arch, e * d * 4, W[row, 0], d * 4)
-            pdl.begin(T, arch)
             T.clear(acc)
-            for s in T.unroll(spw):  # every weight load of this warp first
+            for s in T.unroll(spw):  # every weight load of this warp first, before the PDL wait
                 if full or warp * spw + s < steps:
                     for v in T.vectorized(4):
                         wr[s, v] = W[row, (warp * spw + s) * 128 + lane * 4 + v]
+            pdl.begin(T, arch)
             for i in T.unroll(mt):
                 for s in T.unroll(spw):
                     if full or warp * spw + s < steps:
@@ -104,6 +102,10 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
             sel = T.alloc_shared((k,), "int32")  # the chosen experts in slot order
             v = T.alloc_local((per + 1,), "float32")  # own scores, then keys; the denominator
             rank = T.alloc_local((per,), "int32")
+            bias = T.alloc_local((per,), "float32")  # this thread's experts' bias, loaded before the wait
+            if not hashed:
+                for p in T.unroll(per):
+                    bias[p] = B[T.min(p * threads + tx, e - 1)]
             pdl.begin(T, arch)
             for p in T.unroll(per):
                 v[p] = L[t, T.min(p * threads + tx, e - 1)]  # the experts past e: never stored
@@ -113,7 +115,7 @@ def gate_select_kernel(e: int, k: int, route_scale: float, hashed: bool, threads
                 if p * threads + tx < e:
                     sc[p * threads + tx] = v[p]
                 if not hashed:
-                    v[p] = fp32_call(T, "__fadd_rn", v[p], B[T.min(p * threads + tx, e - 1)])
+                    v[p] = fp32_call(T, "__fadd_rn", v[p], bias[p])
                     v[p] = T.if_then_else(T.isnan(v[p]), T.infinity("float32"), v[p])  # own key
                     if p * threads + tx < e:
                         key[p * threads + tx] = v[p]

@@ -14,7 +14,8 @@ kernels/act_quant.py (power-of-two scale from amax's bits, e4m3 round to nearest
 dequantisation) — bit-identical to the reference given the same normed values.
 
 Layout: one CTA per (token, head) row, one thread per channel (D <= 1024, a multiple of 32);
-rows that do not fit go to the reference. sm_90 and sm_121 (GB10): untested on a GPU.
+rows that do not fit go to the reference. A thread's weight and frequency are loaded before the
+PDL wait (kernels/pdl.py). sm_90 and sm_121 (GB10): untested on a GPU.
 (No `from __future__ import annotations`: TileLang evaluates the kernel signature's annotations.)
 """
 
@@ -47,7 +48,17 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
     mul = functools.partial(fp32_call, T, "__fmul_rn")
 
     @T.macro
-    def body(X, W, P, F, Y, row, h, s):
+    def constants(W, F, c):
+        """This thread's weight and rotary frequency into c [2] (before the PDL wait: never written
+        while kernels run, so their DRAM latency overlaps the predecessor)."""
+        e = T.get_thread_binding(0)
+        if weighted:
+            c[0] = W[e]
+        if e >= lead:
+            c[1] = F[(e - lead) // 2]
+
+    @T.macro
+    def body(X, c, P, Y, row, h, s):
         e = T.get_thread_binding(0)  # this thread's channel
         part = T.alloc_shared((warps,), "float32")
         sm = T.alloc_shared((d,), "float32")  # the normed row, rounded to dtype
@@ -63,13 +74,13 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
             v[1] = v[1] + part[i]
         v[1] = T.rsqrt(v[1] * inv_d + eps)
         if weighted:
-            v[0] = T.Cast("float32", T.Cast(dtype, W[e] * (v[0] * v[1])))
+            v[0] = T.Cast("float32", T.Cast(dtype, c[0] * (v[0] * v[1])))
         else:
             v[0] = T.Cast("float32", T.Cast(dtype, v[0] * v[1]))
         sm[e] = v[0]
         T.sync_threads()
         if e >= lead:  # rotary tail: pair (re, im) = channels lead + 2j, lead + 2j + 1
-            v[2] = rope_angle(T, P[s], F[(e - lead) // 2])
+            v[2] = rope_angle(T, P[s], c[1])
             v[3] = T.cos(v[2])
             v[4] = T.sin(v[2])
             if (e - lead) % 2 == 0:  # this thread holds re, its neighbour im
@@ -92,15 +103,19 @@ def norm_rope_kernel(heads: int, d: int, half: int, weighted: bool, eps: float, 
                       F: T.Tensor((half,), "float32"), ROWS: T.Tensor((seq,), "int64"),
                       Y: T.Tensor((buffer_rows, heads, d), dtype)):
             with T.Kernel(heads, seq, threads=d) as (h, s):
+                c = T.alloc_local((2,), "float32")
+                constants(W, F, c)
                 pdl.begin(T, arch)  # before the row is read: a kernel before may have written it
-                body(X, W, P, F, Y, ROWS[s], h, s)
+                body(X, c, P, Y, ROWS[s], h, s)
     else:
         @T.prim_func
         def norm_rope(X: T.Tensor((seq, heads, d), dtype), W: T.Tensor((d,), "float32"), P: T.Tensor((seq,), "int64"),
                       F: T.Tensor((half,), "float32"), Y: T.Tensor((seq, heads, d), dtype)):
             with T.Kernel(heads, seq, threads=d) as (h, s):
+                c = T.alloc_local((2,), "float32")
+                constants(W, F, c)
                 pdl.begin(T, arch)
-                body(X, W, P, F, Y, s, h, s)
+                body(X, c, P, Y, s, h, s)
 
     return compile_kernel(norm_rope, arch)
 

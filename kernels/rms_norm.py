@@ -5,7 +5,8 @@ five to eight elementwise/reduction launches per call (widen, square, mean, add,
 multiplies, narrow); a decode step has about eight norms per layer, so at batch 1 their launch
 count, not their bytes, is what costs. Each CTA normalises `rows_per_cta` rows held in registers
 (about 32 values per thread); the squares are summed by TileLang's block reduction, so results
-equal the reference up to fp32 summation order (bf16 outputs: at most one rounding step).
+equal the reference up to fp32 summation order (bf16 outputs: at most one rounding step). The
+weight, never written while kernels run, is loaded before the PDL wait (kernels/pdl.py).
 """
 
 import torch
@@ -46,6 +47,10 @@ def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[
             x = T.alloc_fragment((rb, d), "float32")
             sq = T.alloc_fragment((rb, d), "float32")
             ss = T.alloc_fragment((rb,), "float32")
+            wf = T.alloc_fragment((rb, d), "float32")  # the weight, loaded before the PDL wait
+            if weighted:
+                for i, j in T.Parallel(rb, d):
+                    wf[i, j] = W[j]
             pdl.begin(T, arch)
             for i, j in T.Parallel(rb, d):
                 x[i, j] = T.if_then_else(bx * rb + i < rows, T.Cast("float32", X[bx * rb + i, j]), 0.0)
@@ -56,7 +61,7 @@ def rms_norm_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: tuple[
                 ss[i] = T.rsqrt(ss[i] * inv_d + eps)
             for i, j in T.Parallel(rb, d):
                 if bx * rb + i < rows:
-                    Y[bx * rb + i, j] = T.Cast(dtype, scaled(x[i, j], ss[i], W[j]))
+                    Y[bx * rb + i, j] = T.Cast(dtype, scaled(x[i, j], ss[i], wf[i, j]))
 
     return compile_kernel(rms_norm_main, arch)
 

@@ -5,7 +5,9 @@ x [M, K] (bf16/fp16/fp32), weight [K] or None -> (y [M, K] in x's dtype, q [M, K
 s [M, K/128] fp32): y = RMSNorm(x) as kernels/rms_norm.py computes it, then (q, s) =
 act_quant(y, 128) as kernels/act_quant.py computes it (power-of-two scale from amax's bits,
 e4m3 round to nearest even). The norms whose outputs feed FP8 linears (the attention's input
-and its q_lora activation) take one launch instead of two.
+and its q_lora activation) take one launch instead of two. The weight, never written while
+kernels run, is loaded before the PDL wait (kernels/pdl.py): its DRAM latency overlaps the
+predecessor instead of sitting on the decode step's chain.
 
 Layout: a CTA normalises `rows_per_cta` rows held in registers (kernels/rms_norm.py's layout),
 viewed as [rows, K/128, 128] for the block maxima. K a multiple of 128 up to 16384; other rows
@@ -42,6 +44,10 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
             inv = T.alloc_fragment((rb, nb), "float32")
             sc = T.alloc_fragment((rb, nb), "float32")
             q = T.alloc_fragment((rb, nb, 128), "float8_e4m3")
+            wf = T.alloc_fragment((rb, nb, 128), "float32")  # the weight, loaded before the wait
+            if weighted:
+                for i, b, j in T.Parallel(rb, nb, 128):
+                    wf[i, b, j] = W[b * 128 + j]
             pdl.begin(T, arch)
             for i, b, j in T.Parallel(rb, nb, 128):
                 x[i, b, j] = T.if_then_else(bx * rb + i < rows, T.Cast("float32", X[bx * rb + i, b * 128 + j]), 0.0)
@@ -52,7 +58,7 @@ def rms_norm_quant_kernel(d: int, dtype: str, weighted: bool, eps: float, arch: 
             for i in T.Parallel(rb):
                 ss[i] = T.rsqrt(ss[i] * inv_d + eps)
             for i, b, j in T.Parallel(rb, nb, 128):  # y, rounded to the output dtype, kept widened
-                x[i, b, j] = T.Cast("float32", T.Cast(dtype, (W[b * 128 + j] * (x[i, b, j] * ss[i])) if weighted
+                x[i, b, j] = T.Cast("float32", T.Cast(dtype, (wf[i, b, j] * (x[i, b, j] * ss[i])) if weighted
                                                       else x[i, b, j] * ss[i]))
             T.reduce_absmax(x, amax, dim=2)
             for i, b in T.Parallel(rb, nb):
