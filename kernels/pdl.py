@@ -6,7 +6,8 @@ With PDL a kernel's CTAs start while its predecessor still runs:
 
 1. they may read weights (never written while kernels run) -- the GEMVs load their first weight
    words into registers or start an L2 prefetch of their rows (`prefetch_rows`), so the DRAM stays
-   busy across the link;
+   busy across the link, and the small kernels load their constant operands (norm weights, mHC
+   fn's columns, the router's rows and bias), so that their DRAM latency is not on the chain;
 2. `begin` then waits (`griddepcontrol.wait`: the predecessor grid has completed and its writes
    are visible) and only afterwards lets this kernel's own dependents launch
    (`griddepcontrol.launch_dependents`).
