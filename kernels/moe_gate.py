@@ -5,15 +5,16 @@
 1. `gate_gemv_kernel`, grid (E, N / `tokens`): logits [N, E] fp32 = x · weightᵀ. A CTA per expert
    row, its warps split D into contiguous ranges; a lane loads 4 fp32 weights (16 bytes) per 128
    channels, all before the PDL wait (the weight is never written while kernels run: its DRAM
-   latency overlaps the predecessor) and so before the FMAs; warp shuffle sums, then the warps' partials
-   in warp order (deterministic). Above GEMV_MAX_N tokens: torch's fp32 matmul, the reference's op.
+   latency overlaps the predecessor) and so before the FMAs; warp shuffle sums, then the warps'
+   partials in warp order (deterministic). Above GEMV_MAX_N tokens: torch's fp32 matmul, the
+   reference's op.
 2. `gate_select_kernel`, a CTA per token: scores = sqrtf(l > 20 ? l : log1pf(expf(l))) (torch's
    CUDA softplus, beta 1, threshold 20; precise libm: TileLang does not pass --use_fast_math),
-   key = scores + bias (NaN counts as +inf; the bias loaded before the PDL wait). An expert's rank = the number of experts with a
-   larger key, or an equal key and a lower index: a strict total order, so rank r < k fills slot
-   r exactly as the reference's stable descending sort (ties -> lowest index). Hash layers: slot
-   j = hash_ids[:, j] (not range-checked, that needs a host sync; clamped to [0, E) for the
-   gather). w_j = scores[idx_j] / (Σ_j scores[idx_j] + 1e-20) · route_scale, summed in slot
+   key = scores + bias (NaN counts as +inf; the bias is loaded before the PDL wait). An expert's
+   rank = the number of experts with a larger key, or an equal key and a lower index: a strict
+   total order, so rank r < k fills slot r exactly as the reference's stable descending sort
+   (ties -> lowest index). Hash layers: slot j = hash_ids[:, j] (not range-checked, that needs
+   a host sync; clamped to [0, E) for the gather). w_j = scores[idx_j] / (Σ_j scores[idx_j] + 1e-20) · route_scale, summed in slot
    order, single roundings (__fadd_rn, __fdiv_rn, __fmul_rn).
 
 Numerics: the reference's up to fp32 summation order (GEMV, k-term sum): a routing decision may
