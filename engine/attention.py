@@ -197,10 +197,17 @@ class Indexer:
         return self.numerics.index_picks(scores, window_rows, visible, min(self.topk, n_keys), offset, self.topk)
 
     def queries(self, c, positions: torch.Tensor, rot=None) -> torch.Tensor:
-        """The index queries [S, IH, ID] of the q_lora activation `c` at `positions`: wq_b,
-        RoPE (`rot`: the caller's table, if it has one), Hadamard + QDQ4 (one launch each on CUDA)."""
-        s = unquantized(c).shape[0]
-        q = self.wq_b(c).view(s, self.n_heads, self.head_dim)  # [S, IH, ID]
+        """The index queries [S, IH, ID] of the q_lora activation `c` at `positions`: wq_b
+        (`project`), RoPE (`rot`: the caller's table, if it has one), Hadamard + QDQ4 (one launch
+        each on CUDA)."""
+        return self.rotated(self.project(c), positions, rot)
+
+    def project(self, c) -> torch.Tensor:
+        """`queries`' first step: wq_b of the q_lora activation c -> [S, IH, ID]."""
+        return self.wq_b(c).view(unquantized(c).shape[0], self.n_heads, self.head_dim)
+
+    def rotated(self, q: torch.Tensor, positions: torch.Tensor, rot=None) -> torch.Tensor:
+        """`queries`' rest: RoPE and Hadamard + QDQ4 of projected queries q [S, IH, ID]."""
         return self.numerics.round_index(self.rope(q, positions if rot is None else rot))
 
     def _scores(self, q: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -329,10 +336,11 @@ class Attention:
         return self._output(self._attend(q, keys, idx, rot))
 
     # A static step's keys beside its chain of kernels (engine/lanes.py): in a CSA layer the
-    # indexer's head weights and keys, then (once the chain has made c) its queries, scores and
-    # picks run on side lane 0, and the attention's compressor on lane 1, so the picks do not
-    # wait for the attention's keys nor the chain for the index queries; in an HCA layer the
-    # compressor and the key rows (every entry slot) run on lane 0.
+    # indexer's head weights and keys, then (once the chain has made c and, right after it, the
+    # index queries' projection) the queries' RoPE and rounding, scores and picks run on side
+    # lane 0, and the attention's compressor on lane 1, so the picks do not wait for the
+    # attention's keys nor the chain for the index scores; in an HCA layer the compressor and the
+    # key rows (every entry slot) run on lane 0.
     def _keys_beside(self, x: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState, lanes: Lanes,
                      offset: int, compress, compress_index) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queue the step's compressors (`compress`; the indexer's `compress_index`) on the side
@@ -354,12 +362,14 @@ class Attention:
 
     def _picks_beside(self, c, rot, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
                       lanes: Lanes, offset: int) -> torch.Tensor:
-        """On side lane 0, after the indexer's head weights w and keys, from the q_lora activation
-        c the chain made (the caller holds c and the RoPE table `rot` until the join): the index
-        queries, then the key rows (the window's, then the top index_topk visible entries) ->
-        [S, W + index_topk]."""
+        """The index queries' projection on the chain, right after c (its weight loads overlap the
+        q norm, and the side lane does not wait for SM room behind the attention's wq_b); then on
+        side lane 0, after the indexer's head weights w and keys: their RoPE and rounding, and the
+        key rows (the window's, then the top index_topk visible entries) -> [S, W + index_topk].
+        The caller holds c and the RoPE table `rot` until the join."""
+        q = self.indexer.project(c)
         with lanes.side(0):
-            q = self.indexer.queries(c, at.pos, rot)
+            q = self.indexer.rotated(q, at.pos, rot)
             return self.indexer.picks(q, w, at, st.indexer, st.capacity, window_rows, offset)
 
     def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,

@@ -149,10 +149,12 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
     c = scale * _LOG2E
     threads = 128
     lead = dim - 2 * half  # channels before the rotary tail
+    per = -(-dim // threads)  # channels a thread rotates back
 
     @T.macro
-    def combined(PO, PM, PL, SINK, m, total, w, acc, s, h):
-        """acc [dim] = the softmax-weighted rows of (s, h), not yet divided; total[0] = the denominator."""
+    def combined(PO, PM, PL, sink, m, total, w, acc, s, h):
+        """acc [dim] = the softmax-weighted rows of (s, h), not yet divided; total[0] = the
+        denominator; sink[0] = the head's sink (loaded before the wait: a weight)."""
         m[0] = _NO_MAX
         for sp in T.unroll(nsplit):  # unrolled: every split's loads in flight at once
             m[0] = T.max(m[0], PM[s, sp, h])
@@ -160,7 +162,7 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
         for sp in T.unroll(nsplit):
             w[sp] = T.exp2((PM[s, sp, h] - m[0]) * c)
             total[0] = total[0] + w[sp] * PL[s, sp, h]
-        total[0] = total[0] + T.exp2(SINK[h] * _LOG2E - m[0] * c)
+        total[0] = total[0] + T.exp2(sink[0] * _LOG2E - m[0] * c)
         T.fill(acc, 0)
         for sp in T.unroll(nsplit):
             for d in T.Parallel(dim):
@@ -174,21 +176,29 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
                                 SINK: T.Tensor((heads,), "float32"), P: T.Tensor((s_len,), "int64"),
                                 F: T.Tensor((half,), "float32"), O: T.Tensor((s_len, heads, dim), out_dtype)):
             with T.Kernel(s_len, heads, threads=threads) as (s, h):
+                tx = T.get_thread_binding()
                 m = T.alloc_local((1,), "float32")
                 total = T.alloc_local((1,), "float32")
+                sink = T.alloc_local((1,), "float32")
+                freq = T.alloc_local((per,), "float32")  # channel i·threads + tx's RoPE frequency
                 w = T.alloc_local((nsplit,), "float32")
                 acc = T.alloc_fragment((dim,), "float32")
                 o_sh = T.alloc_shared((dim,), "float32")  # the rounded result, for the pairs
+                sink[0] = SINK[h]  # the constants, before the wait (kernels/pdl.py)
+                for i in T.unroll(per):
+                    freq[i] = F[T.min(T.max(i * threads + tx - lead, 0) // 2, half - 1)]
                 pdl.begin(T, arch)
-                combined(PO, PM, PL, SINK, m, total, w, acc, s, h)
+                combined(PO, PM, PL, sink, m, total, w, acc, s, h)
                 for d in T.Parallel(dim):
                     o_sh[d] = T.Cast("float32", T.Cast(out_dtype, acc[d] / total[0]))
-                for d in T.Parallel(dim):
+                for i in T.unroll(per):  # channel d = i·threads + tx
+                    d = i * threads + tx
                     re = lead + ((d - lead) // 2) * 2  # this channel's pair: (re, re + 1)
-                    angle = rope_angle(T, P[s], F[T.max(d - lead, 0) // 2])
-                    back = rotate_pair(T, o_sh[re], o_sh[re + 1], T.cos(angle), T.sin(angle), True)
-                    O[s, h, d] = T.Cast(out_dtype, T.if_then_else(
-                        d < lead, o_sh[d], T.if_then_else((d - lead) % 2 == 0, back[0], back[1])))
+                    if d < dim:
+                        angle = rope_angle(T, P[s], freq[i])
+                        back = rotate_pair(T, o_sh[re], o_sh[re + 1], T.cos(angle), T.sin(angle), True)
+                        O[s, h, d] = T.Cast(out_dtype, T.if_then_else(
+                            d < lead, o_sh[d], T.if_then_else((d - lead) % 2 == 0, back[0], back[1])))
     else:
         @T.prim_func
         def sparse_attn_combine(PO: T.Tensor((s_len, nsplit, heads, dim), "float32"),
@@ -198,10 +208,12 @@ def combine_kernel(heads: int, dim: int, scale: float, nsplit: int, out_dtype: s
             with T.Kernel(s_len, heads, threads=threads) as (s, h):
                 m = T.alloc_local((1,), "float32")
                 total = T.alloc_local((1,), "float32")
+                sink = T.alloc_local((1,), "float32")
                 w = T.alloc_local((nsplit,), "float32")
                 acc = T.alloc_fragment((dim,), "float32")
+                sink[0] = SINK[h]  # a weight: before the wait (kernels/pdl.py)
                 pdl.begin(T, arch)
-                combined(PO, PM, PL, SINK, m, total, w, acc, s, h)
+                combined(PO, PM, PL, sink, m, total, w, acc, s, h)
                 for d in T.Parallel(dim):
                     O[s, h, d] = T.Cast(out_dtype, acc[d] / total[0])
 

@@ -6,12 +6,14 @@ exercised by tests/engine/test_decode_graph_gpu.py.)"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from engine.decode_graph import DecodeRunner, make_runner
 from engine.experts.cache import CacheFullError
+from engine.lanes import Lanes
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.weights import open_model
@@ -54,6 +56,50 @@ def test_decode_step_equals_forward_exact(files):
             if ratio == 4:
                 assert s.capacity > 16  # grew past the initial 16 entries while decoding
             torch.testing.assert_close(s.compressor.entries[:n], r.compressor.entries[:n], rtol=1e-5, atol=1e-6)
+
+
+class _WhereLanes(Lanes):
+    """In-place lanes that remember, for each call a test wraps, whether it ran on a side lane."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.depth, self.log = 0, []
+
+    @contextmanager
+    def side(self, lane: int = 0):
+        self.depth += 1
+        try:
+            with super().side(lane):
+                yield
+        finally:
+            self.depth -= 1
+
+    def wrap(self, name: str, fn):
+        def call(*args, **kwargs):
+            self.log.append((name, self.depth > 0))
+            return fn(*args, **kwargs)
+        return call
+
+
+def test_a_csa_layers_index_projection_is_on_the_chain_and_its_scores_beside(files):
+    """The index queries' wq_b runs on the step's chain right after the q norm (its weights load
+    during the norm; on a side lane it waited for SM room behind the attention's wq_b), after it
+    on the chain the attention's wq_b; their RoPE, rounding and picks run on side lane 0."""
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    lanes = _WhereLanes()
+    csa = [b.attn for b in model.blocks if b.attn.indexer is not None]
+    assert csa, "the tiny model has CSA layers"
+    for attn in csa:  # test doubles on the instances, so the calls are logged in order
+        attn.indexer.wq_b = lanes.wrap("index wq_b", attn.indexer.wq_b)
+        attn.indexer.rotated = lanes.wrap("index rotated", attn.indexer.rotated)
+        attn.indexer.picks = lanes.wrap("index picks", attn.indexer.picks)
+        attn.wq_b = lanes.wrap("wq_b", attn.wq_b)
+    state = model.new_state()
+    model.forward(torch.tensor(PROMPT), state, files.experts, last_only=True)
+    lanes.log.clear()
+    DecodeRunner(model, files.experts, whole=True, lanes=lanes).step(state, torch.tensor([5]))
+    per_layer = [("index wq_b", False), ("index rotated", True), ("index picks", True), ("wq_b", False)]
+    assert lanes.log == per_layer * len(csa)
 
 
 def test_decode_step_equals_forward_native(files):
