@@ -14,8 +14,9 @@
    rank = the number of experts with a larger key, or an equal key and a lower index: a strict
    total order, so rank r < k fills slot r exactly as the reference's stable descending sort
    (ties -> lowest index). Hash layers: slot j = hash_ids[:, j] (not range-checked, that needs
-   a host sync; clamped to [0, E) for the gather). w_j = scores[idx_j] / (Σ_j scores[idx_j] + 1e-20) · route_scale, summed in slot
-   order, single roundings (__fadd_rn, __fdiv_rn, __fmul_rn).
+   a host sync; clamped to [0, E) for the gather).
+   w_j = scores[idx_j] / (Σ_j scores[idx_j] + 1e-20) · route_scale, summed in slot order,
+   single roundings (__fadd_rn, __fdiv_rn, __fmul_rn).
 
 Numerics: the reference's up to fp32 summation order (GEMV, k-term sum): a routing decision may
 differ only where two biased scores are within ~1e-5 relative. Layout: row-major, 16-byte aligned
