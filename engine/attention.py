@@ -310,7 +310,8 @@ class Attention:
                                    lambda: self.indexer.compressor.decode(x, at, st.indexer, emit))
         c, kv = self._query_lora(xq)
         if self.indexer is not None:
-            idx = self._picks_beside(c, rot, w, idx, at, st, lanes, self.window)
+            iq = self.indexer.project(c)  # lane 0 reads it: held here until the join
+            idx = self._picks_beside(iq, rot, w, idx, at, st, lanes, self.window)
         q, _ = self._queries(c, kv, rot, kv_out=(st.window, at.window_row))  # kv straight into its row
         lanes.join()
         return self._output(self._attend(q, st.kv, idx, rot))
@@ -328,7 +329,8 @@ class Attention:
                                    lambda: self.indexer.compressor.chunk(x, at, st.indexer))
         c, kv = self._query_lora(xq)
         if self.indexer is not None:
-            idx = self._picks_beside(c, rot, w, idx, at, st, lanes, at.entry_offset)
+            iq = self.indexer.project(c)  # lane 0 reads it: held here until the join
+            idx = self._picks_beside(iq, rot, w, idx, at, st, lanes, at.entry_offset)
         q, kv = self._queries(c, kv, rot)
         lanes.join()
         keys = torch.cat((kv.to(st.kv.dtype), st.kv))  # [size + W + capacity, D]
@@ -360,16 +362,17 @@ class Attention:
             compress()
         return window_rows, w
 
-    def _picks_beside(self, c, rot, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
+    def _picks_beside(self, iq: torch.Tensor, rot, w: torch.Tensor, window_rows: torch.Tensor, at, st: LayerState,
                       lanes: Lanes, offset: int) -> torch.Tensor:
-        """The index queries' projection on the chain, right after c (its weight loads overlap the
-        q norm, and the side lane does not wait for SM room behind the attention's wq_b); then on
-        side lane 0, after the indexer's head weights w and keys: their RoPE and rounding, and the
-        key rows (the window's, then the top index_topk visible entries) -> [S, W + index_topk].
-        The caller holds c and the RoPE table `rot` until the join."""
-        q = self.indexer.project(c)
+        """On side lane 0, after the indexer's head weights w and keys, from the index queries'
+        projection iq [S, IH, ID] (`Indexer.project`, which the caller runs on the chain right
+        after c: its weight loads overlap the q norm, and the lane does not wait for SM room
+        behind the attention's wq_b): their RoPE and rounding, and the key rows (the window's,
+        then the top index_topk visible entries) -> [S, W + index_topk]. The caller holds iq and
+        the RoPE table `rot` until the join (engine/lanes.py: freed earlier, the chain's next
+        allocation could take iq's memory while the lane still reads it)."""
         with lanes.side(0):
-            q = self.indexer.rotated(q, at.pos, rot)
+            q = self.indexer.rotated(iq, at.pos, rot)
             return self.indexer.picks(q, w, at, st.indexer, st.capacity, window_rows, offset)
 
     def _key_rows(self, window_rows: torch.Tensor, order: torch.Tensor, visible: torch.Tensor, width: int,

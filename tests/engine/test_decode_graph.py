@@ -6,6 +6,7 @@ exercised by tests/engine/test_decode_graph_gpu.py.)"""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import pytest
@@ -59,11 +60,15 @@ def test_decode_step_equals_forward_exact(files):
 
 
 class _WhereLanes(Lanes):
-    """In-place lanes that remember, for each call a test wraps, whether it ran on a side lane."""
+    """In-place lanes that remember, for each call a test wraps, whether it ran on a side lane;
+    and, for a wrapped call on a side lane, weak references to its tensor arguments made off the
+    lanes, which every `join` checks: such a tensor must stay referenced until the join (on CUDA
+    the chain's next allocation could otherwise take its memory while the lane still reads it;
+    what a lane made itself is reused only by that lane's later work)."""
 
     def __init__(self):
         super().__init__(None)
-        self.depth, self.log = 0, []
+        self.depth, self.log, self.pending, self.made, self.freed_early = 0, [], [], [], []
 
     @contextmanager
     def side(self, lane: int = 0):
@@ -74,10 +79,23 @@ class _WhereLanes(Lanes):
         finally:
             self.depth -= 1
 
+    def join(self) -> None:
+        self.freed_early += [name for name, ref in self.pending if ref() is None]
+        self.pending.clear()
+        self.made.clear()
+        super().join()
+
     def wrap(self, name: str, fn):
         def call(*args, **kwargs):
             self.log.append((name, self.depth > 0))
-            return fn(*args, **kwargs)
+            if not self.depth:
+                return fn(*args, **kwargs)
+            self.pending += [(name, weakref.ref(a)) for a in (*args, *kwargs.values())
+                             if isinstance(a, torch.Tensor) and not any(r() is a for r in self.made)]
+            out = fn(*args, **kwargs)
+            self.made += [weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,))
+                          if isinstance(t, torch.Tensor)]
+            return out
         return call
 
 
@@ -100,6 +118,27 @@ def test_a_csa_layers_index_projection_is_on_the_chain_and_its_scores_beside(fil
     DecodeRunner(model, files.experts, whole=True, lanes=lanes).step(state, torch.tensor([5]))
     per_layer = [("index wq_b", False), ("index rotated", True), ("index picks", True), ("wq_b", False)]
     assert lanes.log == per_layer * len(csa)
+    assert not lanes.freed_early  # the projection the lane reads is held until the join
+
+
+def test_what_the_side_lanes_read_stays_referenced_until_the_join(files):
+    """Every tensor handed to the side lanes' work (the index queries' RoPE and picks, the
+    shared expert) in a decode step and a chunk step is still referenced at the join."""
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    lanes = _WhereLanes()
+    for b in model.blocks:
+        if b.attn.indexer is not None:
+            b.attn.indexer.rotated = lanes.wrap("index rotated", b.attn.indexer.rotated)
+            b.attn.indexer.picks = lanes.wrap("index picks", b.attn.indexer.picks)
+        b.ffn._shared = lanes.wrap("shared expert", b.ffn._shared)
+    state = model.new_state()
+    model.forward(torch.tensor(PROMPT), state, files.experts, last_only=True)
+    runner = DecodeRunner(model, files.experts, whole=True, lanes=lanes)
+    runner.step(state, torch.tensor([5]))
+    runner.chunk(state, [7, 8, 9])
+    on_lanes = {name for name, beside in lanes.log if beside}
+    assert on_lanes == {"index rotated", "index picks", "shared expert"}
+    assert lanes.freed_early == []
 
 
 def test_decode_step_equals_forward_native(files):
