@@ -13,8 +13,10 @@ so results are bitwise those of one stream.
 
 Rules the callers keep:
 * everything the side work reads is made before `side()` is entered (it waits for the current
-  stream at entry) or earlier on the same side lane, never on another side lane, and stays
-  referenced until `join()`;
+  stream at entry) or earlier on the same side lane, never on another side lane, and what was
+  made off the lane stays referenced until `join()`: freed earlier, its memory goes back to the
+  stream that made it, whose next allocation may take it while the lane still reads it
+  (tests/engine/test_decode_graph.py checks the lanes' inputs at every join);
 * nothing reads the side work's results before `join()`, and every `side()` of a step is joined
   before the step (or the captured segment) ends;
 * a kernel that reads a buffer before its programmatic-launch wait (kernels/pdl.py's exception)
