@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.decode_graph import DecodeRunner, make_runner
 from engine.experts.cache import CacheFullError
@@ -61,9 +62,9 @@ def test_decode_step_equals_forward_exact(files):
 
 class _WhereLanes(Lanes):
     """In-place lanes that remember, for each call a test wraps, whether it ran on a side lane;
-    and, for a wrapped call on a side lane, weak references to its tensor arguments made off the
-    lanes, which every `join` checks: such a tensor must stay referenced until the join (on CUDA
-    the chain's next allocation could otherwise take its memory while the lane still reads it;
+    and, through `_LaneInputs`, weak references to what the side blocks read that was made off
+    the lanes, which every `join` checks: such a tensor must stay referenced until the join (on
+    CUDA the stream that made it could otherwise reuse its memory while the lane still reads it;
     what a lane made itself is reused only by that lane's later work)."""
 
     def __init__(self):
@@ -88,14 +89,7 @@ class _WhereLanes(Lanes):
     def wrap(self, name: str, fn):
         def call(*args, **kwargs):
             self.log.append((name, self.depth > 0))
-            if not self.depth:
-                return fn(*args, **kwargs)
-            self.pending += [(name, weakref.ref(a)) for a in (*args, *kwargs.values())
-                             if isinstance(a, torch.Tensor) and not any(r() is a for r in self.made)]
-            out = fn(*args, **kwargs)
-            self.made += [weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,))
-                          if isinstance(t, torch.Tensor)]
-            return out
+            return fn(*args, **kwargs)
         return call
 
 
@@ -118,26 +112,50 @@ def test_a_csa_layers_index_projection_is_on_the_chain_and_its_scores_beside(fil
     DecodeRunner(model, files.experts, whole=True, lanes=lanes).step(state, torch.tensor([5]))
     per_layer = [("index wq_b", False), ("index rotated", True), ("index picks", True), ("wq_b", False)]
     assert lanes.log == per_layer * len(csa)
-    assert not lanes.freed_early  # the projection the lane reads is held until the join
+
+
+class _LaneInputs(TorchFunctionMode):
+    """Every torch op run inside a side block of `lanes`: weak references to the storage owners
+    (a view's base) of its tensor inputs that no op of the block made, which `lanes`' joins
+    check (`_WhereLanes.freed_early`, named by the op)."""
+
+    def __init__(self, lanes: _WhereLanes):
+        super().__init__()
+        self.lanes, self.ops = lanes, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        lanes = self.lanes
+        if not lanes.depth:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        self.ops.add(name)
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    owner = t if t._base is None else t._base
+                    if not any(r() is t or r() is owner for r in lanes.made):
+                        lanes.pending.append((name, weakref.ref(owner)))
+        out = func(*args, **kwargs)
+        lanes.made += [weakref.ref(t) for t in (out if isinstance(out, (list, tuple)) else (out,))
+                       if isinstance(t, torch.Tensor)]
+        return out
 
 
 def test_what_the_side_lanes_read_stays_referenced_until_the_join(files):
-    """Every tensor handed to the side lanes' work (the index queries' RoPE and picks, the
-    shared expert) in a decode step and a chunk step is still referenced at the join."""
+    """Every tensor made off the side lanes that an op on them reads (the compressors, the
+    indexer's weights, scores and picks, the key rows, the shared expert), in a decode step and a
+    chunk step, is still referenced at the lanes' join."""
     model = Transformer(files.get, files.args, Numerics.named("native"))
     lanes = _WhereLanes()
-    for b in model.blocks:
-        if b.attn.indexer is not None:
-            b.attn.indexer.rotated = lanes.wrap("index rotated", b.attn.indexer.rotated)
-            b.attn.indexer.picks = lanes.wrap("index picks", b.attn.indexer.picks)
-        b.ffn._shared = lanes.wrap("shared expert", b.ffn._shared)
     state = model.new_state()
     model.forward(torch.tensor(PROMPT), state, files.experts, last_only=True)
     runner = DecodeRunner(model, files.experts, whole=True, lanes=lanes)
-    runner.step(state, torch.tensor([5]))
-    runner.chunk(state, [7, 8, 9])
-    on_lanes = {name for name, beside in lanes.log if beside}
-    assert on_lanes == {"index rotated", "index picks", "shared expert"}
+    inputs = _LaneInputs(lanes)
+    with inputs:
+        runner.step(state, torch.tensor([5]))
+        runner.chunk(state, [7, 8, 9])
+    assert len(inputs.ops) > 10  # the lanes' work ran under the check
     assert lanes.freed_early == []
 
 
