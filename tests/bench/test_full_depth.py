@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from bench import full_depth, step_trace
+from bench import ab, full_depth, step_trace
 from converter import synth
 from converter.convert import convert
 
@@ -46,6 +46,11 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     # a second, longer follow-up: about 32 new tokens (27 message tokens and the chat template's)
     assert 28 <= r["followup_long"]["new_tokens"] <= 36 and r["followup_long"]["ttft_s"] > 0
     assert f"({r['followup_long']['new_tokens']} new) |" in table
+    # bench.ab reads this run's figures from a --json report of this layout
+    figures = ab.Figures.of({"ceilings": {"hbm_copy": 1e12}, "bytes_per_token": 10**9, "runs": [r]})
+    assert figures.graphed_step_ms == r["graphed_step_ms"] and figures.roofline_ms == 1.0
+    assert figures.followup_ttft_ms == (1e3 * f["ttft_s"], 1e3 * r["followup_long"]["ttft_s"])
+    assert figures.prefill_tok_s == (r["prompts"][0]["prefill_tok_s"],) and figures.decode_tok_s > 0
     # the Chrome trace of 4 more steps: the runner's steps are in it
     events = json.loads((tmp_path / "trace_0.5.json").read_text())["traceEvents"]
     assert sum(bool(re.fullmatch(r"engine/runtime\.py\(\d+\): step", e.get("name", ""))) for e in events) == 4
