@@ -4,8 +4,8 @@
         -- --workdir /tmp/dsv4fd --shares 1 --tokens 32 --prompts 16
 
 A change to the decode step is judged against the tree before it on the same machine, because
-machines differ by more than most changes (HBM copy 4,090-4,200 GB/s, graphed steps 5.7-6.4 ms for
-one tree on different machines; docs/performance-log.md). Each round runs `python -m
+runs differ by more than most changes (one tree's graphed step measured 5.75-6.43 ms across the
+machines of 2026-12-04; docs/performance-log.md). Each round runs `python -m
 bench.full_depth ARGS --json FILE` once per tree, in the order the trees are given, from that
 tree's folder (so its engine, kernels and bench are the ones imported); every run shares
 full_depth's --workdir, hence one synthetic pack and one TileLang kernel cache (kernels are keyed
