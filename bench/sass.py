@@ -129,6 +129,26 @@ def compile_and_count(build: Callable[[], object], scratch: Path) -> Count:
     return count_sass(path.read_text())
 
 
+def count_kernels(arch: tuple[int, int], only: list[str] | None) -> dict[str, tuple[Count, int]]:
+    """Name -> (its SASS count, the weight bytes a warp reads) of the decode kernels (`only` these)."""
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench.sass: TileLang is not installed: `pip install -e '.[gpu]'`") from None
+    kernels = decode_kernels(arch)
+    unknown = sorted(set(only or ()) - set(kernels))
+    if unknown:
+        raise SystemExit(f"bench.sass: no kernel {unknown}; choose from {sorted(kernels)}")
+    counts = {}
+    with tempfile.TemporaryDirectory(prefix="bench-sass-") as scratch:
+        for name, kernel in kernels.items():
+            if only and name not in only:
+                continue
+            counts[name] = compile_and_count(kernel.build, Path(scratch)), kernel.warp_bytes
+            print(f"{name}: {counts[name][0].instructions:,} instructions", file=sys.stderr, flush=True)
+    return counts
+
+
 def table(counts: dict[str, tuple[Count, int]], opcodes: int) -> str:
     """Rows of (count, weight bytes a warp reads) per kernel name."""
     lines = ["| kernel | instructions | NOPs | tensor-core | per weight byte of a warp | most frequent opcodes |",
@@ -152,23 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         arch = ()
     if len(arch) != 2:
         raise SystemExit(f"bench.sass: --arch takes MAJOR.MINOR (e.g. 9.0), got {a.arch!r}")
-    tools = find_disassembler()
-    os.environ["PATH"] = tools + os.pathsep + os.environ.get("PATH", "")  # where TileLang looks
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = find_disassembler() + os.pathsep + path  # where TileLang looks, for this call
     try:
-        import tilelang  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench.sass: TileLang is not installed: `pip install -e '.[gpu]'`") from None
-    kernels = decode_kernels(arch)
-    unknown = sorted(set(a.kernel or ()) - set(kernels))
-    if unknown:
-        raise SystemExit(f"bench.sass: no kernel {unknown}; choose from {sorted(kernels)}")
-    counts = {}
-    with tempfile.TemporaryDirectory(prefix="bench-sass-") as scratch:
-        for name, kernel in kernels.items():
-            if a.kernel and name not in a.kernel:
-                continue
-            counts[name] = compile_and_count(kernel.build, Path(scratch)), kernel.warp_bytes
-            print(f"{name}: {counts[name][0].instructions:,} instructions", file=sys.stderr, flush=True)
+        counts = count_kernels(arch, a.kernel)
+    finally:
+        os.environ["PATH"] = path
     print(f"SASS for compute capability {arch[0]}.{arch[1]}, one token (decode), Flash shapes:")
     print(table(counts, a.opcodes))
     return 0
