@@ -8,8 +8,9 @@ step can be captured once and replayed. Two modes:
 - **whole** (every expert of every layer resident in the arena, e.g. after
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; the routes of
   all layers are copied to the host once (asynchronously, into pinned memory) and counted by the
-  provider (statistics) and `on_routes` only after the *next* step has been launched, so that
-  this host work overlaps that step on the GPU instead of idling it. A chunk step's routes
+  provider (statistics, every layer in one `record_routes` call) and `on_routes` only after the
+  *next* step has been launched, so that this host work overlaps that step on the GPU instead of
+  idling it. A chunk step's routes
   (every layer's distinct experts) wait one step more: the decode step launched right after a
   prefill is the one whose token the host reads first, and counting them then delayed the first
   token by milliseconds. `settle()` counts every step's routes not counted yet: call it before
@@ -94,7 +95,7 @@ class DecodeRunner:
                  lanes: Lanes | None = None):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
-        provider counts the uses itself, in `acquire` and `record`); `homes`: graph homes kept
+        provider counts the uses itself, in `acquire` and `record_routes`); `homes`: graph homes kept
         (engine/graph_homes.py `homes_for`); `lanes`: where a step's work off its chain of kernels
         runs (engine/lanes.py), None: side streams on the model's device."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
@@ -242,7 +243,7 @@ class DecodeRunner:
         return host, event
 
     def settle(self) -> None:
-        """Count the routes of every whole-mode step not counted yet (provider.record, on_routes),
+        """Count the routes of every whole-mode step not counted yet (provider.record_routes, on_routes),
         oldest first, waiting for those steps if they still run; nothing when none is pending."""
         while self._pending:
             self._count(*self._pending.popleft())
@@ -260,8 +261,9 @@ class DecodeRunner:
             event.synchronize()
         layers = [rows[:len(positions)]  # a chunk step's real tokens only
                   for rows in host.view(host.shape[0], -1, host.shape[-1]).tolist()]
-        for layer, rows in enumerate(layers):  # a chunk's distinct experts once, as an eager chunk counts them
-            self.provider.record(layer, rows[0] if len(rows) == 1 else sorted({e for ids in rows for e in ids}))
+        # every layer in one call; a chunk's distinct experts once, as an eager chunk counts them
+        self.provider.record_routes([rows[0] if len(rows) == 1 else sorted({e for ids in rows for e in ids})
+                                     for rows in layers])
         if self.on_routes is not None:
             for t, position in enumerate(positions):
                 for layer, rows in enumerate(layers):

@@ -65,7 +65,8 @@ class Engine:
         log = RoutingTrace(self._trace) if self._trace is not None else None
         loaded = None if progress is None else (
             lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
-        runner = make_runner(model, self.experts, self.device, config.cuda_graphs, self._graph_routes, loaded,
+        routes = self._graph_routes if log is not None else None  # graphed steps' routes: for the trace only
+        runner = make_runner(model, self.experts, self.device, config.cuda_graphs, routes, loaded,
                              homes_for(files.args, config.max_seq_len))
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable
 
 from engine.experts.policy import POLICIES, EvictionPolicy, ExpertKey
@@ -160,6 +161,42 @@ class ExpertCache:
             self._misses += 1
             self._layer_misses[key[0]] += 1
         return slot
+
+    def lookup_many(self, keys: list[ExpertKey]) -> list[int | None]:
+        """`lookup` of each key in order, as one call: the same slots, statistics and policy
+        uses, with the bookkeeping done per call rather than per key (a whole-mode decode step
+        looks up every layer's experts at once, after the step: DecodeRunner)."""
+        num_layers, num_experts = self.num_layers, self.num_experts
+        if not all(0 <= layer < num_layers and 0 <= expert < num_experts for layer, expert in keys):
+            for key in keys:
+                self._check(key)  # raises, naming the first key out of range
+        get = self._slots.get
+        slots = [get(key) for key in keys]
+        hits = [slot is not None for slot in slots]
+        self._history.update(keys)
+        window, n = self._window, len(hits)
+        if n >= self.window:
+            self._window_hits = sum(hits[n - self.window:])
+        else:
+            drop = len(window) + n - self.window  # the oldest entries the new ones push out
+            if drop > 0:
+                self._window_hits -= sum(islice(window, drop))
+            self._window_hits += sum(hits)
+        window.extend(hits)
+        found = sum(hits)
+        self._hits += found
+        self._misses += n - found
+        layer_hits, layer_misses, uses = self._layer_hits, self._layer_misses, self._uses
+        pinned, suspended, touch = self._pinned, self._suspended, self._policy.touch
+        for key, hit in zip(keys, hits):
+            if hit:
+                layer_hits[key[0]] += 1
+                uses[key] += 1
+                if key not in pinned and key not in suspended:
+                    touch(key)
+            else:
+                layer_misses[key[0]] += 1
+        return slots
 
     def touch(self, key: ExpertKey) -> bool:
         """Tell the policy that resident, unpinned `key` was used without a lookup (no hit or miss

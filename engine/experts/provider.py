@@ -34,7 +34,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from typing import Callable, Iterable, Iterator
+from itertools import groupby
+from operator import itemgetter
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -68,6 +70,14 @@ class ExpertUsage:
             self.uses[(layer, e)] += 1
             if 0 <= layer < len(self.layer_uses):
                 self.layer_uses[layer] += 1
+
+    def count_keys(self, keys: list[ExpertKey]) -> None:
+        """One use of each key, distinct (layer, expert) keys in any order, in one call (`count`
+        layer by layer, without a Python call per layer)."""
+        self.uses.update(keys)
+        per_layer = Counter(layer for layer, _ in keys)
+        for layer in per_layer.keys() & range(len(self.layer_uses)):
+            self.layer_uses[layer] += per_layer[layer]
 
 
 class ExpertProvider(ABC):
@@ -158,6 +168,19 @@ class ExpertProvider(ABC):
 
     def _record(self, layer: int, ids: list[int]) -> None:
         """Cache bookkeeping of such uses (none without a cache)."""
+
+    def record_routes(self, routes: Sequence[Sequence[int]]) -> None:
+        """`record(layer, routes[layer])` for every layer 0, 1, ... in order (one whole-mode step's
+        routes, or a chunk step's distinct experts per layer, as ints), as one call: the same
+        counts and cache bookkeeping (DecodeRunner, with no Python call per layer)."""
+        keys = [(layer, e) for layer, ids in enumerate(routes) for e in dict.fromkeys(ids)]
+        self._record_keys(keys)
+        self.usage.count_keys(keys)
+
+    def _record_keys(self, keys: list[ExpertKey]) -> None:
+        """`_record` of distinct keys in layer order (by default layer by layer)."""
+        for layer, ids in groupby(keys, key=itemgetter(0)):
+            self._record(layer, [e for _, e in ids])
 
     def record_later(self, layer: int, counts: torch.Tensor) -> None:
         """`record` the experts of `layer` whose count in `counts` [n_experts] (uses per expert, on

@@ -457,6 +457,16 @@ class StreamingExperts(ExpertProvider):
             if self.cache.lookup((layer, e)) is None:
                 raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
 
+    def _record_keys(self, keys: list[ExpertKey]) -> None:
+        """`_record` of a step's keys in one cache call (`ExpertCache.lookup_many`); layer by
+        layer while prefetch holds are kept (each ends at its layer's lookups)."""
+        if self._prefetched:
+            super()._record_keys(keys)
+            return
+        for key, slot in zip(keys, self.cache.lookup_many(keys)):
+            if slot is None:
+                raise ExpertCacheError(f"expert {key[1]} of layer {key[0]} was used but is not resident")
+
     def prefetch(self, layer: int, ids: Iterable[int]) -> None:
         """Start reading these experts of `layer` now and keep them until its next call."""
         self._prefetch(layer, ids, "hash", ())

@@ -467,3 +467,43 @@ def test_engine_pin_hot_over_the_limit_fails_whole_and_the_next_turn_runs(tiny_p
         assert set(hot) <= eng.experts.pinned()
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- lookups in one call
+
+KEYS = st.tuples(st.integers(0, 3), st.integers(0, 15))
+
+
+@settings(max_examples=120, deadline=None)
+@given(policy=st.sampled_from(["lru", "lfu", "slru", "arc", "lfu-aging", "next-use"]),
+       resident=st.lists(KEYS, max_size=12, unique=True), pinned=st.lists(KEYS, max_size=3),
+       held=st.lists(KEYS, max_size=3), calls=st.lists(st.lists(KEYS, max_size=20), max_size=6))
+def test_lookup_many_is_the_lookups_one_by_one(policy, resident, pinned, held, calls):
+    """Same slots, statistics (the window wraps at 7), all-time counts and policy order as
+    `lookup` key by key, with pinned, held and set-aside keys among them."""
+    caches = [make(10, policy, window=7) for _ in range(2)]
+    for cache in caches:
+        for key in pinned:
+            cache.pin(key)
+        for key in held:
+            cache.hold(key)
+        for key in resident:
+            use(cache, key)  # a full cache evicts (held victims are set aside)
+    one, many = caches
+    for keys in calls:
+        assert many.lookup_many(keys) == [one.lookup(key) for key in keys]
+        assert many.stats() == one.stats()
+    assert many.hottest(64) == one.hottest(64)
+    assert many.resident() == one.resident()
+    for key in held:  # set-aside keys go back to the policy
+        assert many.release(key) == one.release(key)
+    # the policies agree: the same victims for the same new keys
+    for e in range(16):
+        assert use(many, (3, e)) == use(one, (3, e))
+
+
+def test_lookup_many_refuses_a_key_out_of_range_by_name():
+    cache = make(4)
+    with pytest.raises(ExpertCacheError, match=r"\(4, 0\) out of range"):
+        cache.lookup_many([(0, 1), (4, 0)])
+    assert cache.stats().lookups == 0

@@ -84,6 +84,11 @@ class _Spy:
         self.calls.append(("record", layer, list(ids)))
         self.inner.record(layer, ids)
 
+    def record_routes(self, routes):
+        for layer, ids in enumerate(routes):
+            self.calls.append(("record", layer, list(ids)))
+        self.inner.record_routes(routes)
+
     def record_later(self, layer, counts):
         self.calls.append(("record", layer, [e for e, c in enumerate(counts.tolist()) if c]))
         self.inner.record_later(layer, counts)

@@ -14,7 +14,7 @@ from converter.convert import convert
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine import pack as layout
 from engine.checkpoint import CheckpointError, TensorIndex
-from engine.experts.cache import CacheFullError
+from engine.experts.cache import CacheFullError, ExpertCacheError
 from engine.experts.io_pool import IOPool
 from engine.experts.trace import RoutingTrace
 from engine.experts.store import ExpertReadError, ExpertStore, aligned_empty
@@ -194,6 +194,45 @@ def test_record_ends_the_layers_prefetch_holds(packed):
     assert p.cache.held() == {(0, 1), (0, 2), (0, 3)}
     p.record(0, [2, 5])
     assert p.cache.held() == p.cache.pinned() == frozenset()
+    files.close()
+
+
+def test_record_routes_is_record_layer_by_layer(packed, record_bytes):
+    """A step's routes counted in one call (whole-mode decode, DecodeRunner) leave the cache, its
+    policy and the usage counts as `record` layer by layer does: resident, with a layer's
+    prefetch holds kept (which end at that layer's lookups) and with a streaming budget; an
+    expert used but not resident is named."""
+    routes = [[3, 1, 3, 0], [2, 15], [], [7, 7, 9, 4], [0, 1, 2, 3], [5]]  # UNITS layers, repeats, one empty
+    for budget, prefetch in ((None, False), (None, True), (4 * UNITS * record_bytes, False)):
+        pair = [open_model(packed, cache_bytes=budget) for _ in range(2)]
+        for files in pair:
+            p = files.experts
+            if budget is None:
+                assert p.load_all()
+            else:  # the routes' experts resident, a few more beside them
+                for layer, ids in enumerate(routes):
+                    p.acquire(layer, ids + [11])
+                    p.release(layer)
+            if prefetch:
+                p.prefetch(4, [1, 2, 12])
+        one, many = (files.experts for files in pair)
+        for _ in range(3):
+            for layer, ids in enumerate(routes):
+                one.record(layer, ids)
+            many.record_routes(routes)
+        assert many.cache.stats() == one.cache.stats() and many.cache.held() == one.cache.held() == frozenset()
+        assert many.usage.uses == one.usage.uses and many.usage.layer_uses == one.usage.layer_uses
+        assert many.hottest(UNITS * E) == one.hottest(UNITS * E)
+        assert many.cache.resident() == one.cache.resident()
+        if budget is not None:  # the same victims: the policies agree
+            for files in pair:
+                files.experts.acquire(5, list(range(E)))
+            assert many.cache.resident() == one.cache.resident()
+        for files in pair:
+            files.close()
+    files = open_model(packed, cache_bytes=3 * UNITS * record_bytes)
+    with pytest.raises(ExpertCacheError, match="expert 6 of layer 1 was used but is not resident"):
+        files.experts.record_routes([[], [6]])
     files.close()
 
 
