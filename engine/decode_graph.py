@@ -10,11 +10,10 @@ step can be captured once and replayed. Two modes:
   all layers are copied to the host once (asynchronously, into pinned memory) and counted by the
   provider (statistics, every layer in one `record_routes` call) and `on_routes` only after the
   *next* step has been launched, so that this host work overlaps that step on the GPU instead of
-  idling it. A chunk step's routes
-  (every layer's distinct experts) wait one step more: the decode step launched right after a
-  prefill is the one whose token the host reads first, and counting them then delayed the first
-  token by milliseconds. `settle()` counts every step's routes not counted yet: call it before
-  anything evicts experts, and when a turn ends.
+  idling it. A chunk step's routes (every layer's distinct experts) wait one step more: the
+  decode step launched right after a prefill is the one whose token the host reads first, and
+  counting them then delayed the first token by milliseconds. `settle()` counts every step's
+  routes not counted yet: call it before anything evicts experts, and when a turn ends.
   Checked every step: after a flush the runner goes layered until the pool is resident again.
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN

@@ -34,8 +34,6 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from itertools import groupby
-from operator import itemgetter
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -174,13 +172,14 @@ class ExpertProvider(ABC):
         routes, or a chunk step's distinct experts per layer, as ints), as one call: the same
         counts and cache bookkeeping (DecodeRunner, with no Python call per layer)."""
         keys = [(layer, e) for layer, ids in enumerate(routes) for e in dict.fromkeys(ids)]
-        self._record_keys(keys)
+        self._record_routes(routes, keys)
         self.usage.count_keys(keys)
 
-    def _record_keys(self, keys: list[ExpertKey]) -> None:
-        """`_record` of distinct keys in layer order (by default layer by layer)."""
-        for layer, ids in groupby(keys, key=itemgetter(0)):
-            self._record(layer, [e for _, e in ids])
+    def _record_routes(self, routes: Sequence[Sequence[int]], keys: list[ExpertKey]) -> None:
+        """`_record` of every layer's routes (`keys`: their distinct (layer, expert) pairs in
+        order); by default layer by layer."""
+        for layer, ids in enumerate(routes):
+            self._record(layer, list(ids))
 
     def record_later(self, layer: int, counts: torch.Tensor) -> None:
         """`record` the experts of `layer` whose count in `counts` [n_experts] (uses per expert, on

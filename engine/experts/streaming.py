@@ -55,7 +55,7 @@ import queue
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -457,11 +457,11 @@ class StreamingExperts(ExpertProvider):
             if self.cache.lookup((layer, e)) is None:
                 raise ExpertCacheError(f"expert {e} of layer {layer} was used but is not resident")
 
-    def _record_keys(self, keys: list[ExpertKey]) -> None:
-        """`_record` of a step's keys in one cache call (`ExpertCache.lookup_many`); layer by
-        layer while prefetch holds are kept (each ends at its layer's lookups)."""
+    def _record_routes(self, routes: Sequence[Sequence[int]], keys: list[ExpertKey]) -> None:
+        """A step's lookups in one cache call (`ExpertCache.lookup_many`); layer by layer while
+        prefetch holds are kept (each ends at its layer's lookups)."""
         if self._prefetched:
-            super()._record_keys(keys)
+            super()._record_routes(routes, keys)
             return
         for key, slot in zip(keys, self.cache.lookup_many(keys)):
             if slot is None:

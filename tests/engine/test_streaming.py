@@ -213,8 +213,9 @@ def test_record_routes_is_record_layer_by_layer(packed, record_bytes):
                 for layer, ids in enumerate(routes):
                     p.acquire(layer, ids + [11])
                     p.release(layer)
-            if prefetch:
+            if prefetch:  # held until their layer's lookups, the empty route's layer included
                 p.prefetch(4, [1, 2, 12])
+                p.prefetch(2, [8])
         one, many = (files.experts for files in pair)
         for _ in range(3):
             for layer, ids in enumerate(routes):
