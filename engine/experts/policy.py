@@ -432,29 +432,23 @@ class NextUsePolicy:
         self._layer_heap: list[tuple[float, int, ExpertKey]] = []  # (-priority, layer, key), lazy
 
     def _use(self, key: ExpertKey, weight: int, lookup: bool) -> None:
-        # every decode step's lookups come here (258 a step at 43 layers): attributes read once
-        layer, counted, visits = key[0], self._counted, self._visits
-        last = counted.get(key)  # the visit of the key's last counted use
-        if layer != self._layer or (lookup and last == visits[layer]):
+        layer = key[0]
+        if layer != self._layer or (lookup and self._counted.get(key) == self._visits[layer]):
             self._layer = layer
             self._visit += 1
             self._last_visit[layer] = self._visit
-            visits[layer] = visits.get(layer, 0) + 1
+            self._visits[layer] = self._visits.get(layer, 0) + 1
             self._dirty.add(layer)
-        visit, history = visits[layer], self._history
-        if last != visit:  # one use per key per visit
-            counted[key] = visit
-            gained = visit * self._rate if weight == 1 else math.log(weight) + visit * self._rate
-            score = history[key] = _log_add(history.get(key), gained)
-        else:
-            score = history[key]
-        recency = self._recency
-        recency[key] = None
-        recency.move_to_end(key)
-        scores = self._score
-        if scores.get(key) != score:
-            scores[key] = score
-            self._heaps[layer].push(score, key, self._live[layer], scores)
+        visit = self._visits[layer]
+        if self._counted.get(key) != visit:  # one use per key per visit
+            self._counted[key] = visit
+            self._history[key] = _log_add(self._history.get(key), math.log(weight) + visit * self._rate)
+        self._recency[key] = None
+        self._recency.move_to_end(key)
+        score = self._history[key]
+        if self._score.get(key) != score:
+            self._score[key] = score
+            self._heaps[layer].push(score, key, self._live[layer], self._score)
             self._dirty.add(layer)
 
     def add(self, key: ExpertKey, count: int = 1) -> None:
