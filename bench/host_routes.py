@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig
     from engine.weights import open_model
 
-    steps = step_routes(a.trace, a.layers, a.experts)
+    from engine.routing_override import RoutingTraceError
+
+    try:
+        steps = step_routes(a.trace, a.layers, a.experts)
+    except RoutingTraceError as err:
+        raise SystemExit(f"bench.host_routes: {err}") from None
     pack = tiny_pack(a.workdir, a.layers, a.experts)
     policy = a.policy or EngineConfig().cache_policy
     providers = {}

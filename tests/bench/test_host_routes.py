@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from bench import host_routes
 
 
@@ -26,3 +28,8 @@ def test_both_ways_are_timed_and_agree(tmp_path, capsys):
     assert re.search(r"record: +\d+ us per step \(median of 8\)", out)
     assert re.search(r"record_routes: +\d+ us per step \(median of 8\)", out)
     assert "same statistics, usage and hottest: True" in out
+
+
+def test_a_missing_trace_is_named_with_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist: pass a route CSV"):
+        host_routes.main(["--trace", str(tmp_path / "none.csv"), "--workdir", str(tmp_path)])
