@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.full_depth import roofline_ms
+
 
 @dataclass(frozen=True)
 class Figures:
@@ -51,7 +53,7 @@ class Figures:
         first = run["prompts"][0]
         return Figures(hbm_gb_s=ceil["hbm_copy"] / 1e9, decode_tok_s=first["decode_tok_s"],
                        median_step_ms=first["median_step_ms"], graphed_step_ms=run["graphed_step_ms"],
-                       roofline_ms=1e3 * report["bytes_per_token"] / ceil["hbm_copy"],
+                       roofline_ms=roofline_ms(report["bytes_per_token"], ceil),
                        followup_ttft_ms=(1e3 * run["followup"]["ttft_s"], 1e3 * run["followup_long"]["ttft_s"]),
                        prefill_tok_s=tuple(p["prefill_tok_s"] for p in run["prompts"]))
 

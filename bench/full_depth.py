@@ -383,8 +383,13 @@ def bytes_per_token(pack: Path) -> int:
     return resident + args.n_layers * args.n_activated_experts * manifest["experts"]["record_bytes"]
 
 
+def roofline_ms(per_token: int, ceil: dict) -> float:
+    """The decode roofline: the bytes a token touches at the HBM copy rate `ceilings()` measured."""
+    return 1e3 * per_token / ceil["hbm_copy"]
+
+
 def table(results: list[dict], ceil: dict, per_token: int) -> str:
-    roof_ms = 1e3 * per_token / ceil["hbm_copy"]
+    roof_ms = roofline_ms(per_token, ceil)
     lines = (["TIMING ONLY (timing pack): experts are zeros, outputs meaningless; disk-tier misses read file holes", ""]
              if any(r.get("timing_only") for r in results) else [])
     lines += [f"HBM copy {ceil['hbm_copy'] / 1e9:.0f} GB/s, pinned H2D {ceil['h2d_pinned'] / 1e9:.1f} GB/s; "
