@@ -120,8 +120,12 @@ class ExpertCache:
         self.num_experts = num_experts
         self.window = window
         self._policy: EvictionPolicy = policy(self.capacity_slots)
+        # A cache with a slot for every key never evicts, so its policy is never asked for a
+        # victim: it is not told of uses at all (a whole-mode decode step's 258 lookups then cost
+        # no policy work).
+        self._ranked = self.capacity_slots < num_layers * num_experts
         self._slots: dict[ExpertKey, int] = {}
-        self._uses: dict[ExpertKey, int] = {}  # uses since admission, resident keys only
+        self._uses: Counter[ExpertKey] = Counter()  # uses since admission, resident keys only
         self._free: list[int] = list(range(self.capacity_slots - 1, -1, -1))  # pop() -> 0 first
         self._pinned: set[ExpertKey] = set()
         self._held: set[ExpertKey] = set()  # transient holds (`hold`)
@@ -155,7 +159,7 @@ class ExpertCache:
             self._hits += 1
             self._layer_hits[key[0]] += 1
             self._uses[key] += 1
-            if key not in self._pinned and key not in self._suspended:
+            if self._ranked and key not in self._pinned and key not in self._suspended:
                 self._policy.touch(key)
         else:
             self._misses += 1
@@ -187,12 +191,17 @@ class ExpertCache:
         self._hits += found
         self._misses += n - found
         layer_hits, layer_misses, uses = self._layer_hits, self._layer_misses, self._uses
+        if found == n and not self._ranked:  # every key resident, no policy to tell
+            uses.update(keys)
+            for layer, count in Counter(layer for layer, _ in keys).items():
+                layer_hits[layer] += count
+            return slots
         pinned, suspended, touch = self._pinned, self._suspended, self._policy.touch
         for key, hit in zip(keys, hits):
             if hit:
                 layer_hits[key[0]] += 1
                 uses[key] += 1
-                if key not in pinned and key not in suspended:
+                if self._ranked and key not in pinned and key not in suspended:
                     touch(key)
             else:
                 layer_misses[key[0]] += 1
@@ -203,7 +212,7 @@ class ExpertCache:
         is counted); False when `key` is not resident."""
         if key not in self._slots:
             return False
-        if key not in self._pinned and key not in self._suspended:
+        if self._ranked and key not in self._pinned and key not in self._suspended:
             self._policy.touch(key)
         return True
 
@@ -243,7 +252,7 @@ class ExpertCache:
         self._uses[key] = 1
         if key in self._held:  # the policy hears of it at its release, with the uses made by then
             self._suspended.add(key)
-        elif key not in self._pinned:
+        elif self._ranked and key not in self._pinned:
             self._policy.add(key)
         self._admissions += 1
         return slot, evicted
@@ -297,7 +306,7 @@ class ExpertCache:
         """Give resident, unpinned `key` back to the policy (now, or at its release if held)."""
         if key in self._held:
             self._suspended.add(key)
-        else:
+        elif self._ranked:
             self._policy.add(key, self._uses[key])
 
     def hold(self, key: ExpertKey) -> None:

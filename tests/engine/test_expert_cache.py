@@ -476,12 +476,14 @@ KEYS = st.tuples(st.integers(0, 3), st.integers(0, 15))
 
 @settings(max_examples=120, deadline=None)
 @given(policy=st.sampled_from(["lru", "lfu", "slru", "arc", "lfu-aging", "next-use"]),
+       slots=st.sampled_from([10, 64]),
        resident=st.lists(KEYS, max_size=12, unique=True), pinned=st.lists(KEYS, max_size=3),
        held=st.lists(KEYS, max_size=3), calls=st.lists(st.lists(KEYS, max_size=20), max_size=6))
-def test_lookup_many_is_the_lookups_one_by_one(policy, resident, pinned, held, calls):
+def test_lookup_many_is_the_lookups_one_by_one(policy, slots, resident, pinned, held, calls):
     """Same slots, statistics (the window wraps at 7), all-time counts and policy order as
-    `lookup` key by key, with pinned, held and set-aside keys among them."""
-    caches = [make(10, policy, window=7) for _ in range(2)]
+    `lookup` key by key, with pinned, held and set-aside keys among them; in a cache that evicts
+    (10 slots) and in one with a slot for every key (64: no policy is told)."""
+    caches = [make(slots, policy, window=7) for _ in range(2)]
     for cache in caches:
         for key in pinned:
             cache.pin(key)
@@ -507,3 +509,47 @@ def test_lookup_many_refuses_a_key_out_of_range_by_name():
     with pytest.raises(ExpertCacheError, match=r"\(4, 0\) out of range"):
         cache.lookup_many([(0, 1), (4, 0)])
     assert cache.stats().lookups == 0
+
+
+class _Told(LFUPolicy):
+    """LFU that records what it is told."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.told: list[tuple[str, tuple]] = []
+
+    def add(self, key, count: int = 1) -> None:
+        self.told.append(("add", key))
+        super().add(key, count)
+
+    def touch(self, key) -> None:
+        self.told.append(("touch", key))
+        super().touch(key)
+
+
+@pytest.mark.parametrize("slots", [63, 64, 80])
+def test_a_cache_with_a_slot_for_every_key_tells_its_policy_nothing(slots):
+    """It never evicts, so its policy never picks a victim and is told of no admission or use
+    (a whole-mode decode step's lookups cost no policy work); its statistics count as before. One
+    slot fewer than the 64 keys and the policy hears of every use."""
+    policies = []
+    cache = ExpertCache(slots * E, E, num_layers=4, num_experts=16,
+                        policy=lambda capacity: policies.append(_Told(capacity)) or policies[-1])
+    keys = [(layer, e) for layer in range(4) for e in range(16)]
+    cache.pin((0, 0))
+    cache.hold((1, 1))
+    for key in keys + keys[::-1]:
+        use(cache, key)
+    assert cache.lookup_many(keys[:40]) == [cache.peek(key) for key in keys[:40]]
+    cache.touch((2, 2))
+    cache.release((1, 1))
+    cache.unpin((0, 0))
+    st = cache.stats()
+    lookups = 2 * len(keys) + 40
+    if slots >= 64:
+        assert policies[0].told == [] and len(policies[0]) == 0
+        assert (st.hits, st.misses, st.evictions, st.entries) == (lookups - 64, 64, 0, 64)
+        assert st.layer_hits == (32, 32, 24, 16) and st.policy == "lfu"
+    else:
+        assert {what for what, _ in policies[0].told} == {"add", "touch"} and st.evictions > 0
+    assert cache.hottest(1) == [(0, 0)] and st.hits + st.misses == lookups
