@@ -4,8 +4,9 @@
                                 [--layers 43] [--experts 256] [--workdir /tmp/dsv4-host-routes]
 
 Once a graphed step has run, the decode runner counts its routes (every layer's six experts) on the
-host, beside the next step on the GPU: the expert cache's lookups, its eviction policy's uses, the
-usage counts (engine/decode_graph.py, `DecodeRunner._count`). This times that accounting through
+host, beside the next step on the GPU: the expert cache's lookups and the usage counts
+(engine/decode_graph.py, `DecodeRunner._count`; a cache holding every expert tells its eviction
+policy nothing, engine/experts/cache.py). This times that accounting through
 the engine's own provider (StreamingExperts over the tiny model's pack at `--layers` x `--experts`,
 every expert resident, as in whole mode): layer by layer (`record`, a call per layer) and in one
 call per step (`record_routes`, what the runner calls), alternating, over the trace's tokens
