@@ -530,11 +530,15 @@ class _Told(LFUPolicy):
 @pytest.mark.parametrize("slots", [63, 64, 80])
 def test_a_cache_with_a_slot_for_every_key_tells_its_policy_nothing(slots):
     """It never evicts, so its policy never picks a victim and is told of no admission or use
-    (a whole-mode decode step's lookups cost no policy work); its statistics count as before. One
-    slot fewer than the 64 keys and the policy hears of every use."""
-    policies = []
-    cache = ExpertCache(slots * E, E, num_layers=4, num_experts=16,
-                        policy=lambda capacity: policies.append(_Told(capacity)) or policies[-1])
+    (a whole-mode decode step's lookups cost no policy work); its statistics count as before. With
+    one slot fewer than the 64 keys the policy hears of admissions and uses again."""
+    policies: list[_Told] = []
+
+    def told(capacity: int) -> _Told:
+        policies.append(_Told(capacity))
+        return policies[-1]
+
+    cache = ExpertCache(slots * E, E, num_layers=4, num_experts=16, policy=told)
     keys = [(layer, e) for layer in range(4) for e in range(16)]
     cache.pin((0, 0))
     cache.hold((1, 1))
@@ -544,12 +548,12 @@ def test_a_cache_with_a_slot_for_every_key_tells_its_policy_nothing(slots):
     cache.touch((2, 2))
     cache.release((1, 1))
     cache.unpin((0, 0))
-    st = cache.stats()
+    stats = cache.stats()
     lookups = 2 * len(keys) + 40
     if slots >= 64:
         assert policies[0].told == [] and len(policies[0]) == 0
-        assert (st.hits, st.misses, st.evictions, st.entries) == (lookups - 64, 64, 0, 64)
-        assert st.layer_hits == (32, 32, 24, 16) and st.policy == "lfu"
+        assert (stats.hits, stats.misses, stats.evictions, stats.entries) == (lookups - 64, 64, 0, 64)
+        assert stats.layer_hits == (32, 32, 24, 16) and stats.policy == "lfu"
     else:
-        assert {what for what, _ in policies[0].told} == {"add", "touch"} and st.evictions > 0
-    assert cache.hottest(1) == [(0, 0)] and st.hits + st.misses == lookups
+        assert {what for what, _ in policies[0].told} == {"add", "touch"} and stats.evictions > 0
+    assert cache.hottest(1) == [(0, 0)] and stats.hits + stats.misses == lookups
