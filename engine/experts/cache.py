@@ -76,6 +76,40 @@ class CacheStats:
         return tuple(h / (h + m) if h + m else 0.0 for h, m in zip(self.layer_hits, self.layer_misses))
 
 
+def add_per_layer(counts: list[int], keys: list[ExpertKey]) -> None:
+    """counts[layer] += the number of `keys` of that layer, for the layers `counts` has."""
+    per_layer = Counter(layer for layer, _ in keys)
+    for layer in per_layer.keys() & range(len(counts)):
+        counts[layer] += per_layer[layer]
+
+
+class _Unranked:
+    """The policy of a cache with a slot for every key: such a cache never evicts, so it never
+    asks for a victim, and the policy it was given is told nothing (a whole-mode decode step's 258
+    lookups then cost no policy work). Keeps that policy's name for the statistics."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def add(self, key: ExpertKey, count: int = 1) -> None:
+        pass
+
+    def touch(self, key: ExpertKey) -> None:
+        pass
+
+    def discard(self, key: ExpertKey) -> None:
+        pass
+
+    def victim(self) -> ExpertKey | None:
+        return None
+
+    def __len__(self) -> int:
+        return 0
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
 class ExpertCache:
     """Slots, byte budget, pinning and statistics around an eviction policy.
 
@@ -119,11 +153,9 @@ class ExpertCache:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.window = window
-        self._policy: EvictionPolicy = policy(self.capacity_slots)
-        # A cache with a slot for every key never evicts, so its policy is never asked for a
-        # victim: it is not told of uses at all (a whole-mode decode step's 258 lookups then cost
-        # no policy work).
-        self._ranked = self.capacity_slots < num_layers * num_experts
+        self._ranked = self.capacity_slots < num_layers * num_experts  # else it never evicts
+        given = policy(self.capacity_slots)
+        self._policy: EvictionPolicy = given if self._ranked else _Unranked(given.name)
         self._slots: dict[ExpertKey, int] = {}
         self._uses: Counter[ExpertKey] = Counter()  # uses since admission, resident keys only
         self._free: list[int] = list(range(self.capacity_slots - 1, -1, -1))  # pop() -> 0 first
@@ -159,7 +191,7 @@ class ExpertCache:
             self._hits += 1
             self._layer_hits[key[0]] += 1
             self._uses[key] += 1
-            if self._ranked and key not in self._pinned and key not in self._suspended:
+            if key not in self._pinned and key not in self._suspended:
                 self._policy.touch(key)
         else:
             self._misses += 1
@@ -193,15 +225,14 @@ class ExpertCache:
         layer_hits, layer_misses, uses = self._layer_hits, self._layer_misses, self._uses
         if found == n and not self._ranked:  # every key resident, no policy to tell
             uses.update(keys)
-            for layer, count in Counter(layer for layer, _ in keys).items():
-                layer_hits[layer] += count
+            add_per_layer(layer_hits, keys)
             return slots
         pinned, suspended, touch = self._pinned, self._suspended, self._policy.touch
         for key, hit in zip(keys, hits):
             if hit:
                 layer_hits[key[0]] += 1
                 uses[key] += 1
-                if self._ranked and key not in pinned and key not in suspended:
+                if key not in pinned and key not in suspended:
                     touch(key)
             else:
                 layer_misses[key[0]] += 1
@@ -212,7 +243,7 @@ class ExpertCache:
         is counted); False when `key` is not resident."""
         if key not in self._slots:
             return False
-        if self._ranked and key not in self._pinned and key not in self._suspended:
+        if key not in self._pinned and key not in self._suspended:
             self._policy.touch(key)
         return True
 
@@ -252,7 +283,7 @@ class ExpertCache:
         self._uses[key] = 1
         if key in self._held:  # the policy hears of it at its release, with the uses made by then
             self._suspended.add(key)
-        elif self._ranked and key not in self._pinned:
+        elif key not in self._pinned:
             self._policy.add(key)
         self._admissions += 1
         return slot, evicted
@@ -306,7 +337,7 @@ class ExpertCache:
         """Give resident, unpinned `key` back to the policy (now, or at its release if held)."""
         if key in self._held:
             self._suspended.add(key)
-        elif self._ranked:
+        else:
             self._policy.add(key, self._uses[key])
 
     def hold(self, key: ExpertKey) -> None:

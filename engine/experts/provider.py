@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey, add_per_layer
 from engine.experts.prefetch import PrefetchLedger, PrefetchStats
 from engine.experts.weights import ExpertWeights
 
@@ -73,9 +73,7 @@ class ExpertUsage:
         """One use of each key, distinct (layer, expert) keys in any order, in one call (`count`
         layer by layer, without a Python call per layer)."""
         self.uses.update(keys)
-        per_layer = Counter(layer for layer, _ in keys)
-        for layer in per_layer.keys() & range(len(self.layer_uses)):
-            self.layer_uses[layer] += per_layer[layer]
+        add_per_layer(self.layer_uses, keys)
 
 
 class ExpertProvider(ABC):
