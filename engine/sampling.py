@@ -37,6 +37,8 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise SamplingError(f"seed must be a 64-bit integer (-2^63 .. 2^64 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -1,14 +1,15 @@
 """The Starlette app: OpenAI-compatible routes over one Engine.
 
     POST /v1/chat/completions   stream (SSE chunks, `data: [DONE]`) or one JSON completion
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served (GET /v1/models/{id}: that model, or 404)
     GET  /v1/stats              requests, KV reuse, expert cache, memory plan, tok/s
     GET  /health                liveness (never needs the API key)
 
-A completion request is validated (app.server.request), its prompt length checked against the
-context, then queued on the worker (app.server.worker); 429 with Retry-After when the queue is
-full. While a streamed request waits or prefills, an SSE comment (`: keep-alive`) goes out every
-`keepalive_s` seconds. A client that disconnects cancels its job. Errors are OpenAI-style JSON
+A completion request's body is read up to `max_body_bytes` (413 beyond), validated
+(app.server.request), given the server's system prompt if it has none, its prompt length checked
+against the context, then queued on the worker (app.server.worker); 429 with Retry-After when the
+queue is full, 503 once the server is shutting down. While a streamed request waits or
+prefills, an SSE comment (`: keep-alive`) goes out every `keepalive_s` seconds. A client that disconnects cancels its job. Errors are OpenAI-style JSON
 bodies (app.server.errors).
 """
 
@@ -34,7 +35,7 @@ from app.server.errors import ApiError, bad_request, error_body
 from app.heap_trim import heap_trimmer
 from app.server.pool import SessionPool
 from app.server.request import ChatRequest, parse_chat_request
-from app.server.worker import Delta, Failed, Finished, Job, Started, Worker
+from app.server.worker import SHUTTING_DOWN, Delta, Failed, Finished, Job, Started, Worker
 from engine.chat import render_messages
 from engine.sampling import SamplingParams
 
@@ -50,6 +51,14 @@ class ServerConfig:
     keepalive_s: float = 10.0  # SSE comment interval while a streamed request waits or prefills
     trim_heap: bool = True  # give freed heap pages back to the OS when the worker goes idle (app.heap_trim)
     defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    system: str | None = None  # the system prompt of requests that send none (the app's `system` setting)
+    max_body_bytes: int | None = None  # None: body_limit(the engine's max_seq_len)
+
+
+def body_limit(max_seq_len: int) -> int:
+    """The default cap on a request body: 1 MiB plus 16 bytes a token of context (a context's worth
+    of JSON-escaped text, \\uXXXX for each CJK character, fits; a body far beyond it cannot)."""
+    return (1 << 20) + 16 * max_seq_len
 
 
 def _usage(stats) -> dict:
@@ -76,6 +85,7 @@ class Api:
                              on_idle=heap_trimmer() if config.trim_heap else None)
         self.model_id = engine.info["model"]
         self.created = int(time.time())
+        self.max_body = config.max_body_bytes or body_limit(engine.config.max_seq_len)
 
     # ---------------------------------------------------------------- plumbing
     def _authorize(self, request: Request) -> None:
@@ -88,6 +98,22 @@ class Api:
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                                 "with the key the server was started with (--api-key)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, or a 413 as soon as it is known to exceed `max_body` bytes."""
+        too_large = ApiError(413, f"the request body is over {self.max_body:,} bytes, more than the context of "
+                                  f"{self.engine.config.max_seq_len:,} tokens can hold; shorten the conversation",
+                             code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check_context(self, req: ChatRequest) -> None:
         text = render_messages(req.conversation(), req.params.thinking)
@@ -109,10 +135,20 @@ class Api:
                              "busy": w["busy"], "queued": w["queued"]},
                             status_code=200 if self.worker.alive else 503)
 
+    def _model(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4-chat"}
+
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "dsv4-chat"}]})
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        name = request.path_params["model"]
+        if name != self.model_id:
+            raise ApiError(404, f"the model {name!r} is not served here; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model())
 
     async def stats(self, request: Request) -> JSONResponse:
         self._authorize(request)
@@ -130,7 +166,9 @@ class Api:
 
     async def chat(self, request: Request):
         self._authorize(request)
-        req = parse_chat_request(await request.body(), self.config.defaults)
+        req = parse_chat_request(await self._body(request), self.config.defaults)
+        if req.system is None and self.config.system:
+            req = dataclasses.replace(req, system=self.config.system)
         await run_in_threadpool(self._check_context, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -141,10 +179,12 @@ class Api:
 
         job = Job(req, emit)
         if not self.worker.submit(job):
+            if self.worker.stopping:
+                raise ApiError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
             wait = self.worker.retry_after()
-            raise ApiError(429, f"the server is busy ({self.config.max_queue} requests already wait); "
-                                f"retry after {wait} s", type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(wait)})
+            raise ApiError(429, f"the server is busy: one request runs and {self.config.max_queue} may wait "
+                                f"behind it; retry after {wait} s", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(self._stream(job, events, req, cid, created), media_type="text/event-stream",
@@ -192,10 +232,12 @@ class Api:
                 if isinstance(item, Finished):
                     break
                 if isinstance(item, Failed):
-                    raise ApiError(500, item.message, type="server_error")
+                    raise ApiError(item.status, item.message, type="server_error")
         finally:
             watcher.cancel()
             job.cancel.set()
+        if item.finish_reason == "cancelled" and self.worker.stopping:  # cut by the shutdown, not the client
+            raise ApiError(503, SHUTTING_DOWN, type="server_error", code="shutting_down")
         message = {"role": "assistant", "content": item.content}
         if req.params.thinking:
             message["reasoning_content"] = item.reasoning
@@ -212,7 +254,7 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", code=code),
-                        status_code=exc.status_code)
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -234,6 +276,7 @@ def build_app(engine, config: ServerConfig) -> Starlette:
     app = Starlette(routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/v1/stats", api.stats, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
     ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},

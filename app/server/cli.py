@@ -44,6 +44,8 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--max-state-gb must be > 0, got {args.max_state_gb}"
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key must not be empty"
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()):
+        return "--api-key must be printable ASCII: HTTP clients send it in a header"
     return None
 
 
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from app.server.api import ServerConfig, build_app
+        from app.server.runner import Server, bind_problem
     except ModuleNotFoundError as err:
         print(f"dsv4-chat serve: {err.name} is missing; install the server extra: pip install 'dsv4-chat[server]'",
               file=sys.stderr)
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_namespace(args, dict(os.environ))
     except SettingsError as err:
         print(f"dsv4-chat serve: {err}", file=sys.stderr)
+        return 2
+    problem = bind_problem(args.host, args.port)
+    if problem:
+        print(f"dsv4-chat serve: {problem}", file=sys.stderr)
         return 2
     from app.plain import load_engine  # the same model choice and progress lines as --plain
 
@@ -91,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
               "this port can use the model", file=sys.stderr)
     server_config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_sessions=args.max_sessions,
                                  max_state_bytes=None if args.max_state_gb is None else int(args.max_state_gb * 2**30),
-                                 keepalive_s=args.keepalive, defaults=config.gen)
+                                 keepalive_s=args.keepalive, defaults=config.gen, system=config.system or None)
     heap = HeapFreeze()
     try:
         heap.freeze()  # the engine is built: keep full GC passes off the requests' path (app/heap.py)
-        uvicorn.run(build_app(engine, server_config), host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=5)
+        app = build_app(engine, server_config)
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),
+               app.state.api.worker).run()
     finally:
         heap.release()
         engine.close()

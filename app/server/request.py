@@ -4,7 +4,9 @@ Accepted fields (anything else is a 400 naming the field): messages, model, stre
 stream_options.include_usage, max_tokens / max_completion_tokens, temperature, top_p, top_k,
 seed, stop (a string or up to 4), n (1 only), user (ignored), and thinking on/off as
 `thinking: true|false`, DeepSeek's `thinking: {"type": "enabled"|"disabled"}` or
-`chat_template_kwargs: {"thinking": bool}`. Messages: leading system (or developer) messages
+`chat_template_kwargs: {"thinking": bool}`. Fields that clients send with OpenAI's defaults
+(`NEUTRAL`: frequency_penalty 0, presence_penalty 0, logprobs false, logit_bias {}) are accepted
+at those values only. Messages: leading system (or developer) messages
 become the system prompt; then user/assistant messages, the last one from the user. Content is a
 string or a list of `{"type": "text", "text": ...}` parts. Unset sampling fields take the
 server's defaults (the app's [generation] settings).
@@ -13,15 +15,18 @@ server's defaults (the app's [generation] settings).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from app.server.errors import bad_request
 from engine.chat import Message
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingError, SamplingParams
 
 FIELDS = frozenset({"messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
                     "temperature", "top_p", "top_k", "seed", "stop", "n", "user", "thinking",
-                    "chat_template_kwargs"})
+                    "chat_template_kwargs"}) | {"frequency_penalty", "presence_penalty", "logprobs", "logit_bias"}
+# fields this server does not implement, accepted at the value that means "off" (OpenAI's default)
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "logit_bias": {}}
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "reasoning_content"})
 MAX_STOPS = 4
 
@@ -53,18 +58,28 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _text(value: str, where: str) -> str:
+    """`value`, or a 400 if it holds a lone UTF-16 surrogate (JSON allows one; no tokenizer does)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_request(f"{where} holds an unpaired UTF-16 surrogate ({value[err.start]!r} at character "
+                          f"{err.start}); send valid Unicode text", param=where) from None
+    return value
+
+
 def _content(value, where: str) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list):
         parts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: only text content parts ({{\"type\": \"text\", \"text\": ...}}) "
                                   "are supported", param=where)
-            parts.append(part["text"])
+            parts.append(_text(part["text"], where))
         return "".join(parts)
     raise bad_request(f"{where} must be a string or a list of text parts", param=where)
 
@@ -123,19 +138,24 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams) -> ChatRequest:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise bad_request(f"the request body is not valid JSON ({err}); send a JSON object") from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays or objects too deeply; send a flat chat request") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise bad_request(f"unsupported field {unknown[0]!r}; this server accepts: {', '.join(sorted(FIELDS))}",
                           param=unknown[0])
+    for name, off in NEUTRAL.items():
+        if body.get(name) not in (None, off):
+            raise bad_request(f"'{name}' is not supported; leave it out or send {json.dumps(off)}", param=name)
     system, history, user = _messages(body.get("messages"))
 
     def number(name, lo, hi, lo_open=False):
         v = body.get(name)
         if v is None:
             return None
-        if not _is_number(v) or v < lo or v > hi or (lo_open and v == lo):
+        if not _is_number(v) or not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
             raise bad_request(f"'{name}' must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}",
                               param=name)
         return float(v)
@@ -157,8 +177,8 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams) -> ChatRequest:
     top_p = number("top_p", 0.0, 1.0, lo_open=True)
     top_k = integer("top_k", 0)
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request(f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**64):
+        raise bad_request(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request("'n' must be 1 (one completion per request)", param="n")
@@ -178,9 +198,12 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams) -> ChatRequest:
         raise bad_request("'model' must be a string", param="model")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("'user' must be a string", param="user")
-    params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
-                            top_p=defaults.top_p if top_p is None else top_p,
-                            top_k=defaults.top_k if top_k is None else top_k,
-                            max_tokens=max_tokens, seed=seed, thinking=_thinking(body, defaults.thinking))
+    try:
+        params = SamplingParams(temperature=defaults.temperature if temperature is None else temperature,
+                                top_p=defaults.top_p if top_p is None else top_p,
+                                top_k=defaults.top_k if top_k is None else top_k,
+                                max_tokens=max_tokens, seed=seed, thinking=_thinking(body, defaults.thinking))
+    except SamplingError as err:  # the checks above keep to the engine's ranges; this names any other
+        raise bad_request(str(err)) from None
     return ChatRequest(system, tuple(history), user, params, stream,
                        bool(options and options.get("include_usage")), tuple(stops), model)

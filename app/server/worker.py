@@ -2,9 +2,12 @@
 
 The HTTP side submits a `Job` (a validated request, a cancel event and an `emit` callback that is
 safe to call from another thread) and reads what the worker emits: `Started` when the job leaves
-the queue, `Delta`s of reasoning/content text, then `Finished` or `Failed`. A full queue makes
-`submit` return False (the API answers 429). Setting the job's cancel event (the client went
-away) stops its generation after the current step, or skips it while it still waits.
+the queue, `Delta`s of reasoning/content text, then `Finished` or `Failed`; every submitted job
+gets exactly one `Finished` or `Failed`. A full queue makes `submit` return False (the API
+answers 429). Setting the job's cancel event (the client went away) stops its generation after
+the current step, or skips it while it still waits (with a `Failed`, which nobody may read).
+`begin_shutdown` (the server is stopping) cancels the running job and fails the waiting ones at
+once, so that their clients get an ending before the connections close.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from app.server.stops import StopScanner
 from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.stats import StepStats, TurnStats
 
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
 FINISH = {"eos": "stop", "max_tokens": "length", "context": "length", "cancelled": "cancelled"}
 
 
@@ -47,6 +51,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # the HTTP status a non-streamed request answers with
 
 
 @dataclass
@@ -82,20 +87,35 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running job and every waiting one; join the thread."""
+    def begin_shutdown(self) -> None:
+        """Refuse new jobs, cancel the running one (it ends after its current step) and fail every
+        waiting one; returns at once (call it on the event loop, not in a signal handler)."""
         self._stop.set()
         with self._lock:
             if self._current is not None:
                 self._current.cancel.set()
+        self._fail_waiting()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """`begin_shutdown`, then join the thread."""
+        self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _fail_waiting(self) -> None:
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                break
-            job.emit(Failed("the server is shutting down"))
+                return
+            with self._lock:
+                self._waiting -= 1
+            job.emit(Failed(SHUTTING_DOWN, 503))
+
+    @property
+    def stopping(self) -> bool:
+        """True once shutdown began: no new job is taken."""
+        return self._stop.is_set()
 
     @property
     def alive(self) -> bool:
@@ -110,13 +130,14 @@ class Worker:
                 return False
             self._waiting += 1
             self._counts["requests"] += 1
-        self._jobs.put(job)
+            self._jobs.put(job)  # under the lock: begin_shutdown either sees it queued or submit sees the stop
         return True
 
     def retry_after(self) -> int:
-        """Seconds a rejected client should wait: the recent mean turn time times the jobs ahead."""
+        """Seconds a rejected client should wait: the recent mean time of a finished (not
+        cancelled) turn times the jobs ahead."""
         with self._lock:
-            times = [t["total_s"] for t in self._turns]
+            times = [t["total_s"] for t in self._turns if t["finish_reason"] != "cancelled"]
             ahead = self._waiting + (self._current is not None)
         mean = sum(times) / len(times) if times else 1.0
         return max(1, round(mean * ahead + 0.5))
@@ -131,9 +152,13 @@ class Worker:
             with self._lock:
                 self._waiting -= 1
                 self._current = job
+                if self._stop.is_set():  # taken as shutdown began
+                    job.cancel.set()
             try:
-                if job.cancel.is_set():  # the client left while waiting
+                if job.cancel.is_set():  # the client left while waiting, or the server is stopping
                     self._count("cancelled")
+                    job.emit(Failed(SHUTTING_DOWN if self._stop.is_set() else
+                                    "the request was cancelled before it started", 503))
                 else:
                     self._serve(job)
             except Exception as exc:  # never let one request take the worker down

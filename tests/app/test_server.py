@@ -14,9 +14,12 @@ import pytest
 import uvicorn
 
 from app.demo import ensure_demo_model
-from app.server.api import ServerConfig, build_app
+from app.server.api import ServerConfig, body_limit, build_app
 from app.server.pool import SessionPool
+from app.server.request import ChatRequest
+from app.server.runner import Server
 from app.server.stops import StopScanner
+from app.server.worker import Failed, Job, Worker
 from engine.chat import Message
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -28,14 +31,16 @@ DEFAULTS = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, max_tokens=4)
 
 
 class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1:<ephemeral> in the thread "test-uvicorn"."""
+    """`dsv4-chat serve`'s uvicorn server (app.server.runner) serving `app` on
+    127.0.0.1:<ephemeral> in the thread "test-uvicorn"."""
 
     def __init__(self, app) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5),
+                             app.state.api.worker)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="test-uvicorn")
 
@@ -363,6 +368,136 @@ def test_serve_subcommand_rejects_bad_flags_in_one_line(capsys, tmp_path):
 
     assert main(["serve", "--port", "70000"]) == 2
     assert capsys.readouterr().err == "dsv4-chat serve: --port must be in 1-65535, got 70000\n"
+    assert main(["serve", "--api-key", "clé"]) == 2
+    assert capsys.readouterr().err == "dsv4-chat serve: --api-key must be printable ASCII: HTTP clients send it in a header\n"
+    with socket.socket() as busy:  # a port in use is found before the model loads (a missing one here)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dsv4-chat serve: cannot listen on 127.0.0.1:{port}: Address already in use; choose another " \
+                  "--port, or stop the program that holds it\n"
     assert main(["serve", "--model", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+
+
+def test_values_json_allows_but_no_sampler_or_tokenizer_takes_get_400(server):
+    user = '[{"role": "user", "content": "Hi"}]'
+    cases = [
+        (f'{{"messages": {user}, "temperature": NaN}}', "temperature", "must be a number"),
+        (f'{{"messages": {user}, "top_p": NaN}}', "top_p", "must be a number"),
+        (f'{{"messages": {user}, "temperature": Infinity}}', "temperature", "must be a number"),
+        (f'{{"messages": {user}, "seed": {2**64}}}', "seed", "64-bit integer"),
+        ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content", "unpaired UTF-16 surrogate"),
+        ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', "messages[0].content",
+         "unpaired UTF-16 surrogate"),
+        ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None, "nests arrays or objects too deeply"),
+        (f'{{"messages": {user}, "frequency_penalty": 0.5}}', "frequency_penalty", "'frequency_penalty' is not supported"),
+        (f'{{"messages": {user}, "logprobs": true}}', "logprobs", "send false"),
+        (f'{{"messages": {user}, "logit_bias": {{"5": 10}}}}', "logit_bias", "send {}"),
+    ]
+    for body, param, message in cases:
+        status, _, got = raw(server, "POST", "/v1/chat/completions", body.encode())
+        assert status == 400, body[:80]
+        assert got["error"]["type"] == "invalid_request_error" and got["error"]["param"] == param
+        assert message in got["error"]["message"], got
+    # the same fields at OpenAI's defaults (what many clients send) are accepted
+    status, _, got = raw(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "seed": 2**64 - 1,
+        "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "logit_bias": {}})
+    assert status == 200 and got["usage"]["completion_tokens"] == 1
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read_whole(server):
+    limit = body_limit(server.api.engine.config.max_seq_len)
+    assert server.api.max_body == limit
+    big = json.dumps({"messages": [{"role": "user", "content": "ab " * (limit // 3)}]}).encode()
+    status, _, got = raw(server, "POST", "/v1/chat/completions", big)  # with its Content-Length
+    assert status == 413 and got["error"]["code"] == "request_too_large"
+    assert f"over {limit:,} bytes" in got["error"]["message"]
+
+    def chunks():  # no Content-Length: chunked, counted as it arrives
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(limit // 65536 + 2):
+            yield b"x" * 65536
+        yield b'"}]}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=chunks(), encode_chunked=True,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    got = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and got["error"]["code"] == "request_too_large"
+
+
+def test_model_by_id_and_405_allow_header(server, client):
+    assert client.models.retrieve("demo").id == "demo"
+    status, _, got = raw(server, "GET", "/v1/models/other")
+    assert status == 404 and got["error"]["code"] == "model_not_found" and "'demo'" in got["error"]["message"]
+    status, headers, got = raw(server, "DELETE", "/v1/models")
+    assert status == 405 and headers["allow"] == "GET, HEAD" and got["error"]["code"] == "method_not_allowed"
+
+
+def test_the_servers_system_prompt_goes_to_requests_without_one(engine, server, client):
+    app = build_app(engine, ServerConfig(api_key=KEY, defaults=DEFAULTS, system="You are a pirate."))
+    msgs = [{"role": "user", "content": "Ahoy?"}]
+    with LiveServer(app) as pirate:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{pirate.port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        implicit = c.chat.completions.create(model="demo", messages=msgs, max_tokens=1, seed=3)
+        other = c.chat.completions.create(model="demo", messages=[{"role": "system", "content": "Be brief."}] + msgs,
+                                          max_tokens=1, seed=3)
+        c.close()
+    explicit = client.chat.completions.create(
+        model="demo", messages=[{"role": "system", "content": "You are a pirate."}] + msgs, max_tokens=1, seed=3)
+    plain = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, seed=3)
+    assert implicit.usage.prompt_tokens == explicit.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert implicit.choices[0].message.content == explicit.choices[0].message.content
+    assert other.usage.prompt_tokens < explicit.usage.prompt_tokens  # a request's own system prompt wins
+
+
+def test_a_job_cancelled_while_it_waits_still_gets_its_ending():
+    worker = Worker(engine=None, pool=None, max_queue=2)  # the skipped job never reaches either
+    got, done = [], threading.Event()
+    job = Job(ChatRequest(None, (), "hi", SamplingParams()), lambda item: (got.append(item), done.set()))
+    job.cancel.set()  # the client left before the worker took it
+    assert worker.submit(job)
+    worker.start()
+    assert done.wait(10)
+    worker.stop()
+    assert len(got) == 1 and isinstance(got[0], Failed) and got[0].status == 503
+    assert worker.stats()["cancelled"] == 1 and worker.stats()["queued"] == 0
+
+
+def test_shutdown_ends_the_running_stream_and_fails_the_waiting_requests(engine):
+    app = build_app(engine, ServerConfig(api_key=KEY, max_queue=2, keepalive_s=0.05, defaults=DEFAULTS))
+    live = LiveServer(app).__enter__()
+    try:
+        running_conn, running = open_stream(live, {"messages": [{"role": "user", "content": "Go on."}],
+                                                   "max_tokens": 3000})
+        running_lines = sse_lines(running)
+        next(line for line in running_lines if '"content": "' in line and '"content": ""' not in line)
+        waiting_conn, waiting = open_stream(live, {"messages": [{"role": "user", "content": "Wait."}], "max_tokens": 2})
+        assert next(sse_lines(waiting)) == ": keep-alive"
+        plain = {}
+        asker = threading.Thread(target=lambda: plain.update(out=raw(live, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Also waiting."}], "max_tokens": 2})), name="test-waiting-plain")
+        asker.start()
+        while app.state.api.worker.stats()["queued"] < 2:
+            time.sleep(0.01)
+        live.server.should_exit = True  # what Ctrl+C or SIGTERM does
+        rest = list(running_lines)
+        finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest if line.startswith("data: {")]
+        assert finish[-1] == "cancelled" and rest[-1] == "data: [DONE]"
+        waited = [line for line in sse_lines(waiting) if line != ": keep-alive"]
+        assert "shutting down" in json.loads(waited[0][6:])["error"]["message"] and waited[-1] == "data: [DONE]"
+        asker.join(30)
+        status, _, body = plain["out"]
+        assert status == 503 and body["error"]["code"] is None and "shutting down" in body["error"]["message"]
+        running_conn.close()
+        waiting_conn.close()
+    finally:
+        live.__exit__(None, None, None)
+    assert not app.state.api.worker.alive
