@@ -36,6 +36,7 @@ become one `engine.config.EngineConfig` (`AppConfig.engine`, GiB converted to by
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -188,14 +189,21 @@ def _positive(value: float) -> str | None:
     return None if value > 0 else f"must be > 0, got {value}"
 
 
+def _gib(value: float) -> str | None:
+    """A memory budget in GiB: `_positive`, and its bytes a finite number."""
+    if _positive(value) or math.isfinite(value * 2**30):
+        return _positive(value)
+    return f"must be a number of GiB that fits in bytes, got {value}"
+
+
 # Settable keys: name -> how it is read and checked.
 _KEYS: dict[str, _Key] = {
     "model": _Key("path"),
     "data_dir": _Key("path"),
     "demo": _Key("bool"),
-    "cache_gb": _Key("number", _positive),
-    "host_cache_gb": _Key("number", _positive),
-    "memory_gb": _Key("number", _positive),
+    "cache_gb": _Key("number", _gib),
+    "host_cache_gb": _Key("number", _gib),
+    "memory_gb": _Key("number", _gib),
     "numerics": _Key("text", _choice("native", "exact")),
     "device": _Key("text", _choice("cpu", "cuda")),
     "backend": _Key("text", _choice("torch", "tilelang")),

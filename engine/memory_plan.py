@@ -293,7 +293,8 @@ def gib_to_bytes(value: float | None, name: str) -> int | None:
     negative values with one line naming the option."""
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+            or not math.isfinite(value * GiB)):
         raise MemoryPlanError(f"{name} must be a positive number of GiB, got {value!r}")
     return int(value * GiB)
 

@@ -81,7 +81,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_logits, order = torch.sort(out, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # probability mass ranked above each token
-        drop_sorted = before >= top_p  # position 0 has before = 0, never dropped
+        drop_sorted = before >= top_p
+        drop_sorted[0] = False  # the most likely token, also where top_p rounds to 0 in fp32 (1e-300)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
@@ -93,7 +94,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.greedy:
         return torch.argmax(logits)
-    scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    # shifted so that the largest is 0 before dividing: a tiny temperature (1e-38) then sends the
+    # others to -inf (a one-hot softmax) instead of every logit to ±inf (a NaN softmax)
+    scaled = filter_logits((logits - logits.max()) / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return torch.argmax(probs / noise)

@@ -126,7 +126,7 @@ def test_long_contexts_cost_state_and_can_be_refused():
         12 * state_bytes(args, 1 << 16, torch.bfloat16))  # live, working copy, 8 snapshots, graph homes
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0, True, "8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e300, -1.0, 0.0, True, "8"])
 def test_gib_options_refuse_nonsense(value):
     with pytest.raises(MemoryPlanError, match="--cache-gb must be a positive number of GiB"):
         gib_to_bytes(value, "--cache-gb")

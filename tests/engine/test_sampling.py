@@ -113,3 +113,19 @@ def test_warm_sampling_runs_the_decode_loops_per_token_work_once_per_mode():
     warm_sampling(runtime, 50, torch.device("cpu"))
     assert len(runtime.values) == 2  # greedy, then filtered sampling
     assert all(t.dim() == 0 and t.dtype == torch.int64 and 0 <= int(t) < 50 for t in runtime.values)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 1e-38}, {"temperature": 1e-30, "top_k": 5},
+                                    {"temperature": 0.7, "top_p": 1e-300}, {"temperature": 1e-38, "top_p": 1e-45}])
+def test_the_smallest_accepted_temperature_and_top_p_choose_the_most_likely_token(kwargs):
+    logits = torch.randn(129280, generator=torch.Generator().manual_seed(1)) * 4
+    for seed in range(4):
+        assert int(sample(logits, SamplingParams(**kwargs), torch.Generator().manual_seed(seed))) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("seed", [-2**63 - 1, 2**64])
+def test_a_seed_outside_64_bits_is_refused(seed):
+    with pytest.raises(SamplingError, match="seed must be a 64-bit integer"):
+        SamplingParams(seed=seed)
+    Sampler(SamplingParams(seed=2**64 - 1))  # the largest accepted seed works
+    Sampler(SamplingParams(seed=-2**63))
