@@ -1,5 +1,6 @@
 """`dsv4-chat`: parse flags, merge settings (flags > DSV4_* environment > TOML file > defaults),
-then run the TUI, the line-mode chat (--plain), or one prompt (`dsv4-chat run PROMPT`)."""
+then run the TUI, the line-mode chat (--plain), one prompt (`dsv4-chat run PROMPT`) or the HTTP
+API (`dsv4-chat serve`, app/server/cli.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from typing import NoReturn
 
 from app.options import add_chat_options, config_from_namespace
+from app.server import cli as serve_cli
 from app.settings import AppConfig, SettingsError
 from engine.reproducible import pin_cpu_math
 
@@ -40,6 +42,10 @@ def parser() -> argparse.ArgumentParser:
                                           "stderr; exit 1 if the turn fails.")
     run.add_argument("prompt", nargs="*", help="the prompt (words are joined); none: read stdin")
     add_chat_options(run, suppress=True)
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API "
+                                              "(needs the server extra)", description=serve_cli.DESCRIPTION)
+    serve_cli.add_options(serve)
+    add_chat_options(serve, suppress=True)
     return p
 
 
@@ -49,12 +55,9 @@ def config_from_args(argv: list[str] | None, env: dict[str, str]) -> AppConfig:
 
 def main(argv: list[str] | None = None) -> int:
     pin_cpu_math()  # before any model work (engine/reproducible.py)
-    rest = sys.argv[1:] if argv is None else argv
-    if rest[:1] == ["serve"]:  # `dsv4-chat serve ...`: the HTTP API (app/server/cli.py)
-        from app.server.cli import main as serve_main
-
-        return serve_main(rest[1:])
     args = parser().parse_args(argv)
+    if args.command == "serve":  # its settings and errors are its own (app/server/cli.py)
+        return serve_cli.run(args)
     try:
         config = config_from_namespace(args, dict(os.environ))
     except SettingsError as err:

@@ -2,5 +2,6 @@
 
 Modules: request (parse and validate a chat request), stops (stop strings), errors (OpenAI-style
 error bodies), pool (sessions reused across requests), worker (the one generation thread),
-api (routes), cli (the `serve` subcommand).
+api (routes), runner (uvicorn, with a shutdown that ends every request), cli (the `serve`
+subcommand).
 """

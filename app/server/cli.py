@@ -1,5 +1,9 @@
 """`dsv4-chat serve`: load the engine as the app would (same settings, flags > DSV4_* > file >
-defaults) and serve it over HTTP with uvicorn, on 127.0.0.1 unless --host says otherwise."""
+defaults) and serve it over HTTP with uvicorn, on 127.0.0.1 unless --host says otherwise.
+
+`add_options` puts the server's own options on the `serve` subcommand of `dsv4-chat`'s parser
+(app.__main__), whose shared options may come before or after `serve`; `run` serves a parsed
+namespace."""
 
 from __future__ import annotations
 
@@ -9,18 +13,19 @@ import os
 import sys
 
 from app.heap import HeapFreeze
-from app.options import add_chat_options, config_from_namespace
+from app.options import config_from_namespace
 from app.settings import SettingsError
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4-chat serve",
-                                description="Serve the model over an OpenAI-compatible HTTP API "
-                                            "(POST /v1/chat/completions, GET /v1/models, /v1/stats, /health).")
+DESCRIPTION = ("Serve the model over an OpenAI-compatible HTTP API (POST /v1/chat/completions, "
+               "GET /v1/models, /v1/stats, /health).")
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The server's own options (the model, engine and generation options are `dsv4-chat`'s)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
-    add_chat_options(p)  # the model, engine and generation options, as `dsv4-chat` spells them
     p.add_argument("--max-queue", type=int, default=8,
                    help="requests that may wait behind the running one; more get 429 (default 8)")
     p.add_argument("--max-sessions", type=int, default=4,
@@ -30,7 +35,6 @@ def parser() -> argparse.ArgumentParser:
                    help="bound on the kept conversations' state, GiB (default: only --max-sessions)")
     p.add_argument("--keepalive", type=float, default=10.0,
                    help="seconds between SSE keep-alive comments while a request waits or prefills (default 10)")
-    return p
 
 
 def _problem(args: argparse.Namespace) -> str | None:
@@ -58,9 +62,8 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `dsv4-chat serve` (called by app.__main__)."""
-    args = parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`dsv4-chat serve` with its parsed options (app.__main__); the exit status."""
     problem = _problem(args)
     if problem:
         print(f"dsv4-chat serve: {problem}", file=sys.stderr)
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(engine, server_config)
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5),
                app.state.api.worker).run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl+C again once it has shut down cleanly
+        return 130
     finally:
         heap.release()
         engine.close()

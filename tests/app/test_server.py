@@ -378,9 +378,18 @@ def test_serve_subcommand_rejects_bad_flags_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == f"dsv4-chat serve: cannot listen on 127.0.0.1:{port}: Address already in use; choose another " \
                   "--port, or stop the program that holds it\n"
-    assert main(["serve", "--model", str(tmp_path / "none")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+    for argv in (["serve", "--model", str(tmp_path / "none")], ["--model", str(tmp_path / "none"), "serve"]):
+        assert main(argv) == 2  # the shared options before or after `serve`
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--max-queue", "many"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("dsv4-chat serve: error: argument --max-queue: invalid int value: 'many' "
+                                       "(see dsv4-chat serve --help)\n")
+    from app.__main__ import parser
+
+    assert "serve" in parser().format_help()
 
 
 def test_values_json_allows_but_no_sampler_or_tokenizer_takes_get_400(server):
