@@ -5,12 +5,15 @@ line. Up/Down walk the input history (kept in `<data_dir>/plain_history`; an unw
 file falls back to an in-memory one, with one warning). Ctrl-C while an answer streams stops that
 answer (the partial answer stays in the conversation); Ctrl-C at the prompt clears the line;
 Ctrl-D or /quit leaves. Slash commands are parsed by app.commands and applied by app.controller
-(same as the TUI); /model, /save, /load and /export belong to the TUI.
+(same as the TUI); /model (switching models) belongs to the TUI.
 
 Without a terminal on stdin (scripts), lines are read plainly (one message per line), answers go
 to stdout and everything else (banner, prompts, statistics, thinking, errors) to stderr, and the
 exit status is 1 if any turn or command failed (the remaining lines are still handled), so
-`printf 'hi\\n' | dsv4-chat --plain > answer.txt` works. `run_once` is `dsv4-chat run PROMPT`.
+`printf 'hi\\n' | dsv4-chat --plain > answer.txt` works. A line that is not UTF-8 is refused with
+one error and the next line is read. Output that goes away (`| head`, a closed or full stdout)
+stops the chat quietly with status 1 (one line on stderr for a failing write), the conversation
+autosaved up to it. `run_once` is `dsv4-chat run PROMPT`.
 
 Every conversation is autosaved as a transcript (app.autosave), like the TUI's; a data dir that
 is read-only or full turns autosave off with one warning and the chat goes on.
@@ -18,11 +21,12 @@ is read-only or full turns autosave off with one warning and the chat goes on.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator, TextIO
 
 from app.backend import EngineLike, RealBackend, history_messages
@@ -54,7 +58,7 @@ if TYPE_CHECKING:
     from engine.sampling import SamplingParams
     from engine.stats import StepStats, TurnStats
 
-TUI_ONLY = ("model", "save", "load", "export")
+TUI_ONLY = ("model",)
 PROMPT, CONTINUATION = ">>> ", "... "
 
 
@@ -172,6 +176,18 @@ def terminal_reader(history_path, warn: Callable[[str], None]) -> Callable[[], s
     return lambda: session.prompt(PROMPT)
 
 
+def not_text(line: str) -> str | None:
+    """Why `line` cannot be sent (one line), or None: input that is not UTF-8 reaches Python's
+    standard streams as lone surrogates (errors="surrogateescape"), which no tokenizer takes."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(line[err.start])
+        byte = f" (byte 0x{code - 0xDC00:02X})" if 0xDC80 <= code <= 0xDCFF else ""
+        return f"this text is not UTF-8{byte} at character {err.start + 1}; it was not sent: send UTF-8 text"
+    return None
+
+
 def stream_reader(stream: TextIO, prompts: TextIO) -> Callable[[], str]:
     """Reads one message per line from a non-terminal stream, writing `>>> ` to `prompts` (stderr
     in scripts); EOF raises EOFError."""
@@ -247,6 +263,10 @@ class PlainChat:
         """One input line: a message or a slash command. False means leave."""
         if not line.strip():
             return True
+        problem = not_text(line)
+        if problem:
+            self.error(problem)
+            return True
         if not is_command(line):
             text = message_text(line)
             self.answer(lambda cancel: self.engine.generate(self.session, text, self.params(), cancel),
@@ -273,10 +293,7 @@ class PlainChat:
                 self.trim()
 
     def _answer(self, start: Callable[[threading.Event], Iterator[Event]], user: str | None) -> bool:
-        from engine.events import EngineFailure, TextDelta, TurnFinished
-
         cancel = threading.Event()
-        channel = None
         with sigint_sets(cancel):
             try:
                 events = start(cancel)
@@ -285,32 +302,40 @@ class PlainChat:
                 return False
             if user is not None:
                 self.controller.sent(user)
-            for ev in events:
-                if isinstance(ev, TextDelta):
-                    stream = self.err if ev.channel == "thinking" else self.out
-                    if ev.channel != channel:
-                        if channel is not None:
-                            (self.err if channel == "thinking" else self.out).write("\n")
-                        stream.write("(thinking) " if ev.channel == "thinking" else "")
-                        channel = ev.channel
-                    stream.write(ev.text)
-                    stream.flush()
-                elif isinstance(ev, TurnFinished):
-                    (self.err if channel == "thinking" else self.out).write("\n")
-                    self.out.flush()
-                    if ev.stats.finish_reason == "cancelled":
-                        self.say("(answer stopped)")
-                    self.say(turn_line(ev.stats))
-                    self.controller.answered(ChatMessage("assistant", ev.content, ev.reasoning,
-                                                         ev.stats.finish_reason), regenerated=user is None)
-                    return True
-                elif isinstance(ev, EngineFailure):
-                    if channel == "answer":
-                        self.out.write("\n")
-                    self.error(ev.message)
-                    if user is not None:
-                        self.controller.turn_failed()
-                    return False
+            with closing(events):  # ended here if the output fails (| head): the turn is abandoned
+                return self._show_events(events, user)
+
+    def _show_events(self, events: Iterator[Event], user: str | None) -> bool:
+        """Stream one turn's events (answer to `out`, thinking to `err`); whether it finished."""
+        from engine.events import EngineFailure, TextDelta, TurnFinished
+
+        channel = None
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                stream = self.err if ev.channel == "thinking" else self.out
+                if ev.channel != channel:
+                    if channel is not None:
+                        (self.err if channel == "thinking" else self.out).write("\n")
+                    stream.write("(thinking) " if ev.channel == "thinking" else "")
+                    channel = ev.channel
+                stream.write(ev.text)
+                stream.flush()
+            elif isinstance(ev, TurnFinished):
+                (self.err if channel == "thinking" else self.out).write("\n")
+                self.out.flush()
+                if ev.stats.finish_reason == "cancelled":
+                    self.say("(answer stopped)")
+                self.say(turn_line(ev.stats))
+                self.controller.answered(ChatMessage("assistant", ev.content, ev.reasoning,
+                                                     ev.stats.finish_reason), regenerated=user is None)
+                return True
+            elif isinstance(ev, EngineFailure):
+                if channel == "answer":
+                    self.out.write("\n")
+                self.error(ev.message)
+                if user is not None:
+                    self.controller.turn_failed()
+                return False
         return False
 
     def show(self, result: Result) -> bool:
@@ -394,10 +419,38 @@ def _open(config: AppConfig, log: TextIO) -> tuple[EngineLike | None, int]:
     return None, 2
 
 
+def _closed(stdout: TextIO | None, stderr: TextIO) -> bool:
+    """True (after one line on stderr) when there is no standard output to answer on (`>&-`)."""
+    if stdout is None:
+        print("dsv4-chat: the standard output is closed; give the answers somewhere to go (e.g. > answers.txt)",
+              file=stderr)
+    return stdout is None
+
+
+def _until_output_fails(run: Callable[[], int], stdout: TextIO, stderr: TextIO) -> int:
+    """`run()`, or 1 once an output stream fails: a reader that went away (`| head`) ends the chat
+    quietly, another I/O error (a full disk) with one line on `stderr`. The standard output then
+    goes to /dev/null, so that Python's flush at exit does not fail again."""
+    try:
+        return run()
+    except BrokenPipeError:
+        pass
+    except OSError as err:
+        try:
+            print(f"dsv4-chat: stopped: {err.strerror or err} (writing the output)", file=stderr)
+        except OSError:
+            pass
+    if stdout is sys.stdout:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    return 1
+
+
 def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None = None,
          stderr: TextIO | None = None) -> int:
     """Entry point of `dsv4-chat --plain` (called by app.__main__); streams default to sys's."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if _closed(stdout, stderr):
+        return 2
     engine, status = _open(config, stderr)
     if engine is None:
         return status
@@ -416,7 +469,8 @@ def main(config: AppConfig, stdin: TextIO | None = None, stdout: TextIO | None =
         info = engine.info
         info_out.write(f"dsv4-chat --plain · {info.get('model')} · {info.get('device')} · "
                        f"{info.get('numerics')} · /help for commands, Ctrl-D to leave\n")
-        return PlainChat(engine, config, read, stdout, info_out, strict=not terminal, trim=heap_trimmer()).run()
+        chat = PlainChat(engine, config, read, stdout, info_out, strict=not terminal, trim=heap_trimmer())
+        return _until_output_fails(chat.run, stdout, stderr)
     finally:
         heap.release()
         engine.close()
@@ -447,10 +501,16 @@ def run_once(config: AppConfig, prompt: str, stdin: TextIO | None = None, stdout
     failed, 2 if there is no prompt or no model. An empty PROMPT reads it from stdin (not a
     terminal). Nothing is autosaved: the answer is the output."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if _closed(stdout, stderr):
+        return 2
     if not prompt.strip() and not stdin.isatty():
         prompt = stdin.read()
     if not prompt.strip():
         print("dsv4-chat run: no prompt: give it as an argument or on stdin", file=stderr)
+        return 2
+    problem = not_text(prompt)
+    if problem:
+        print(f"dsv4-chat run: {problem}", file=stderr)
         return 2
     engine, status = _open(config, stderr)
     if engine is None:
@@ -458,7 +518,11 @@ def run_once(config: AppConfig, prompt: str, stdin: TextIO | None = None, stdout
     try:
         chat = PlainChat(engine, config, lambda: "", stdout, stderr, strict=True, autosave=False)
         text = prompt.strip()
-        done = chat.answer(lambda cancel: engine.generate(chat.session, text, chat.params(), cancel), user=text)
-        return 0 if done and not chat.failed else 1
+
+        def answer() -> int:
+            done = chat.answer(lambda cancel: engine.generate(chat.session, text, chat.params(), cancel), user=text)
+            return 0 if done and not chat.failed else 1
+
+        return _until_output_fails(answer, stdout, stderr)
     finally:
         engine.close()

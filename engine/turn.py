@@ -68,6 +68,12 @@ class Turns:
         tok, limit = self.tokenizer, self.config.max_seq_len
         user = Message("user", user_text)
         prompt_text = render_messages(session.conversation(base + [user]), params.thinking)
+        try:
+            prompt_text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate: input that was not UTF-8
+            yield EngineFailure(f"the conversation holds text that is not valid Unicode ({prompt_text[err.start]!r}, "
+                                "e.g. input that was not UTF-8): send UTF-8 text")
+            return
         plan = session.plan(prompt_text, tok.encode)
         if plan.prompt_tokens >= limit:
             yield EngineFailure(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
@@ -109,7 +115,8 @@ class Turns:
             if not committed:
                 yield EngineFailure(f"the turn failed: {type(exc).__name__}: {exc}")
         finally:
-            if not committed and plan.from_live:  # failed or abandoned: roll the live state back
+            # failed or abandoned: roll the live state back (unless the engine was closed under the turn)
+            if not committed and plan.from_live and self.model is not None:
                 session.live = turn_start.copy() if turn_start is not None else self._empty()
 
     def _empty(self) -> Snapshot:
@@ -203,9 +210,10 @@ class Turns:
                     break
                 logits = ahead.logits
         finally:
-            if ahead is not None:  # the EOS's step, or a step left running when the turn was closed
-                self.runtime.finish(ahead)
-            self.runtime.settle()  # the last replayed step's routes (usage counts, trace)
+            if self.runtime is not None:  # else the engine was closed before this turn's generator
+                if ahead is not None:  # the EOS's step, or a step left running when the turn was closed
+                    self.runtime.finish(ahead)
+                self.runtime.settle()  # the last replayed step's routes (usage counts, trace)
         yield from splitter.flush()
         return completion, step_ms, ttft, finish
 

@@ -141,7 +141,7 @@ def test_plain_mode_through_a_pseudo_terminal(ckpt, tmp_path):
 def test_plain_loop_commands_in_process(ckpt, tmp_path):
     eng = Engine.load(ckpt, EngineConfig(numerics="exact"), warmup=False)
     lines = iter(["Hi", "/stats", "/system Be brief.", "/system", "Hello", "/regen", "/undo", "/undo",
-                  "/pin 1:2", "/pin 9:0", "/unpin", "/flush", "/set top_p 0", "/set", "/export x.md",
+                  "/pin 1:2", "/pin 9:0", "/unpin", "/flush", "/set top_p 0", "/set", f"/export {tmp_path}/x.md",
                   "//slash message", "/nonsense", "/quit", "never read"])
 
     def read() -> str:
@@ -162,7 +162,7 @@ def test_plain_loop_commands_in_process(ckpt, tmp_path):
     assert "! nothing to undo" in text
     assert "! no expert 9:0" in text and "pinned 1 experts: 1:2" in text
     assert "! top_p must be in (0, 1]" in text
-    assert "/export is not available in --plain mode" in text
+    assert f"exported 0 turn(s) to {tmp_path}/x.md" in text and (tmp_path / "x.md").is_file()  # after two /undo
     assert "unknown command /nonsense" in text
     assert chat.session.messages[0].content == "/slash message"
     assert next(lines) == "never read"

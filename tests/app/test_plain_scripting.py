@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ from app.settings import AppConfig, resolve_engine_config
 from engine.memory_plan import gib_to_bytes
 from engine.sampling import SamplingParams
 from converter import synth
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.events import EngineFailure, TextDelta
 
 ROOT = Path(__file__).resolve().parents[2]
 WARNING = "! warning: autosave is off: cannot write the transcript"
@@ -262,3 +266,60 @@ def test_plain_freezes_the_heap_once_loaded_and_hands_it_back(config, monkeypatc
     assert out.getvalue() == ANSWER + "\n"
     assert len(seen) == 1 and seen[0] > 1000  # the engine and everything imported before it
     assert gc.get_freeze_count() == 0
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_next_one_answered(config):
+    status, out, err, engine = chat(config, "caf\udce9 au lait", "after")  # b"caf\xe9" read as surrogateescape
+    assert status == 1 and out == ANSWER + "\n"
+    assert "! this text is not UTF-8 (byte 0xE9) at character 4; it was not sent: send UTF-8 text\n" in err
+    path, = transcripts(config)
+    assert [m.content for m in read_transcript(path)[0].messages] == ["after", ANSWER]
+
+
+class Output(io.StringIO):
+    """A stdout whose writes fail with `error` after the first `ok` of them."""
+
+    def __init__(self, error: OSError, ok: int = 1) -> None:
+        super().__init__()
+        self.error, self.ok = error, ok
+
+    def write(self, text: str) -> int:
+        if self.ok <= 0:
+            raise self.error
+        self.ok -= 1
+        return super().write(text)
+
+
+def test_output_that_goes_away_stops_the_chat_with_status_1_and_no_traceback(ckpt, tmp_path, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)  # "Exception ignored in: <generator ...>"
+    config = AppConfig(data_dir=tmp_path / "data", model=ckpt, engine=resolve_engine_config(numerics="exact"),
+                       gen=SamplingParams(temperature=0.0, max_tokens=8))
+    err = io.StringIO()
+    assert run_once(config, "Hello", None, Output(BrokenPipeError(errno.EPIPE, "Broken pipe")), err) == 1
+    assert "Traceback" not in err.getvalue() and "stopped" not in err.getvalue()  # | head: quietly
+    err = io.StringIO()
+    assert run_once(config, "Hello", None, Output(OSError(errno.ENOSPC, "No space left on device")), err) == 1
+    assert err.getvalue().endswith("dsv4-chat: stopped: No space left on device (writing the output)\n")
+    err = io.StringIO()
+    assert main(config, io.StringIO("one\ntwo\n"), Output(BrokenPipeError(errno.EPIPE, "Broken pipe")), err) == 1
+    path, = transcripts(config)  # the conversation up to the failing write is kept
+    assert [m.content for m in read_transcript(path)[0].messages][0] == "one"
+    monkeypatch.setattr(sys, "stdout", None)  # `dsv4-chat run hi >&-`
+    err = io.StringIO()
+    assert run_once(config, "Hello", None, None, err) == 2
+    assert err.getvalue() == ("dsv4-chat: the standard output is closed; give the answers somewhere to go "
+                              "(e.g. > answers.txt)\n")
+    assert unraisable == []
+
+
+def test_a_turn_closed_after_its_engine_ends_quietly_and_bad_text_is_one_failure(ckpt):
+    engine = Engine.load(ckpt, EngineConfig(numerics="exact"), warmup=False)
+    session = engine.new_session()
+    events = engine.generate(session, "caf\udce9", SamplingParams(temperature=0.0, max_tokens=4), threading.Event())
+    failure, = list(events)
+    assert isinstance(failure, EngineFailure) and "not valid Unicode" in failure.message
+    events = engine.generate(session, "Hello", SamplingParams(temperature=0.0, max_tokens=50), threading.Event())
+    next(ev for ev in events if isinstance(ev, TextDelta))
+    engine.close()
+    events.close()  # raised "generator ignored GeneratorExit" once the engine had dropped its runtime
