@@ -61,13 +61,18 @@ def outdated(converted: Path) -> bool:
         return False
 
 
+def current(target: Path) -> bool:
+    """Whether `target` holds a complete demo model that this build can load as it is."""
+    return is_converted(target) and not outdated(target) and is_demo_model(target)
+
+
 def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | None = None) -> Path:
     """The converted demo model under `data_dir/models/demo`, marked as the demo for the engine
     (engine/demo_marker.py), building it on first use (and again when an older build left it in
     another layout version or unmarked)."""
     models = data_dir / "models"
     target = models / DEMO_NAME
-    if is_converted(target) and not outdated(target) and is_demo_model(target):
+    if current(target):
         return target
     models.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
@@ -77,6 +82,8 @@ def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | Non
         if not is_converted(out):
             raise WizardError("building the demo model produced no manifest.json")
         mark_demo_model(out)
+        if current(target):  # another instance built it meanwhile (and may be loading it): keep theirs
+            return target
         if target.exists():  # a stale demo: incomplete, or in an older layout version
             shutil.rmtree(target)
         try:

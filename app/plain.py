@@ -198,7 +198,7 @@ def stream_reader(stream: TextIO, prompts: TextIO) -> Callable[[], str]:
         line = stream.readline()
         if not line:
             raise EOFError
-        return line.rstrip("\n")
+        return line.rstrip("\n").removesuffix("\r")  # a file with Windows line ends
 
     return read
 

@@ -186,6 +186,26 @@ def test_ensure_demo_model_is_atomic_and_built_once(tmp_path):
     assert os.listdir(tmp_path / "models") == ["demo"]
 
 
+def test_a_demo_another_instance_built_meanwhile_is_kept(tmp_path):
+    """Two first runs at once: the one that finishes second keeps the first one's demo (which that
+    instance may be loading) instead of replacing it."""
+    def good(work, out, progress):
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"version": layout.VERSION}))
+        (out / "built_by").write_text(str(work))
+
+    outer = []
+
+    def racing(work, out, progress):
+        outer.append(str(work))
+        good(work, out, progress)
+        ensure_demo_model(tmp_path, print, build=good)  # the other instance, done first
+
+    path = ensure_demo_model(tmp_path, print, build=racing)
+    theirs = (path / "built_by").read_text()
+    assert theirs != outer[0] and os.listdir(tmp_path / "models") == ["demo"]  # no build dir left either
+
+
 def _killed_transcript(config, pending: str = "") -> Path:
     """What a killed run leaves: a transcript without the close record."""
     saver = Autosaver(config.transcripts_dir, "be kind")
