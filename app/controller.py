@@ -15,6 +15,7 @@ Every problem the user caused is a `Reply(text, error=True)`: one line, never a 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
@@ -458,16 +459,23 @@ class Controller:
         return self._restart(loaded.settled(), f"loaded {name!r} ({loaded.turns} turn(s))")
 
     def _export(self, args: ExportArgs, state: EngineState) -> Reply:
+        """Write the conversation as Markdown to `args.file`: an existing file only with --force,
+        missing directories created only with --force; a name ending in "/" (a directory) is
+        refused. Every problem, an OS error on checking the path included (e.g. a name too long),
+        is one error Reply."""
         path = Path(args.file).expanduser()
-        missing = next((p for p in reversed(path.parents) if not p.exists()), None)
-        if path.is_dir():
-            return Reply(f"{path} is a directory: name a file, e.g. {path / 'chat.md'}", error=True)
-        if not args.force and path.exists():
-            return Reply(f"{path} exists: /export {args.file} --force overwrites it", error=True)
-        if not args.force and missing is not None:
-            return Reply(f"the directory {missing} does not exist: /export {args.file} --force "
-                         "creates it", error=True)
+        if args.file.endswith(("/", os.sep)):
+            return Reply(f"{args.file} names a directory: name a file, e.g. /export "
+                         f"{path / 'chat.md'}", error=True)
         try:
+            missing = next((p for p in reversed(path.parents) if not p.exists()), None)
+            if path.is_dir():
+                return Reply(f"{path} is a directory: name a file, e.g. {path / 'chat.md'}", error=True)
+            if not args.force and path.exists():
+                return Reply(f"{path} exists: /export {args.file} --force overwrites it", error=True)
+            if not args.force and missing is not None:
+                return Reply(f"the directory {missing} does not exist: /export {args.file} --force "
+                             "creates it", error=True)
             conv_io.write_atomic(path, self.conversation.to_markdown())
         except OSError as err:
             return Reply(f"cannot write {path}: {err.strerror or err}", error=True)
