@@ -289,12 +289,18 @@ def read_file_settings(path: Path) -> dict[str, Any]:
         raise SettingsError(f"{path}: not valid TOML ({err}); fix or delete the file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise SettingsError(f"{path}: cannot read the settings file ({err})") from None
+    return settings_from_toml(data, str(path))
+
+
+def settings_from_toml(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """The settings of a parsed settings file (`[generation]` keys flattened), each converted
+    and checked; SettingsError names `origin` (the file) and the bad setting."""
     flat = dict(data)
     gen = flat.pop("generation", {})
     if not isinstance(gen, dict):
-        raise SettingsError(f"{path}: 'generation' must be a table ([generation])")
+        raise SettingsError(f"{origin}: 'generation' must be a table ([generation])")
     flat.update(gen)
-    return {key: _convert(key, value, str(path)) for key, value in flat.items()}
+    return {key: _convert(key, value, origin) for key, value in flat.items()}
 
 
 def read_env_settings(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
