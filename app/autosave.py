@@ -17,6 +17,8 @@ no line is ever torn; a torn last line in a file from an older build is ignored 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import time
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.conversation import ChatMessage, Conversation
+from app.conversation import ChatMessage, Conversation, create_temp
 
 TRANSCRIPT_VERSION = 1
 
@@ -39,7 +41,9 @@ class Autosaver:
     Each record is made durable whole: the transcript's bytes plus the new line are written to a
     temporary file next to it, fsynced, renamed over the transcript (atomic) and the directory
     fsynced, so a full disk, a read-only directory or a kill at any point leaves the transcript
-    as it was before the record or with it, never with a torn line.
+    as it was before the record or with it, never with a torn line. Several savers (in several
+    processes) may append to one transcript: each write re-reads the file under a lock on its
+    directory, so none clobbers another's records (see `_write`).
 
     When a write fails, the saver turns itself off (later records are dropped, the file keeps
     every record written before) and calls `on_error` once with one line for the user; without
@@ -54,7 +58,7 @@ class Autosaver:
         self.on_error = on_error
         self.off: str | None = None  # why autosave stopped, once it has
         self._closed = False
-        self._data: bytes | None = None  # the transcript's bytes (read once when resuming)
+        self._data: bytes | None = None  # the transcript's bytes as last written (if it vanishes)
 
     def _append(self, record: dict[str, Any]) -> None:
         if self._closed:
@@ -85,16 +89,35 @@ class Autosaver:
         self.on_error(self.off)
 
     def _write(self, path: Path, records: list[dict[str, Any]]) -> None:
-        """Durably replace `path` with its bytes plus `records` (temp file, fsync, rename)."""
-        if self._data is None:
-            self._data = path.read_bytes() if path.exists() else b""
-            if self._data and not self._data.endswith(b"\n"):  # a torn line from an older build
-                self._data += b"\n"
-        data = self._data + b"".join(
-            (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
-        tmp = path.with_name(f".{path.name}.tmp")
+        """Durably replace `path` with its bytes plus `records` (temp file, fsync, rename).
+
+        Another instance may be continuing the same transcript (both reopened it from /history):
+        so the file is re-read under an exclusive lock on its directory (fcntl.flock, held for this
+        write only) and rewritten with its current bytes, never from a copy taken earlier, and the
+        temp file has a unique name. Neither writer's records are lost (they interleave in the
+        order written). A filesystem without flock is written unlocked."""
+        dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            self._replace(path, records)
+        finally:
+            os.close(dir_fd)  # releases the lock
+
+    def _replace(self, path: Path, records: list[dict[str, Any]]) -> None:
+        try:
+            current = path.read_bytes()
+        except FileNotFoundError:  # removed behind our back: keep what it held
+            current = self._data or b""
+        if current and not current.endswith(b"\n"):  # a torn line from an older build
+            current += b"\n"
+        data = current + b"".join(
+            (json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records)
+        fd, tmp = create_temp(path.parent, f".{path.name}.", 0o644)
+        try:
             try:
                 view = memoryview(data)
                 while view:

@@ -40,7 +40,21 @@ KEYS_HELP = ("keys: Esc or Ctrl+C stop the answer · Ctrl+C twice or Ctrl+Q quit
 
 
 async def run(app: ChatApp, command: Command) -> None:
-    await render(app, app.controller.apply(command, app.engine_state()))
+    """Apply `command` and render its result. A last resort: an exception escaping the controller
+    or the rendering (a bug, or an OS error no check foresaw) becomes one error note naming the
+    command and the exception, and the app goes on; it is never raised into Textual, which would
+    end the app (and lose what is on the screen)."""
+    try:
+        await render(app, app.controller.apply(command, app.engine_state()))
+    except Exception as err:  # noqa: BLE001 — the last resort described above
+        await app.note(failure_line(command, err), error=True)
+
+
+def failure_line(command: Command, err: BaseException) -> str:
+    """The one line shown when a slash command fails unexpectedly."""
+    detail = (err.strerror if isinstance(err, OSError) and err.strerror else str(err)).splitlines()
+    reason = f"{type(err).__name__}: {detail[0]}" if detail and detail[0] else type(err).__name__
+    return f"/{command.name} failed ({reason}) — the chat goes on; please report this as a bug"
 
 
 def unpinned_text(result: ExpertsUnpinned) -> str:

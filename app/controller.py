@@ -15,6 +15,7 @@ Every problem the user caused is a `Reply(text, error=True)`: one line, never a 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
@@ -25,7 +26,7 @@ from app.backend import EngineLike, SessionLike
 from app.commands import Command, ExportArgs, PinArgs, SetArgs, help_lines
 from app.conversation import ChatMessage, Conversation, ConversationError
 from app.history import Past, past_conversations
-from app.settings import AppConfig, SettingsError, with_gen
+from app.settings import AppConfig, SettingsError, generation_settings, with_gen
 from app.settings_writer import save_generation
 from app.wizard import DEMO_NAME, converted_models, demo_dir, is_converted, resolve_model
 
@@ -188,6 +189,11 @@ def keys_text(keys: Sequence[Key], limit: int = 8) -> str:
     return shown + (" …" if len(keys) > limit else "")
 
 
+def _shown(value: object) -> str:
+    """A setting's value as the settings file spells it (true/false for a switch)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
 # ---- engine jobs (run by the front-end, in a worker or inline) ----------------------------------
 
 def _pin_keys_job(keys: tuple[Key, ...]) -> Callable[[EngineLike, SessionLike], ExpertsPinned]:
@@ -241,6 +247,7 @@ class Controller:
         self.conversation = Conversation(system=config.system)
         self.model_dir: Path | None = None  # the model loaded, or being loaded (TUI)
         self.autosave_enabled = autosave
+        self._set_keys: dict[str, None] = {}  # the settings changed with /set (what /set save writes)
         self._on_autosave_error = on_autosave_error
         self.autosave: Autosaver | None = self._open_saver(config.system)
 
@@ -358,19 +365,29 @@ class Controller:
             self.config = with_gen(self.config, **{args.key: args.value})
         except SettingsError as err:
             return Reply(str(err), error=True)
+        self._set_keys.pop(args.key, None)
+        self._set_keys[args.key] = None  # in the order last set
         return SettingChanged(args.key, args.value)
 
     def _save_settings(self) -> Reply:
+        """/set save: write the settings changed with /set in this session (their current values)
+        into the settings file, which keeps everything else it had. Values that came from flags
+        or the environment are one-offs and are not written."""
         path = self.config.config_file
         if path is None:
             return Reply("no settings file to save to: start with --config FILE", error=True)
+        if not self._set_keys:
+            return Reply("nothing to save: no setting was changed with /set KEY VALUE in this session")
+        current = generation_settings(self.gen)
+        values = {key: current[key] for key in self._set_keys}
         try:
-            save_generation(path, self.gen)
+            save_generation(path, values)
         except SettingsError as err:
             return Reply(str(err), error=True)
         except OSError as err:
             return Reply(f"cannot write {path}: {err.strerror or err}", error=True)
-        return Reply(f"saved the settings to {path} (used from the next start)")
+        saved = ", ".join(f"{key} = {_shown(value)}" for key, value in values.items())
+        return Reply(f"saved {saved} to {path} (used from the next start)")
 
     def is_demo(self, model_dir: Path) -> bool:
         return model_dir.resolve() == demo_dir(self.config).resolve()
@@ -458,16 +475,23 @@ class Controller:
         return self._restart(loaded.settled(), f"loaded {name!r} ({loaded.turns} turn(s))")
 
     def _export(self, args: ExportArgs, state: EngineState) -> Reply:
+        """Write the conversation as Markdown to `args.file`: an existing file only with --force,
+        missing directories created only with --force; a name ending in "/" (a directory) is
+        refused. Every problem, an OS error on checking the path included (e.g. a name too long),
+        is one error Reply."""
         path = Path(args.file).expanduser()
-        missing = next((p for p in reversed(path.parents) if not p.exists()), None)
-        if path.is_dir():
-            return Reply(f"{path} is a directory: name a file, e.g. {path / 'chat.md'}", error=True)
-        if not args.force and path.exists():
-            return Reply(f"{path} exists: /export {args.file} --force overwrites it", error=True)
-        if not args.force and missing is not None:
-            return Reply(f"the directory {missing} does not exist: /export {args.file} --force "
-                         "creates it", error=True)
+        if args.file.endswith(("/", os.sep)):
+            return Reply(f"{args.file} names a directory: name a file, e.g. /export "
+                         f"{path / 'chat.md'}", error=True)
         try:
+            missing = next((p for p in reversed(path.parents) if not p.exists()), None)
+            if path.is_dir():
+                return Reply(f"{path} is a directory: name a file, e.g. {path / 'chat.md'}", error=True)
+            if not args.force and path.exists():
+                return Reply(f"{path} exists: /export {args.file} --force overwrites it", error=True)
+            if not args.force and missing is not None:
+                return Reply(f"the directory {missing} does not exist: /export {args.file} --force "
+                             "creates it", error=True)
             conv_io.write_atomic(path, self.conversation.to_markdown())
         except OSError as err:
             return Reply(f"cannot write {path}: {err.strerror or err}", error=True)

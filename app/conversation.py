@@ -8,10 +8,12 @@ Saved conversations (`/save NAME`) are JSON files `<data_dir>/saved/NAME.json`:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -115,18 +117,46 @@ def check_name(name: str) -> str:
     return name
 
 
+def create_temp(directory: Path, prefix: str, mode: int = 0o666) -> tuple[int, Path]:
+    """A new file `<prefix><random>.tmp` in `directory`, opened for writing: (fd, path). The name is
+    unique (O_EXCL, retried on a clash), so writers in several processes never share a temp file;
+    the file is created with `mode` minus the umask, as open() would (mkstemp forces 0600)."""
+    for _ in range(100):
+        path = directory / f"{prefix}{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unique temporary name", str(directory))
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file + fsync + rename (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write `text` to `path` via a temp file + fsync + rename (never half-written).
+
+    A symlink is written through: its target is replaced and the link stays a link. An existing
+    file keeps its permission bits; a new one gets 0o666 minus the umask, like any file the user
+    creates. Missing parent directories are created. Raises OSError (the file is then as it was,
+    and no temp file is left)."""
+    try:
+        target = path.resolve()
+    except RuntimeError:  # Python < 3.13 reports a symlink loop so
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = create_temp(target.parent, f".{target.name}.", 0o600 if mode is not None else 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            if mode is not None:
+                os.fchmod(fh.fileno(), mode)
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

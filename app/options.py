@@ -5,9 +5,7 @@ environment > settings file > defaults, app/settings.py)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-from app.settings import AppConfig, SettingsError, build_config
+from app.settings import AppConfig, build_config, check_config_file
 
 
 def add_chat_options(p: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -18,10 +16,10 @@ def add_chat_options(p: argparse.ArgumentParser, suppress: bool = False) -> None
     def default(value):
         return argparse.SUPPRESS if suppress else value
 
-    p.add_argument("--model", type=Path, default=default(None), help="converted model directory")
+    p.add_argument("--model", default=default(None), help="converted model directory")
     p.add_argument("--demo", action="store_true", default=default(None),
                    help="use the embedded tiny demo model (random weights)")
-    p.add_argument("--config", type=Path, default=default(None), help="settings file (TOML)")
+    p.add_argument("--config", default=default(None), help="settings file (TOML)")
     p.add_argument("--cache-gb", type=float, default=default(None),
                    help="expert-cache budget in GiB (default: what the memory plan leaves)")
     p.add_argument("--host-cache-gb", type=float, default=default(None),
@@ -43,14 +41,16 @@ def add_chat_options(p: argparse.ArgumentParser, suppress: bool = False) -> None
 
 
 def config_from_namespace(args: argparse.Namespace, env: dict[str, str]) -> AppConfig:
+    """The AppConfig of parsed options and the environment. `--model` and `--config` arrive as
+    text (None = not given), so an empty one is refused rather than read as "."; every problem
+    is one SettingsError line (a missing file, a directory, a name the system refuses)."""
     options = vars(args)
     flags = {
-        "model": options["model"].expanduser() if options.get("model") else None,
+        "model": options.get("model"),
         "plain": options.get("plain") or options.get("command") == "run",
         **{key: options.get(key) for key in ("demo", "cache_gb", "host_cache_gb", "memory_gb", "numerics", "device", "backend",
                                               "cuda_graphs", "max_tokens", "temperature", "system")},
     }
-    config_file = options["config"].expanduser() if options.get("config") else None
-    if config_file is not None and not config_file.is_file():
-        raise SettingsError(f"--config {config_file}: no such file")
+    given = options.get("config")
+    config_file = None if given is None else check_config_file(given, "--config")
     return build_config(flags, env, config_file)

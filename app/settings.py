@@ -27,7 +27,9 @@ Every key may also come from the environment as `DSV4_<KEY>` (upper case, e.g.
 `DSV4_CACHE_GB=20`, `DSV4_TEMPERATURE=0.2`); `DSV4_CONFIG` names the settings file (which must
 exist, like `--config`). Every value is type-checked (TOML and flag values by their type,
 environment text by parsing); a bad one is one `SettingsError` line naming the source, the
-setting, the value and the expected type. Budgets and sizes must be finite and > 0. A `DSV4_*`
+setting, the value and the expected type. Budgets and sizes must be finite and > 0; a path
+(`model`, `data_dir`, `DSV4_CONFIG`, `--config`) must not be empty, from any source: an empty
+one is refused, never taken as the current directory (leave the setting out for its default). A `DSV4_*`
 variable that is no setting is ignored with a warning (`AppConfig.warnings`). The engine settings
 become one `engine.config.EngineConfig` (`AppConfig.engine`, GiB converted to bytes once) and the
 `[generation]` ones one `engine.sampling.SamplingParams` (`AppConfig.gen`; `think` sets `thinking`).
@@ -147,7 +149,7 @@ class _Key:
         except ValueError:
             expected = "true/false" if self.kind == "bool" else self.expected
             raise ValueError(f"expected {expected}, got {text!r}") from None
-        return Path(text).expanduser() if self.kind == "path" else text
+        return _path(text, "unset the variable") if self.kind == "path" else text
 
     def from_value(self, value: Any) -> Any:
         """A TOML or flag value as this setting's type (ValueError names value and type)."""
@@ -161,13 +163,47 @@ class _Key:
             raise ValueError(f"expected {self.expected}, got {value!r} ({_type_name(value)})")
         if kind == "number":
             return float(value)
-        return Path(value).expanduser() if kind == "path" else value
+        return _path(value) if kind == "path" else value
 
     def validate(self, value: Any) -> Any:
         problem = self.check(value) if self.check is not None else None
         if problem:
             raise ValueError(problem)
         return value
+
+
+def _path(value: str | Path, leave_out: str = "leave the setting out") -> Path:
+    """A path setting's value as a Path (`~` expanded). An empty (or blank) text is refused with
+    ValueError (`leave_out` says how to use the default instead): Path("") is the current
+    directory, which no one means by leaving a value empty."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"empty path {value!r}: name one, or {leave_out} to use the default")
+    return Path(value).expanduser()
+
+
+def check_config_file(text: str | Path, source: str) -> Path:
+    """The settings file named by `source` ("--config", "DSV4_CONFIG") as a Path, which must be an
+    existing regular file. SettingsError (one line naming the source, the path and the fix) for
+    an empty name, a missing file, a directory, or a path the system refuses (e.g. too long)."""
+    if isinstance(text, str) and not text.strip():
+        leave_out = "unset it" if source.startswith("DSV4_") else "leave it out"
+        raise SettingsError(f"{source} is empty: name the settings file (TOML), or {leave_out} "
+                            f"to use {default_config_file()}")
+    path = Path(text).expanduser()
+    try:
+        if path.is_file():
+            return path
+        if path.is_dir():
+            raise SettingsError(f"{source} {path}: is a directory; name the settings file (TOML) in it")
+    except OSError as err:
+        raise SettingsError(f"{source} {_short(path)}: cannot use this path ({err.strerror or err})") from None
+    raise SettingsError(f"{source} {path}: no such file")
+
+
+def _short(path: Path, limit: int = 80) -> str:
+    """`path` for an error line: at most `limit` characters (a 300-character name is elided)."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[:limit // 2]}…{text[-limit // 2:]}"
 
 
 def _type_name(value: Any) -> str:
@@ -247,9 +283,13 @@ def _convert(key: str, raw: Any, source: str) -> Any:
 
 
 def read_file_settings(path: Path) -> dict[str, Any]:
-    """Settings from a TOML file (`[generation]` keys flattened); {} if the file is absent."""
-    if not path.is_file():
-        return {}
+    """Settings from a TOML file (`[generation]` keys flattened); {} if the file is absent.
+    SettingsError (one line) if it cannot be read or holds a bad setting."""
+    try:
+        if not path.is_file():
+            return {}
+    except OSError as err:  # e.g. a name too long for the filesystem
+        raise SettingsError(f"{_short(path)}: cannot use this settings file ({err.strerror or err})") from None
     try:
         with path.open("rb") as fh:
             data = tomllib.load(fh)
@@ -257,12 +297,18 @@ def read_file_settings(path: Path) -> dict[str, Any]:
         raise SettingsError(f"{path}: not valid TOML ({err}); fix or delete the file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise SettingsError(f"{path}: cannot read the settings file ({err})") from None
+    return settings_from_toml(data, str(path))
+
+
+def settings_from_toml(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """The settings of a parsed settings file (`[generation]` keys flattened), each converted
+    and checked; SettingsError names `origin` (the file) and the bad setting."""
     flat = dict(data)
     gen = flat.pop("generation", {})
     if not isinstance(gen, dict):
-        raise SettingsError(f"{path}: 'generation' must be a table ([generation])")
+        raise SettingsError(f"{origin}: 'generation' must be a table ([generation])")
     flat.update(gen)
-    return {key: _convert(key, value, str(path)) for key, value in flat.items()}
+    return {key: _convert(key, value, origin) for key, value in flat.items()}
 
 
 def read_env_settings(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
@@ -286,15 +332,14 @@ def build_config(
     flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None, *,
     cuda_available: bool | None = None, tilelang_available: bool | None = None,
 ) -> AppConfig:
-    """Merge the sources: flags (None = not given) > env > file > defaults; validate. The engine
+    """Merge the sources: flags (None = not given) > env > file > defaults; validate. A set but
+    empty DSV4_CONFIG, or an empty path setting from any source, is refused (SettingsError),
+    never read as the current directory. The engine
     settings become `AppConfig.engine` here, once (GiB -> bytes; an unset device or backend is
     chosen from `cuda_available`/`tilelang_available`, None = looked up)."""
     if config_file is None:
-        env_file = env.get("DSV4_CONFIG")
-        if env_file:
-            config_file = Path(env_file).expanduser()
-            if not config_file.is_file():
-                raise SettingsError(f"DSV4_CONFIG {config_file}: no such file")
+        if "DSV4_CONFIG" in env:
+            config_file = check_config_file(env["DSV4_CONFIG"], "DSV4_CONFIG")
         else:
             config_file = default_config_file()
     merged: dict[str, Any] = {"data_dir": default_data_dir()}

@@ -24,7 +24,12 @@ class WizardError(RuntimeError):
 
 
 def is_converted(path: Path) -> bool:
-    return (path / MANIFEST).is_file()
+    """Whether `path` holds a converted model; False also for a path the system refuses (e.g. a
+    name too long)."""
+    try:
+        return (path / MANIFEST).is_file()
+    except OSError:
+        return False
 
 
 def demo_dir(config: AppConfig) -> Path:
@@ -42,12 +47,16 @@ def converted_models(config: AppConfig) -> list[Path]:
 def resolve_model(config: AppConfig, name: Path | str) -> Path:
     """A --model / `/model` argument as a directory: an existing path as given, else a name
     under data_dir/models ("demo" is the demo model); unknown names are returned unchanged
-    (loading them names the problem)."""
+    (loading them names the problem), and so is a path the system refuses to look at (e.g. a
+    name too long): never an OSError."""
     path = Path(name).expanduser()
-    if path.is_dir() or path.is_absolute() or len(path.parts) != 1:
+    try:
+        if path.is_dir() or path.is_absolute() or len(path.parts) != 1:
+            return path
+        under = config.models_dir / path.name
+        return under if under.is_dir() or path.name == DEMO_NAME else path
+    except OSError:
         return path
-    under = config.models_dir / path.name
-    return under if under.is_dir() or path.name == DEMO_NAME else path
 
 
 def last_model(config: AppConfig) -> Path | None:

@@ -98,7 +98,7 @@ def test_set_save_keeps_settings_for_the_next_start(config, tmp_path):
             return last_note(app)
 
     note = asyncio.run(go(replace(config, config_file=path)))
-    assert note.text == f"saved the settings to {path} (used from the next start)"
+    assert note.text == f"saved temperature = 0.3, think = true to {path} (used from the next start)"
     again = build_config({}, {}, path)
     assert again.gen.temperature == 0.3 and again.gen.thinking and again.gen.max_tokens == 512
     assert again.engine.cache_bytes == 20 * 2**30 and again.system == "be brief"

@@ -112,7 +112,7 @@ def test_set_changes_the_settings_or_says_why_not(rig, tmp_path):
                                       f"{rig.ctl.gen.max_tokens} · think off")
     assert rig.apply("/set save") == Reply("no settings file to save to: start with --config FILE", error=True)
     rig.ctl.config = replace(rig.ctl.config, config_file=tmp_path / "dsv4.toml")
-    assert rig.apply("/set save") == Reply(f"saved the settings to {tmp_path / 'dsv4.toml'} "
+    assert rig.apply("/set save") == Reply(f"saved temperature = 0.2 to {tmp_path / 'dsv4.toml'} "
                                            "(used from the next start)")
     assert "temperature = 0.2" in (tmp_path / "dsv4.toml").read_text()
 
