@@ -116,13 +116,16 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
-        """Read `config.json` (HF-style) or `inference/config.json` (official) from a checkpoint."""
+        """Read `config.json` (HF-style) or `inference/config.json` (official) from a checkpoint.
+
+        Raises ConfigError (one line naming the file and the fix) when it is missing, unreadable,
+        not UTF-8 JSON or not a JSON object, or fails `from_dict`'s checks."""
         path = Path(path)
         for candidate in (path / "config.json", path / "inference" / "config.json"):
             if candidate.is_file():
                 try:
-                    cfg = json.loads(candidate.read_text())
-                except (OSError, json.JSONDecodeError) as exc:
+                    cfg = json.loads(candidate.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as exc:  # ValueError: also UnicodeDecodeError
                     raise ConfigError(f"{candidate}: not readable JSON ({exc}); re-download config.json") from None
                 if not isinstance(cfg, dict):
                     raise ConfigError(f"{candidate}: expected a JSON object")

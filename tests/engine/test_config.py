@@ -81,6 +81,14 @@ def test_unreadable_and_absent_config(tmp_path):
         ModelArgs.from_dir(tmp_path)
 
 
+def test_a_config_that_is_not_utf8_is_one_config_error(tmp_path):
+    """A byte that is not UTF-8 (a Latin-1 file, a damaged download) is the JSON error, not a
+    UnicodeDecodeError traceback, whatever the locale's default encoding."""
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "deepseek_v4", "note": "\xff"}')
+    with pytest.raises(ConfigError, match=r"config.json: not readable JSON \(.*utf-8.*\); re-download"):
+        ModelArgs.from_dir(tmp_path)
+
+
 def test_engine_config_validation():
     with pytest.raises(ConfigError, match="numerics must be"):
         EngineConfig(numerics="fast")
