@@ -49,6 +49,10 @@ def _read_weight_map(root: Path, problems: list[str]) -> dict[str, str] | None:
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError("'weight_map' is empty or not an object")
+        wrong = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if wrong is not None:  # (JSON object keys are always strings)
+            raise ValueError(f"the value of {wrong!r} in 'weight_map' is not a shard file name "
+                             "(a string)")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{index} is not a valid safetensors index ({e!r}); download it again")
         return None
@@ -93,24 +97,44 @@ def source_shapes(root: Path, problems: list[str]) -> dict[str, tuple[str, tuple
     return found
 
 
+TOKENIZER_JSON = ("tokenizer_config.json", "generation_config.json")  # copied; must be JSON objects
+
+
+def _json_problem(path: Path) -> str | None:
+    """Why `path` (present) is not a readable UTF-8 JSON object, with the fix; None if it is."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror or e}); make it readable"
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+        return f"{path} is not readable JSON ({e}); download it again"
+    if not isinstance(doc, dict):
+        return f"{path} is not a JSON object; download it again"
+    return None
+
+
 def check_tokenizer(root: Path, args: ModelArgs) -> list[str]:
-    """A problem if `root/tokenizer.json` has more tokens than the model's vocab_size (a model
-    that could not chat: the engine refuses to load it), or cannot be read; [] otherwise."""
+    """Problems that stop a model converted from `root` from chatting (the engine refuses to load
+    it): `tokenizer.json` cannot be read or has more tokens than the model's vocab_size, or
+    `tokenizer_config.json` / `generation_config.json` is not a readable JSON object (each
+    checked only when present); [] otherwise."""
+    problems = [p for name in TOKENIZER_JSON if (root / name).is_file()
+                and (p := _json_problem(root / name)) is not None]
     path = root / "tokenizer.json"
     if not path.is_file():
-        return []
+        return problems
     from tokenizers import Tokenizer  # the engine's tokenizer library (engine/chat.py)
 
     try:
         n = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # the library raises its own exception type for a malformed file
-        return [f"{path} is not a readable tokenizer ({e}); download it again"]
+        return problems + [f"{path} is not a readable tokenizer ({e}); download it again"]
     if n > args.vocab_size:
-        return [f"{path} has {n:,} tokens but the model's vocab_size is {args.vocab_size:,}: a model "
+        return problems + [f"{path} has {n:,} tokens but the model's vocab_size is {args.vocab_size:,}: a model "
                 "converted with it cannot chat (the engine refuses to load it); put the tokenizer that "
                 "belongs to this checkpoint next to it, or convert with --logits-only for the logits "
                 "tools (python -m engine.logits) only"]
-    return []
+    return problems
 
 
 def check_source(path: str | os.PathLike, tokenizer: bool = True) -> list[str]:

@@ -382,6 +382,40 @@ def test_preflight_missing_index_and_extra_tensor(src_copy):
     assert "not a directory" in check_source(src_copy / "nope")[0]
 
 
+@pytest.mark.parametrize("value", [5, ["model-00001-of-00002.safetensors"], None])
+def test_preflight_index_with_a_non_string_shard_name(src_copy, tmp_path, capsys, value):
+    index = src_copy / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["norm.weight"] = value
+    index.write_text(json.dumps(doc))
+    (problem,) = check_source(src_copy)
+    assert f"{index} is not a valid safetensors index" in problem
+    assert "the value of 'norm.weight' in 'weight_map' is not a shard file name" in problem
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid safetensors index" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,text", [
+    ("tokenizer_config.json", "{not json"),
+    ("tokenizer_config.json", "[1, 2]"),
+    ("generation_config.json", '{"bos_token_id": 0'),
+])
+def test_preflight_refuses_a_tokenizer_or_generation_config_that_is_not_json(src_copy, tmp_path, capsys,
+                                                                           name, text):
+    """The engine reads tokenizer_config.json to chat: a broken one is refused before converting,
+    not after (issue: it converted with exit 0 and the engine then refused the model)."""
+    (src_copy / name).write_text(text)
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(src_copy / name) in err and "download it again" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    (src_copy / name).write_bytes(b'{"chat_template": "\xff"}')  # not UTF-8
+    assert any(str(src_copy / name) in p and "not readable JSON" in p for p in check_source(src_copy))
+    assert check_source(src_copy, tokenizer=False) == []  # --logits-only does not chat
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_plain_progress_and_errors(source, converted, tmp_path, capsys):
