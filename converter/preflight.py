@@ -184,20 +184,33 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(_existing_ancestor(path)).free
 
 
+def holds_conversion(out: Path) -> bool:
+    """Whether directory `out` holds an earlier conversion (finished: manifest.json; unfinished:
+    the state file). Only then are its files with converter names the converter's own: in any
+    other directory every file is foreign, whatever its name."""
+    return (out / layout.MANIFEST).is_file() or (out / layout.STATE).is_file()
+
+
 def check_destination(out_dir: str | os.PathLike, needed: int, source: str | os.PathLike,
                       disk_free: DiskFree | None = None) -> list[str]:
-    """Problems with writing `needed` more bytes of conversion output into `out_dir`."""
+    """Problems with writing `needed` more bytes of conversion output into `out_dir`: it (or a
+    directory above it) is a file, it is the source, it holds files that are not the converter's
+    own (every file, unless it holds an earlier conversion: `holds_conversion`), or the disk is
+    too full."""
     out, problems = Path(out_dir), []
-    if out.exists() and not out.is_dir():
-        return [f"--out {out} exists and is not a directory"]
-    if out.absolute() == Path(source).absolute():
+    base = _existing_ancestor(out)
+    if not base.is_dir():
+        what = "exists and is not a directory" if base == out.absolute() else \
+            f"lies below {base}, which is a file, not a directory"
+        return [f"--out {out} {what}; choose another --out"]
+    if out.resolve() == Path(source).resolve():
         return [f"--out {out} is the source directory; choose a new directory"]
     if out.is_dir():
-        foreign = sorted(f.name for f in out.iterdir() if not layout.is_own_file(f.name))
+        ours = holds_conversion(out)
+        foreign = sorted(f.name for f in out.iterdir() if not (ours and layout.is_own_file(f.name)))
         if foreign:
             problems.append(_listed(f"--out {out} holds files that are not conversion output; "
                                     "choose an empty or new directory", foreign))
-    base = _existing_ancestor(out)
     free = (disk_free or free_bytes)(base)
     if free < needed:
         problems.append(f"not enough free disk space on {base}: the conversion needs "

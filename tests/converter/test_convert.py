@@ -300,6 +300,57 @@ def test_no_resume_starts_over_and_foreign_files_refused(source, converted, tmp_
         convert(source, out)
 
 
+def test_files_with_converter_names_in_a_directory_without_a_conversion_are_refused(source, tmp_path, capsys):
+    """Only a directory holding an earlier conversion (manifest.json or the state file) has files
+    the converter may replace: in any other one, config.json or layer_00.safetensors is the user's."""
+    out = tmp_path / "own"
+    out.mkdir()
+    mine = {"config.json": b'{"mine": 1}', "tokenizer.json": b"precious", "layer_07.safetensors": b"x"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    assert cli.main(["--hf", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds files that are not conversion output" in err
+    assert "config.json, layer_07.safetensors, tokenizer.json" in err
+    with pytest.raises(PreflightError, match="not conversion output"):
+        convert(source, out, resume=False)
+    assert tree_bytes(out) == mine  # nothing replaced, nothing deleted
+
+
+def test_an_interrupted_first_file_leaves_a_directory_that_resumes(source, converted, tmp_path):
+    """The state file is written before the first output file: a run killed in its first file
+    leaves a directory the next run recognises as its own (and resumes)."""
+    out = tmp_path / "pack"
+    assert _killed_run(source, out, "begin:global.safetensors") == -signal.SIGKILL
+    assert (out / "global.safetensors.tmp").exists() and (out / layout.STATE).exists()
+    convert(source, out)
+    assert tree_bytes(out) == tree_bytes(converted)
+
+
+def test_a_copied_file_removed_from_the_source_is_removed_from_the_output(src_copy, tmp_path):
+    out = convert(src_copy, tmp_path / "pack")
+    (src_copy / "generation_config.json").unlink()
+    convert(src_copy, out)
+    assert not (out / "generation_config.json").exists()
+    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
+        f.name for f in out.iterdir()} - {"manifest.json"}
+    assert verify(out) == []
+
+
+def test_out_below_a_file_or_equal_to_the_source_by_another_path(source, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["--hf", str(source), "--out", str(tmp_path / "afile" / "pack")]) == 2
+    err = capsys.readouterr().err
+    assert f"lies below {tmp_path / 'afile'}, which is a file, not a directory" in err
+    assert "Traceback" not in err and (tmp_path / "afile").read_text() == "x"
+    (tmp_path / "link").symlink_to(source)
+    before = tree_bytes(source)
+    for same in (source / ".." / source.name, tmp_path / "link"):
+        assert cli.main(["--hf", str(source), "--out", str(same)]) == 2
+        assert "is the source directory; choose a new directory" in capsys.readouterr().err
+    assert tree_bytes(source) == before
+
+
 # ----------------------------------------------------------------------------- preflight
 
 @pytest.fixture

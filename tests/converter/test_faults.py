@@ -169,6 +169,39 @@ def test_io_errors_name_operation_file_and_fix(source, tmp_path):
         convert(source, out, fault_hook=failing(errno.EACCES, "tensor:layer_00.safetensors:layers.0.attn_norm.weight"))
 
 
+def test_an_unreadable_source_file_is_to_be_made_readable(src_copy, tmp_path, monkeypatch):
+    """EACCES reading a source (a shard, a copied file) is about that file, not about --out."""
+    import errno
+
+    from converter.convert import ConvertError
+
+    real_open = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if str(path).endswith("model-00002-of-00002.safetensors") and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("converter.convert.os.open", refusing)
+    shard = src_copy / "model-00002-of-00002.safetensors"
+    with pytest.raises(ConvertError, match=rf"^reading {shard}: Permission denied \(EACCES\): make it "
+                                           "readable and run the same command again: it resumes$"):
+        convert(src_copy, tmp_path / "pack")
+    monkeypatch.undo()
+
+    real_read = Path.read_bytes
+
+    def unreadable_tokenizer(self):
+        if self.name == "tokenizer_config.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable_tokenizer)
+    with pytest.raises(ConvertError, match=rf"^reading {src_copy / 'tokenizer_config.json'}: Permission "
+                                           r"denied \(EACCES\): make it readable"):
+        convert(src_copy, tmp_path / "pack")
+
+
 # ----------------------------------------------------------------------------- non-finite logits
 
 @pytest.fixture(scope="module")
