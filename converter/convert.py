@@ -367,7 +367,7 @@ def _load_previous(out: Path, src: Path, fingerprint: dict, sizes: dict[str, int
             notice(f"the source's {INDEX_NAME} differs from the one {out} was converted from: "
                    "converting everything again")
             return {}
-        files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+        files = {k: v for k, v in doc["files"].items() if layout.entry_problem(k, v) is None}
         for k in sorted(set(files) - set(deps)):  # copied files: compared by content (small)
             if (src / k).is_file() and layout.sha256_file(src / k) != files[k].get("checksum"):
                 notice(f"source file {k} changed since the earlier conversion: copying it again")
@@ -426,7 +426,7 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
             payload = sizes[name] - (0 if isinstance(item, str) else len(item.header))
             if name in previous:
                 meter.status(f"checking {name}")
-                if check_file(out / name, previous[name], lambda n: None) is None:
+                if not check_file(out / name, previous[name]):
                     entries[name] = previous[name]
                     meter.add(payload, worked=False)
                     continue

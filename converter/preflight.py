@@ -207,7 +207,8 @@ def check_destination(out_dir: str | os.PathLike, needed: int, source: str | os.
         return [f"--out {out} is the source directory; choose a new directory"]
     if out.is_dir():
         ours = holds_conversion(out)
-        foreign = sorted(f.name for f in out.iterdir() if not (ours and layout.is_own_file(f.name)))
+        foreign = sorted(f.name for f in out.iterdir()
+                         if not (ours and layout.is_own_file(f.name) and f.is_file()))
         if foreign:
             problems.append(_listed(f"--out {out} holds files that are not conversion output; "
                                     "choose an empty or new directory", foreign))
