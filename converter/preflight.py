@@ -21,6 +21,7 @@ from engine.checkpoint import INDEX_NAME, CheckpointError, read_header
 from engine.config import ConfigError, ModelArgs
 
 MAX_LISTED = 5  # problems of one kind listed by name before "and N more"
+GATE = "layers.0.ffn.gate.weight"  # [n_routed_experts, dim]: the experts count of the shards
 
 DiskFree = Callable[[Path], int]
 
@@ -153,6 +154,11 @@ def check_source(path: str | os.PathLike, tokenizer: bool = True) -> list[str]:
     found = source_shapes(root, problems)
     if problems or args is None:  # tensor checks would only repeat the shard problems
         return problems
+    gate = found.get(GATE)  # checked first: the inventory has 6 names per expert and unit
+    if gate is not None and gate[1][:1] != (args.n_routed_experts,):
+        return [f"{root / 'config.json'}: n_routed_experts is {args.n_routed_experts:,} but {GATE} "
+                f"(one row per expert) is {list(gate[1])}: the config does not belong to these "
+                "shards; download config.json again"]
     expected = mapping.expected_inventory(args)
     absent = sorted(set(expected) - set(found))
     extra = sorted(set(found) - set(expected))

@@ -53,6 +53,18 @@ def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, cap
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
+def test_an_experts_count_the_shards_do_not_have_is_refused_before_listing_their_names(src_copy, tmp_path,
+                                                                                      capsys):
+    """The expected inventory holds 6 names per expert and layer: an absurd n_routed_experts is
+    checked against the gate's rows first (1024 here; 10**8 would take minutes and gigabytes)."""
+    _edit_config(src_copy, {"n_routed_experts": 1024})
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{src_copy / 'config.json'}: n_routed_experts is 1,024 but layers.0.ffn.gate.weight (one row "
+            "per expert) is [16, 128]: the config does not belong to these shards") in err
+    assert len(err.strip().splitlines()) == 2 and not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- resume integrity
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
