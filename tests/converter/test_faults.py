@@ -44,6 +44,8 @@ def _edit_config(root: Path, change: dict, drop: tuple[str, ...] = ()) -> None:
     ({"compress_ratios": None}, (), "field 'compress_ratios' is null, expected a list of integers"),
     ({"vocab_size": 512.0}, (), "field 'vocab_size' is 512.0 (a number), expected an integer"),
     ({}, ("model_type",), "field 'model_type' is missing"),
+    ({}, ("hidden_size",), "field 'hidden_size' is missing; it sets the model's tensor shapes"),
+    ({}, ("n_routed_experts",), "field 'n_routed_experts' is missing"),
 ])
 def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, capsys, change, drop, message):
     _edit_config(src_copy, change, drop)

@@ -38,6 +38,12 @@ def test_official_key_names_accepted(tmp_path):
     (tmp_path / "inference").mkdir()
     (tmp_path / "inference" / "config.json").write_text(json.dumps(official))
     assert ModelArgs.from_dir(tmp_path) == hf
+    del official["moe_inter_dim"]  # a shape-setting field has no silent (Flash) default
+    (tmp_path / "inference" / "config.json").write_text(json.dumps(official))
+    with pytest.raises(ConfigError, match="field 'moe_inter_dim' is missing"):
+        ModelArgs.from_dir(tmp_path)
+    with pytest.raises(ConfigError, match="field 'moe_intermediate_size' is missing"):
+        ModelArgs.from_dict({k: v for k, v in tiny_config().items() if k != "moe_intermediate_size"})
 
 
 @pytest.mark.parametrize("change,message", [
