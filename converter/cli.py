@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from converter import preflight
+from converter import preflight, verify
 from converter.convert import ConvertError, ConvertProgress, ProgressFn, ProgressMeter, convert
 from converter.upgrade import UpgradeError, upgrade
-from converter.verify import verify as verify_dir
 from engine import pack as layout
 
 
@@ -92,32 +91,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verify_main(path: str) -> int:
-    """`dsv4-convert --verify DIR`: 0 intact, 1 corrupt (each problem on its own line, with the
-    fix), 2 when DIR is no converted model."""
+    """`dsv4-convert --verify DIR` (converter/verify.py): 0 intact; 1 corrupt: a file (every
+    corrupt file, tensor and expert record named) or the manifest (unreadable, malformed, of an
+    older layout, or disagreeing with its config), each problem on its own line with the fix; 2
+    when DIR is no converted model (an HF download, a conversion that did not finish)."""
     root = Path(path)
     try:
-        manifest = layout.parse_manifest(json.loads((root / layout.MANIFEST).read_text(encoding="utf-8")),
-                                         str(root / layout.MANIFEST))
-    except FileNotFoundError:
-        hint = (": the conversion did not finish; run dsv4-convert --hf SRC --out DIR again to complete it"
-                if root.is_dir() and any(root.glob("*.safetensors*")) else
-                ": not a converted model (dsv4-convert --hf SRC --out DIR makes one)")
-        print(f"dsv4-convert: {root} has no {layout.MANIFEST}{hint}", file=sys.stderr)
+        manifest = verify.read(root)
+    except verify.NotConverted as e:
+        print(f"dsv4-convert: {e}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, layout.LayoutError) as e:
-        print(f"dsv4-convert: {root / layout.MANIFEST} is unreadable ({e}); convert the checkpoint "
-              "again", file=sys.stderr)
-        return 2
-    total = sum(int(e.get("size", 0)) for e in manifest.files.values())
+    except layout.LayoutError as e:  # its message has the fix
+        print(f"dsv4-convert: {e}", file=sys.stderr)
+        return 1
+    total = sum(e["size"] for e in manifest.files.values())
     meter = ProgressMeter(total, _printer(sys.stderr))
     meter.status(f"verifying {root}")
-    problems = verify_dir(root, meter.add)
+    found = verify.check(root, manifest, meter.add)
     meter.status("done")
-    if problems:
-        print(f"\ndsv4-convert: {root}: {len(problems)} of {len(manifest.files)} files are corrupt:",
-              file=sys.stderr)
-        for p in problems:
-            print(f"  - {p}", file=sys.stderr)
+    if found:
+        bad = [name for name in found if name != layout.MANIFEST]
+        what = [f"{len(bad)} of {len(manifest.files)} files are corrupt"] if bad else []
+        what += [f"its {layout.MANIFEST} is corrupt"] if layout.MANIFEST in found else []
+        print(f"\ndsv4-convert: {root}: {' and '.join(what)}:", file=sys.stderr)
+        for problems in found.values():
+            for p in problems:
+                print(f"  - {p}", file=sys.stderr)
         print("  fix: run the conversion (dsv4-convert --hf SRC --out DIR) again: it rewrites only the "
               "corrupt files", file=sys.stderr)
         return 1
@@ -142,18 +141,18 @@ def _run(work: Callable[[], Path], errors: type[Exception]) -> tuple[Path | None
         return None, 1
 
 
-def _upgrade_main(path: str, verify: bool) -> int:
+def _upgrade_main(path: str, check: bool) -> int:
     """`dsv4-convert --upgrade DIR [--verify]` (converter/upgrade.py); the exit status."""
     t0 = time.monotonic()
     _, status = _run(lambda: upgrade(path, progress=lambda line: print(line, file=sys.stderr, flush=True)),
                      UpgradeError)
     if status:
         return status
-    problems = verify_dir(Path(path)) if verify else []
+    problems = verify.verify(Path(path)) if check else []
     if problems:
         print("dsv4-convert: verification failed:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 1
-    print(f"upgraded {path} in {time.monotonic() - t0:.1f} s" + (", verified" if verify else ""),
+    print(f"upgraded {path} in {time.monotonic() - t0:.1f} s" + (", verified" if check else ""),
           file=sys.stderr)
     return 0
 

@@ -66,7 +66,8 @@ def _io(op: str, path: Path) -> Iterator[None]:
 
 
 def _io_message(failure: _IOFailure, out: Path, remaining: int, free: int | None) -> str:
-    """One line: the operation, the file, what happened and the fix (the rerun resumes)."""
+    """One line: the operation, the file, what happened and the fix (the rerun resumes). Only
+    sources are read: their fixes are about the source file, the others' about --out."""
     e, where = failure.error, f"{failure.op} {failure.path}"
     again = "run the same command again: it resumes"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -76,7 +77,9 @@ def _io_message(failure: _IOFailure, out: Path, remaining: int, free: int | None
     what = e.strerror or str(e)
     code = errno.errorcode.get(e.errno, "") if e.errno else ""
     what += f" ({code})" if code else ""
-    if failure.op == "reading" and e.errno not in (errno.EACCES, errno.EPERM):
+    if failure.op == "reading" and e.errno in (errno.EACCES, errno.EPERM):
+        return f"{where}: {what}: make it readable and {again}"
+    if failure.op == "reading":
         return (f"{where}: {what}: the source file cannot be read; check the disk (dmesg) or download "
                 f"that file again, then {again}")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -251,7 +254,7 @@ class _Converter:
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
-            with _io("opening", path):
+            with _io("reading", path):  # a source shard
                 self._fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self._fds[path]
@@ -364,7 +367,7 @@ def _load_previous(out: Path, src: Path, fingerprint: dict, sizes: dict[str, int
             notice(f"the source's {INDEX_NAME} differs from the one {out} was converted from: "
                    "converting everything again")
             return {}
-        files = {k: v for k, v in doc["files"].items() if isinstance(v, dict)}
+        files = {k: v for k, v in doc["files"].items() if layout.entry_problem(k, v) is None}
         for k in sorted(set(files) - set(deps)):  # copied files: compared by content (small)
             if (src / k).is_file() and layout.sha256_file(src / k) != files[k].get("checksum"):
                 notice(f"source file {k} changed since the earlier conversion: copying it again")
@@ -396,19 +399,25 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
                    sizes: dict[str, int], fingerprint: dict, previous: dict[str, dict],
                    entries: dict[str, dict], meter: "ProgressMeter", cancel: threading.Event | None,
                    fault_hook: FaultHook | None) -> None:
-    """Write (or keep, verified) every planned file into `entries`, then the manifest."""
+    """Write (or keep, verified) every planned file into `entries`, then the manifest.
+
+    Removes files only in a directory that holds an earlier conversion (preflight.holds_conversion;
+    check_destination refuses any other that is not empty), and there only files with the
+    converter's names: temporaries, the manifest, earlier output not kept (`previous`) and, last,
+    whatever this run did not write (a copied file no longer in the source). The state file is
+    written before anything else, so an interrupted run always leaves a directory a rerun resumes."""
     with _io("creating", out):
         out.mkdir(parents=True, exist_ok=True)
+    ours = preflight.holds_conversion(out)
     if previous:
         _save_state(out, fingerprint, previous)  # the dir reads as unfinished from here on
-    for f in sorted(out.iterdir()):
+    for f in sorted(out.iterdir()) if ours else ():
         if layout.is_own_file(f.name) and (f.name.endswith(".tmp") or f.name == layout.MANIFEST
                                            or (not previous and f.name != layout.STATE)):
             with _io("removing", f):
                 f.unlink()
     if not previous:
-        with _io("removing", out / layout.STATE):
-            (out / layout.STATE).unlink(missing_ok=True)
+        _save_state(out, fingerprint, {})  # the dir reads as an unfinished conversion from here on
 
     run = _Converter(src, out, meter, cancel, fault_hook)
     try:
@@ -417,7 +426,7 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
             payload = sizes[name] - (0 if isinstance(item, str) else len(item.header))
             if name in previous:
                 meter.status(f"checking {name}")
-                if check_file(out / name, previous[name], lambda n: None) is None:
+                if not check_file(out / name, previous[name]):
                     entries[name] = previous[name]
                     meter.add(payload, worked=False)
                     continue
@@ -428,6 +437,10 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
             run.hook(f"saved:{name}")
     finally:
         run.close()
+    for f in sorted(out.iterdir()):  # e.g. a tokenizer file removed from the source since then
+        if layout.is_own_file(f.name) and f.name not in entries and f.name != layout.STATE:
+            with _io("removing", f):
+                f.unlink()
     manifest = layout.Manifest(_source_config(src), fingerprint, record, args.n_routed_experts,
                                tuple(layout.units_for(args)), entries)
     run.hook("manifest")

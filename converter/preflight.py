@@ -21,6 +21,7 @@ from engine.checkpoint import INDEX_NAME, CheckpointError, read_header
 from engine.config import ConfigError, ModelArgs
 
 MAX_LISTED = 5  # problems of one kind listed by name before "and N more"
+GATE = "layers.0.ffn.gate.weight"  # [n_routed_experts, dim]: the experts count of the shards
 
 DiskFree = Callable[[Path], int]
 
@@ -49,6 +50,10 @@ def _read_weight_map(root: Path, problems: list[str]) -> dict[str, str] | None:
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError("'weight_map' is empty or not an object")
+        wrong = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if wrong is not None:  # (JSON object keys are always strings)
+            raise ValueError(f"the value of {wrong!r} in 'weight_map' is not a shard file name "
+                             "(a string)")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{index} is not a valid safetensors index ({e!r}); download it again")
         return None
@@ -93,24 +98,44 @@ def source_shapes(root: Path, problems: list[str]) -> dict[str, tuple[str, tuple
     return found
 
 
+TOKENIZER_JSON = ("tokenizer_config.json", "generation_config.json")  # copied; must be JSON objects
+
+
+def _json_problem(path: Path) -> str | None:
+    """Why `path` (present) is not a readable UTF-8 JSON object, with the fix; None if it is."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror or e}); make it readable"
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
+        return f"{path} is not readable JSON ({e}); download it again"
+    if not isinstance(doc, dict):
+        return f"{path} is not a JSON object; download it again"
+    return None
+
+
 def check_tokenizer(root: Path, args: ModelArgs) -> list[str]:
-    """A problem if `root/tokenizer.json` has more tokens than the model's vocab_size (a model
-    that could not chat: the engine refuses to load it), or cannot be read; [] otherwise."""
+    """Problems that stop a model converted from `root` from chatting (the engine refuses to load
+    it): `tokenizer.json` cannot be read or has more tokens than the model's vocab_size, or
+    `tokenizer_config.json` / `generation_config.json` is not a readable JSON object (each
+    checked only when present); [] otherwise."""
+    problems = [p for name in TOKENIZER_JSON if (root / name).is_file()
+                and (p := _json_problem(root / name)) is not None]
     path = root / "tokenizer.json"
     if not path.is_file():
-        return []
+        return problems
     from tokenizers import Tokenizer  # the engine's tokenizer library (engine/chat.py)
 
     try:
         n = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # the library raises its own exception type for a malformed file
-        return [f"{path} is not a readable tokenizer ({e}); download it again"]
+        return problems + [f"{path} is not a readable tokenizer ({e}); download it again"]
     if n > args.vocab_size:
-        return [f"{path} has {n:,} tokens but the model's vocab_size is {args.vocab_size:,}: a model "
+        return problems + [f"{path} has {n:,} tokens but the model's vocab_size is {args.vocab_size:,}: a model "
                 "converted with it cannot chat (the engine refuses to load it); put the tokenizer that "
                 "belongs to this checkpoint next to it, or convert with --logits-only for the logits "
                 "tools (python -m engine.logits) only"]
-    return []
+    return problems
 
 
 def check_source(path: str | os.PathLike, tokenizer: bool = True) -> list[str]:
@@ -129,6 +154,11 @@ def check_source(path: str | os.PathLike, tokenizer: bool = True) -> list[str]:
     found = source_shapes(root, problems)
     if problems or args is None:  # tensor checks would only repeat the shard problems
         return problems
+    gate = found.get(GATE)  # checked first: the inventory has 6 names per expert and unit
+    if gate is not None and gate[1][:1] != (args.n_routed_experts,):
+        return [f"{root / 'config.json'}: n_routed_experts is {args.n_routed_experts:,} but {GATE} "
+                f"(one row per expert) is {list(gate[1])}: the config does not belong to these "
+                "shards; download config.json again"]
     expected = mapping.expected_inventory(args)
     absent = sorted(set(expected) - set(found))
     extra = sorted(set(found) - set(expected))
@@ -160,20 +190,34 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(_existing_ancestor(path)).free
 
 
+def holds_conversion(out: Path) -> bool:
+    """Whether directory `out` holds an earlier conversion (finished: manifest.json; unfinished:
+    the state file). Only then are its files with converter names the converter's own: in any
+    other directory every file is foreign, whatever its name."""
+    return (out / layout.MANIFEST).is_file() or (out / layout.STATE).is_file()
+
+
 def check_destination(out_dir: str | os.PathLike, needed: int, source: str | os.PathLike,
                       disk_free: DiskFree | None = None) -> list[str]:
-    """Problems with writing `needed` more bytes of conversion output into `out_dir`."""
+    """Problems with writing `needed` more bytes of conversion output into `out_dir`: it (or a
+    directory above it) is a file, it is the source, it holds files that are not the converter's
+    own (every file, unless it holds an earlier conversion: `holds_conversion`), or the disk is
+    too full."""
     out, problems = Path(out_dir), []
-    if out.exists() and not out.is_dir():
-        return [f"--out {out} exists and is not a directory"]
-    if out.absolute() == Path(source).absolute():
+    base = _existing_ancestor(out)
+    if not base.is_dir():
+        what = "exists and is not a directory" if base == out.absolute() else \
+            f"lies below {base}, which is a file, not a directory"
+        return [f"--out {out} {what}; choose another --out"]
+    if out.resolve() == Path(source).resolve():
         return [f"--out {out} is the source directory; choose a new directory"]
     if out.is_dir():
-        foreign = sorted(f.name for f in out.iterdir() if not layout.is_own_file(f.name))
+        ours = holds_conversion(out)
+        foreign = sorted(f.name for f in out.iterdir()
+                         if not (ours and layout.is_own_file(f.name) and f.is_file()))
         if foreign:
             problems.append(_listed(f"--out {out} holds files that are not conversion output; "
                                     "choose an empty or new directory", foreign))
-    base = _existing_ancestor(out)
     free = (disk_free or free_bytes)(base)
     if free < needed:
         problems.append(f"not enough free disk space on {base}: the conversion needs "

@@ -87,8 +87,10 @@ class ModelArgs:
         "512", not true), a float field a finite JSON number, a str field a string; a wrong type
         raises ConfigError naming the key, the value and the expected type. An HF-style config
         (one that uses HF key names) must name its `model_type`; the official
-        `inference/config.json` has none."""
+        `inference/config.json` has none. The fields that set the tensors' shapes (`_REQUIRED`)
+        must be present: a missing one raises ConfigError naming it (no silent default)."""
         _check_types(cfg, source)
+        _check_required(cfg, source)
         _refuse_other_models(cfg, source)
         values: dict = {}
         names = {f.name for f in fields(cls)}
@@ -116,13 +118,16 @@ class ModelArgs:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
-        """Read `config.json` (HF-style) or `inference/config.json` (official) from a checkpoint."""
+        """Read `config.json` (HF-style) or `inference/config.json` (official) from a checkpoint.
+
+        Raises ConfigError (one line naming the file and the fix) when it is missing, unreadable,
+        not UTF-8 JSON or not a JSON object, or fails `from_dict`'s checks."""
         path = Path(path)
         for candidate in (path / "config.json", path / "inference" / "config.json"):
             if candidate.is_file():
                 try:
-                    cfg = json.loads(candidate.read_text())
-                except (OSError, json.JSONDecodeError) as exc:
+                    cfg = json.loads(candidate.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as exc:  # ValueError: also UnicodeDecodeError
                     raise ConfigError(f"{candidate}: not readable JSON ({exc}); re-download config.json") from None
                 if not isinstance(cfg, dict):
                     raise ConfigError(f"{candidate}: expected a JSON object")
@@ -264,6 +269,25 @@ def _check_types(cfg: dict, source: str) -> None:
     if q is not None and not isinstance(q, dict):
         raise ConfigError(f"{source}: field 'quantization_config' is {_shown(q)}, "
                           "expected an object: fix config.json or download it again")
+
+
+# Fields that set the tensors' shapes: a config without one is incomplete (their defaults are
+# DeepSeek-V4-Flash's, which would silently describe another model than the checkpoint's).
+_REQUIRED = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank",
+             "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "n_routed_experts",
+             "n_activated_experts", "moe_inter_dim")
+
+
+def _check_required(cfg: dict, source: str) -> None:
+    """ConfigError naming the first `_REQUIRED` field the config lacks (by its HF key in an
+    HF-style config, by its own name in the official one)."""
+    present = {_HF_KEYS.get(key, key) for key in cfg}
+    hf = "model_type" in cfg
+    for name in _REQUIRED:
+        if name not in present:
+            key = _CONFIG_KEYS.get(name, name) if hf else name
+            raise ConfigError(f"{source}: field '{key}' is missing; it sets the model's tensor shapes "
+                              "and has no default: this config.json is incomplete, download it again")
 
 
 def _refuse_other_models(cfg: dict, source: str) -> None:

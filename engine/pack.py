@@ -212,6 +212,11 @@ def units_for(args: ModelArgs) -> list[Unit]:
     return [Unit(u, unit_file(u, args), experts_tensor(u, args)) for u in units(args)]
 
 
+def model_files(args: ModelArgs) -> list[str]:
+    """The safetensors files a converted model of `args` consists of: global, then each unit's."""
+    return [GLOBAL_FILE] + [unit_file(u, args) for u in units(args)]
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest.json (see the module docstring)."""
@@ -248,7 +253,8 @@ class Manifest:
 
 
 def parse_manifest(doc: object, where: str = MANIFEST) -> Manifest:
-    """Validate a manifest document; raises LayoutError naming the problem."""
+    """Validate a manifest document (its structure and every file entry: `entry_problem`);
+    raises LayoutError naming the problem."""
     if not isinstance(doc, dict):
         raise LayoutError(f"{where}: not a JSON object")
     if doc.get("format") != FORMAT:
@@ -265,10 +271,52 @@ def parse_manifest(doc: object, where: str = MANIFEST) -> Manifest:
                             int(exp["count"]), units, dict(files))
     except (KeyError, TypeError, ValueError) as e:
         raise LayoutError(f"{where}: malformed manifest ({e!r}); convert again") from None
+    for name, entry in manifest.files.items():
+        problem = entry_problem(name, entry)
+        if problem:
+            raise LayoutError(f"{where}: {problem}; convert again")
     for u in units:
         if u.file not in manifest.files:
             raise LayoutError(f"{where}: experts file {u.file} is not in the file list")
     return manifest
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str_map(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+def entry_problem(name: object, entry: object) -> str | None:
+    """Why `name: entry` is not a well-formed file entry of a manifest (module docstring, "File
+    entries"), or None: `name` is a plain file name the converter writes (no path, no temporary,
+    not the manifest or a state file), `entry` an object with an int `size` >= 0 and a `checksum`
+    string; a "sha256-pieces:" entry also has `header` {"bytes": int, "sha256": str}, `tensors`
+    {name: str} and, optionally, `records` [str, ...]. (Whether the values agree with the file is
+    converter/verify.py's business.)"""
+    if not (isinstance(name, str) and is_listed_file(name)):
+        return f"it lists {str(name)[:80]!r}, not a file of a converted model"
+    what = f"the entry of {name}"
+    if not isinstance(entry, dict):
+        return f"{what} is not a JSON object"
+    if not _is_int(entry.get("size")) or entry["size"] < 0:
+        return f"{what} has no 'size' (a whole number of bytes)"
+    checksum = entry.get("checksum")
+    if not isinstance(checksum, str) or not checksum.startswith(("sha256:", "sha256-pieces:")):
+        return f"{what} has no 'checksum' of a known kind (sha256: or sha256-pieces:)"
+    if checksum.startswith("sha256-pieces:"):
+        header = entry.get("header")
+        if not (isinstance(header, dict) and _is_int(header.get("bytes"))
+                and isinstance(header.get("sha256"), str)):
+            return f"{what} has no 'header' {{'bytes': int, 'sha256': str}}"
+        if not _is_str_map(entry.get("tensors")):
+            return f"{what} has no 'tensors' object of tensor name -> sha256"
+        records = entry.get("records", [])
+        if not (isinstance(records, list) and all(isinstance(r, str) for r in records)):
+            return f"{what} has a 'records' that is not a list of sha256 strings"
+    return None
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:
@@ -304,6 +352,13 @@ _OWN = re.compile(r"(manifest\.json|global\.safetensors|layer_\d+\.safetensors|m
 def is_own_file(name: str) -> bool:
     """Whether a file name in an output directory is one the converter writes (or its temp)."""
     return _OWN.fullmatch(name) is not None
+
+
+def is_listed_file(name: str) -> bool:
+    """Whether `name` is a file a finished conversion lists in its manifest (an own file that is
+    neither a temporary, the manifest nor a state file)."""
+    return is_own_file(name) and not name.endswith(".tmp") and name not in (MANIFEST, STATE,
+                                                                            UPGRADE_STATE)
 
 
 def is_converted(path: str | os.PathLike) -> bool:

@@ -214,6 +214,136 @@ def test_verify_reports_size_and_missing_file(converted, tmp_path):
         layout.read_manifest(broken)
 
 
+def test_verify_names_every_corrupt_tensor_and_record_of_one_file(source, converted, tmp_path):
+    broken = Path(shutil.copytree(converted, tmp_path / "broken"))
+    record = layout.read_manifest(broken).record.record_bytes
+    with TensorIndex.open(broken) as idx:
+        base = idx.info("layers.2.ffn.experts").offset
+        for name in ("layers.2.attn_norm.weight", "layers.2.attn.attn_sink"):
+            _flip(broken / "layer_02.safetensors", idx.info(name).offset)
+    for e in (3, 11):
+        _flip(broken / "layer_02.safetensors", base + e * record + 50)
+    problems = verify(broken)
+    assert len(problems) == 3, problems
+    assert any("tensor layers.2.attn_norm.weight does not match" in p for p in problems)
+    assert any("tensor layers.2.attn.attn_sink does not match" in p for p in problems)
+    assert any("layer_02.safetensors: 2 routed experts of layers.2 do not match their checksums: 3, 11"
+               in p for p in problems)
+    convert(source, broken)
+    assert tree_bytes(broken) == tree_bytes(converted)
+
+
+def _edit_manifest(root: Path, edit) -> None:
+    doc = json.loads((root / "manifest.json").read_text())
+    edit(doc)
+    (root / "manifest.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def _set(path: tuple, value):
+    def edit(doc):
+        *parents, last = path
+        for key in parents:
+            doc = doc[key]
+        doc[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_set(("files", "layer_01.safetensors", "size"), "abc"), "the entry of layer_01.safetensors has no 'size'"),
+    (_set(("files", "layer_01.safetensors", "size"), None), "the entry of layer_01.safetensors has no 'size'"),
+    (_set(("files", "config.json"), [1]), "the entry of config.json is not a JSON object"),
+    (_set(("files", "config.json", "checksum"), 5), "the entry of config.json has no 'checksum'"),
+    (_set(("files", "layer_01.safetensors", "tensors"), None), "has no 'tensors' object"),
+    (_set(("files", "../pack/config.json"), {"size": 1, "checksum": "sha256:"}),
+     "it lists '../pack/config.json', not a file of a converted model"),
+])
+def test_a_malformed_manifest_entry_is_one_line_exit_1_and_a_rerun_repairs_it(source, converted, tmp_path,
+                                                                             capsys, edit, message):
+    broken = Path(shutil.copytree(converted, tmp_path / "broken"))
+    _edit_manifest(broken, edit)
+    assert cli.main(["--verify", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert verify_main([str(broken)]) == 1
+    assert message in capsys.readouterr().out
+    with pytest.raises(layout.LayoutError, match="convert again"):  # the engine says the same
+        layout.read_manifest(broken)
+    convert(source, broken)
+    assert tree_bytes(broken) == tree_bytes(converted)
+
+
+@pytest.mark.parametrize("hbytes", [10**12, 3, -1])
+def test_a_header_size_beyond_the_file_is_that_files_problem_and_a_rerun_rewrites_it(source, converted,
+                                                                                   tmp_path, hbytes):
+    broken = Path(shutil.copytree(converted, tmp_path / "broken"))
+    _edit_manifest(broken, _set(("files", "layer_01.safetensors", "header", "bytes"), hbytes))
+    (problem,) = verify(broken)
+    assert problem.startswith(f"layer_01.safetensors: the manifest says its header is {hbytes:,} bytes, "
+                              "outside 8..")
+    written: list[str] = []
+    convert(source, broken, fault_hook=lambda p: written.append(p[6:]) if p.startswith("begin:") else None)
+    assert written == ["layer_01.safetensors"] and tree_bytes(broken) == tree_bytes(converted)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d, m: (m["files"].pop("global.safetensors"), _flip(d / "global.safetensors", 5000)),
+     "does not list global.safetensors, which the model needs"),
+    (lambda d, m: m["experts"].__setitem__("count", 8), "experts count is 8, its config says n_routed_experts = 16"),
+    (lambda d, m: m["experts"]["units"].pop(), "the experts' units do not match its config's layers"),
+    (lambda d, m: m["experts"].__setitem__("record_bytes", 2 * m["experts"]["record_bytes"]),
+     "the experts' record layout does not match its config"),
+    (lambda d, m: m["config"].__setitem__("vocab_size", 256), "its config differs from config.json"),
+    (lambda d, m: (m["files"].pop("tokenizer.json"), _flip(d / "tokenizer.json", 100)),
+     "does not list tokenizer.json"),
+])
+def test_verify_checks_the_manifest_against_its_config_and_the_directory(source, converted, tmp_path,
+                                                                        capsys, damage, message):
+    """What the engine relies on: every file it needs listed (and checked), the experts as its
+    config says; no file of the model left unlisted (unchecked)."""
+    broken = Path(shutil.copytree(converted, tmp_path / "broken"))
+    _edit_manifest(broken, lambda m: damage(broken, m))
+    problems = verify(broken)
+    assert any(message in p for p in problems), problems
+    assert cli.main(["--verify", str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken}: its manifest.json is corrupt:" in err and message in err
+    convert(source, broken)
+    assert tree_bytes(broken) == tree_bytes(converted)
+
+
+def test_verify_reports_an_unreadable_file_as_unreadable_not_corrupt(converted, tmp_path, monkeypatch):
+    import errno
+
+    real_open = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if str(path).endswith("layer_02.safetensors"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    (problem,) = verify(converted)
+    assert problem == ("layer_02.safetensors: cannot read it (Permission denied, EACCES): make it readable "
+                       "(or check the disk: dmesg), then verify again")
+
+
+def test_verify_cli_exit_status_and_advice_for_what_is_no_intact_model(source, converted, tmp_path, capsys):
+    assert cli.main(["--verify", str(source)]) == 2  # an HF download
+    err = capsys.readouterr().err
+    assert "it is a downloaded checkpoint, not a converted model" in err
+    assert f"dsv4-convert --hf {source} --out DIR" in err and "did not finish" not in err
+    old = Path(shutil.copytree(converted, tmp_path / "old"))
+    _edit_manifest(old, _set(("version",), 1))
+    assert cli.main(["--verify", str(old)]) == 1  # one fix: the layout error's own
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "layout version 1 is not supported" in line and "dsv4-convert --upgrade DIR" in line
+    assert "unreadable" not in line
+    (old / "manifest.json").write_text("{")  # corrupt: exit 1 as the README says, with the fix
+    assert cli.main(["--verify", str(old)]) == 1
+    assert "not readable JSON" in capsys.readouterr().err
+    assert verify_main([str(source)]) == 2
+
+
 # ----------------------------------------------------------------------------- resume
 
 def _killed_run(source: Path, out: Path, point: str) -> int:
@@ -298,6 +428,62 @@ def test_no_resume_starts_over_and_foreign_files_refused(source, converted, tmp_
     (out / "notes.txt").write_text("mine")
     with pytest.raises(PreflightError, match="notes.txt"):
         convert(source, out)
+    (out / "notes.txt").unlink()
+    (out / "layer_04.safetensors").unlink()
+    (out / "layer_04.safetensors").mkdir()  # a converter name, but not a file it could replace
+    with pytest.raises(PreflightError, match="not conversion output.*layer_04.safetensors"):
+        convert(source, out)
+
+
+def test_files_with_converter_names_in_a_directory_without_a_conversion_are_refused(source, tmp_path, capsys):
+    """Only a directory holding an earlier conversion (manifest.json or the state file) has files
+    the converter may replace: in any other one, config.json or layer_00.safetensors is the user's."""
+    out = tmp_path / "own"
+    out.mkdir()
+    mine = {"config.json": b'{"mine": 1}', "tokenizer.json": b"precious", "layer_07.safetensors": b"x"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    assert cli.main(["--hf", str(source), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds files that are not conversion output" in err
+    assert "config.json, layer_07.safetensors, tokenizer.json" in err
+    with pytest.raises(PreflightError, match="not conversion output"):
+        convert(source, out, resume=False)
+    assert tree_bytes(out) == mine  # nothing replaced, nothing deleted
+
+
+def test_an_interrupted_first_file_leaves_a_directory_that_resumes(source, converted, tmp_path):
+    """The state file is written before the first output file: a run killed in its first file
+    leaves a directory the next run recognises as its own (and resumes)."""
+    out = tmp_path / "pack"
+    assert _killed_run(source, out, "begin:global.safetensors") == -signal.SIGKILL
+    assert (out / "global.safetensors.tmp").exists() and (out / layout.STATE).exists()
+    convert(source, out)
+    assert tree_bytes(out) == tree_bytes(converted)
+
+
+def test_a_copied_file_removed_from_the_source_is_removed_from_the_output(src_copy, tmp_path):
+    out = convert(src_copy, tmp_path / "pack")
+    (src_copy / "generation_config.json").unlink()
+    convert(src_copy, out)
+    assert not (out / "generation_config.json").exists()
+    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
+        f.name for f in out.iterdir()} - {"manifest.json"}
+    assert verify(out) == []
+
+
+def test_out_below_a_file_or_equal_to_the_source_by_another_path(source, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["--hf", str(source), "--out", str(tmp_path / "afile" / "pack")]) == 2
+    err = capsys.readouterr().err
+    assert f"lies below {tmp_path / 'afile'}, which is a file, not a directory" in err
+    assert "Traceback" not in err and (tmp_path / "afile").read_text() == "x"
+    (tmp_path / "link").symlink_to(source)
+    before = tree_bytes(source)
+    for same in (source / ".." / source.name, tmp_path / "link"):
+        assert cli.main(["--hf", str(source), "--out", str(same)]) == 2
+        assert "is the source directory; choose a new directory" in capsys.readouterr().err
+    assert tree_bytes(source) == before
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -380,6 +566,40 @@ def test_preflight_missing_index_and_extra_tensor(src_copy):
     (src_copy / "model.safetensors.index.json").unlink()
     assert any("model.safetensors.index.json is missing" in p for p in check_source(src_copy))
     assert "not a directory" in check_source(src_copy / "nope")[0]
+
+
+@pytest.mark.parametrize("value", [5, ["model-00001-of-00002.safetensors"], None])
+def test_preflight_index_with_a_non_string_shard_name(src_copy, tmp_path, capsys, value):
+    index = src_copy / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["norm.weight"] = value
+    index.write_text(json.dumps(doc))
+    (problem,) = check_source(src_copy)
+    assert f"{index} is not a valid safetensors index" in problem
+    assert "the value of 'norm.weight' in 'weight_map' is not a shard file name" in problem
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid safetensors index" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,text", [
+    ("tokenizer_config.json", "{not json"),
+    ("tokenizer_config.json", "[1, 2]"),
+    ("generation_config.json", '{"bos_token_id": 0'),
+])
+def test_preflight_refuses_a_tokenizer_or_generation_config_that_is_not_json(src_copy, tmp_path, capsys,
+                                                                           name, text):
+    """The engine reads tokenizer_config.json to chat: a broken one is refused before converting,
+    not after (issue: it converted with exit 0 and the engine then refused the model)."""
+    (src_copy / name).write_text(text)
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(src_copy / name) in err and "download it again" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    (src_copy / name).write_bytes(b'{"chat_template": "\xff"}')  # not UTF-8
+    assert any(str(src_copy / name) in p and "not readable JSON" in p for p in check_source(src_copy))
+    assert check_source(src_copy, tokenizer=False) == []  # --logits-only does not chat
 
 
 # ----------------------------------------------------------------------------- CLI

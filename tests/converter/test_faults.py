@@ -44,6 +44,8 @@ def _edit_config(root: Path, change: dict, drop: tuple[str, ...] = ()) -> None:
     ({"compress_ratios": None}, (), "field 'compress_ratios' is null, expected a list of integers"),
     ({"vocab_size": 512.0}, (), "field 'vocab_size' is 512.0 (a number), expected an integer"),
     ({}, ("model_type",), "field 'model_type' is missing"),
+    ({}, ("hidden_size",), "field 'hidden_size' is missing; it sets the model's tensor shapes"),
+    ({}, ("n_routed_experts",), "field 'n_routed_experts' is missing"),
 ])
 def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, capsys, change, drop, message):
     _edit_config(src_copy, change, drop)
@@ -51,6 +53,18 @@ def test_convert_refuses_a_wrong_config_type_in_one_line(src_copy, tmp_path, cap
     err = capsys.readouterr().err
     assert message in err and str(src_copy / "config.json") in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_an_experts_count_the_shards_do_not_have_is_refused_before_listing_their_names(src_copy, tmp_path,
+                                                                                      capsys):
+    """The expected inventory holds 6 names per expert and layer: an absurd n_routed_experts is
+    checked against the gate's rows first (1024 here; 10**8 would take minutes and gigabytes)."""
+    _edit_config(src_copy, {"n_routed_experts": 1024})
+    assert cli.main(["--hf", str(src_copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{src_copy / 'config.json'}: n_routed_experts is 1,024 but layers.0.ffn.gate.weight (one row "
+            "per expert) is [16, 128]: the config does not belong to these shards") in err
+    assert len(err.strip().splitlines()) == 2 and not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- resume integrity
@@ -167,6 +181,39 @@ def test_io_errors_name_operation_file_and_fix(source, tmp_path):
                                            rf"\(EACCES\): make {out} writable \(or choose another --out\) and run "
                                            "the same command again: it resumes$"):
         convert(source, out, fault_hook=failing(errno.EACCES, "tensor:layer_00.safetensors:layers.0.attn_norm.weight"))
+
+
+def test_an_unreadable_source_file_is_to_be_made_readable(src_copy, tmp_path, monkeypatch):
+    """EACCES reading a source (a shard, a copied file) is about that file, not about --out."""
+    import errno
+
+    from converter.convert import ConvertError
+
+    real_open = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if str(path).endswith("model-00002-of-00002.safetensors") and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr("converter.convert.os.open", refusing)
+    shard = src_copy / "model-00002-of-00002.safetensors"
+    with pytest.raises(ConvertError, match=rf"^reading {shard}: Permission denied \(EACCES\): make it "
+                                           "readable and run the same command again: it resumes$"):
+        convert(src_copy, tmp_path / "pack")
+    monkeypatch.undo()
+
+    real_read = Path.read_bytes
+
+    def unreadable_tokenizer(self):
+        if self.name == "tokenizer_config.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable_tokenizer)
+    with pytest.raises(ConvertError, match=rf"^reading {src_copy / 'tokenizer_config.json'}: Permission "
+                                           r"denied \(EACCES\): make it readable"):
+        convert(src_copy, tmp_path / "pack")
 
 
 # ----------------------------------------------------------------------------- non-finite logits

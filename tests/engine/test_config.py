@@ -38,6 +38,12 @@ def test_official_key_names_accepted(tmp_path):
     (tmp_path / "inference").mkdir()
     (tmp_path / "inference" / "config.json").write_text(json.dumps(official))
     assert ModelArgs.from_dir(tmp_path) == hf
+    del official["moe_inter_dim"]  # a shape-setting field has no silent (Flash) default
+    (tmp_path / "inference" / "config.json").write_text(json.dumps(official))
+    with pytest.raises(ConfigError, match="field 'moe_inter_dim' is missing"):
+        ModelArgs.from_dir(tmp_path)
+    with pytest.raises(ConfigError, match="field 'moe_intermediate_size' is missing"):
+        ModelArgs.from_dict({k: v for k, v in tiny_config().items() if k != "moe_intermediate_size"})
 
 
 @pytest.mark.parametrize("change,message", [
@@ -78,6 +84,14 @@ def test_unreadable_and_absent_config(tmp_path):
         ModelArgs.from_dir(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
+        ModelArgs.from_dir(tmp_path)
+
+
+def test_a_config_that_is_not_utf8_is_one_config_error(tmp_path):
+    """A byte that is not UTF-8 (a Latin-1 file, a damaged download) is the JSON error, not a
+    UnicodeDecodeError traceback, whatever the locale's default encoding."""
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "deepseek_v4", "note": "\xff"}')
+    with pytest.raises(ConfigError, match=r"config.json: not readable JSON \(.*utf-8.*\); re-download"):
         ModelArgs.from_dir(tmp_path)
 
 
