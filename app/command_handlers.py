@@ -28,7 +28,9 @@ from app.controller import (
     StatsReady,
     SwitchModel,
     TurnUndone,
-    keys_text,
+    pinned_text,
+    setting_text,
+    unpinned_text,
 )
 from app.screens.stats import StatsScreen
 
@@ -57,16 +59,6 @@ def failure_line(command: Command, err: BaseException) -> str:
     return f"/{command.name} failed ({reason}) — the chat goes on; please report this as a bug"
 
 
-def unpinned_text(result: ExpertsUnpinned) -> str:
-    if not result.was:
-        return ("no experts were pinned" if result.everything
-                else f"none of {keys_text(result.was_not)} was pinned")
-    if result.everything:
-        return "unpinned all experts"
-    return f"unpinned {keys_text(result.was)}" + (f" · not pinned: {keys_text(result.was_not)}"
-                                                  if result.was_not else "")
-
-
 async def render(app: ChatApp, result: Result) -> None:
     """Show `result` (a command's, or an engine job's after `Controller.finish`)."""
     match result:
@@ -74,9 +66,8 @@ async def render(app: ChatApp, result: Result) -> None:
             await app.note(text, error=error)
         case Help(lines):
             await app.note("commands:\n" + "\n".join(lines) + "\n" + KEYS_HELP)
-        case SettingChanged(key, value):
-            shown = ("on" if value else "off") if key == "think" else value
-            await app.note(f"{key} = {shown} (from the next answer)")
+        case SettingChanged():
+            await app.note(f"{setting_text(result)} (from the next answer)")
         case SessionReset(conv, note, kept):
             if kept:
                 note += f" — the previous one ({kept} turn(s)) is kept: /history"
@@ -85,8 +76,8 @@ async def render(app: ChatApp, result: Result) -> None:
             app.service.call(label, job, refresh_stats=refresh_stats)
         case CacheFlushed(evicted):
             await app.note(f"flushed: evicted {evicted} expert(s); pinned experts stay")
-        case ExpertsPinned(keys):
-            await app.note(f"pinned {len(keys)} expert(s): {keys_text(keys)}")
+        case ExpertsPinned():
+            await app.note(pinned_text(result))
         case ExpertsUnpinned():
             await app.note(unpinned_text(result))
         case StatsReady(stats, contents):

@@ -123,7 +123,7 @@ def parse_keys(text: str) -> tuple[tuple[int, int], ...]:
         keys.append((int(layer), int(expert)))
     if not keys:
         raise CommandError("no experts given: write LAYER:EXPERT[,LAYER:EXPERT…]")
-    return tuple(keys)
+    return tuple(dict.fromkeys(keys))  # each once, in the order given
 
 
 def parse_pin(rest: str) -> PinArgs:

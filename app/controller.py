@@ -189,6 +189,28 @@ def keys_text(keys: Sequence[Key], limit: int = 8) -> str:
     return shown + (" …" if len(keys) > limit else "")
 
 
+# The lines that report a command's typed result, the same in the TUI (app.command_handlers) and
+# in --plain (app.plain).
+def pinned_text(result: ExpertsPinned) -> str:
+    if not result.keys:  # /pin hot N before any expert was used
+        return "nothing to pin yet: no expert has been used (ask something first)"
+    return f"pinned {len(result.keys)} expert(s): {keys_text(result.keys)}"
+
+
+def unpinned_text(result: ExpertsUnpinned) -> str:
+    if not result.was:
+        return ("no experts were pinned" if result.everything
+                else f"none of {keys_text(result.was_not)} was pinned")
+    if result.everything:
+        return "unpinned all experts"
+    return f"unpinned {keys_text(result.was)}" + (f" · not pinned: {keys_text(result.was_not)}"
+                                                  if result.was_not else "")
+
+
+def setting_text(result: SettingChanged) -> str:
+    return f"{result.key} = " + (("on" if result.value else "off") if result.key == "think" else str(result.value))
+
+
 def _shown(value: object) -> str:
     """A setting's value as the settings file spells it (true/false for a switch)."""
     return ("true" if value else "false") if isinstance(value, bool) else str(value)

@@ -46,6 +46,9 @@ from app.controller import (
     SettingChanged,
     StatsReady,
     TurnUndone,
+    pinned_text,
+    setting_text,
+    unpinned_text,
 )
 from app.conversation import ChatMessage
 from app.heap import HeapFreeze
@@ -351,8 +354,8 @@ class PlainChat:
             case Help(lines):
                 self.say("\n".join(line + ("  (TUI only)" if line.split()[0][1:] in TUI_ONLY else "")
                                    for line in lines))
-            case SettingChanged(key, value):
-                self.say(f"{key} = {value}")
+            case SettingChanged():
+                self.say(setting_text(result))
             case SessionReset(conv, note):
                 history = history_messages(RealBackend(), conv.messages)
                 self.session = self.engine.new_session(system=conv.system or None, history=history)
@@ -361,10 +364,10 @@ class PlainChat:
                 return self.show(self.controller.finish(job(self.engine, self.session)))
             case CacheFlushed(evicted):
                 self.say(f"evicted {evicted} experts")
-            case ExpertsPinned(keys):
-                self.say(f"pinned {len(keys)} experts: " + ", ".join(f"{l}:{e}" for l, e in keys[:12]))
-            case ExpertsUnpinned(requested):
-                self.say("unpinned " + (", ".join(f"{l}:{e}" for l, e in requested) if requested else "all"))
+            case ExpertsPinned():
+                self.say(pinned_text(result))
+            case ExpertsUnpinned():
+                self.say(unpinned_text(result))
             case StatsReady(stats):
                 self.say("\n".join(stats_lines(stats)))
             case TurnUndone(position):

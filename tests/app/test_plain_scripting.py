@@ -59,7 +59,7 @@ def test_script_mode_answers_alone_on_stdout(config):
     status, out, err, _ = chat(config, "/set think on", "why?", "/stats")
     assert status == 0
     assert out == ANSWER + "\n"  # not the thinking, statistics, notes or prompts
-    assert f"(thinking) {THINKING}\n" in err and "think = True" in err
+    assert f"(thinking) {THINKING}\n" in err and "think = on" in err
     assert "tokens (eos)" in err and "expert cache:" in err
 
 
@@ -323,3 +323,15 @@ def test_a_turn_closed_after_its_engine_ends_quietly_and_bad_text_is_one_failure
     next(ev for ev in events if isinstance(ev, TextDelta))
     engine.close()
     events.close()  # raised "generator ignored GeneratorExit" once the engine had dropped its runtime
+
+
+def test_pin_and_unpin_report_what_happened_as_the_tui_does(config):
+    status, out, err, _ = chat(config, "/pin hot 3", "hi", "/unpin 4:4", "/pin 0:0,0:0,0:1", "/unpin 0:1,1:1",
+                               "/unpin", "/unpin", "/set think on")
+    lines = [line.removeprefix(">>> ") for line in err.splitlines()]
+    assert "nothing to pin yet: no expert has been used (ask something first)" in lines
+    assert "none of 4:4 was pinned" in lines
+    assert "pinned 2 expert(s): 0:0, 0:1" in lines
+    assert "unpinned 0:1 · not pinned: 1:1" in lines
+    assert lines.count("unpinned all experts") == 1 and "no experts were pinned" in lines
+    assert "think = on" in lines
