@@ -138,10 +138,13 @@ def parse_pin(rest: str) -> PinArgs:
 
 
 def parse_export(rest: str) -> ExportArgs:
-    """"FILE.md [--force]" (--force may also come first)."""
-    parts = rest.split()
-    force = "--force" in parts
-    file = " ".join(p for p in parts if p != "--force")
+    """"FILE.md [--force]" (--force may also come first); the name is kept as typed between them
+    (inner spaces included)."""
+    file, force = rest.strip(), False
+    if file == "--force" or file.startswith("--force "):
+        file, force = file[len("--force"):].strip(), True
+    elif file.endswith(" --force"):
+        file, force = file[:-len("--force")].strip(), True
     if not file:
         raise CommandError("missing a file: /export FILE.md [--force]")
     return ExportArgs(file, force)

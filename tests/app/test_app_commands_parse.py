@@ -54,6 +54,7 @@ def test_every_registered_command_has_a_handler_and_help():
     ("/export out/chat.md", Command("export", ExportArgs("out/chat.md"))),
     ("/export out/chat.md --force", Command("export", ExportArgs("out/chat.md", True))),
     ("/export --force my chat.md", Command("export", ExportArgs("my chat.md", True))),
+    ("/export my  two  spaces.md", Command("export", ExportArgs("my  two  spaces.md"))),
     ("/set save", Command("set", SetArgs("save"))),
     ("/model", Command("model", "")),
     ("/model alpha", Command("model", "alpha")),
