@@ -363,6 +363,9 @@ class EngineConfig:
             raise ConfigError(f"numerics must be 'native' or 'exact', got {self.numerics!r}")
         if self.backend not in ("torch", "tilelang"):
             raise ConfigError(f"backend must be 'torch' or 'tilelang', got {self.backend!r}")
+        if self.backend == "tilelang" and not str(self.device).startswith("cuda"):
+            raise ConfigError(f"the tilelang backend runs on a CUDA GPU, not on device {self.device!r}: "
+                              "use backend torch (--backend torch), or a CUDA device")
         if self.cache_policy not in POLICIES:
             names = ", ".join(sorted(POLICIES))
             raise ConfigError(f"cache_policy must be one of {names}, got {self.cache_policy!r}")

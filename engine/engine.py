@@ -85,8 +85,12 @@ class Engine:
         report = progress or (lambda p: None)
         path = Path(path)
         if not path.is_dir():
-            raise EngineError(f"model directory {path} does not exist; convert a checkpoint with "
-                              "dsv4-convert or use --demo")
+            what = "is a file, not a model directory" if path.exists() else "does not exist"
+            raise EngineError(f"model directory {path} {what}; give the directory of a converted model "
+                              "(convert a checkpoint with dsv4-convert) or use --demo")
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineError(f"device {config.device!r}: this machine has no usable CUDA GPU "
+                              "(torch.cuda.is_available() is false); use --device cpu")
         plan = plan_memory(path, config)
         report(LoadProgress("memory plan", 1, 1, "plan", "; ".join(line.strip() for line in plan.lines()[1:])))
         files = open_model_files(path, config, plan)

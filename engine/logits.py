@@ -10,6 +10,7 @@ at a time — and writes the tensor `logits` [S, vocab] float32 for every positi
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -42,13 +43,14 @@ def run_sequence(model: Transformer, experts, ids: torch.Tensor, decode_from: in
     return logits, {f"experts.{layer}": torch.cat(v).contiguous() for layer, v in chosen.items()}
 
 
-def _parse_ids(text: str) -> list[int]:
+def token_ids(text: str) -> list[int]:
+    """--ids: comma-separated integers, at least one (argparse type: a bad value exits 2)."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise SystemExit(f"error: --ids must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not ids:
-        raise SystemExit("error: --ids is empty")
+        raise argparse.ArgumentTypeError("expected at least one token id, got none")
     return ids
 
 
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     pin_cpu_math()  # before any model work (engine/reproducible.py)
     p = cli_args.Parser(prog="python -m engine.logits", description=__doc__.split("\n")[0])
     cli_args.add_engine_args(p, numerics="exact", turns=False)
-    p.add_argument("--ids", required=True, help="comma-separated token ids")
+    p.add_argument("--ids", type=token_ids, required=True, help="comma-separated token ids")
     p.add_argument("--decode-from", type=int, default=None, help="prefill K ids, then decode one at a time")
     p.add_argument("--out", type=cli_args.output_file, required=True,
                    help="output .safetensors file (its folder must exist)")
     a = p.parse_args(argv)
-    ids = _parse_ids(a.ids)
+    ids = a.ids
     from engine.loading import plan_memory
     from engine.memory_plan import MemoryPlanError
     from engine.weights import open_model

@@ -209,7 +209,15 @@ class MemoryPlan:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
+    """n bytes in GiB: 2 decimals, or 3 significant digits below 0.01 GiB (a tiny model's sizes)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 or n == 0 else f"{n / GiB:.3g} GiB"
+
+
+def _gib_at_least(n: int) -> str:
+    """A GiB figure (3 significant digits, rounded up) that is at least n bytes: for a flag's value."""
+    x = n / GiB
+    scale = 10.0 ** (2 - math.floor(math.log10(x))) if x > 0 else 1.0
+    return f"{math.ceil(x * scale) / scale:.{max(0, round(math.log10(scale)))}f}"
 
 
 def _check_bytes(name: str, value: int | None) -> None:
@@ -249,11 +257,13 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
             f"{_gib(state)} (max_seq_len {config.max_seq_len}) + workspace {_gib(workspace)} + framework "
             f"{_gib(framework)} + margin {_gib(margin)} + the smallest expert cache {_gib(smallest)} "
             f"(one layer's {footprint.top_k} experts) = {_gib(fixed + smallest)}, over the {_gib(limit)} "
-            f"available ({where}); free memory, lower --max-seq-len, or raise --memory-gb")
+            f"available ({where}); free memory, lower the context limit (max_seq_len), or raise the "
+            "memory limit (--memory-gb)")
     left = limit - fixed
     if not footprint.streamed:
         cache, cache_fixed = pool, False
-        notes.append("official checkpoint: experts are read from its mmapped shards (convert it to stream them)")
+        notes.append("official checkpoint: experts are read from its mmapped shards (convert it to stream them)"
+                     + ("; --cache-gb is ignored" if config.cache_bytes is not None else ""))
     elif config.cache_bytes is not None:
         cache, cache_fixed = config.cache_bytes, True
         if cache > pool:
@@ -262,7 +272,8 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
             cache = pool
         if cache < smallest:
             raise MemoryPlanError(f"--cache-gb {_gib(config.cache_bytes)} holds fewer than one layer's "
-                                  f"{footprint.top_k} experts ({_gib(smallest)}); raise it")
+                                  f"{footprint.top_k} experts ({_gib(smallest)}); give --cache-gb "
+                                  f"{_gib_at_least(smallest)} or more")
         if cache > left:
             raise MemoryPlanError(
                 f"--cache-gb {_gib(cache)} does not fit: after the resident weights, state, workspace, "

@@ -337,7 +337,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         size = f.stat().st_size if f.is_file() else None
         if size != entry.get("size"):
             raise LayoutError(f"{f}: {'missing' if size is None else f'{size} bytes'}, the manifest "
-                              f"says {entry.get('size')} bytes; run `python -m converter.verify "
+                              f"says {entry.get('size')} bytes; run `dsv4-convert --verify "
                               f"{root}` and rerun dsv4-convert to repair it")
     return manifest
 

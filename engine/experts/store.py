@@ -67,7 +67,7 @@ class ExpertStore:
             if info is None or info.shape != (self.count, self.record_bytes) or info.offset % ALIGNMENT:
                 raise ExpertReadError(f"{path}: packed experts tensor {unit.tensor!r} is missing, "
                                       f"misshapen or unaligned; the conversion is corrupt: run "
-                                      f"`python -m converter.verify {self.root}`")
+                                      f"`dsv4-convert --verify {self.root}`")
             self._where[unit.layer] = (path, info.offset)
             records = manifest.files.get(unit.file, {}).get("records")
             if isinstance(records, list) and len(records) == self.count:
@@ -151,7 +151,7 @@ class ExpertStore:
                     continue
                 raise ExpertReadError(f"reading expert {expert} of layer {layer} from {path} at byte "
                                       f"{offset + done} failed: {e.strerror or e}; the disk or the file is "
-                                      f"failing: check it with `python -m converter.verify {self.root}`") from e
+                                      f"failing: check it with `dsv4-convert --verify {self.root}`") from e
             if n == 0:
                 raise ExpertReadError(f"{path} ends before expert {expert} of layer {layer} "
                                       f"(byte {offset + done}); the file is truncated: rerun "
@@ -160,8 +160,8 @@ class ExpertStore:
         if self._digests and (layer, expert) not in self._verified:
             if hashlib.sha256(out).hexdigest() != self._digests[layer][expert]:
                 raise ExpertChecksumError(f"expert {expert} of layer {layer} in {path} does not match its "
-                                          f"checksum in the manifest: the file is corrupt; run `python -m "
-                                          f"converter.verify {self.root}` and rerun dsv4-convert to repair it")
+                                          f"checksum in the manifest: the file is corrupt; run `dsv4-convert "
+                                          f"--verify {self.root}` and rerun dsv4-convert to repair it")
             with self._lock:
                 self._verified.add((layer, expert))
 

@@ -10,7 +10,7 @@ import pytest
 from app.__main__ import parser as app_parser
 from engine import cli_args
 from engine.__main__ import parser as generate_parser
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 
 
 def _options(p: argparse.ArgumentParser) -> set[str]:
@@ -43,8 +43,11 @@ def test_every_option_reaches_the_engine_config_and_gib_become_bytes():
     a = _engine_parser().parse_args(["--model", "m", "--numerics", "exact", "--backend", "tilelang",
                                      "--cache-gb", "1.5", "--memory-gb", "3", "--max-seq-len", "128",
                                      "--no-cuda-graphs", "--host-cache-gb", "2"])
+    with pytest.raises(ConfigError, match=r"the tilelang backend runs on a CUDA GPU, not on device 'cpu'"):
+        cli_args.engine_config_from_args(a)  # the backend reached the config, which refuses it on the CPU
+    a.backend = "torch"
     assert cli_args.engine_config_from_args(a) == EngineConfig(
-        device="cpu", numerics="exact", backend="tilelang", cache_bytes=3 * 2**29, memory_bytes=3 * 2**30,
+        device="cpu", numerics="exact", backend="torch", cache_bytes=3 * 2**29, memory_bytes=3 * 2**30,
         host_cache_bytes=2 * 2**30, max_seq_len=128, cuda_graphs=False)
 
 

@@ -54,7 +54,7 @@ def test_bad_input_is_a_message_not_a_traceback(tiny_ckpt, tmp_path):
     r = subprocess.run(run + ["--ids", "1,2,9999"], capture_output=True, text=True)
     assert r.returncode == 2 and "token ids must be in 0..511" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(run + ["--ids", "1,a"], capture_output=True, text=True)
-    assert r.returncode != 0 and "--ids must be comma-separated integers" in r.stderr
+    assert r.returncode == 2 and "argument --ids: expected comma-separated integers" in r.stderr
     r = subprocess.run([sys.executable, "-m", "engine.logits", "--ckpt", str(tmp_path), "--ids", "1",
                         "--out", str(tmp_path / "y")], capture_output=True, text=True)
     assert r.returncode == 2 and "error:" in r.stderr and "Traceback" not in r.stderr
@@ -95,3 +95,15 @@ def test_cache_gb_nan_in_a_subprocess_is_no_traceback(tiny_ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "engine.logits", "--ckpt", str(tiny_ckpt), "--ids", "1",
                         "--cache-gb", "nan", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("ids, message", [("", "expected at least one token id, got none"),
+                                          ("1,a", "expected comma-separated integers, got '1,a'")])
+def test_bad_ids_and_a_gpu_backend_on_the_cpu_are_one_line_and_status_2(tiny_ckpt, tmp_path, capsys, ids, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ckpt", str(tiny_ckpt), "--ids", ids, "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and f"argument --ids: {message}" in err
+    assert main(["--ckpt", str(tiny_ckpt), "--ids", "1", "--backend", "tilelang", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == ("error: the tilelang backend runs on a CUDA GPU, not on device 'cpu': use "
+                                       "backend torch (--backend torch), or a CUDA device\n")

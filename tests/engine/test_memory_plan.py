@@ -13,8 +13,9 @@ import torch
 
 from converter import synth
 from converter.convert import convert
-from engine.config import EngineConfig, ModelArgs
+from engine.config import ConfigError, EngineConfig, ModelArgs
 from engine.engine import Engine
+from engine.errors import EngineError
 from engine.memory import MemInfo
 from engine.memory_plan import (GiB, Machine, MemoryPlanError, ModelFootprint, gib_to_bytes, make_plan,
                                 state_bytes, unified_machine)
@@ -92,7 +93,8 @@ def test_too_small_is_refused_before_loading_with_the_numbers_and_the_fix():
         make_plan(flash_footprint(), EngineConfig(device="cuda"), small)
     msg = str(err.value)
     assert "resident weights 8.00 GiB" in msg and "over the 9.00 GiB available" in msg
-    assert "6 experts" in msg and "--memory-gb" in msg and "--max-seq-len" in msg
+    assert "6 experts" in msg and "raise the memory limit (--memory-gb)" in msg
+    assert "lower the context limit (max_seq_len)" in msg  # a setting in the app, a flag in the engine's tools
 
 
 def test_memory_gb_caps_the_plan_and_cache_gb_fixes_the_cache():
@@ -105,6 +107,16 @@ def test_memory_gb_caps_the_plan_and_cache_gb_fixes_the_cache():
         make_plan(fp, EngineConfig(device="cuda", cache_bytes=100 * GiB, memory_bytes=60 * GiB), H200)
     with pytest.raises(MemoryPlanError, match="fewer than one layer's 6 experts"):
         make_plan(fp, EngineConfig(device="cuda", cache_bytes=fp.record), H200)
+
+
+def test_a_tiny_models_too_small_cache_names_a_budget_that_fits_one_layer():
+    fp = flash_footprint()
+    tiny = replace(fp, record=28_672, pool=28_672 * 96)  # the tiny synthetic model's records
+    with pytest.raises(MemoryPlanError) as err:
+        make_plan(tiny, EngineConfig(device="cuda", cache_bytes=1024), H200)
+    assert str(err.value).endswith(f"fewer than one layer's 6 experts (0.00016 GiB); give --cache-gb 0.000161 or more")
+    at_least = float(str(err.value).split("give --cache-gb ")[1].split()[0])
+    assert make_plan(tiny, EngineConfig(device="cuda", cache_bytes=gib_to_bytes(at_least, "x")), H200).cache >= 6 * 28_672
 
 
 def test_a_cache_above_the_pool_is_capped_and_said_so():
@@ -158,12 +170,28 @@ def test_footprint_from_headers_matches_what_the_engine_loads(packs):
         eng.close()
     official = model_footprint(src)
     assert not official.streamed and official.weights == pytest.approx(fp.weights, rel=0.02)
+    notes = make_plan(official, EngineConfig(cache_bytes=1 << 20), H200).notes
+    assert notes == ("official checkpoint: experts are read from its mmapped shards (convert it to stream them); "
+                     "--cache-gb is ignored",)
 
 
 def test_engine_load_is_refused_by_the_plan(packs):
     _, conv = packs
     with pytest.raises(MemoryPlanError, match="the model does not fit: resident weights 0.08 GiB"):
         Engine.load(conv, EngineConfig(memory_bytes=256 << 20), warmup=False)
+
+
+def test_engine_load_names_a_file_given_as_the_model_and_a_missing_gpu(packs, tmp_path):
+    _, conv = packs
+    with pytest.raises(EngineError, match=r"manifest.json is a file, not a model directory; give the directory"):
+        Engine.load(conv / "manifest.json", EngineConfig(), warmup=False)
+    with pytest.raises(EngineError, match=r"nothing does not exist"):
+        Engine.load(tmp_path / "nothing", EngineConfig(), warmup=False)
+    with pytest.raises(ConfigError, match="the tilelang backend runs on a CUDA GPU, not on device 'cpu'"):
+        EngineConfig(backend="tilelang")
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineError, match="device 'cuda': this machine has no usable CUDA GPU"):
+            Engine.load(conv, EngineConfig(device="cuda"), warmup=False)
 
 
 def test_close_gives_back_the_weights_the_arena_and_the_session_states(packs):
