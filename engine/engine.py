@@ -229,7 +229,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------- cache control
     def flush_cache(self) -> int:
-        """Evict every unpinned expert; returns how many (0 when every expert is resident)."""
+        """Evict every unpinned expert; returns how many (0 for an official checkpoint, whose experts
+        stay in its mmapped shards: no cache). A cache that holds every expert is emptied too."""
         self._open()
         with self._lock:
             self.runtime.settle()  # a replayed step's routes name experts that must still be resident
