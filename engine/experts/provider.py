@@ -229,12 +229,15 @@ class ExpertProvider(ABC):
 
     def pin(self, keys: Iterable[tuple[int, int]]) -> list[ExpertKey]:
         """Pin these (layer, expert) keys, all or none: raises ExpertCacheError, pinning nothing,
-        when they would leave fewer than `top_k` slots unpinned. Returns the keys. Without a
-        cache every expert is resident already and nothing is pinned."""
+        when they would leave fewer than `top_k` slots unpinned, or when there is no cache (an
+        official checkpoint: every expert is read from its shards, resident already). Returns the
+        keys."""
         self.settle_records()
         keys = [(int(layer), int(e)) for layer, e in dict.fromkeys(keys)]
         if self.cache is None:
-            return keys
+            raise ExpertCacheError("nothing to pin: this model has no expert cache (an official checkpoint "
+                                   "reads every expert from its shards); convert it with dsv4-convert to "
+                                   "stream experts through a cache and pin them")
         pinned = self.pinned()
         new = [k for k in keys if k not in pinned]
         if len(pinned) + len(new) > self.pin_limit:

@@ -160,7 +160,7 @@ def test_plain_loop_commands_in_process(ckpt, tmp_path):
     assert turns[2][2] == "0"  # /regen ran no prefill
     assert "system prompt set — new conversation" in text and "system prompt: Be brief." in text
     assert "! nothing to undo" in text
-    assert "! no expert 9:0" in text and "pinned 1 expert(s): 1:2" in text
+    assert "! no expert 9:0" in text and "! nothing to pin: this model has no expert cache" in text  # official layout
     assert "! top_p must be in (0, 1]" in text
     assert f"exported 0 turn(s) to {tmp_path}/x.md" in text and (tmp_path / "x.md").is_file()  # after two /undo
     assert "unknown command /nonsense" in text

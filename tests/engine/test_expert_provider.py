@@ -11,6 +11,7 @@ from converter.convert import convert
 from engine.chat import ChatTokenizer
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.experts.cache import ExpertCacheError
 from engine.events import TextDelta, TurnFinished
 from engine.model import Transformer
 from engine.numerics import Numerics
@@ -153,7 +154,9 @@ def test_resident_official_experts_have_no_arena_and_nothing_to_pin(tiny):
     try:
         p = files.experts
         assert p.arena is None and p.cache is None and p.all_resident() and p.load_all()
-        assert p.pin([(0, 1)]) == [(0, 1)] and p.pinned() == frozenset() and p.flush() == []
+        with pytest.raises(ExpertCacheError, match="nothing to pin: this model has no expert cache"):
+            p.pin([(0, 1)])  # said, not silently ignored (the user's /pin)
+        assert p.pinned() == frozenset() and p.flush() == []
         assert [e for e, _ in p.experts(1, [3, 3, 2])] == [3, 2]
         assert p.usage.uses[(1, 3)] == 1 and p.usage.layer_uses[1] == 2
         p.record(2, [4, 4, 5])
