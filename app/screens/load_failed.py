@@ -7,6 +7,7 @@ from pathlib import Path
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
@@ -27,14 +28,14 @@ class LoadFailedScreen(ModalScreen[str]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="load-failed-box", classes="dialog"):
-            yield Static(f"Could not load {self._model_dir}", classes="dialog-title")
-            yield Static(f"✗ {self._message}", id="load-failed-why")
+            yield Static(f"Could not load {self._model_dir}", classes="dialog-title", markup=False)
+            yield Static(f"✗ {self._message}", id="load-failed-why", markup=False)
             yield Static(("Open another converted model, c" if self._others else "C")
                          + "onvert a checkpoint with the wizard, or try the demo model.")
             if self._others:
                 with Horizontal(classes="buttons"):
                     for i, path in enumerate(self._others):
-                        yield Button(path.name, id=f"model-{i}", variant="primary")
+                        yield Button(Content(path.name), id=f"model-{i}", variant="primary")
             with Horizontal(classes="buttons"):
                 yield Button("Wizard (w)", id="wizard")
                 yield Button("Demo model (d)", id="demo")

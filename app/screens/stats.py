@@ -84,7 +84,7 @@ class StatsScreen(Screen):
         mem.clear()
         for name, size in m.parts:
             share = size / m.total if m.total else 0.0
-            mem.add_row(name, fmt_bytes(size), fmt_pct(share))
+            mem.add_row(Text(name), fmt_bytes(size), fmt_pct(share))
         mem.add_row(Text("total", style="bold"), fmt_bytes(m.total), "")
         if m.unified:
             mem.add_row(Text("page cache", style="italic"), fmt_bytes(m.page_cache), "reclaimable")

@@ -37,9 +37,10 @@ class WizardScreen(Screen[str]):
                 f"No converted model was found in {self._config.models_dir}.\n\n"
                 "Convert a downloaded DeepSeek-V4-Flash checkpoint (the Hugging Face directory "
                 "with config.json and *.safetensors) into the streaming layout — about the "
-                "checkpoint's size on disk, resumable — or try the demo model.\n"
+                "checkpoint's size on disk, resumable — or try the demo model.\n",
+                markup=False,
             )
-            yield Static(DEMO_NOTICE, classes="demo-notice")
+            yield Static(DEMO_NOTICE, classes="demo-notice", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Convert a checkpoint (c)", id="convert", variant="primary")
                 yield Button("Demo model (d)", id="demo")
@@ -81,8 +82,8 @@ class SourceScreen(Screen[ConvertRequest | None]):
             yield Static("Convert a checkpoint", classes="dialog-title")
             yield Static("Directory of the downloaded checkpoint:")
             yield Input(placeholder="/path/to/DeepSeek-V4-Flash", id="source-path")
-            yield Static("", id="source-problems")
-            yield Static("", id="source-destination")
+            yield Static("", id="source-problems", markup=False)
+            yield Static("", id="source-destination", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Convert", id="start", variant="primary", disabled=True)
                 yield Button("Back", id="back")
