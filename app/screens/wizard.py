@@ -17,7 +17,7 @@ from textual.widgets import Button, Footer, Input, Static
 
 from app.demo import DEMO_NOTICE
 from app.settings import AppConfig
-from app.wizard import default_destination, free_space_problem
+from app.wizard import default_destination, free_space_problem, unreadable
 
 
 class WizardScreen(Screen[str]):
@@ -101,12 +101,17 @@ class SourceScreen(Screen[ConvertRequest | None]):
 
     @work(thread=True, exclusive=True, group="validate", name="validate-source")
     def _validate(self, text: str) -> None:
+        """Check `text` off the UI thread and post the problems ([] = ready); a path the system
+        refuses is a problem line, never an exception (a worker's would end the app)."""
         src = Path(text.strip()).expanduser()
-        problems = self._check(src) if text.strip() else ["enter a directory"]
-        if not problems:
-            space = free_space_problem(src, default_destination(self._config, src))
-            if space:
-                problems = [space]
+        try:
+            problems = self._check(src) if text.strip() else ["enter a directory"]
+            if not problems:
+                space = free_space_problem(src, default_destination(self._config, src))
+                if space:
+                    problems = [space]
+        except OSError as err:
+            problems = [unreadable(src, err)]
         self.post_message(self.Checked(text, problems))
 
     def on_source_screen_checked(self, event: Checked) -> None:
