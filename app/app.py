@@ -354,8 +354,9 @@ class ChatApp(App):
             return
         await self._flush_text()
         self._show_latest_stats()
-        if self._answer is not None and event.job == "turn":
+        if self._answer is not None and event.job == "turn":  # shown, but not a turn
             await self._answer.finish(f"failed: {event.message}")
+            self.chat.transcript.mark_failed(self._answer)
         elif self._answer is not None and event.job == "regen":  # the old answer stands
             old = self.conversation.messages[-1]
             await self._answer.finish("regeneration failed; previous answer kept", old.content)
@@ -410,11 +411,12 @@ class ChatApp(App):
         self.exit()
 
     async def regenerate_view(self) -> None:
-        """Replace the last answer's widget with a fresh, streaming one (for /regen)."""
+        """Replace the last answer's widget (failed turns skipped) with a fresh, streaming one
+        in its place (for /regen)."""
         last = self.chat.transcript.last_assistant()
+        self._answer = await self.chat.transcript.add_assistant(after=last)
         if last is not None:
             await last.remove()
-        self._answer = await self.chat.transcript.add_assistant()
         self._answer.start_waiting()
 
     def exit(self, *args, **kwargs) -> None:
