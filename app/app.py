@@ -87,6 +87,7 @@ class ChatApp(App):
         self.heap = HeapFreeze()
         self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
         self.decode_mode = "eager"  # "graphs" when the engine replays CUDA graphs (Engine.info)
+        self._chatted = False  # a model was ready once: a later failed load was a model switch
 
     @property
     def config(self) -> AppConfig:
@@ -150,10 +151,16 @@ class ChatApp(App):
                          self._model_built)
 
     def _model_built(self, path: Path | None) -> None:
-        if path is None:
+        """A conversion or the demo build ended (None: cancelled or failed). Without a model the
+        wizard comes back; with one still loaded (`/model demo` cancelled) the chat goes on."""
+        if path is not None:
+            self.load_model(path)
+        elif self.service.engine is None:
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
         else:
-            self.load_model(path)
+            name = "?" if self.model_dir is None else self.model_dir.name
+            self.run_worker(self.note(f"no model switch: still chatting with {name}"),
+                            name="switch-kept")
 
     def load_model(self, model_dir: Path) -> None:
         """Load `model_dir` (closing the current engine first, for a switch); once ready, the
@@ -163,6 +170,8 @@ class ChatApp(App):
         self.service.load(model_dir)
 
     def _load_failed_choice(self, choice: str | None) -> None:
+        if choice == "back":  # a failed switch: the chat, where /model NAME picks another
+            return
         if choice == "wizard":
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
         elif choice == "demo":
@@ -187,6 +196,7 @@ class ChatApp(App):
         self.service.finished()
         if not self.ui_alive:
             return
+        self._chatted = True
         info = event.info
         problem = None if self.model_dir is None else remember_model(self.config, self.model_dir)
         if problem:  # (the next start opens it again, else)
@@ -349,8 +359,8 @@ class ChatApp(App):
                 forget_model(self.config, self.model_dir)  # the next start does not pick it again
             others = [p for p in converted_models(self.config)
                       if p != self.model_dir and not self.is_demo(p)]
-            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others),
-                             self._load_failed_choice)
+            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others,
+                                              back=self._chatted), self._load_failed_choice)
             return
         await self._flush_text()
         self._show_latest_stats()
