@@ -1,6 +1,7 @@
 """A model switch that does not happen leaves the user in the chat with the model still loaded:
 a cancelled or failed `/model demo` build does not open the first-run wizard (whose Esc quits),
-and Esc on the load-failed dialog of a switch goes back to the chat (at start-up it still quits)."""
+Esc on the load-failed dialog of a switch goes back to the chat (at start-up it still quits),
+and `/model demo` while the demo is in use says so instead of loading it again."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from fake_engine import FakeBackend, FakeEngine
 from app_helpers import type_and_send, wait_for, wait_idle
 
 from app.app import ChatApp
+from app.commands import Command
+from app.controller import BuildDemo, Controller, EngineState, Reply
 from app.screens.load_failed import LoadFailedScreen
 from app.screens.progress import ProgressScreen
 from app.screens.wizard import WizardScreen
 from app.widgets.message import NoteMessage, UserMessage
+from app.wizard import demo_dir
 
 SIZE = (120, 45)
 
@@ -133,5 +137,27 @@ def test_esc_on_a_failed_load_at_start_up_still_quits(config):
             assert not app.screen.query("#back")
             await pilot.press("escape")
             await wait_for(pilot, lambda: not app.is_running, what="the app to quit")
+
+    asyncio.run(go())
+
+
+def test_model_demo_when_the_demo_is_in_use_says_so(config):
+    ctl = Controller(config, autosave=False)
+    ctl.model_dir = demo_dir(config)
+    assert ctl.apply(Command("model", "demo")) == Reply("demo is the model in use")
+    failed = EngineState(loaded=False, ready=False)  # the demo failed to load: build/load again
+    assert ctl.apply(Command("model", "demo"), failed) == BuildDemo()
+
+
+def test_model_demo_in_the_demo_does_not_reload_it(config):
+    backend = FakeBackend(FakeEngine())
+
+    async def go():
+        app = ChatApp(replace(config, model=None, demo=True), backend)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_idle(pilot, app)
+            await type_and_send(pilot, app, "/model demo")
+            assert last_note(app) == "demo is the model in use"
+            assert app.screen is app.chat and len(backend.loaded) == 1
 
     asyncio.run(go())
