@@ -345,6 +345,8 @@ class ChatApp(App):
                                          self.gen.max_tokens)
             await self._answer.finish(turn_footer(event.stats), event.content, notice)
             self._answer = None
+        if self.ui_alive:
+            await self.complete_stats_screen()
 
     async def on_engine_error(self, event: EngineError) -> None:
         self.service.finished()
@@ -372,6 +374,7 @@ class ChatApp(App):
             await self._answer.finish("regeneration failed; previous answer kept", old.content)
         self._answer = None
         await self.note(f"{event.job} failed: {event.message}", error=True)
+        await self.complete_stats_screen()
 
     async def on_call_done(self, event: CallDone) -> None:
         self.service.finished()
@@ -386,6 +389,7 @@ class ChatApp(App):
             self._after_session.clear()
         else:
             await command_handlers.render(self, result)
+        await self.complete_stats_screen()
 
     # ---- actions --------------------------------------------------------------------------
 
@@ -415,7 +419,25 @@ class ChatApp(App):
             self.chat.toggle_panes()
 
     async def action_stats(self) -> None:
-        await command_handlers.run(self, parse("/stats"))
+        """F2: open the statistics screen; on it, close it (one at a time, never stacked)."""
+        if isinstance(self.screen, StatsScreen):
+            self.pop_screen()
+        elif self.service.busy != "stats":  # else the screen of the job running is coming
+            await command_handlers.run(self, parse("/stats"))
+
+    async def complete_stats_screen(self) -> None:
+        """A statistics screen opened mid-job (without the cache's contents) on top and the
+        engine idle now: fetch the full statistics; they replace it."""
+        if (isinstance(self.screen, StatsScreen) and not self.screen.has_contents
+                and self.service.busy is None and self.service.ready):
+            await command_handlers.run(self, parse("/stats"))
+
+    async def show_stats_screen(self, screen: StatsScreen) -> None:
+        """Show `screen` in place of a statistics screen on top, else over the current one."""
+        if isinstance(self.screen, StatsScreen):
+            await self.switch_screen(screen)
+        else:
+            await self.push_screen(screen)
 
     async def action_quit(self) -> None:
         self.exit()

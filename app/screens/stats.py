@@ -29,6 +29,11 @@ class StatsScreen(Screen):
         self._contents = contents
         self._info = info
 
+    @property
+    def has_contents(self) -> bool:
+        """False when opened mid-turn: the cache's contents wait for the engine to be idle."""
+        return self._contents is not None
+
     def compose(self) -> ComposeResult:
         yield Static("", id="stats-summary")
         with Horizontal(id="stats-tables"):
