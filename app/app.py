@@ -268,9 +268,12 @@ class ChatApp(App):
                 return
             await command_handlers.run(self, command)
             return
-        text = message_text(text)
-        if not await self.require_idle():
+        if not await self.require_idle():  # refused: the message goes back into the prompt
+            if not self.chat.prompt.text:
+                self.chat.prompt.load_text(text)
+                self.chat.prompt.move_cursor(self.chat.prompt.document.end)
             return
+        text = message_text(text)
         await self.chat.transcript.add_user(text)
         self._answer = await self.chat.transcript.add_assistant()
         self._answer.start_waiting()

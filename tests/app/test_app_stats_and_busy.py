@@ -1,6 +1,6 @@
-"""F2's statistics screen: one at a time (F2 on it closes it, a second F2 while its numbers are
-being fetched opens nothing more), and one opened mid-turn gets the cache's contents once the
-engine is idle."""
+"""While the engine works: F2's statistics screen is one at a time (F2 on it closes it, a second
+F2 while its numbers are being fetched opens nothing more) and one opened mid-turn gets the
+cache's contents once the engine is idle; a message refused as busy stays in the prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fake_engine import FakeEngine
 from app_helpers import app_test, wait_for, wait_idle
 
 from app.screens.stats import StatsScreen
+from app.widgets.message import NoteMessage
 
 with_app = functools.partial(app_test, size=(120, 45))
 
@@ -92,3 +93,21 @@ async def _opened_mid_turn(pilot, app, engine):
 
 test_a_stats_screen_opened_mid_turn_gets_the_contents_after_it = with_app(_opened_mid_turn,
                                                                           HeldEngine())
+
+
+async def _refused_while_busy(pilot, app, engine):
+    engine.hold_turn = True
+    app.chat.prompt.load_text("hello")
+    app.chat.prompt.submit()
+    await wait_for(pilot, lambda: app.service.busy == "turn", what="the turn")
+    app.chat.prompt.load_text("a second question")
+    app.chat.prompt.submit()
+    await wait_for(pilot, lambda: app.chat.prompt.text == "a second question",
+                   what="the message back in the prompt")
+    assert app.chat.transcript.query(NoteMessage).last().text == (
+        "still answering — wait, or press Esc to stop")
+    engine.release.set()
+    await wait_idle(pilot, app)
+    assert [m.content for m in app.conversation.messages if m.role == "user"] == ["hello"]
+
+test_a_message_refused_while_busy_stays_in_the_prompt = with_app(_refused_while_busy, HeldEngine())
