@@ -87,6 +87,7 @@ class ChatApp(App):
         self.heap = HeapFreeze()
         self._interrupted_at = -QUIT_WINDOW_S  # time.monotonic() of the last Ctrl+C
         self.decode_mode = "eager"  # "graphs" when the engine replays CUDA graphs (Engine.info)
+        self._chatted = False  # a model was ready once: a later failed load was a model switch
 
     @property
     def config(self) -> AppConfig:
@@ -150,10 +151,16 @@ class ChatApp(App):
                          self._model_built)
 
     def _model_built(self, path: Path | None) -> None:
-        if path is None:
+        """A conversion or the demo build ended (None: cancelled or failed). Without a model the
+        wizard comes back; with one still loaded (`/model demo` cancelled) the chat goes on."""
+        if path is not None:
+            self.load_model(path)
+        elif self.service.engine is None:
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
         else:
-            self.load_model(path)
+            name = "?" if self.model_dir is None else self.model_dir.name
+            self.run_worker(self.note(f"no model switch: still chatting with {name}"),
+                            name="switch-kept")
 
     def load_model(self, model_dir: Path) -> None:
         """Load `model_dir` (closing the current engine first, for a switch); once ready, the
@@ -163,6 +170,8 @@ class ChatApp(App):
         self.service.load(model_dir)
 
     def _load_failed_choice(self, choice: str | None) -> None:
+        if choice == "back":  # a failed switch: the chat, where /model NAME picks another
+            return
         if choice == "wizard":
             self.push_screen(WizardScreen(self.config), self._wizard_choice)
         elif choice == "demo":
@@ -187,6 +196,7 @@ class ChatApp(App):
         self.service.finished()
         if not self.ui_alive:
             return
+        self._chatted = True
         info = event.info
         problem = None if self.model_dir is None else remember_model(self.config, self.model_dir)
         if problem:  # (the next start opens it again, else)
@@ -258,9 +268,12 @@ class ChatApp(App):
                 return
             await command_handlers.run(self, command)
             return
-        text = message_text(text)
-        if not await self.require_idle():
+        if not await self.require_idle():  # refused: the message goes back into the prompt
+            if not self.chat.prompt.text:
+                self.chat.prompt.load_text(text)
+                self.chat.prompt.move_cursor(self.chat.prompt.document.end)
             return
+        text = message_text(text)
         await self.chat.transcript.add_user(text)
         self._answer = await self.chat.transcript.add_assistant()
         self._answer.start_waiting()
@@ -335,6 +348,8 @@ class ChatApp(App):
                                          self.gen.max_tokens)
             await self._answer.finish(turn_footer(event.stats), event.content, notice)
             self._answer = None
+        if self.ui_alive:
+            await self.complete_stats_screen()
 
     async def on_engine_error(self, event: EngineError) -> None:
         self.service.finished()
@@ -349,18 +364,20 @@ class ChatApp(App):
                 forget_model(self.config, self.model_dir)  # the next start does not pick it again
             others = [p for p in converted_models(self.config)
                       if p != self.model_dir and not self.is_demo(p)]
-            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others),
-                             self._load_failed_choice)
+            self.push_screen(LoadFailedScreen(self.model_dir, event.message, others,
+                                              back=self._chatted), self._load_failed_choice)
             return
         await self._flush_text()
         self._show_latest_stats()
-        if self._answer is not None and event.job == "turn":
+        if self._answer is not None and event.job == "turn":  # shown, but not a turn
             await self._answer.finish(f"failed: {event.message}")
+            self.chat.transcript.mark_failed(self._answer)
         elif self._answer is not None and event.job == "regen":  # the old answer stands
             old = self.conversation.messages[-1]
             await self._answer.finish("regeneration failed; previous answer kept", old.content)
         self._answer = None
         await self.note(f"{event.job} failed: {event.message}", error=True)
+        await self.complete_stats_screen()
 
     async def on_call_done(self, event: CallDone) -> None:
         self.service.finished()
@@ -375,6 +392,7 @@ class ChatApp(App):
             self._after_session.clear()
         else:
             await command_handlers.render(self, result)
+        await self.complete_stats_screen()
 
     # ---- actions --------------------------------------------------------------------------
 
@@ -404,17 +422,36 @@ class ChatApp(App):
             self.chat.toggle_panes()
 
     async def action_stats(self) -> None:
-        await command_handlers.run(self, parse("/stats"))
+        """F2: open the statistics screen; on it, close it (one at a time, never stacked)."""
+        if isinstance(self.screen, StatsScreen):
+            self.pop_screen()
+        elif self.service.busy != "stats":  # else the screen of the job running is coming
+            await command_handlers.run(self, parse("/stats"))
+
+    async def complete_stats_screen(self) -> None:
+        """A statistics screen opened mid-job (without the cache's contents) on top and the
+        engine idle now: fetch the full statistics; they replace it."""
+        if (isinstance(self.screen, StatsScreen) and not self.screen.has_contents
+                and self.service.busy is None and self.service.ready):
+            await command_handlers.run(self, parse("/stats"))
+
+    async def show_stats_screen(self, screen: StatsScreen) -> None:
+        """Show `screen` in place of a statistics screen on top, else over the current one."""
+        if isinstance(self.screen, StatsScreen):
+            await self.switch_screen(screen)
+        else:
+            await self.push_screen(screen)
 
     async def action_quit(self) -> None:
         self.exit()
 
     async def regenerate_view(self) -> None:
-        """Replace the last answer's widget with a fresh, streaming one (for /regen)."""
+        """Replace the last answer's widget (failed turns skipped) with a fresh, streaming one
+        in its place (for /regen)."""
         last = self.chat.transcript.last_assistant()
+        self._answer = await self.chat.transcript.add_assistant(after=last)
         if last is not None:
             await last.remove()
-        self._answer = await self.chat.transcript.add_assistant()
         self._answer.start_waiting()
 
     def exit(self, *args, **kwargs) -> None:

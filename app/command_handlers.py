@@ -81,10 +81,11 @@ async def render(app: ChatApp, result: Result) -> None:
         case ExpertsUnpinned():
             await app.note(unpinned_text(result))
         case StatsReady(stats, contents):
-            await app.push_screen(StatsScreen(app.service.with_turn_rate(stats), contents,
-                                              app.service.info))
+            await app.show_stats_screen(StatsScreen(app.service.with_turn_rate(stats), contents,
+                                                    app.service.info))
         case LiveStats():
-            await app.push_screen(StatsScreen(app.service.latest_stats, None, app.service.info))
+            await app.show_stats_screen(StatsScreen(app.service.latest_stats, None,
+                                                    app.service.info))
         case TurnUndone():  # the controller already dropped it from the conversation and transcript
             await app.chat.transcript.remove_last_turn()
             await app.note("removed the last question and answer")

@@ -434,12 +434,13 @@ class Controller:
         if problem:
             return Reply(problem, error=True)
         path = resolve_model(self.config, name)
-        if self.is_demo(path):
-            return BuildDemo()
+        in_use = state.loaded and current is not None and path.resolve() == current.resolve()
+        if self.is_demo(path):  # (re)built if missing, unless it is the model loaded now
+            return Reply(f"{name} is the model in use") if in_use else BuildDemo()
         if not is_converted(path):
             have = ", ".join(self._model_name(p) for p in models) or "none"
             return Reply(f"no converted model {name!r} (in {self.config.models_dir}: {have})", error=True)
-        if current is not None and path.resolve() == current.resolve():
+        if in_use:
             return Reply(f"{name} is the model in use")
         return SwitchModel(path)
 

@@ -1,17 +1,34 @@
-"""Ctrl+P command palette entries: reopen a past conversation, switch the model."""
+"""Ctrl+P command palette entries: reopen a past conversation, switch the model.
+
+Titles, paths and model names are the user's text: they reach the palette as literal `Content`,
+never as Textual markup (a title like "Why does my prompt end with [/INST]?" is shown as typed).
+"""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
-from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.command import DiscoveryHit, Hit, Hits, Matcher, Provider
+from textual.content import Content
 
 from app.history import past_conversations
 from app.wizard import DEMO_NAME, converted_models
 
 if TYPE_CHECKING:
     from app.app import ChatApp
+
+
+def highlight(matcher: Matcher, text: str) -> Content:
+    """`text` as literal content with the letters `matcher` matched highlighted (Matcher.highlight
+    would parse `text` as markup)."""
+    content = Content(text)
+    score, offsets = matcher.fuzzy_search.match(matcher.query, text)
+    if score:
+        for offset in offsets:
+            if not text[offset].isspace():
+                content = content.stylize(matcher.match_style, offset, offset + 1)
+    return content
 
 
 class ChatCommands(Provider):
@@ -29,13 +46,15 @@ class ChatCommands(Provider):
                             f"switch to {model}"))
         return entries
 
+    # The help is passed as Content: Textual renders a str help as markup, and Content as is.
     async def discover(self) -> Hits:
         for text, callback, help_text in self._entries():
-            yield DiscoveryHit(text, callback, help=help_text)
+            yield DiscoveryHit(Content(text), callback, text=text, help=Content(help_text))
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
         for text, callback, help_text in self._entries():
             score = matcher.match(text)
             if score > 0:
-                yield Hit(score, matcher.highlight(text), callback, help=help_text)
+                yield Hit(score, highlight(matcher, text), callback, text=text,
+                          help=Content(help_text))

@@ -101,10 +101,24 @@ def find_model(config: AppConfig) -> Path | None:
     return found[0] if found else None
 
 
+def unreadable(path: Path, err: OSError) -> str:
+    """The one problem line for a checkpoint path the system refuses (a name too long, no
+    permission, ...)."""
+    return f"cannot read {path}: {err.strerror or err} — check the directory's path"
+
+
 def check_source(path: Path) -> list[str]:
-    """Problems with a downloaded checkpoint directory ([] = ready to convert)."""
+    """Problems with a downloaded checkpoint directory ([] = ready to convert); a path the system
+    refuses (e.g. a name too long) is one problem line, never an OSError."""
     if not str(path).strip():
         return ["enter the directory of the downloaded checkpoint"]
+    try:
+        return _check_source(path)
+    except OSError as err:
+        return [unreadable(path, err)]
+
+
+def _check_source(path: Path) -> list[str]:
     if not path.is_dir():
         return [f"{path} is not a directory"]
     try:
@@ -151,14 +165,22 @@ def source_bytes(path: Path) -> int:
 
 
 def free_space_problem(src: Path, dst: Path) -> str | None:
-    """One line if the destination's disk cannot hold the converted model, else None."""
-    need = int(source_bytes(src) * HEADROOM)
+    """One line if the destination's disk cannot hold the converted model (or the sizes cannot
+    be read: the line names the path and the system's reason), else None; never an OSError."""
+    try:
+        need = int(source_bytes(src) * HEADROOM)
+    except OSError as err:
+        return unreadable(src, err)
     probe = dst
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if dst.is_dir():
-        free += sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())  # resumable
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        if dst.is_dir():
+            free += sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())  # resumable
+    except OSError as err:
+        return (f"cannot measure the free space for {dst}: {err.strerror or err} — check the "
+                "data_dir")
     if free < need:
         gib = 2**30
         return (f"not enough space on {probe}: needs {need / gib:.1f} GiB, "

@@ -31,7 +31,7 @@ class ChatScreen(Screen):
             with Vertical(id="chat-col"):
                 yield Transcript(id="transcript")
                 yield PhaseLabel("● starting", id="status-line")
-                yield Static("", id="completions")
+                yield Static("", id="completions", markup=False)
                 yield PromptInput(id="prompt")
                 yield Static(HINT, id="hint")
             with Vertical(id="side"):

@@ -58,11 +58,11 @@ class ProgressScreen(Screen[Path | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="progress-box", classes="dialog"):
-            yield Static(self._title, classes="dialog-title")
+            yield Static(self._title, classes="dialog-title", markup=False)
             if self._note:
-                yield Static(self._note, classes="demo-notice")
+                yield Static(self._note, classes="demo-notice", markup=False)
             yield ProgressBar(total=None, show_eta=False, id="job-bar")
-            yield Static("starting…", id="job-line")
+            yield Static("starting…", id="job-line", markup=False)
             yield Button("Cancel (Esc)", id="cancel", variant="error")
         yield Footer()
 

@@ -36,7 +36,7 @@ class ResumeScreen(ModalScreen[bool]):
         with Vertical(id="resume-box", classes="dialog"):
             yield Static("The last conversation was not closed cleanly.", classes="dialog-title")
             yield Static(describe(conv) + f", starting “{preview}”\n"
-                         f"saved in {self._unfinished.path}", id="resume-what")
+                         f"saved in {self._unfinished.path}", id="resume-what", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Resume it (y)", id="resume", variant="primary")
                 yield Button("Start new (n)", id="new")

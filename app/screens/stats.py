@@ -29,6 +29,11 @@ class StatsScreen(Screen):
         self._contents = contents
         self._info = info
 
+    @property
+    def has_contents(self) -> bool:
+        """False when opened mid-turn: the cache's contents wait for the engine to be idle."""
+        return self._contents is not None
+
     def compose(self) -> ComposeResult:
         yield Static("", id="stats-summary")
         with Horizontal(id="stats-tables"):
@@ -84,7 +89,7 @@ class StatsScreen(Screen):
         mem.clear()
         for name, size in m.parts:
             share = size / m.total if m.total else 0.0
-            mem.add_row(name, fmt_bytes(size), fmt_pct(share))
+            mem.add_row(Text(name), fmt_bytes(size), fmt_pct(share))
         mem.add_row(Text("total", style="bold"), fmt_bytes(m.total), "")
         if m.unified:
             mem.add_row(Text("page cache", style="italic"), fmt_bytes(m.page_cache), "reclaimable")

@@ -17,7 +17,7 @@ from textual.widgets import Button, Footer, Input, Static
 
 from app.demo import DEMO_NOTICE
 from app.settings import AppConfig
-from app.wizard import default_destination, free_space_problem
+from app.wizard import default_destination, free_space_problem, unreadable
 
 
 class WizardScreen(Screen[str]):
@@ -37,9 +37,10 @@ class WizardScreen(Screen[str]):
                 f"No converted model was found in {self._config.models_dir}.\n\n"
                 "Convert a downloaded DeepSeek-V4-Flash checkpoint (the Hugging Face directory "
                 "with config.json and *.safetensors) into the streaming layout — about the "
-                "checkpoint's size on disk, resumable — or try the demo model.\n"
+                "checkpoint's size on disk, resumable — or try the demo model.\n",
+                markup=False,
             )
-            yield Static(DEMO_NOTICE, classes="demo-notice")
+            yield Static(DEMO_NOTICE, classes="demo-notice", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Convert a checkpoint (c)", id="convert", variant="primary")
                 yield Button("Demo model (d)", id="demo")
@@ -81,8 +82,8 @@ class SourceScreen(Screen[ConvertRequest | None]):
             yield Static("Convert a checkpoint", classes="dialog-title")
             yield Static("Directory of the downloaded checkpoint:")
             yield Input(placeholder="/path/to/DeepSeek-V4-Flash", id="source-path")
-            yield Static("", id="source-problems")
-            yield Static("", id="source-destination")
+            yield Static("", id="source-problems", markup=False)
+            yield Static("", id="source-destination", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Convert", id="start", variant="primary", disabled=True)
                 yield Button("Back", id="back")
@@ -100,12 +101,17 @@ class SourceScreen(Screen[ConvertRequest | None]):
 
     @work(thread=True, exclusive=True, group="validate", name="validate-source")
     def _validate(self, text: str) -> None:
+        """Check `text` off the UI thread and post the problems ([] = ready); a path the system
+        refuses is a problem line, never an exception (a worker's would end the app)."""
         src = Path(text.strip()).expanduser()
-        problems = self._check(src) if text.strip() else ["enter a directory"]
-        if not problems:
-            space = free_space_problem(src, default_destination(self._config, src))
-            if space:
-                problems = [space]
+        try:
+            problems = self._check(src) if text.strip() else ["enter a directory"]
+            if not problems:
+                space = free_space_problem(src, default_destination(self._config, src))
+                if space:
+                    problems = [space]
+        except OSError as err:
+            problems = [unreadable(src, err)]
         self.post_message(self.Checked(text, problems))
 
     def on_source_screen_checked(self, event: Checked) -> None:

@@ -56,10 +56,10 @@ class AssistantMessage(Vertical):
     def compose(self) -> ComposeResult:
         if self.reasoning_text:
             yield self._thinking_box(self.reasoning_text, "Thinking")
-        yield Static("", classes="waiting")
+        yield Static("", classes="waiting", markup=False)
         yield Markdown(self.answer_text, classes="answer")
-        yield Static("", classes="answer-notice")
-        yield Static(self._footer, classes="turn-footer")
+        yield Static("", classes="answer-notice", markup=False)
+        yield Static(self._footer, classes="turn-footer", markup=False)
 
     def start_waiting(self) -> None:
         """Show a spinner and the seconds waited until the first token (or the end) arrives."""
