@@ -101,7 +101,7 @@ def test_eio_short_reads_eof_and_corrupt_records(pack):
         list(p.experts(1, [0, 1]))  # two good records resident
         store.faults = {(1, 2): "eio", (1, 3): "eio-once", (1, 4): "short", (1, 5): "eof", (1, 6): "corrupt"}
         with pytest.raises(ExpertReadError, match=r"expert 2 of layer 1 from .*layer_01\.safetensors.*"
-                                                  r"Input/output error.*converter\.verify"):
+                                                  r"Input/output error.*dsv4-convert --verify"):
             list(p.experts(1, [0, 2]))
         assert store.attempts[(1, 2)] == 3  # tried again twice
         _consistent(p)
@@ -116,7 +116,7 @@ def test_eio_short_reads_eof_and_corrupt_records(pack):
             list(p.experts(1, [5]))
         _consistent(p)
         with pytest.raises(ExpertChecksumError, match=r"expert 6 of layer 1 in .*layer_01\.safetensors does not "
-                                                      r"match its checksum.*converter\.verify"):
+                                                      r"match its checksum.*dsv4-convert --verify"):
             list(p.experts(1, [6]))
         _consistent(p)
         assert (1, 6) not in p.cache
