@@ -9,8 +9,8 @@ A completion request's body is read up to `max_body_bytes` (413 beyond), validat
 (app.server.request), given the server's system prompt if it has none, its prompt length checked
 against the context, then queued on the worker (app.server.worker); 429 with Retry-After when the
 queue is full, 503 once the server is shutting down. While a streamed request waits or
-prefills, an SSE comment (`: keep-alive`) goes out every `keepalive_s` seconds. A client that disconnects cancels its job. Errors are OpenAI-style JSON
-bodies (app.server.errors).
+prefills, an SSE comment (`: keep-alive`) goes out every `keepalive_s` seconds. A client that
+disconnects cancels its job. Errors are OpenAI-style JSON bodies (app.server.errors).
 """
 
 from __future__ import annotations

@@ -47,5 +47,6 @@ def bind_problem(host: str, port: int) -> str | None:
             fix = {errno.EADDRINUSE: "choose another --port, or stop the program that holds it",
                    errno.EADDRNOTAVAIL: "give --host an address of this machine",
                    errno.EACCES: "choose a --port above 1023, or run with the right to bind it"}
-            return f"cannot listen on {host}:{port}: {err.strerror}; {fix.get(err.errno, 'choose another --host or --port')}"
+            advice = fix.get(err.errno, "choose another --host or --port")
+            return f"cannot listen on {host}:{port}: {err.strerror}; {advice}"
     return None
