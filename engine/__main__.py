@@ -44,6 +44,7 @@ def _model_args(path: Path):
 
 
 def generate(a: argparse.Namespace) -> int:
+    from engine.chat import Message, render_messages
     from engine.config import ConfigError
     from engine.engine import Engine
     from engine.events import EngineFailure, TextDelta, TurnFinished
@@ -79,6 +80,12 @@ def generate(a: argparse.Namespace) -> int:
     status = 1
     try:
         session = engine.new_session(system=a.system)
+        prompt = render_messages(session.conversation([Message("user", a.prompt)]), a.think)
+        n = len(engine.tokenizer.encode(prompt))
+        if n >= config.max_seq_len:  # the engine would refuse the turn with a chat's advice
+            print(f"error: the prompt is {n} tokens, over the context limit of {config.max_seq_len}: shorten it "
+                  "or raise --max-seq-len", file=sys.stderr)
+            return 2
         for ev in engine.generate(session, a.prompt, params, threading.Event()):
             if isinstance(ev, TextDelta):
                 if ev.channel == "answer" or a.think:

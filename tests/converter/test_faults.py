@@ -341,6 +341,16 @@ def test_generate_refuses_a_context_above_the_models(chat_ckpt, nan_pack, capsys
                 "(max_position_embeddings)") in err
 
 
+def test_generate_refuses_a_prompt_over_its_context_naming_the_flag(chat_ckpt, capsys):
+    from engine.__main__ import main
+
+    assert main(["generate", "--ckpt", str(chat_ckpt), "--prompt", "word " * 300, "--max-seq-len", "64",
+                 "--numerics", "exact", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("error: the prompt is ") and err.endswith(
+        " tokens, over the context limit of 64: shorten it or raise --max-seq-len")
+
+
 def test_generate_on_cuda_without_a_gpu_is_one_line(chat_ckpt, capsys):
     import torch
 
