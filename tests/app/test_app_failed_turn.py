@@ -53,6 +53,9 @@ async def _regen_after_a_failed_turn(pilot, app, engine):
     await type_and_send(pilot, app, "/regen")
     assert [m.content for m in app.conversation.messages] == ["q1", "Regenerated: " + ANSWER]
     assert shown(app) == ["U: q1", "A: Regenerated: ", "U: too long", "A: "]
+    failed = [w for w in app.chat.transcript.children if w.has_class("failed-turn")]
+    assert len(failed) == 2 and all(w.styles.text_opacity < 1 for w in failed)  # dimmed, in the error's colour
+    assert failed[0].styles.border_top[1].hex.upper() == app.current_theme.to_color_system().generate()["error"].upper()
     assert app.chat.transcript.last_assistant().answer_text == "Regenerated: " + ANSWER
 
 test_regen_after_a_failed_turn_replaces_the_last_real_answer = with_app(_regen_after_a_failed_turn)
