@@ -193,7 +193,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    # records end at "\n" only: str.splitlines() would also split a record at a U+2028, U+2029 or
+    # U+0085 inside a message (json.dumps with ensure_ascii=False writes them raw) and lose it
+    for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except ValueError:

@@ -45,6 +45,20 @@ def test_transcript_round_trip_with_regen_and_undo(tmp_path):
     assert json.loads(lines[0])["type"] == "start" and json.loads(lines[-1]) == {"type": "close"}
 
 
+def test_messages_with_unicode_line_separators_survive_the_round_trip(tmp_path):
+    texts = ["first", "line\u2028two", "second\x85x", "para\u2029graph", "ok\u000bvt\u000cff"]
+    saver = Autosaver(tmp_path / "t", "sys\u2028tem")
+    for i, text in enumerate(texts):
+        if i % 2:
+            saver.assistant(ChatMessage("assistant", text, "why\u2028so", "eos"))
+        else:
+            saver.user(text)
+    saver.close()
+    conv, closed = read_transcript(saver.path)  # /history reopens exactly this conversation
+    assert closed and conv.system == "sys\u2028tem" and [m.content for m in conv.messages] == texts
+    assert conv.messages[1].reasoning == "why\u2028so"
+
+
 def test_torn_last_line_is_ignored(tmp_path):
     saver = Autosaver(tmp_path)
     _chat(saver)
