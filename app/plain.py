@@ -182,13 +182,14 @@ def terminal_reader(history_path, warn: Callable[[str], None]) -> Callable[[], s
 def not_text(line: str) -> str | None:
     """Why `line` cannot be sent (one line), or None: input that is not UTF-8 reaches Python's
     standard streams as lone surrogates (errors="surrogateescape"), which no tokenizer takes."""
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError as err:
-        code = ord(line[err.start])
-        byte = f" (byte 0x{code - 0xDC00:02X})" if 0xDC80 <= code <= 0xDCFF else ""
-        return f"this text is not UTF-8{byte} at character {err.start + 1}; it was not sent: send UTF-8 text"
-    return None
+    from engine.chat import not_unicode
+
+    bad = not_unicode(line)
+    if bad is None:
+        return None
+    code = ord(line[bad])
+    byte = f" (byte 0x{code - 0xDC00:02X})" if 0xDC80 <= code <= 0xDCFF else ""
+    return f"this text is not UTF-8{byte} at character {bad + 1}; it was not sent: send UTF-8 text"
 
 
 def stream_reader(stream: TextIO, prompts: TextIO) -> Callable[[], str]:

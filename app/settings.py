@@ -38,7 +38,6 @@ become one `engine.config.EngineConfig` (`AppConfig.engine`, GiB converted to by
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -51,7 +50,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged
 import platformdirs
 
 from engine.config import ConfigError, EngineConfig
-from engine.memory_plan import gib_to_bytes
+from engine.memory_plan import MemoryPlanError, gib_to_bytes
 from engine.sampling import SamplingParams
 
 APP_NAME = "dsv4-chat"
@@ -226,10 +225,14 @@ def _positive(value: float) -> str | None:
 
 
 def _gib(value: float) -> str | None:
-    """A memory budget in GiB: `_positive`, and its bytes a finite number."""
-    if _positive(value) or math.isfinite(value * 2**30):
-        return _positive(value)
-    return f"must be a number of GiB that fits in bytes, got {value}"
+    """A memory budget in GiB: `_positive`, and bytes that `gib_to_bytes` can count."""
+    problem = _positive(value)
+    if problem is None:
+        try:
+            gib_to_bytes(value, "")
+        except MemoryPlanError:
+            problem = f"must be a number of GiB that fits in bytes, got {value}"
+    return problem
 
 
 # Settable keys: name -> how it is read and checked.

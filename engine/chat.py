@@ -163,6 +163,17 @@ class Message:
             raise ChatFormatError(f"a {self.role} message cannot carry reasoning")
 
 
+def not_unicode(text: str) -> int | None:
+    """The index of the first character of `text` that is no Unicode scalar value (a lone UTF-16
+    surrogate: JSON's "\\ud800", or a byte that was not UTF-8 read with errors="surrogateescape"),
+    or None. No tokenizer takes such text: every front end checks its input with this."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
 def render_messages(messages: Sequence[Message], thinking: bool, drop_thinking: bool = True) -> str:
     """The DeepSeek-V4 prompt string of `messages` (§F.2), BOS included.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.memory_plan import gib_to_bytes
+from engine.memory_plan import MemoryPlanError, gib_to_bytes
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,13 +24,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_gb(text: str) -> float:
-    """A cache budget in GB: a finite number above 0 (not nan, inf, 0 or negative)."""
+    """A cache budget in GB: a finite number above 0 (not nan, inf, 0 or negative) whose bytes
+    `gib_to_bytes` can count (not 1e300)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of GB above 0, got {text!r}")
+    try:
+        gib_to_bytes(value, "")
+    except MemoryPlanError:
+        raise argparse.ArgumentTypeError(f"expected a number of GB that fits in bytes, got {text!r}") from None
     return value
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.chat import ChatTokenizer, Message, ThinkingSplitter, parse_completion
-from engine.chat import THINK_START, render_messages
+from engine.chat import THINK_START, not_unicode, render_messages
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.events import EngineFailure, Event, StepUpdate, TurnFinished
@@ -68,10 +68,9 @@ class Turns:
         tok, limit = self.tokenizer, self.config.max_seq_len
         user = Message("user", user_text)
         prompt_text = render_messages(session.conversation(base + [user]), params.thinking)
-        try:
-            prompt_text.encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate: input that was not UTF-8
-            yield EngineFailure(f"the conversation holds text that is not valid Unicode ({prompt_text[err.start]!r}, "
+        bad = not_unicode(prompt_text)
+        if bad is not None:  # a lone surrogate: e.g. input that was not UTF-8
+            yield EngineFailure(f"the conversation holds text that is not valid Unicode ({prompt_text[bad]!r}, "
                                 "e.g. input that was not UTF-8): send UTF-8 text")
             return
         plan = session.plan(prompt_text, tok.encode)

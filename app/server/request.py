@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from app.server.errors import bad_request
-from engine.chat import Message
+from engine.chat import Message, not_unicode
 from engine.sampling import SamplingError, SamplingParams
 
 FIELDS = frozenset({"messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -60,11 +60,10 @@ def _is_number(v) -> bool:
 
 def _text(value: str, where: str) -> str:
     """`value`, or a 400 if it holds a lone UTF-16 surrogate (JSON allows one; no tokenizer does)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise bad_request(f"{where} holds an unpaired UTF-16 surrogate ({value[err.start]!r} at character "
-                          f"{err.start}); send valid Unicode text", param=where) from None
+    bad = not_unicode(value)
+    if bad is not None:
+        raise bad_request(f"{where} holds an unpaired UTF-16 surrogate ({value[bad]!r} at character "
+                          f"{bad}); send valid Unicode text", param=where)
     return value
 
 

@@ -61,7 +61,7 @@ def test_bad_input_is_a_message_not_a_traceback(tiny_ckpt, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("budget", ["nan", "inf", "0", "-1", "lots"])
+@pytest.mark.parametrize("budget", ["nan", "inf", "0", "-1", "lots", "1e300"])
 def test_cache_gb_refused_at_parse_time_in_one_line(tiny_ckpt, tmp_path, capsys, budget):
     with pytest.raises(SystemExit) as exit_:
         main(["--ckpt", str(tiny_ckpt), "--ids", "1,2", "--cache-gb", budget, "--out", str(tmp_path / "x")])
