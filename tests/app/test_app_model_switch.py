@@ -67,16 +67,21 @@ async def _still_chatting(pilot, app, backend) -> None:
     assert [u.text for u in app.chat.transcript.query(UserMessage)] == ["hello", "still there?"]
 
 
+async def _chat_then_switch_to_the_demo(pilot, app) -> None:
+    """One turn on the configured model, then `/model demo` sent."""
+    await wait_idle(pilot, app)
+    await type_and_send(pilot, app, "hello")
+    app.chat.prompt.load_text("/model demo")
+    await pilot.press("enter")
+
+
 def test_a_cancelled_demo_switch_goes_back_to_the_chat(config):
     backend = HeldDemo()
 
     async def go():
         app = ChatApp(config, backend)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_idle(pilot, app)
-            await type_and_send(pilot, app, "hello")
-            app.chat.prompt.load_text("/model demo")
-            await pilot.press("enter")
+            await _chat_then_switch_to_the_demo(pilot, app)
             await wait_for(pilot, lambda: isinstance(app.screen, ProgressScreen)
                            and bool(job_line(app)), what="the progress screen")
             await pilot.press("escape")  # cancel
@@ -94,10 +99,7 @@ def test_a_failed_demo_switch_goes_back_to_the_chat(config):
     async def go():
         app = ChatApp(config, backend)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_idle(pilot, app)
-            await type_and_send(pilot, app, "hello")
-            app.chat.prompt.load_text("/model demo")
-            await pilot.press("enter")
+            await _chat_then_switch_to_the_demo(pilot, app)
             await wait_for(pilot, lambda: job_line(app) == "✗ no space left on device")
             await _still_chatting(pilot, app, backend)
 

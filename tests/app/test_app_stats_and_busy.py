@@ -78,11 +78,16 @@ test_f2_twice_while_the_numbers_come_opens_one_screen = with_app(_f2_twice_while
                                                                  HeldEngine())
 
 
-async def _opened_mid_turn(pilot, app, engine):
+async def _hold_a_turn(pilot, app, engine) -> None:
+    """Send "hello" and wait until the engine runs it (held until `engine.release` is set)."""
     engine.hold_turn = True
     app.chat.prompt.load_text("hello")
     app.chat.prompt.submit()
     await wait_for(pilot, lambda: app.service.busy == "turn", what="the turn")
+
+
+async def _opened_mid_turn(pilot, app, engine):
+    await _hold_a_turn(pilot, app, engine)
     await pilot.press("f2")
     await wait_for(pilot, lambda: contents_title(app)
                    == "Cache contents — available when the engine is idle", what="live stats")
@@ -96,10 +101,7 @@ test_a_stats_screen_opened_mid_turn_gets_the_contents_after_it = with_app(_opene
 
 
 async def _refused_while_busy(pilot, app, engine):
-    engine.hold_turn = True
-    app.chat.prompt.load_text("hello")
-    app.chat.prompt.submit()
-    await wait_for(pilot, lambda: app.service.busy == "turn", what="the turn")
+    await _hold_a_turn(pilot, app, engine)
     app.chat.prompt.load_text("a second question")
     app.chat.prompt.submit()
     await wait_for(pilot, lambda: app.chat.prompt.text == "a second question",
