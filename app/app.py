@@ -265,13 +265,13 @@ class ChatApp(App):
                 command = parse(text)
             except CommandError as err:
                 await self.note(str(err), error=True)
+                self._give_back(text)
                 return
-            await command_handlers.run(self, command)
+            if not await command_handlers.run(self, command):
+                self._give_back(text)
             return
-        if not await self.require_idle():  # refused: the message goes back into the prompt
-            if not self.chat.prompt.text:
-                self.chat.prompt.load_text(text)
-                self.chat.prompt.move_cursor(self.chat.prompt.document.end)
+        if not await self.require_idle():
+            self._give_back(text)
             return
         text = message_text(text)
         await self.chat.transcript.add_user(text)
@@ -279,6 +279,13 @@ class ChatApp(App):
         self._answer.start_waiting()
         self.controller.sent(text)
         self.service.send(text, self.gen)
+
+    def _give_back(self, text: str) -> None:
+        """A refused message or command goes back into the prompt to be fixed or sent again
+        (unless something was typed meanwhile: that is kept; the text is in ↑'s history too)."""
+        if not self.chat.prompt.text:
+            self.chat.prompt.load_text(text)
+            self.chat.prompt.move_cursor(self.chat.prompt.document.end)
 
     async def require_idle(self) -> bool:
         """True if the engine can take a job now; otherwise says why (one line) and False."""

@@ -41,15 +41,19 @@ KEYS_HELP = ("keys: Esc or Ctrl+C stop the answer · Ctrl+C twice or Ctrl+Q quit
              "F3 show/hide the panes · Ctrl+P past conversations and models")
 
 
-async def run(app: ChatApp, command: Command) -> None:
-    """Apply `command` and render its result. A last resort: an exception escaping the controller
-    or the rendering (a bug, or an OS error no check foresaw) becomes one error note naming the
-    command and the exception, and the app goes on; it is never raised into Textual, which would
-    end the app (and lose what is on the screen)."""
+async def run(app: ChatApp, command: Command) -> bool:
+    """Apply `command` and render its result -> False where it was refused (an error reply, e.g.
+    the engine is busy or an argument is wrong) or failed. A last resort: an exception escaping
+    the controller or the rendering (a bug, or an OS error no check foresaw) becomes one error
+    note naming the command and the exception, and the app goes on; it is never raised into
+    Textual, which would end the app (and lose what is on the screen)."""
     try:
-        await render(app, app.controller.apply(command, app.engine_state()))
+        result = app.controller.apply(command, app.engine_state())
+        await render(app, result)
     except Exception as err:  # noqa: BLE001 — the last resort described above
         await app.note(failure_line(command, err), error=True)
+        return False
+    return not (isinstance(result, Reply) and result.error)
 
 
 def failure_line(command: Command, err: BaseException) -> str:

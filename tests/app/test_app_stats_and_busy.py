@@ -113,3 +113,19 @@ async def _refused_while_busy(pilot, app, engine):
     assert [m.content for m in app.conversation.messages if m.role == "user"] == ["hello"]
 
 test_a_message_refused_while_busy_stays_in_the_prompt = with_app(_refused_while_busy, HeldEngine())
+
+
+async def _command_refused_while_busy(pilot, app, engine):
+    await _hold_a_turn(pilot, app, engine)
+    app.chat.prompt.load_text("/flush")
+    app.chat.prompt.submit()
+    await wait_for(pilot, lambda: app.chat.prompt.text == "/flush", what="the command back in the prompt")
+    assert "error" in app.chat.transcript.query(NoteMessage).last().classes
+    engine.release.set()
+    await wait_idle(pilot, app)
+    app.chat.prompt.submit()  # sent again once idle: it runs, and the prompt empties
+    await wait_for(pilot, lambda: app.chat.transcript.query(NoteMessage).last().text.startswith("flushed"),
+                   what="the flush")
+    assert app.chat.prompt.text == ""
+
+test_a_command_refused_while_busy_stays_in_the_prompt = with_app(_command_refused_while_busy, HeldEngine())
