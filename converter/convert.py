@@ -21,6 +21,7 @@ The `dsv4-convert` command line around this library is converter/cli.py.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -452,6 +453,42 @@ def _convert_files(src: Path, out: Path, args: ModelArgs, index: TensorIndex,
         (out / layout.STATE).unlink(missing_ok=True)
 
 
+@contextmanager
+def _only_writer(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the directory `out` (made here; removed again if it is still
+    empty when the conversion is refused or fails) while the conversion reads and writes it: a
+    second conversion into the same directory (the wizard in another terminal, dsv4-convert) is
+    refused at once instead of interleaving its writes. Where `out` cannot be made (a file in the
+    way), nothing is locked and check_destination says why; a filesystem without flock is
+    written unlocked."""
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise preflight.PreflightError([f"another conversion is writing into --out {out} right now; wait for "
+                                            "it to finish (a rerun then resumes or keeps its output), or choose "
+                                            "another --out"]) from None
+        except OSError:
+            pass  # no flock here (some network filesystems): unlocked
+        yield
+    except BaseException:
+        if made:
+            try:
+                out.rmdir()  # only if still empty: nothing was written
+            except OSError:
+                pass
+        raise
+    finally:
+        os.close(fd)
+
+
 def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: ProgressFn | None = None,
             cancel: threading.Event | None = None, resume: bool = True, verify: bool = False, *,
             disk_free: preflight.DiskFree | None = None, fault_hook: FaultHook | None = None,
@@ -483,31 +520,33 @@ def convert(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: Pro
     fingerprint = _fingerprint(src, index)
     sizes = {f.name: f.size for f in plan} | {n: (src / n).stat().st_size for n in copies}
     notes = notice or (lambda line: None)
-    previous = _load_previous(out, src, fingerprint, sizes, _dependencies(plan), notes) if resume else {}
-    needed = sum(s for n, s in sizes.items() if n not in previous) + (1 << 20)
-    problems = preflight.check_destination(out, needed, src, disk_free)
-    if problems:
-        raise preflight.PreflightError(problems)
-
-    entries: dict[str, dict] = {}
-    meter = ProgressMeter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
-                   progress)
     try:
-        _convert_files(src, out, args, index, record, plan, copies, sizes, fingerprint, previous,
-                       entries, meter, cancel, fault_hook)
-    except _IOFailure as failure:
-        remaining = sum(n for k, n in sizes.items() if k not in entries) + (1 << 20)
-        try:
-            free = (disk_free or preflight.free_bytes)(out)
-        except OSError:
-            free = None
-        raise ConvertError(_io_message(failure, out, remaining, free)) from None
+        with _only_writer(out):
+            previous = _load_previous(out, src, fingerprint, sizes, _dependencies(plan), notes) if resume else {}
+            needed = sum(s for n, s in sizes.items() if n not in previous) + (1 << 20)
+            problems = preflight.check_destination(out, needed, src, disk_free)
+            if problems:
+                raise preflight.PreflightError(problems)
+
+            entries: dict[str, dict] = {}
+            meter = ProgressMeter(sum(f.size - len(f.header) for f in plan) + sum(sizes[n] for n in copies),
+                           progress)
+            try:
+                _convert_files(src, out, args, index, record, plan, copies, sizes, fingerprint, previous,
+                               entries, meter, cancel, fault_hook)
+            except _IOFailure as failure:
+                remaining = sum(n for k, n in sizes.items() if k not in entries) + (1 << 20)
+                try:
+                    free = (disk_free or preflight.free_bytes)(out)
+                except OSError:
+                    free = None
+                raise ConvertError(_io_message(failure, out, remaining, free)) from None
+            meter.status("done")
+            if verify:
+                meter.status("verifying")
+                problems = verify_dir(out)
+                if problems:
+                    raise ConvertError("verification failed:\n  - " + "\n  - ".join(problems))
+            return out
     finally:
         index.close()
-    meter.status("done")
-    if verify:
-        meter.status("verifying")
-        problems = verify_dir(out)
-        if problems:
-            raise ConvertError("verification failed:\n  - " + "\n  - ".join(problems))
-    return out

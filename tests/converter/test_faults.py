@@ -13,6 +13,8 @@ import pytest
 
 from converter import cli
 from converter.convert import convert
+from converter.preflight import PreflightError
+from converter.verify import verify as verify_dir
 from converter.synth import SynthOptions, tiny_config, write_checkpoint
 
 
@@ -130,6 +132,31 @@ def test_resume_of_an_unchanged_source_says_nothing_and_rewrites_nothing(source,
     convert(source, out, notice=notes.append,
             fault_hook=lambda p: written.append(p) if p.startswith("begin:") else None)
     assert notes == [] and written == []
+
+
+def test_a_second_conversion_into_the_same_directory_is_refused_while_the_first_runs(source, tmp_path, capsys):
+    out = tmp_path / "pack"
+    seen: list[str] = []
+
+    def second(point: str) -> None:  # the first conversion is writing: start another into the same --out
+        if point.startswith("begin:") and not seen:
+            with pytest.raises(PreflightError, match="another conversion is writing into --out") as info:
+                convert(source, out)
+            seen.append(str(info.value))
+            assert cli.main(["--hf", str(source), "--out", str(out), "--logits-only"]) == 2
+            assert "another conversion is writing into --out" in capsys.readouterr().err
+
+    convert(source, out, fault_hook=second)
+    assert seen  # the second one ran, and was refused
+    assert verify_dir(out) == []  # the first finished unharmed
+    convert(source, out)  # once the first is done, the directory is free again
+
+
+def test_a_refused_conversion_leaves_no_new_directory(src_copy, tmp_path):
+    out = tmp_path / "new" / "pack"
+    with pytest.raises(PreflightError):
+        convert(src_copy, out, disk_free=lambda path: 0)  # no room: refused before writing
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------- I/O errors
