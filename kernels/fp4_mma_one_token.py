@@ -22,9 +22,12 @@ contiguous range of whole 128-channel blocks; lane = 4·gi + ti):
   after the block's 8 MMAs, D columns 0..3 are the row's four 32-channel group sums (exact
   products, fp32 sums), columns 4..7 zero;
 * the lane's D[gi, 2ti + j] and D[gi+8, 2ti + j] are scaled by that group's weight scale times
-  the activation block scale (exact powers of two, times 2^22) and added to its accumulators; the
-  row's sum meets over lanes ti = 0, 1 (one shuffle) after the warps' partial sums met in shared
-  memory in warp order.
+  the activation block scale (exact powers of two, times 2^22) and added to its accumulators
+  (acc += D · (ws · sa)). ws is the e8m0 byte e at place (2ti + j) % 4 of the row's scale word,
+  taken by one byte permute (`dsv4_e8m0_pick`, a selector each lane sets once) and moved, with the
+  2^22, into an fp32 exponent field by one shift-and-add, bits (e + 22) << 23: four SASS
+  instructions a scale with the FMUL and the FFMA. The row's sum meets over lanes ti = 0, 1 (one
+  shuffle) after the warps' partial sums met in shared memory in warp order.
 The activations' B fragments are decoded once per CTA into shared memory ([blocks + 1, 4, 16]
 words, the last block zeros): a lane reads its four B pairs of a word in one 16-byte load, lanes
 gi != ti from the zero block. A warp first loads the scale words of its whole K range (up to four
@@ -57,6 +60,12 @@ __device__ __forceinline__ void dsv4_fp4_mma_word_first(int w0, int w1, const un
 }
 __device__ __forceinline__ void dsv4_fp4_mma_word(int w0, int w1, const unsigned* b, float* d) {
   dsv4_fp4_mma_word_t<false>(w0, w1, b, d);
+}
+// The e8m0 byte e that `sel` picks from scale word w (__byte_perm selector 0x4440 + p: byte p to
+// byte 0, zeros above) as the fp32 of bits (e + extra) << 23 (mod 2^32), i.e. 2^(e - 127 + extra)
+// for e + extra in 1..254: one byte permute, then one shift-and-add (a constant `extra`: sm_90a LEA).
+__device__ __forceinline__ float dsv4_e8m0_pick(int w, unsigned sel, unsigned extra) {
+  return __uint_as_float((__byte_perm((unsigned)w, 0u, sel) + extra) << 23);
 }
 """
 
@@ -187,6 +196,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
         b = T.alloc_local((16,), "uint32")
         d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
         acc = T.alloc_local((tiles, 4), "float32")
+        sel = T.alloc_local((2,), "uint32")  # __byte_perm selectors: scale bytes (2ti + j) % 4 to byte 0
         ga = T.min(g, agroups - 1)
         row0 = bn * cta_rows
         load_scales(SWA, sw, slot, warp, lane, row0, part)
@@ -208,6 +218,8 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                 act[blocks, item // 16, item % 16] = T.uint32(0)
         T.sync_threads()
         T.clear(acc)
+        for j in T.unroll(2):
+            sel[j] = T.uint32(0x4440) | T.Cast("uint32", (2 * ti + j) % 4)
         for i in T.unroll(per):
             kb = warp * per + i
             sa = SA[ga, 0, kb]
@@ -227,7 +239,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
             for t in T.unroll(tiles):
                 for h in T.unroll(2):
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
-                        ws = lowbit.e8m0_bits_to_float(T, (sw[t, h, i] >> (8 * ((2 * ti + j) % 4))) & 0xFF, shift)
+                        ws = T.call_extern("float32", "dsv4_e8m0_pick", sw[t, h, i], sel[j], T.uint32(shift))
                         acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa)
         warp_sums(acc, red, warp, lane)
         if warp == 0:

@@ -1,7 +1,8 @@
 """CPU replays of the GPU kernels' bit moves and MMA fragments, for the layout tests.
 
 `decode_e4m3_words`, `decode_e2m1_words` and `decode_e4m3_pairs` perform the moves of
-kernels/lowbit.py's and kernels/fp4_mma_few_tokens.py's CUDA `SOURCE` in torch; `mma_m16n8k16` is one
+kernels/lowbit.py's and kernels/fp4_mma_few_tokens.py's CUDA `SOURCE` in torch, `e8m0_pick` (with
+`byte_perm`) kernels/fp4_mma_one_token.py's scale pick; `mma_m16n8k16` is one
 m16n8k16 MMA assembled from every lane's fragment registers (the PTX fragment layout).
 """
 
@@ -26,6 +27,22 @@ def decode_e4m3_words(words: torch.Tensor) -> torch.Tensor:
 def _byte_perm_hi(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """__byte_perm(v, 0, ..): byte `lo` of v to byte 1, byte `hi` to byte 3, zeros elsewhere."""
     return (((v >> (8 * lo)) & 0xFF) << 8) | (((v >> (8 * hi)) & 0xFF) << 24)
+
+
+def byte_perm(x, y, s: int):
+    """__byte_perm(x, y, s) on uint32 words (ints or int64 tensors; int32 values are read as their
+    bits): byte n of the result is byte (nibble n of s) of the eight bytes x (0..3), y (4..7).
+    Selectors with a nibble's bit 3 set (prmt's sign replication) are not modelled."""
+    assert not s & 0x8888, "sign-replicating selectors are not modelled"
+    xy = ((y & 0xFFFFFFFF) << 32) | (x & 0xFFFFFFFF)
+    return sum(((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def e8m0_pick(word: torch.Tensor, sel: int, extra: int) -> torch.Tensor:
+    """kernels/fp4_mma_one_token.py's `dsv4_e8m0_pick` in torch: scale words (int64 tensor) -> the
+    fp32 of bits (__byte_perm(word, 0, sel) + extra) << 23, mod 2^32."""
+    bits = ((byte_perm(word, 0, sel) + extra) << 23) & 0xFFFFFFFF
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # the same 32 bits
 
 
 def e4m3_word_pairs(word: torch.Tensor) -> list:

@@ -10,7 +10,10 @@ from kernels import lowbit
 from kernels import reference as ref
 from kernels.fp4_mma_one_token import MAX_BLOCKS, mma_tile, scale_vector, supports
 
-from kernel_sim import decode_e2m1_words, decode_e4m3_pairs, mma_m16n8k16, word_pairs
+from kernel_sim import byte_perm, decode_e2m1_words, decode_e4m3_pairs, e8m0_pick, mma_m16n8k16, word_pairs
+
+SELECTOR = 0x4440  # a lane's __byte_perm selector, with the byte's place in its low nibble
+SHIFT = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8: 2^22 into the scale
 
 
 def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor, tiles: int, ksplit: int):
@@ -49,10 +52,10 @@ def emulate(w: torch.Tensor, ws: torch.Tensor, q: torch.Tensor, sa: torch.Tensor
                         gi, ti = lane // 4, lane % 4
                         for hh in (0, 1):
                             row = min(bn * 16 * tiles + 16 * t + 8 * hh + gi, n - 1)
-                            for j in (0, 1):
-                                byte = (int(swords[row, kb]) >> (8 * ((2 * ti + j) % 4))) & 0xFF
-                                scale = 2.0 ** (byte - 127 + lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT)
-                                partial[warp, t, lane, 2 * hh + j] += d[gi + 8 * hh, 2 * ti + j] * scale * sa[kb].item()
+                            for j in (0, 1):  # the lane's selector picks byte (2ti + j) % 4 of the word
+                                ws = e8m0_pick(swords[row, kb], SELECTOR | (2 * ti + j) % 4, SHIFT)
+                                scale = (ws * sa[kb].float()).double().item()  # one fp32 product (FMUL)
+                                partial[warp, t, lane, 2 * hh + j] += d[gi + 8 * hh, 2 * ti + j] * scale
         acc = partial.sum(0)  # the warps' partial sums, added in warp order
         for t in range(tiles):
             for lane in range(0, 32, 4):  # lane ti = 0 of each quad, after the shuffle with ti = 1
@@ -74,6 +77,25 @@ def test_one_token_layout_computes_the_fp4_gemm(n, k, tiles, ksplit):
     exact = (ref.act_dequant(q, sa, 128).double() @ ref.dequant_fp4(
         w.view(torch.int8), ws.view(torch.float8_e8m0fnu)).double().T)[0]
     assert ((got - exact).abs() <= 1e-9 * got.abs().max()).all()  # exact products, fp64 sums here
+
+
+def test_scale_pick_gives_the_bits_of_the_shift_and_mask():
+    """Each byte 0..255 at each of the four places of a scale word, through the lane's selector
+    (`dsv4_e8m0_pick`): the fp32 bits of ((word >> 8p) & 0xFF) + 22) << 23 mod 2^32, what the kernel
+    built before (lowbit.e8m0_bits_to_float) -- bytes 0 and 233..255 included (2^-105; then
+    inf and wrapped bits, as before) -- and 2^(byte - 105) over the bytes 1..232 in range."""
+    gen = torch.Generator().manual_seed(0)
+    byte = torch.arange(256, dtype=torch.int64)
+    for place in range(4):
+        rest = torch.randint(0, 2 ** 32, (256,), generator=gen, dtype=torch.int64) & ~(0xFF << 8 * place)
+        word = rest | (byte << 8 * place)
+        word = word - ((word >> 31) << 32)  # as the kernel's int32 scale words (sign bit set in some)
+        got = e8m0_pick(word, SELECTOR | place, SHIFT).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        assert torch.equal(got, ((((word >> 8 * place) & 0xFF) + SHIFT) << 23) & 0xFFFFFFFF)
+        ws = e8m0_pick(word, SELECTOR | place, SHIFT)[1:233].double()
+        assert torch.equal(ws, torch.exp2(byte[1:233].double() - 127 + SHIFT))
+    assert byte_perm(0x8844CC11, 0x7F, 0x3210) == 0x8844CC11 and byte_perm(0x8844CC11, 0x7F, 0x7654) == 0x7F
+    assert byte_perm(0x8844CC11, 0, 0x4443) == 0x88 and byte_perm(0x8844CC11, 0x7F, 0x4404) == 0x7F7F117F
 
 
 def test_one_token_tile_keeps_a_warps_blocks_in_registers():
