@@ -18,7 +18,11 @@ step can be captured once and replayed. Two modes:
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
   half, head]. Between segments the host reads the layer's routed experts (one small copy) and
-  `provider.acquire` makes them resident in the arena before their segment runs; hash layers'
+  `provider.acquire` makes them resident in the arena before their segment runs; when they are
+  all resident already with no read pending (`provider.resident`: a warm cache's common case),
+  the segment is launched first (the slot table sent if a hint wrote it) and `acquire` does its
+  bookkeeping (lookups, holds, hints' accounting; the same calls in the same order) while the
+  device runs it, so that host work is not an idle gap of the device per layer. Hash layers'
   experts follow from the token id, so their reads start with the step (`provider.prefetch`).
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
   experts (`Transformer.predict_next`, in the graph, beside layer i's route: one host read for
@@ -172,13 +176,20 @@ class DecodeRunner:
         predicted experts to the provider once that segment is launched (module docstring)."""
         for i in range(n_segments):
             predicted = fence = None
+            later = False  # layer i-1's experts all resident: segment i goes first, acquire's bookkeeping after
             if i and not self.whole:
                 ids, predicted = self._routes(out, i - 1)
-                self.provider.acquire(i - 1, ids)
+                later = self.provider.resident(i - 1, ids)
+                if later:  # a hint's table writes since the last acquire (engine/experts/streaming.py)
+                    self.provider.arena.sync_table()
+                else:
+                    self.provider.acquire(i - 1, ids)
                 if predicted is not None:
                     fence = self.provider.fence()  # before segment i: its reads need not wait for it
             try:
                 segment(i)
+                if later:  # while the device runs segment i: the same lookups and holds, in the same order
+                    self.provider.acquire(i - 1, ids)
                 if predicted is not None:  # layer i-1's experts are held: guess layer i's
                     self.provider.prefetch_predicted(i, predicted, fence=fence)
             finally:

@@ -134,6 +134,13 @@ class ExpertProvider(ABC):
         """Per hint source ("hash", "lookahead"): accuracy, reads issued, used in time or in flight."""
         return self.prefetches.stats()
 
+    def resident(self, layer: int, ids: Sequence[int]) -> bool:
+        """Whether every one of these experts of `layer` is in `arena` now, with no read of it
+        pending: kernels enqueued now read them right, and `acquire` would only do bookkeeping
+        (lookups, holds, hints), so it may run after those kernels are launched (DecodeRunner's
+        layered steps). Always, when every expert is addressable without slots."""
+        return True
+
     def acquire(self, layer: int, ids: Iterable[int]) -> None:
         """Make these experts of `layer` resident in `arena` at once and hold them until
         `release(layer)`; counts their use."""

@@ -27,7 +27,9 @@ the current layer's experts are held) it is issued at once, and with a `fence()`
 runner launched work that reads only held experts, its reads wait only for the work before it.
 A hint's slot-table writes are not sent to the device by the hint (one host->device copy and an
 event fewer per layer of a streamed step): its experts are read through the table only by
-kernels launched after their layer's `acquire`, which sends the whole table, and a caller that
+kernels launched after their layer's `acquire`, which sends the whole table (or, for a layer
+whose experts are all `resident` and acquired after its kernels' launch, after the decode
+runner's `arena.sync_table`), and a caller that
 reads the table without acquiring (a whole-graph step once every expert is resident) syncs it
 first (`arena.sync_table`, nothing when it is clean).
 `prefetches` (engine/experts/prefetch.py) counts the hints against the route that settles them:
@@ -418,6 +420,10 @@ class StreamingExperts(ExpertProvider):
             self.release(layer)
             self._drop_prefetches()
             raise
+
+    def resident(self, layer: int, ids: Sequence[int]) -> bool:
+        loads, cache = self._loads, self.cache
+        return all(cache.contains((layer, e)) and (layer, e) not in loads for e in ids)
 
     def can_acquire(self, n: int) -> bool:
         acquired = sum(len(keys) for keys in self._acquired.values())

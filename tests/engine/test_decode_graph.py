@@ -291,6 +291,9 @@ class _Spy:
         self.inner, self.calls = inner, []
         self.arena = inner.arena
 
+    def resident(self, layer, ids):
+        return self.inner.resident(layer, ids)
+
     def acquire(self, layer, ids):
         self.calls.append(("acquire", layer, sorted(set(ids))))
         self.inner.acquire(layer, ids)
@@ -307,6 +310,72 @@ class _Spy:
 
     def all_resident(self):
         return self.inner.all_resident()
+
+
+class _NeverResident:
+    """A provider that never says a layer's experts are resident: every layered step acquires
+    before its segment (the order before resident layers' bookkeeping moved after the launch)."""
+
+    def __init__(self, inner):
+        self.inner, self.arena, self.resident_calls = inner, inner.arena, 0
+
+    def resident(self, layer, ids):
+        self.resident_calls += 1
+        return False
+
+    def __getattr__(self, name):  # every other call goes to the real provider
+        return getattr(self.inner, name)
+
+
+class _Counting:
+    """Counts the layers the real provider finds resident."""
+
+    def __init__(self, inner):
+        self.inner, self.arena, self.answers = inner, inner.arena, []
+
+    def resident(self, layer, ids):
+        self.answers.append(self.inner.resident(layer, ids))
+        return self.answers[-1]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_resident_layers_acquired_after_their_segment_leave_the_cache_as_before(packed, lookahead):
+    """Layered steps through a cache that holds some layers' experts and misses others: a layer
+    whose experts are all resident launches its segment before `acquire` does the bookkeeping;
+    the logits, the cache's statistics, contents, order and usage counts are those of acquiring
+    every layer first."""
+    rec = open_model(packed)
+    record, k = rec.experts.store.record_bytes, rec.args.n_activated_experts
+    pool = len(rec.experts.store.layers()) * rec.experts.store.count
+    rec.close()
+    runs = []
+    for wrap in (_NeverResident, _Counting):
+        files = open_model(packed, cache_bytes=(pool - k) * record)  # most layers resident, some misses
+        try:
+            model = Transformer(files.get, files.args, Numerics.named("exact"), lookahead=lookahead)
+            state = model.new_state()
+            model.forward(torch.tensor(PROMPT), state, files.experts)
+            provider = wrap(files.experts)
+            runner = DecodeRunner(model, provider, whole=False)
+            tok, logits = 5, []
+            for _ in range(8):
+                out = runner.step(state, tok)
+                logits.append(out)
+                tok = int(out.argmax())
+            cache = files.experts.cache
+            usage = files.experts.usage
+            runs.append((provider, logits, files.experts.stats(), cache.resident(), cache.hottest(10 ** 6),
+                         dict(usage.uses), list(usage.layer_uses)))
+            assert cache.pinned() == cache.held() == frozenset()
+        finally:
+            files.close()
+    (never, *before), (counting, *after) = runs
+    assert never.resident_calls > 0 and True in counting.answers and False in counting.answers  # both paths
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1:] == after[1:]
 
 
 def test_layered_mode_reads_hash_layer_experts_ahead(packed):

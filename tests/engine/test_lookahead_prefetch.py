@@ -257,6 +257,11 @@ class _OrderSpy:
         self.inner, self.log = inner, log
         self.arena, self.cache = inner.arena, inner.cache
 
+    def resident(self, layer, ids):
+        answer = self.inner.resident(layer, ids)
+        self.log.append(("resident", layer, answer))
+        return answer
+
     def acquire(self, layer, ids):
         self.log.append(("acquire", layer))
         self.inner.acquire(layer, ids)
@@ -294,26 +299,38 @@ class _SegmentLog(DecodeRunner):
 
 
 def test_the_hint_follows_the_launch_of_the_segment_with_a_fence_taken_before_it(packed, record):
-    """Layered steps: layer i-1's experts are acquired, a fence is taken, segment i is launched,
-    then layer i's predicted experts are hinted with that fence, and only then layer i-1's
-    experts are released (the fenced reads never go to a slot that segment i reads)."""
-    files = open_model(packed, cache_bytes=6 * record)
-    try:
-        model = Transformer(files.get, files.args, Numerics.named("exact"), lookahead=True)
-        state = model.new_state()
-        model.forward(PROMPT, state, files.experts)
-        log: list = []
-        runner = _SegmentLog(model, _OrderSpy(files.experts, log), whole=False, graphs=False, log=log)
-        runner.step(state, 5)
-        hinted = [entry[1] for entry in log if entry[0] == "hint"]
-        assert hinted and all(entry[2] == "the fence" for entry in log if entry[0] == "hint")
-        for layer in hinted:
-            at = log.index(("segment", layer))
-            assert log[at - 2:at + 3] == [("acquire", layer - 1), ("fence",), ("segment", layer),
-                                          ("hint", layer, "the fence"), ("release", layer - 1)]
-        assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()
-    finally:
-        files.close()
+    """Layered steps: layer i-1's experts are acquired (after segment i's launch when they were
+    all resident already), a fence is taken before segment i is launched, then layer i's
+    predicted experts are hinted with that fence, and only then layer i-1's experts are released
+    (the fenced reads never go to a slot that segment i reads). A 6-record cache misses; one of
+    every record holds each layer's experts."""
+    paths = set()
+    for records in (6, 10_000):
+        files = open_model(packed, cache_bytes=records * record)
+        try:
+            model = Transformer(files.get, files.args, Numerics.named("exact"), lookahead=True)
+            state = model.new_state()
+            model.forward(PROMPT, state, files.experts)
+            log: list = []
+            runner = _SegmentLog(model, _OrderSpy(files.experts, log), whole=False, graphs=False, log=log)
+            runner.step(state, 5)
+            hinted = [entry[1] for entry in log if entry[0] == "hint"]
+            assert hinted and all(entry[2] == "the fence" for entry in log if entry[0] == "hint")
+            for layer in hinted:
+                at = log.index(("segment", layer))
+                if log[at - 2] == ("resident", layer - 1, True):  # acquired after the launch
+                    assert log[at - 2:at + 4] == [("resident", layer - 1, True), ("fence",), ("segment", layer),
+                                                  ("acquire", layer - 1), ("hint", layer, "the fence"),
+                                                  ("release", layer - 1)]
+                else:
+                    assert log[at - 3:at + 3] == [("resident", layer - 1, False), ("acquire", layer - 1),
+                                                  ("fence",), ("segment", layer), ("hint", layer, "the fence"),
+                                                  ("release", layer - 1)]
+                paths.add(log[at - 2][0])
+            assert files.experts.cache.pinned() == files.experts.cache.held() == frozenset()
+        finally:
+            files.close()
+    assert paths == {"resident", "acquire"}  # both orders happened
 
 
 @pytest.mark.gpu

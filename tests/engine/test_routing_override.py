@@ -73,6 +73,9 @@ class _Spy:
         self.calls.append(("experts", layer, sorted(set(ids))))
         return self.inner.experts(layer, ids)
 
+    def resident(self, layer, ids):
+        return self.inner.resident(layer, ids)
+
     def acquire(self, layer, ids):
         self.calls.append(("acquire", layer, list(ids)))
         self.inner.acquire(layer, ids)
