@@ -190,6 +190,7 @@ class Engine:
     # ---------------------------------------------------------------------------- sessions
     def new_session(self, system: str | None = None, history: list[Message] | tuple = ()) -> Session:
         """A fresh session; `history` (user/assistant messages) is prefilled with the first turn."""
+        self._open()
         session = Session(self.model.new_state, system, history, owner=self)
         self._sessions.add(session)
         return session
@@ -207,16 +208,15 @@ class Engine:
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """Answer `user_text` in `session`; yields events, the last one TurnFinished or EngineFailure."""
         self._check(session)
-        return self._turns.run(session, list(session.messages), user_text, params, cancel or threading.Event())
+        return self._turns.run(session, lambda: (list(session.messages), user_text), params,
+                               cancel or threading.Event())
 
     def regenerate(self, session: Session, params: SamplingParams,
                    cancel: threading.Event | None = None) -> Iterator[Event]:
         """Drop the last answer and answer the last user message again (same events)."""
         self._check(session)
-        msgs = session.messages
-        if len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
-            raise SessionError("nothing to regenerate: the conversation does not end with an answer")
-        return self._turns.run(session, msgs[:-2], msgs[-2].content, params, cancel or threading.Event())
+        _last_question(session)  # refused now if there is nothing to answer again
+        return self._turns.run(session, lambda: _last_question(session), params, cancel or threading.Event())
 
     def undo(self, session: Session) -> None:
         """Drop the last user message and its answer; the state rewinds to a snapshot."""
@@ -284,3 +284,12 @@ class Engine:
         """The MemoryBudget now (engine.memory)."""
         self._open()
         return self._gauges.memory()
+
+
+def _last_question(session: Session) -> tuple[list[Message], str]:
+    """(the messages before the last user message, its text) of a conversation that ends with an
+    answer; SessionError otherwise (`Engine.regenerate`)."""
+    msgs = session.messages
+    if len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
+        raise SessionError("nothing to regenerate: the conversation does not end with an answer")
+    return list(msgs[:-2]), msgs[-2].content

@@ -29,7 +29,7 @@ from engine.events import EngineFailure, Event, StepUpdate, TurnFinished
 from engine.model import Transformer
 from engine.runtime import Runtime
 from engine.sampling import Sampler, SamplingParams, checked
-from engine.session import Session, Snapshot
+from engine.session import Session, SessionError, Snapshot
 from engine.stats import CacheSnapshot, TurnStats
 from engine.step_meter import StepMeter
 
@@ -60,10 +60,33 @@ class Turns:
         """Drop the model, runtime and meters (the engine is closed): a turn still running fails."""
         self.runtime = self.model = self._meter = self._cache_snapshot = None
 
-    def run(self, session: Session, base: list[Message], user_text: str, params: SamplingParams,
+    def run(self, session: Session, question: Callable[[], tuple[list[Message], str]], params: SamplingParams,
             cancel: threading.Event) -> Iterator[Event]:
-        """One turn answering `user_text` after the messages `base` (the module docstring's outcomes);
-        yields events, the last one TurnFinished or EngineFailure."""
+        """One turn answering `question()` = (the messages before it, the user's text), asked when
+        the turn starts (its first event), not when it is made (the module docstring's outcomes);
+        yields events, the last one TurnFinished or EngineFailure. One turn of a session at a time:
+        a second one started while another runs fails at once, as does a turn of a closed engine
+        (and one whose question raises SessionError: e.g. nothing left to regenerate)."""
+        if self.runtime is None:
+            yield EngineFailure("the engine is closed: load the model again to chat")
+            return
+        if session.answering:
+            yield EngineFailure("this session is already answering: finish or cancel that turn first")
+            return
+        try:
+            base, user_text = question()
+        except SessionError as err:
+            yield EngineFailure(str(err))
+            return
+        session.answering = True
+        try:
+            yield from self._run(session, base, user_text, params, cancel)
+        finally:
+            session.answering = False
+
+    def _run(self, session: Session, base: list[Message], user_text: str, params: SamplingParams,
+             cancel: threading.Event) -> Iterator[Event]:
+        """`run`'s turn, answering `user_text` after the messages `base`."""
         t_start = time.perf_counter()
         tok, limit = self.tokenizer, self.config.max_seq_len
         user = Message("user", user_text)
@@ -112,7 +135,8 @@ class Turns:
             yield TurnFinished(self._turn_stats(plan, completion, prefill_s, step_ms, ttft, finish), reasoning, content)
         except Exception as exc:  # the model failed: the session is left as it was (finally)
             if not committed:
-                yield EngineFailure(f"the turn failed: {type(exc).__name__}: {exc}")
+                yield EngineFailure("the engine was closed during the turn" if self.model is None else
+                                    f"the turn failed: {type(exc).__name__}: {exc}")
         finally:
             # failed or abandoned: roll the live state back (unless the engine was closed under the turn)
             if not committed and plan.from_live and self.model is not None:

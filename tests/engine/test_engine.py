@@ -471,3 +471,42 @@ def test_history_and_system_prompt(engine):
     assert sess.messages == [] and sess.position == 0 and sess.system == "Be terse."
     with pytest.raises(SessionError, match="system="):
         engine.new_session(history=[Message("system", "x")])
+
+
+def test_two_turns_of_one_session_cannot_interleave(engine):
+    """A session answers one turn at a time: a second turn started while the first runs fails at
+    once and leaves the first, and the session, as if it had not been asked."""
+    sess = engine.new_session()
+    first = engine.generate(sess, USER_TEXTS[0], GREEDY)
+    next(first)  # the first turn is running
+    second_end, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))
+    assert isinstance(second_end, EngineFailure) and "already answering" in second_end.message
+    fin, _ = turn(first)
+    assert isinstance(fin, TurnFinished)
+    assert [m.content for m in sess.messages if m.role == "user"] == [USER_TEXTS[0]]
+    check_against_scratch(engine, sess, fin)
+    fin, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))  # once it has ended, the next one runs
+    assert isinstance(fin, TurnFinished)
+    check_against_scratch(engine, sess, fin)
+
+
+def test_turns_made_together_answer_after_each_other(engine):
+    """A turn takes the conversation as it is when it starts: two made before either runs, then run
+    one after the other, keep both questions and answers."""
+    sess = engine.new_session()
+    one, two = engine.generate(sess, USER_TEXTS[0], GREEDY), engine.generate(sess, USER_TEXTS[1], GREEDY)
+    assert isinstance(turn(one)[0], TurnFinished)
+    fin, _ = turn(two)
+    assert isinstance(fin, TurnFinished)
+    assert [m.content for m in sess.messages if m.role == "user"] == USER_TEXTS[:2]
+    check_against_scratch(engine, sess, fin)
+
+
+def test_a_regenerate_made_before_an_undo_fails_when_nothing_is_left(engine):
+    sess = engine.new_session()
+    assert isinstance(turn(engine.generate(sess, USER_TEXTS[0], GREEDY))[0], TurnFinished)
+    again = engine.regenerate(sess, GREEDY)
+    engine.undo(sess)
+    end, _ = turn(again)
+    assert isinstance(end, EngineFailure) and "nothing to regenerate" in end.message
+    assert sess.messages == []
