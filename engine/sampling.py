@@ -42,7 +42,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one that fp32 rounds to 0 (up to 2^-150): dividing by it would make NaNs."""
+        return self.temperature <= 2.0 ** -150
 
 
 class Sampler:

@@ -116,7 +116,9 @@ def test_warm_sampling_runs_the_decode_loops_per_token_work_once_per_mode():
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": 1e-38}, {"temperature": 1e-30, "top_k": 5},
-                                    {"temperature": 0.7, "top_p": 1e-300}, {"temperature": 1e-38, "top_p": 1e-45}])
+                                    {"temperature": 0.7, "top_p": 1e-300}, {"temperature": 1e-38, "top_p": 1e-45},
+                                    {"temperature": 1e-300}, {"temperature": 2.0 ** -150},
+                                    {"temperature": 2.0 ** -149}, {"temperature": 5e-324, "top_k": 3}])
 def test_the_smallest_accepted_temperature_and_top_p_choose_the_most_likely_token(kwargs):
     logits = torch.randn(129280, generator=torch.Generator().manual_seed(1)) * 4
     for seed in range(4):
