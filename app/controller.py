@@ -303,7 +303,9 @@ class Controller:
     def continue_transcript(self, path: Path, conv: Conversation) -> Conversation:
         """Continue the transcript file `path` holding `conv` (resume, reopen); a trailing
         unanswered question is dropped from the file and the result. Returns the conversation
-        now current."""
+        now current. Raises ConversationError if `conv` cannot be continued (`Conversation.check`);
+        nothing is switched then."""
+        conv.check(str(path))
         self.close()
         self.autosave = self._open_saver(conv.system, path)
         if conv.pending_prompt() and self.autosave is not None:
@@ -312,14 +314,21 @@ class Controller:
         return self.conversation
 
     def reopen(self, past: Past, state: EngineState = IDLE) -> Reply | SessionReset:
-        """Continue a past (autosaved) conversation in its own transcript file."""
+        """Continue a past (autosaved) conversation in its own transcript file. One that cannot
+        be reopened (`past.problem`) is refused, and the current conversation, its transcript and
+        the engine session stay as they are."""
         current = self.autosave.path if self.autosave is not None else None
         if current is not None and past.path.resolve() == current.resolve():
             return Reply("that conversation is the one open now")
         problem = idle_problem(state)
         if problem:
             return Reply(problem, error=True)
-        conv = self.continue_transcript(past.path, past.conversation)
+        if past.problem is not None:
+            return Reply(past.problem, error=True)
+        try:
+            conv = self.continue_transcript(past.path, past.conversation)
+        except ConversationError as err:
+            return Reply(str(err), error=True)
         return SessionReset(conv, f"reopened “{past.title()}” ({conv.turns} turn(s))")
 
     # ---- turns ------------------------------------------------------------------------------

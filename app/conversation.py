@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SAVE_VERSION = 1
+ROLES = ("user", "assistant")  # the roles a conversation's messages have
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -68,6 +69,22 @@ class Conversation:
         else:
             self.messages.append(answer)
 
+    def check(self, origin: str) -> "Conversation":
+        """Itself, if every message is one an engine session can hold: role "user" or
+        "assistant", text content and reasoning, reasoning on assistants only. Otherwise raises
+        ConversationError naming `origin` (the file it came from), the message and the fix."""
+        for number, m in enumerate(self.messages, 1):
+            if m.role not in ROLES:
+                problem = f"has role {m.role!r} (expected 'user' or 'assistant')"
+            elif not isinstance(m.content, str) or not isinstance(m.reasoning, str):
+                problem = "has content or reasoning that is not text"
+            elif m.reasoning and m.role != "assistant":
+                problem = "is a user message with reasoning"
+            else:
+                continue
+            raise ConversationError(f"{origin}: message {number} {problem} — fix or remove it in that file")
+        return self
+
     def to_markdown(self) -> str:
         parts = ["# Conversation\n"]
         if self.system:
@@ -94,6 +111,8 @@ class Conversation:
 
     @classmethod
     def from_json(cls, text: str, origin: str) -> "Conversation":
+        """The conversation saved as `text` (see the module's docstring), checked (`check`);
+        raises ConversationError naming `origin` if it is not one."""
         try:
             data = json.loads(text)
             if data.get("version") != SAVE_VERSION:
@@ -105,7 +124,7 @@ class Conversation:
             if isinstance(err, ConversationError):
                 raise
             raise ConversationError(f"{origin}: not a saved conversation ({err})") from None
-        return cls(str(data.get("system", "")), msgs)
+        return cls(str(data.get("system", "")), msgs).check(origin)
 
 
 def check_name(name: str) -> str:
