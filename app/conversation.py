@@ -180,15 +180,29 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def save(conv: Conversation, saved_dir: Path, name: str) -> Path:
+    """Write `conv` to `<saved_dir>/NAME.json` (atomically); returns the path. Raises
+    ConversationError for a bad name or a file that cannot be written (a full disk, a read-only
+    directory: the message names the file and the cause)."""
     path = saved_dir / f"{check_name(name)}.json"
-    write_atomic(path, conv.to_json())
+    try:
+        write_atomic(path, conv.to_json())
+    except OSError as err:
+        raise ConversationError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 
 def load(saved_dir: Path, name: str) -> Conversation:
+    """The conversation saved as NAME in `saved_dir`; raises ConversationError (one line naming
+    the file and the problem) if there is none or it cannot be read or is not one."""
     path = saved_dir / f"{check_name(name)}.json"
     if not path.is_file():
         have = sorted(p.stem for p in saved_dir.glob("*.json")) if saved_dir.is_dir() else []
         hint = f"saved: {', '.join(have)}" if have else "nothing saved yet (/save NAME)"
         raise ConversationError(f"no saved conversation {name!r} ({hint})")
-    return Conversation.from_json(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConversationError(f"{path}: not a saved conversation (not UTF-8 text)") from None
+    except OSError as err:
+        raise ConversationError(f"cannot read {path}: {err.strerror or err}") from None
+    return Conversation.from_json(text, str(path))

@@ -385,3 +385,22 @@ def test_tui_history_of_a_bad_transcript_keeps_the_session(config):
     transcript = asyncio.run(go())
     assert bad.read_bytes() == data
     assert [m.content for m in read_transcript(transcript)[0].messages] == ["first", ANSWER, "second", ANSWER]
+
+
+def test_save_and_load_file_errors_are_one_line_naming_the_file(rig, monkeypatch):
+    from app import conversation as conv_io
+
+    rig.turn("q1")
+    path = rig.ctl.config.saved_dir / "keep.json"
+
+    def disk_full(target, text):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(conv_io, "write_atomic", disk_full)
+        assert rig.apply("/save keep") == Reply(f"cannot write {path}: No space left on device", error=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b'{"version": 1, "messages": [{"role": "user", "content": "\xff"}]}')
+    before = list(rig.ctl.conversation.messages)
+    assert rig.apply("/load keep") == Reply(f"{path}: not a saved conversation (not UTF-8 text)", error=True)
+    assert rig.ctl.conversation.messages == before
