@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from app import conversation as conv_io
 from app.autosave import Autosaver
 from app.backend import EngineLike, SessionLike
-from app.commands import Command, ExportArgs, PinArgs, SetArgs, help_lines
+from app.commands import Command, ExportArgs, PinArgs, SaveArgs, SetArgs, help_lines
 from app.conversation import ChatMessage, Conversation, ConversationError
 from app.history import Past, past_conversations
 from app.settings import AppConfig, SettingsError, generation_settings, with_gen
@@ -489,9 +489,11 @@ class Controller:
             return EngineJob("stats", _stats_job, refresh_stats=False)
         return LiveStats()  # mid-turn: live numbers now, the contents table once idle
 
-    def _save(self, name: str, state: EngineState) -> Reply:
+    def _save(self, args: SaveArgs, state: EngineState) -> Reply:
+        """Save the conversation as `args.name`: an existing save of that name only with --force.
+        Every problem (a bad name, the file exists, it cannot be written) is one error Reply."""
         try:
-            path = conv_io.save(self.conversation, self.config.saved_dir, name)
+            path = conv_io.save(self.conversation, self.config.saved_dir, args.name, args.force)
         except ConversationError as err:
             return Reply(str(err), error=True)
         return Reply(f"saved {self.conversation.turns} turn(s) to {path}")

@@ -179,12 +179,15 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save(conv: Conversation, saved_dir: Path, name: str) -> Path:
-    """Write `conv` to `<saved_dir>/NAME.json` (atomically); returns the path. Raises
-    ConversationError for a bad name or a file that cannot be written (a full disk, a read-only
+def save(conv: Conversation, saved_dir: Path, name: str, force: bool = False) -> Path:
+    """Write `conv` to `<saved_dir>/NAME.json` (atomically); returns the path. An existing save of
+    that name is overwritten only with `force`. Raises ConversationError for a bad name, an
+    existing save without `force`, or a file that cannot be written (a full disk, a read-only
     directory: the message names the file and the cause)."""
     path = saved_dir / f"{check_name(name)}.json"
     try:
+        if not force and path.exists():
+            raise ConversationError(f"{path} exists: /save {name} --force overwrites it")
         write_atomic(path, conv.to_json())
     except OSError as err:
         raise ConversationError(f"cannot write {path}: {err.strerror or err}") from None

@@ -404,3 +404,21 @@ def test_save_and_load_file_errors_are_one_line_naming_the_file(rig, monkeypatch
     before = list(rig.ctl.conversation.messages)
     assert rig.apply("/load keep") == Reply(f"{path}: not a saved conversation (not UTF-8 text)", error=True)
     assert rig.ctl.conversation.messages == before
+
+
+def test_save_over_an_existing_save_asks_for_force(rig):
+    rig.turn("q1")
+    path = rig.ctl.config.saved_dir / "keep.json"
+    assert not rig.apply("/save keep").error
+    kept = path.read_text()
+    rig.turn("q2")
+    assert rig.apply("/save keep") == Reply(f"{path} exists: /save keep --force overwrites it", error=True)
+    assert path.read_text() == kept
+    assert rig.apply("/save keep --force") == Reply(f"saved 2 turn(s) to {path}")
+    assert [m.content for m in conv_io_load(rig, "keep").messages] == ["q1", ANSWER, "q2", ANSWER]
+
+
+def conv_io_load(rig, name):
+    from app import conversation as conv_io
+
+    return conv_io.load(rig.ctl.config.saved_dir, name)
