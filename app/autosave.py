@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.conversation import ChatMessage, Conversation, create_temp
+from app.conversation import ChatMessage, Conversation, ConversationError, create_temp
 
 TRANSCRIPT_VERSION = 1
 
@@ -208,7 +208,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def read_transcript(path: Path) -> tuple[Conversation, bool]:
-    """The conversation a transcript describes, and whether it was closed cleanly."""
+    """The conversation a transcript describes, and whether it was closed cleanly. Raises
+    ConversationError (naming the file, the message and the fix) if a message is not one a chat
+    can hold (`Conversation.check`: e.g. a role other than user or assistant)."""
     conv = Conversation()
     closed = False
     for rec in _records(path):
@@ -225,7 +227,7 @@ def read_transcript(path: Path) -> tuple[Conversation, bool]:
                 conv.replace_last_answer(msg)
             else:
                 conv.messages.append(msg)
-    return conv, closed
+    return conv.check(str(path)), closed
 
 
 @dataclass(frozen=True)
@@ -237,11 +239,15 @@ class Unfinished:
 
 
 def find_unfinished(directory: Path) -> Unfinished | None:
-    """The newest transcript that was not closed cleanly and holds a message, if any."""
+    """The newest transcript that was not closed cleanly and holds a message, if any. One that
+    cannot be read as a conversation is passed over (/history lists it with its problem)."""
     if not directory.is_dir():
         return None
     for path in sorted(directory.glob("*.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True):
-        conv, closed = read_transcript(path)
+        try:
+            conv, closed = read_transcript(path)
+        except ConversationError:
+            continue
         if closed:
             return None  # only the last conversation is offered
         if conv.messages:

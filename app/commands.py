@@ -37,6 +37,12 @@ class ExportArgs:
 
 
 @dataclass(frozen=True)
+class SaveArgs:
+    name: str
+    force: bool = False  # overwrite an existing save of that name
+
+
+@dataclass(frozen=True)
 class PinArgs:
     hot: int | None = None  # pin the N most used experts
     keys: tuple[tuple[int, int], ...] = ()  # or these (layer, expert) pairs
@@ -150,6 +156,18 @@ def parse_export(rest: str) -> ExportArgs:
     return ExportArgs(file, force)
 
 
+def parse_save(rest: str) -> SaveArgs:
+    """"NAME [--force]" (--force may also come first)."""
+    parts = rest.split()
+    force = "--force" in parts
+    names = [p for p in parts if p != "--force"]
+    if not names:
+        raise CommandError("missing a name: /save NAME [--force]")
+    if len(names) > 1:
+        raise CommandError(f"one name, no spaces: /save NAME [--force] (got {' '.join(names)!r})")
+    return SaveArgs(names[0], force)
+
+
 def _history(rest: str) -> int | None:
     if not rest:
         return None
@@ -176,7 +194,8 @@ REGISTRY: dict[str, Spec] = {
     "pin": Spec("/pin hot N | /pin L:E,…", "keep experts in the cache through /flush", parse_pin),
     "unpin": Spec("/unpin [L:E,…]", "unpin these experts (no list: all)", parse_unpin),
     "stats": Spec("/stats", "detailed statistics: per-layer hit rates, cache, memory", _no_args("stats")),
-    "save": Spec("/save NAME", "save the conversation", _required("a name", "/save NAME")),
+    "save": Spec("/save NAME [--force]", "save the conversation (--force: overwrite a save of that "
+                 "name)", parse_save),
     "load": Spec("/load NAME", "load a saved conversation", _required("a name", "/load NAME")),
     "export": Spec("/export FILE.md [--force]", "write the conversation as Markdown (--force: "
                    "overwrite, or create the directory)", parse_export),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 from app import conversation as conv_io
 from app.autosave import Autosaver
 from app.backend import EngineLike, SessionLike
-from app.commands import Command, ExportArgs, PinArgs, SetArgs, help_lines
+from app.commands import Command, ExportArgs, PinArgs, SaveArgs, SetArgs, help_lines
 from app.conversation import ChatMessage, Conversation, ConversationError
 from app.history import Past, past_conversations
 from app.settings import AppConfig, SettingsError, generation_settings, with_gen
@@ -303,7 +303,9 @@ class Controller:
     def continue_transcript(self, path: Path, conv: Conversation) -> Conversation:
         """Continue the transcript file `path` holding `conv` (resume, reopen); a trailing
         unanswered question is dropped from the file and the result. Returns the conversation
-        now current."""
+        now current. Raises ConversationError if `conv` cannot be continued (`Conversation.check`);
+        nothing is switched then."""
+        conv.check(str(path))
         self.close()
         self.autosave = self._open_saver(conv.system, path)
         if conv.pending_prompt() and self.autosave is not None:
@@ -312,14 +314,21 @@ class Controller:
         return self.conversation
 
     def reopen(self, past: Past, state: EngineState = IDLE) -> Reply | SessionReset:
-        """Continue a past (autosaved) conversation in its own transcript file."""
+        """Continue a past (autosaved) conversation in its own transcript file. One that cannot
+        be reopened (`past.problem`) is refused, and the current conversation, its transcript and
+        the engine session stay as they are."""
         current = self.autosave.path if self.autosave is not None else None
         if current is not None and past.path.resolve() == current.resolve():
             return Reply("that conversation is the one open now")
         problem = idle_problem(state)
         if problem:
             return Reply(problem, error=True)
-        conv = self.continue_transcript(past.path, past.conversation)
+        if past.problem is not None:
+            return Reply(past.problem, error=True)
+        try:
+            conv = self.continue_transcript(past.path, past.conversation)
+        except ConversationError as err:
+            return Reply(str(err), error=True)
         return SessionReset(conv, f"reopened “{past.title()}” ({conv.turns} turn(s))")
 
     # ---- turns ------------------------------------------------------------------------------
@@ -480,9 +489,11 @@ class Controller:
             return EngineJob("stats", _stats_job, refresh_stats=False)
         return LiveStats()  # mid-turn: live numbers now, the contents table once idle
 
-    def _save(self, name: str, state: EngineState) -> Reply:
+    def _save(self, args: SaveArgs, state: EngineState) -> Reply:
+        """Save the conversation as `args.name`: an existing save of that name only with --force.
+        Every problem (a bad name, the file exists, it cannot be written) is one error Reply."""
         try:
-            path = conv_io.save(self.conversation, self.config.saved_dir, name)
+            path = conv_io.save(self.conversation, self.config.saved_dir, args.name, args.force)
         except ConversationError as err:
             return Reply(str(err), error=True)
         return Reply(f"saved {self.conversation.turns} turn(s) to {path}")

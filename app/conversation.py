@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SAVE_VERSION = 1
+ROLES = ("user", "assistant")  # the roles a conversation's messages have
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -68,6 +69,22 @@ class Conversation:
         else:
             self.messages.append(answer)
 
+    def check(self, origin: str) -> "Conversation":
+        """Itself, if every message is one an engine session can hold: role "user" or
+        "assistant", text content and reasoning, reasoning on assistants only. Otherwise raises
+        ConversationError naming `origin` (the file it came from), the message and the fix."""
+        for number, m in enumerate(self.messages, 1):
+            if m.role not in ROLES:
+                problem = f"has role {m.role!r} (expected 'user' or 'assistant')"
+            elif not isinstance(m.content, str) or not isinstance(m.reasoning, str):
+                problem = "has content or reasoning that is not text"
+            elif m.reasoning and m.role != "assistant":
+                problem = "is a user message with reasoning"
+            else:
+                continue
+            raise ConversationError(f"{origin}: message {number} {problem} — fix or remove it in that file")
+        return self
+
     def to_markdown(self) -> str:
         parts = ["# Conversation\n"]
         if self.system:
@@ -94,6 +111,8 @@ class Conversation:
 
     @classmethod
     def from_json(cls, text: str, origin: str) -> "Conversation":
+        """The conversation saved as `text` (see the module's docstring), checked (`check`);
+        raises ConversationError naming `origin` if it is not one."""
         try:
             data = json.loads(text)
             if data.get("version") != SAVE_VERSION:
@@ -105,7 +124,7 @@ class Conversation:
             if isinstance(err, ConversationError):
                 raise
             raise ConversationError(f"{origin}: not a saved conversation ({err})") from None
-        return cls(str(data.get("system", "")), msgs)
+        return cls(str(data.get("system", "")), msgs).check(origin)
 
 
 def check_name(name: str) -> str:
@@ -160,16 +179,33 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save(conv: Conversation, saved_dir: Path, name: str) -> Path:
+def save(conv: Conversation, saved_dir: Path, name: str, force: bool = False) -> Path:
+    """Write `conv` to `<saved_dir>/NAME.json` (atomically); returns the path. An existing save of
+    that name is overwritten only with `force`. Raises ConversationError for a bad name, an
+    existing save without `force`, or a file that cannot be written (a full disk, a read-only
+    directory: the message names the file and the cause)."""
     path = saved_dir / f"{check_name(name)}.json"
-    write_atomic(path, conv.to_json())
+    try:
+        if not force and path.exists():
+            raise ConversationError(f"{path} exists: /save {name} --force overwrites it")
+        write_atomic(path, conv.to_json())
+    except OSError as err:
+        raise ConversationError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 
 def load(saved_dir: Path, name: str) -> Conversation:
+    """The conversation saved as NAME in `saved_dir`; raises ConversationError (one line naming
+    the file and the problem) if there is none or it cannot be read or is not one."""
     path = saved_dir / f"{check_name(name)}.json"
     if not path.is_file():
         have = sorted(p.stem for p in saved_dir.glob("*.json")) if saved_dir.is_dir() else []
         hint = f"saved: {', '.join(have)}" if have else "nothing saved yet (/save NAME)"
         raise ConversationError(f"no saved conversation {name!r} ({hint})")
-    return Conversation.from_json(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConversationError(f"{path}: not a saved conversation (not UTF-8 text)") from None
+    except OSError as err:
+        raise ConversationError(f"cannot read {path}: {err.strerror or err}") from None
+    return Conversation.from_json(text, str(path))

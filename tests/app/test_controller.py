@@ -39,6 +39,7 @@ from app.controller import (
 )
 from app.conversation import ChatMessage
 from app.plain import PlainChat
+from app.widgets.message import NoteMessage, UserMessage
 
 BUSY = EngineState(busy="turn")
 
@@ -303,3 +304,121 @@ def test_plain_gets_history_from_the_controller_and_refuses_model(config):
     assert [m.content for m in chat.session.messages] == ["first question", ANSWER, "second", ANSWER]
     path, = config.transcripts_dir.glob("*.jsonl")  # the reopened transcript goes on
     assert [m.content for m in read_transcript(path)[0].messages] == ["first question", ANSWER, "second", ANSWER]
+
+
+# ---- a conversation that cannot be continued is refused, nothing switched -----------------------
+
+def _plant_bad_transcript(config):
+    """A transcript (newer than any other) whose second message has the role 'bot'."""
+    import os
+    import time
+
+    path = config.transcripts_dir / "29990101-000000-1.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"type": "start", "version": 1, "system": ""}\n'
+                    '{"type": "message", "role": "user", "content": "hi"}\n'
+                    '{"type": "message", "role": "bot", "content": "beep"}\n')
+    future = time.time() + 3600
+    os.utime(path, (future, future))
+    return path, path.read_bytes()
+
+
+BAD_ROLE = "message 2 has role 'bot' (expected 'user' or 'assistant') — fix or remove it in that file"
+
+
+def test_load_of_a_bad_role_is_refused_and_keeps_the_conversation(rig):
+    rig.turn("q1")
+    before, transcript = list(rig.ctl.conversation.messages), rig.ctl.autosave.path
+    bad = rig.ctl.config.saved_dir / "bad.json"
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_text('{"version": 1, "system": "", "messages": [{"role": "bot", "content": "x"}]}')
+    assert rig.apply("/load bad") == Reply(
+        f"{bad}: message 1 has role 'bot' (expected 'user' or 'assistant') — fix or remove it in "
+        "that file", error=True)
+    assert rig.ctl.conversation.messages == before and rig.ctl.autosave.path == transcript
+
+
+def test_history_of_a_bad_transcript_is_refused_and_keeps_the_conversation(rig):
+    rig.turn("q1")
+    before, transcript = list(rig.ctl.conversation.messages), rig.ctl.autosave.path
+    bad, data = _plant_bad_transcript(rig.ctl.config)
+    listing = rig.apply("/history").text.splitlines()
+    assert listing[1].endswith(f"cannot be reopened: {bad}: {BAD_ROLE}")
+    assert rig.apply("/history 1") == Reply(f"{bad}: {BAD_ROLE}", error=True)
+    assert rig.ctl.conversation.messages == before and rig.ctl.autosave.path == transcript
+    rig.turn("q2")
+    assert bad.read_bytes() == data
+    assert [m.content for m in read_transcript(transcript)[0].messages] == ["q1", ANSWER, "q2", ANSWER]
+
+
+def test_plain_history_of_a_bad_transcript_keeps_the_session(config):
+    bad, data = _plant_bad_transcript(config)
+    err = io.StringIO()
+    chat = PlainChat(FakeEngine(), config, reader(["first", "/history 1", "second"]), io.StringIO(),
+                     err, strict=True)
+    assert chat.run() == 1
+    assert f"! {bad}: {BAD_ROLE}\n" in err.getvalue()
+    assert [m.content for m in chat.session.messages] == ["first", ANSWER, "second", ANSWER]
+    assert bad.read_bytes() == data
+    good, = [p for p in config.transcripts_dir.glob("*.jsonl") if p != bad]
+    assert [m.content for m in read_transcript(good)[0].messages] == ["first", ANSWER, "second", ANSWER]
+
+
+def test_tui_history_of_a_bad_transcript_keeps_the_session(config):
+    bad, data = _plant_bad_transcript(config)
+
+    async def go():
+        app = ChatApp(config, FakeBackend(FakeEngine()))
+        async with app.run_test(size=(120, 45)) as pilot:
+            await wait_idle(pilot, app)
+            await type_and_send(pilot, app, "first")
+            transcript = app.autosave.path
+            await type_and_send(pilot, app, "/history 1")
+            note = app.chat.transcript.query(NoteMessage).last()
+            assert note.text == f"{bad}: {BAD_ROLE}" and "error" in note.classes
+            assert [u.text for u in app.chat.transcript.query(UserMessage)] == ["first"]
+            assert app.autosave.path == transcript
+            await type_and_send(pilot, app, "second")
+            assert [m.content for m in app.service.session.messages] == ["first", ANSWER, "second", ANSWER]
+            return transcript
+
+    transcript = asyncio.run(go())
+    assert bad.read_bytes() == data
+    assert [m.content for m in read_transcript(transcript)[0].messages] == ["first", ANSWER, "second", ANSWER]
+
+
+def test_save_and_load_file_errors_are_one_line_naming_the_file(rig, monkeypatch):
+    from app import conversation as conv_io
+
+    rig.turn("q1")
+    path = rig.ctl.config.saved_dir / "keep.json"
+
+    def disk_full(target, text):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(conv_io, "write_atomic", disk_full)
+        assert rig.apply("/save keep") == Reply(f"cannot write {path}: No space left on device", error=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b'{"version": 1, "messages": [{"role": "user", "content": "\xff"}]}')
+    before = list(rig.ctl.conversation.messages)
+    assert rig.apply("/load keep") == Reply(f"{path}: not a saved conversation (not UTF-8 text)", error=True)
+    assert rig.ctl.conversation.messages == before
+
+
+def test_save_over_an_existing_save_asks_for_force(rig):
+    rig.turn("q1")
+    path = rig.ctl.config.saved_dir / "keep.json"
+    assert not rig.apply("/save keep").error
+    kept = path.read_text()
+    rig.turn("q2")
+    assert rig.apply("/save keep") == Reply(f"{path} exists: /save keep --force overwrites it", error=True)
+    assert path.read_text() == kept
+    assert rig.apply("/save keep --force") == Reply(f"saved 2 turn(s) to {path}")
+    assert [m.content for m in conv_io_load(rig, "keep").messages] == ["q1", ANSWER, "q2", ANSWER]
+
+
+def conv_io_load(rig, name):
+    from app import conversation as conv_io
+
+    return conv_io.load(rig.ctl.config.saved_dir, name)
