@@ -40,6 +40,20 @@ def step_routes(trace_path: Path, layers: int, experts: int) -> list[list[list[i
     return steps
 
 
+def trace_pack_policy(prog: str, a: argparse.Namespace) -> tuple[list[list[list[int]]], Path, str]:
+    """(`step_routes` of `a.trace`, the tiny model's pack at `a.layers` x `a.experts`, the cache
+    policy: `a.policy` or the engine's) for the CPU host benches; a bad trace exits naming `prog`."""
+    from bench.launch_count import tiny_pack
+    from engine.config import EngineConfig
+    from engine.routing_override import RoutingTraceError
+
+    try:
+        steps = step_routes(a.trace, a.layers, a.experts)
+    except RoutingTraceError as err:
+        raise SystemExit(f"{prog}: {err}") from None
+    return steps, tiny_pack(a.workdir, a.layers, a.experts), a.policy or EngineConfig().cache_policy
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host_routes", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=ROOT.parent / "shared" / "traces" / "route_W130.csv")
@@ -50,18 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4-host-routes"))
     a = p.parse_args(argv)
 
-    from bench.launch_count import tiny_pack
-    from engine.config import EngineConfig
     from engine.weights import open_model
 
-    from engine.routing_override import RoutingTraceError
-
-    try:
-        steps = step_routes(a.trace, a.layers, a.experts)
-    except RoutingTraceError as err:
-        raise SystemExit(f"bench.host_routes: {err}") from None
-    pack = tiny_pack(a.workdir, a.layers, a.experts)
-    policy = a.policy or EngineConfig().cache_policy
+    steps, pack, policy = trace_pack_policy("bench.host_routes", a)
     providers = {}
     for way in ("record", "record_routes"):
         files = open_model(pack, policy=policy)

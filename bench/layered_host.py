@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.host_routes import ROOT, step_routes
+from bench.host_routes import ROOT, trace_pack_policy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,17 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.share <= 1:
         raise SystemExit("bench.layered_host: --share must be in (0, 1]")
 
-    from bench.launch_count import tiny_pack
-    from engine.config import EngineConfig
-    from engine.routing_override import RoutingTraceError
     from engine.weights import open_model
 
-    try:
-        steps = step_routes(a.trace, a.layers, a.experts)
-    except RoutingTraceError as err:
-        raise SystemExit(f"bench.layered_host: {err}") from None
-    pack = tiny_pack(a.workdir, a.layers, a.experts)
-    policy = a.policy or EngineConfig().cache_policy
+    steps, pack, policy = trace_pack_policy("bench.layered_host", a)
     providers = {}
     for way in ("acquire first", "resident first"):
         probe = open_model(pack)
