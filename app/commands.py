@@ -143,29 +143,33 @@ def parse_pin(rest: str) -> PinArgs:
     return PinArgs(keys=parse_keys(rest))
 
 
+def _with_force(rest: str) -> tuple[str, bool]:
+    """"TEXT [--force]" (--force may also come first) -> (TEXT as typed between them, inner spaces
+    included; whether --force was given)."""
+    text = rest.strip()
+    if text == "--force" or text.startswith("--force "):
+        return text[len("--force"):].strip(), True
+    if text.endswith(" --force"):
+        return text[:-len("--force")].strip(), True
+    return text, False
+
+
 def parse_export(rest: str) -> ExportArgs:
-    """"FILE.md [--force]" (--force may also come first); the name is kept as typed between them
-    (inner spaces included)."""
-    file, force = rest.strip(), False
-    if file == "--force" or file.startswith("--force "):
-        file, force = file[len("--force"):].strip(), True
-    elif file.endswith(" --force"):
-        file, force = file[:-len("--force")].strip(), True
+    """"FILE.md [--force]": `_with_force`."""
+    file, force = _with_force(rest)
     if not file:
         raise CommandError("missing a file: /export FILE.md [--force]")
     return ExportArgs(file, force)
 
 
 def parse_save(rest: str) -> SaveArgs:
-    """"NAME [--force]" (--force may also come first)."""
-    parts = rest.split()
-    force = "--force" in parts
-    names = [p for p in parts if p != "--force"]
-    if not names:
+    """"NAME [--force]": `_with_force`, one word."""
+    name, force = _with_force(rest)
+    if not name:
         raise CommandError("missing a name: /save NAME [--force]")
-    if len(names) > 1:
-        raise CommandError(f"one name, no spaces: /save NAME [--force] (got {' '.join(names)!r})")
-    return SaveArgs(names[0], force)
+    if len(name.split()) > 1:
+        raise CommandError(f"one name, no spaces: /save NAME [--force] (got {' '.join(name.split())!r})")
+    return SaveArgs(name, force)
 
 
 def _history(rest: str) -> int | None:

@@ -33,10 +33,7 @@ class Transcript(VerticalScroll):
         """A new answer at the bottom, or right `after` a widget (a /regen answer takes the old
         one's place)."""
         msg = AssistantMessage(content, reasoning, footer)
-        if after is None:
-            await self.mount(msg)
-        else:
-            await self.mount(msg, after=after)
+        await self.mount(msg, after=after)
         self.anchor()
         return msg
 
