@@ -133,6 +133,10 @@ class DecodeRunner:
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
         self.chunk_at = model.chunk_position(CHUNK_SLOTS, self.device)  # a chunk step's static inputs
+        # layered steps: each layer's picks on their way to the host (`_send_routes`), and the
+        # pinned buffer and event per (layer, width) they are copied with
+        self._sent: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._picks_host: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -158,24 +162,49 @@ class DecodeRunner:
     def _head(self, out: _Outputs) -> None:
         out.logits = self.model.logits(out.final)
 
-    def _routes(self, out: _Outputs, layer: int) -> tuple[list[int], list[int] | None]:
-        """(layer's routed ids, layer + 1's predicted ids or None): the segment boundary's one host sync."""
+    def _send_routes(self, out: _Outputs, layer: int) -> None:
+        """Start copying `layer`'s picks (routed ids, then the predicted ones with lookahead) to
+        the host, queued right behind the segment that makes them: the copy runs as soon as that
+        segment ends, while the host does the layer before's bookkeeping (`_routes` waits for it)."""
         picks = out.picks.get(layer)
-        if picks is None:
-            ids, predicted = out.carry[layer].routed[0][0].tolist(), None
+        src = out.carry[layer].routed[0] if picks is None else picks  # [1, k] or [1, 2k]
+        if src.device.type != "cuda":
+            self._sent[layer] = (src, None)
+            return
+        host, event = self._picks_host.get((layer, src.shape[1]), (None, None))
+        if host is None:
+            host, event = torch.empty(src.shape, dtype=src.dtype, pin_memory=True), torch.cuda.Event()
+            self._picks_host[layer, src.shape[1]] = (host, event)
+        host.copy_(src, non_blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+        self._sent[layer] = (host, event)
+
+    def _routes(self, out: _Outputs, layer: int) -> tuple[list[int], list[int] | None]:
+        """(layer's routed ids, layer + 1's predicted ids or None): the segment boundary's one
+        host wait, for the copy `_send_routes` started."""
+        host, event = self._sent.pop(layer)
+        if event is not None:
+            event.synchronize()
+        row = host[0].tolist()
+        if layer in out.picks:
+            ids, predicted = row[:len(row) // 2], row[len(row) // 2:]
         else:
-            both = picks[0].tolist()
-            ids, predicted = both[:len(both) // 2], both[len(both) // 2:]
+            ids, predicted = row, None
         if self.on_routes is not None:
             self.on_routes(layer, self.at.host, ids)
         return ids, predicted
 
-    def _run(self, out: _Outputs, segment, n_segments: int) -> None:
+    def _run(self, out: _Outputs, segment, n_segments: int, hashed: list[tuple[int, list[int]]] = ()) -> None:
         """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
-        resident (and holds them) around the segment that uses them, and hands the next layer's
-        predicted experts to the provider once that segment is launched (module docstring)."""
+        resident (and holds them) around the segment that uses them, hands the next layer's
+        predicted experts to the provider once that segment is launched, and `hashed` (layer,
+        expert ids) to `provider.prefetch` once segment 0 (which reads no routed expert) is
+        launched (module docstring)."""
+        n_blocks = len(self.model.blocks)
         for i in range(n_segments):
             predicted = fence = None
+            if i == 0 and hashed:
+                fence = self.provider.fence()  # their reads need not wait for segment 0
             later = False  # layer i-1's experts all resident: segment i goes first, acquire's bookkeeping after
             if i and not self.whole:
                 ids, predicted = self._routes(out, i - 1)
@@ -188,6 +217,11 @@ class DecodeRunner:
                     fence = self.provider.fence()  # before segment i: its reads need not wait for it
             try:
                 segment(i)
+                if not self.whole and i < n_blocks:
+                    self._send_routes(out, i)
+                if i == 0:
+                    for layer, ids_ in hashed:
+                        self.provider.prefetch(layer, ids_, fence=fence)
                 if later:  # while the device runs segment i: the same lookups and holds, in the same order
                     self.provider.acquire(i - 1, ids)
                 if predicted is not None:  # layer i-1's experts are held: guess layer i's
@@ -196,9 +230,10 @@ class DecodeRunner:
                 if i and not self.whole:
                     self.provider.release(i - 1)
 
-    def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool) -> _Outputs:
+    def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool,
+                   hashed: list[tuple[int, list[int]]]) -> _Outputs:
         out = _Outputs([None] * len(self.model.blocks))
-        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1)
+        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, hashed)
         if logits:
             self._head(out)
         return out
@@ -231,9 +266,9 @@ class DecodeRunner:
         self.captures += 1
         return graphs
 
-    def _replay(self, gs: _GraphSet, logits: bool) -> _Outputs:
+    def _replay(self, gs: _GraphSet, logits: bool, hashed: list[tuple[int, list[int]]]) -> _Outputs:
         *body, head = gs.graphs
-        self._run(gs.out, lambda i: body[i].replay(), len(body))
+        self._run(gs.out, lambda i: body[i].replay(), len(body), hashed)
         if logits:
             head.replay()
         return gs.out
@@ -286,6 +321,7 @@ class DecodeRunner:
         self.homes.clear()
         self._pool = None
         self._routes_host = {}
+        self._sent, self._picks_host = {}, {}
 
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
@@ -298,10 +334,10 @@ class DecodeRunner:
             self.provider.arena.sync_table()
         else:
             self.settle()  # this step's provider calls come after the last one's statistics
-        if not self.whole and self._hashed:  # start their reads now, overlapping earlier layers
+        hashed = []  # layered: their reads start once segment 0 is launched, overlapping it
+        if not self.whole and self._hashed:
             tok = int(token)
-            for layer, table in self._hashed:
-                self.provider.prefetch(layer, table[tok].tolist())
+            hashed = [(layer, table[tok].tolist()) for layer, table in self._hashed]
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1))
         else:
@@ -313,15 +349,15 @@ class DecodeRunner:
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
         gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
-            out = self._run_eager(state, emitting, logits)
+            out = self._run_eager(state, emitting, logits, hashed)
         elif gs is None:
             side = self._side  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                out = self._run_eager(state, emitting, logits)  # this step, eagerly; compiles its kernels
+                out = self._run_eager(state, emitting, logits, hashed)  # this step, eagerly; compiles its kernels
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            out = self._replay(gs, logits)
+            out = self._replay(gs, logits, hashed)
         result = out.logits.clone() if logits else None
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         if self.graphs and gs is None:  # capture after this step's results are taken

@@ -114,8 +114,8 @@ class ExpertProvider(ABC):
     def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]: ...
 
     @abstractmethod
-    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Hint: `layer` will need these experts soon."""
+    def prefetch(self, layer: int, ids: Iterable[int], fence: object | None = None) -> None:
+        """Hint: `layer` will need these experts soon. `fence` as for `prefetch_predicted`."""
 
     def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = (),
                            fence: object | None = None) -> None:

@@ -30,7 +30,7 @@ class ResidentExperts(ExpertProvider):
                 w = ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
             yield e, w
 
-    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
+    def prefetch(self, layer: int, ids: Iterable[int], fence: object | None = None) -> None:
         """Nothing to do: every expert is already addressable."""
 
     def all_resident(self) -> bool:

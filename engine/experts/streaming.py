@@ -473,9 +473,10 @@ class StreamingExperts(ExpertProvider):
             if slot is None:
                 raise ExpertCacheError(f"expert {key[1]} of layer {key[0]} was used but is not resident")
 
-    def prefetch(self, layer: int, ids: Iterable[int]) -> None:
-        """Start reading these experts of `layer` now and keep them until its next call."""
-        self._prefetch(layer, ids, "hash", ())
+    def prefetch(self, layer: int, ids: Iterable[int], fence: torch.cuda.Event | None = None) -> None:
+        """Start reading these experts of `layer` now and keep them until its next call; with
+        `fence`, reads into freed slots wait only for the device work before it."""
+        self._prefetch(layer, ids, "hash", (), fence)
 
     def prefetch_predicted(self, layer: int, ids: Iterable[int], keep: Iterable[ExpertKey] = (),
                            fence: torch.cuda.Event | None = None) -> None:

@@ -291,6 +291,9 @@ class _Spy:
         self.inner, self.calls = inner, []
         self.arena = inner.arena
 
+    def fence(self):
+        return self.inner.fence()
+
     def resident(self, layer, ids):
         return self.inner.resident(layer, ids)
 
@@ -301,9 +304,9 @@ class _Spy:
     def release(self, layer):
         self.inner.release(layer)
 
-    def prefetch(self, layer, ids):
+    def prefetch(self, layer, ids, fence=None):
         self.calls.append(("prefetch", layer, sorted(set(ids))))
-        self.inner.prefetch(layer, ids)
+        self.inner.prefetch(layer, ids, fence)
 
     def record(self, layer, ids):
         self.inner.record(layer, ids)

@@ -278,8 +278,9 @@ class _OrderSpy:
         self.log.append(("hint", layer, fence))
         self.inner.prefetch_predicted(layer, ids, keep)
 
-    def prefetch(self, layer, ids):
-        self.inner.prefetch(layer, ids)
+    def prefetch(self, layer, ids, fence=None):
+        self.log.append(("hash", layer, fence))
+        self.inner.prefetch(layer, ids, fence)
 
     def record(self, layer, ids):
         self.inner.record(layer, ids)
@@ -352,3 +353,26 @@ def test_a_fenced_hint_reads_while_later_device_work_runs(packed, record):
             assert busy is fenced
         finally:
             files.close()
+
+
+def test_hash_layers_are_hinted_once_segment_0_is_launched_with_a_fence_taken_before_it(packed, record):
+    """A layered step hints the hash layers' experts (known from the token id) right after
+    segment 0 (embedding and block 0's attention: no routed expert) is launched, with a fence
+    taken before that launch, so that their reads overlap segment 0 and need not wait for it;
+    all before layer 0's experts are acquired."""
+    files = open_model(packed, cache_bytes=6 * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("exact"))
+        hashed = [b.layer for b in model.blocks if b.ffn.gate.hash]
+        assert hashed  # the synthetic model routes its first layers by token id
+        state = model.new_state()
+        model.forward(PROMPT, state, files.experts)
+        log: list = []
+        runner = _SegmentLog(model, _OrderSpy(files.experts, log), whole=False, graphs=False, log=log)
+        runner.step(state, 5)
+        assert log[:2 + len(hashed)] == [("fence",), ("segment", 0)] + [("hash", layer, "the fence")
+                                                                        for layer in hashed]
+        assert log[2 + len(hashed)][:2] == ("resident", 0)
+        assert [e for e in log if e[0] == "hash"] == [("hash", layer, "the fence") for layer in hashed]
+    finally:
+        files.close()

@@ -73,6 +73,9 @@ class _Spy:
         self.calls.append(("experts", layer, sorted(set(ids))))
         return self.inner.experts(layer, ids)
 
+    def fence(self):
+        return self.inner.fence()
+
     def resident(self, layer, ids):
         return self.inner.resident(layer, ids)
 
@@ -99,8 +102,8 @@ class _Spy:
     def release(self, layer):
         self.inner.release(layer)
 
-    def prefetch(self, layer, ids):
-        self.inner.prefetch(layer, ids)
+    def prefetch(self, layer, ids, fence=None):
+        self.inner.prefetch(layer, ids, fence)
 
     def all_resident(self):
         return self.inner.all_resident()
