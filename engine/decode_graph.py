@@ -22,8 +22,12 @@ step can be captured once and replayed. Two modes:
   all resident already with no read pending (`provider.resident`: a warm cache's common case),
   the segment is launched first (the slot table sent if a hint wrote it) and `acquire` does its
   bookkeeping (lookups, holds, hints' accounting; the same calls in the same order) while the
-  device runs it, so that host work is not an idle gap of the device per layer. Hash layers'
-  experts follow from the token id, so their reads start with the step (`provider.prefetch`).
+  device runs it, so that host work is not an idle gap of the device per layer. Each layer's
+  picks are copied to the host right behind the segment that makes them (not when the host asks
+  for them, after the layer before's bookkeeping), so the device's idle time at a boundary is the
+  host's wake-up and launch. Hash layers' experts follow from the token id: they are hinted
+  (`provider.prefetch`) once segment 0, which reads no routed expert, is launched, with a fence
+  taken before that launch, so their reads overlap it.
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
   experts (`Transformer.predict_next`, in the graph, beside layer i's route: one host read for
   both). Once layer i's experts are held and segment i+1 is launched, they go to
