@@ -153,12 +153,12 @@ def engine_lookahead(pack: Path, prompt: list[int], decode: int, numerics: str, 
     prefill, after the last call)."""
     from engine import pack as layout
     from engine.numerics import Numerics
-    from engine.weights import open_model
+    from engine.weights import model_footprint, open_model
     from kernels.backend import make_backend
 
     manifest = layout.read_manifest(pack)
     cache = max(manifest.record.record_bytes * manifest.config.get("num_experts_per_tok", 1),
-                int(manifest.pool_bytes * share))
+                int(model_footprint(pack).pool * share))
     files = open_model(pack, cache_bytes=cache, device=device)
     try:
         dev = torch.device(device)

@@ -5,7 +5,7 @@ block's `decode_attention` and `decode_ffn`, `logits`) — static shapes, the po
 tensors, routed experts read from the expert arena through its slot table — so on CUDA the
 step can be captured once and replayed. Two modes:
 
-- **whole** (every expert of every layer resident in the arena, e.g. after
+- **whole** (every expert the model routes, not the MTP block's, resident in the arena, e.g. after
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; the routes of
   all layers are copied to the host once (asynchronously, into pinned memory) and counted by the
   provider (statistics, every layer in one `record_routes` call) and `on_routes` only after the
@@ -14,7 +14,8 @@ step can be captured once and replayed. Two modes:
   decode step launched right after a prefill is the one whose token the host reads first, and
   counting them then delayed the first token by milliseconds. `settle()` counts every step's
   routes not counted yet: call it before anything evicts experts, and when a turn ends.
-  Checked every step: after a flush the runner goes layered until the pool is resident again.
+  Checked every step: after a flush the runner goes layered until the pool is resident again
+  (the main layers' experts, which its own misses bring back: `provider.all_resident`).
 - **layered** (a bounded expert cache): one graph per segment between routing decisions —
   [embed, block 0 attention half], [block i FFN half, block i+1 attention half], ..., [last FFN
   half, head]. Between segments the host reads the layer's routed experts (one small copy) and

@@ -9,7 +9,8 @@ The plan takes, in order: the resident (non-expert) weights, the session state f
 vacant homes: engine/graph_homes.py), the workspace of the
 largest step, the framework's overhead (allocator slack, CUDA graphs, cuBLAS workspaces, kernel
 modules) and a safety margin; the expert cache gets what is left of the limit, capped by the
-expert pool. The limit is
+expert pool (the main layers' routed experts: the MTP block's are never routed, see
+`ModelFootprint`). The limit is
 
 * discrete GPU (H200): the device's free memory now, or `memory_bytes` if smaller;
 * unified memory (CPU runs, DGX Spark / GB10): what keeps the whole machine under
@@ -85,9 +86,11 @@ class ModelFootprint:
     """What a model needs, read from its files' headers (nothing loaded).
 
     weights: bytes of every tensor but the routed experts (the resident weights, as stored: the
-    native numerics keep the checkpoint's FP8/bf16 formats); pool: bytes of every routed expert
-    record; record: bytes of one; top_k: experts a token uses in one layer; streamed: False for an
-    official checkpoint, whose experts stay in the mmapped shards (no expert cache to plan)."""
+    native numerics keep the checkpoint's FP8/bf16 formats); pool: bytes of the routed experts
+    the engine uses, those of the main layers (the MTP block's experts are in the files but never
+    routed: the engine does not run the block), as records; record: bytes of one; top_k: experts
+    a token uses in one layer; streamed: False for an official checkpoint, whose experts stay in
+    the mmapped shards (no expert cache to plan)."""
 
     args: ModelArgs
     weights: int
@@ -316,9 +319,9 @@ def footprint_of(args: ModelArgs, index, manifest=None) -> ModelFootprint:
     if manifest is None:  # official: every expert tensor stays in the shards
         experts = [n for n in index.names() if ".ffn.experts." in n]
         weights = sum(index.info(n).nbytes for n in index.names() if ".ffn.experts." not in n)
-        pool = sum(index.info(n).nbytes for n in experts)
+        pool = sum(index.info(n).nbytes for n in experts if n.startswith("layers."))  # not mtp.0's
         record = args.expert_record_bytes()
         return ModelFootprint(args, weights, pool, record, args.n_activated_experts, streamed=False)
     weights = sum(index.info(n).nbytes for n in index.names() if not n.endswith(".ffn.experts"))
-    return ModelFootprint(args, weights, manifest.pool_bytes, manifest.record.record_bytes,
+    return ModelFootprint(args, weights, manifest.pool_bytes(args.n_layers), manifest.record.record_bytes,
                           args.n_activated_experts, streamed=True)

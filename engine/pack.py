@@ -246,10 +246,16 @@ class Manifest:
         raise LayoutError(f"the converted model has no routed experts for layer {layer} "
                           f"(units: {[u.layer for u in self.units]})")
 
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes of every routed-expert record of every unit (the 'everything' cache budget)."""
-        return len(self.units) * self.count * self.record.record_bytes
+    def main_units(self, n_layers: int) -> tuple[Unit, ...]:
+        """The units of the decoder layers 0..n_layers-1 (`n_layers` of the model's config): the
+        experts the engine routes. The MTP block's unit (layer n_layers) stays in the pack for a
+        user of the block, but the engine does not run it (engine/model.py, with_mtp=False)."""
+        return tuple(u for u in self.units if u.layer < n_layers)
+
+    def pool_bytes(self, n_layers: int) -> int:
+        """The engine's expert pool: bytes of the records of the main layers' routed experts
+        (`main_units`; the MTP block's excluded), the 'everything' cache budget."""
+        return len(self.main_units(n_layers)) * self.count * self.record.record_bytes
 
 
 def parse_manifest(doc: object, where: str = MANIFEST) -> Manifest:

@@ -86,7 +86,9 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
                    io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
                    host_cache_bytes: int | None = None, fill_tier: bool = False) -> ModelFiles:
     """Open a converted (expert-pack) directory: routed experts streamed through a cache of
-    `cache_bytes` (None = room for every expert) by positional reads (engine/experts/store.py).
+    `cache_bytes` (None = room for the whole pool: every expert of the main layers, the MTP
+    block's packed experts excluded, since the engine does not run the block) by positional reads
+    (engine/experts/store.py).
     Resident tensors come from the mmaps; on the CPU `get` returns copies, so that a model built
     from them never reads a mapping that a truncated file would turn into SIGBUS.
 
@@ -115,19 +117,20 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     except LayoutError as e:
         raise CheckpointError(str(e)) from None
     args = ModelArgs.from_dict(manifest.config, str(path / "manifest.json"))
-    budget = manifest.pool_bytes if cache_bytes is None else cache_bytes
+    pool_bytes = manifest.pool_bytes(args.n_layers)
+    records = len(manifest.main_units(args.n_layers)) * manifest.count  # the pool's
+    budget = pool_bytes if cache_bytes is None else cache_bytes
     cache = ExpertCache(budget, manifest.record.record_bytes,
                         num_layers=max(u.layer for u in manifest.units) + 1,
-                        num_experts=manifest.count, policy=policy)
+                        num_experts=manifest.count, policy=policy, pool=records)
     arena = ExpertArena(cache.capacity_slots, manifest.record, cache.num_layers, manifest.count,
                         device)
     index = TensorIndex.open(path)
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
     tier = None
-    records = len(manifest.units) * manifest.count
     if host_cache_bytes and not arena.on_host and cache.capacity_slots < records:
-        tier = pinned_tier(store, min(host_cache_bytes, manifest.pool_bytes), num_layers=cache.num_layers,
+        tier = pinned_tier(store, min(host_cache_bytes, pool_bytes), num_layers=cache.num_layers,
                            policy=policy)
         if tier is not None and tier.slots >= records:
             store.use_direct_reads()

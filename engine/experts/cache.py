@@ -117,6 +117,12 @@ class ExpertCache:
     are reused. Pinned keys are never evicted; pinning a key that is not resident marks it
     pending: it is pinned as soon as it is admitted (the `/pin L:E` behaviour: loads on next
     use, then never evicts). At most capacity_slots keys can be pinned.
+
+    `pool`: how many distinct keys its user routes (default num_layers * num_experts; the engine
+    passes the main layers' experts, its key range also covering the MTP block's row, which it
+    never routes). A cache of at least that many slots never evicts for them, so it runs without
+    an eviction policy (nothing to rank; `lookup_many` of resident keys does no policy work): a
+    key beyond the pool admitted into it once it is full raises CacheFullError.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class ExpertCache:
         num_experts: int,
         policy: str | Callable[[int], EvictionPolicy] = "lfu",
         window: int = 1024,
+        pool: int | None = None,
     ) -> None:
         if entry_bytes <= 0:
             raise ExpertCacheError(f"entry_bytes must be positive, got {entry_bytes}")
@@ -153,10 +160,12 @@ class ExpertCache:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.window = window
-        self._ranked = self.capacity_slots < num_layers * num_experts  # else it never evicts
+        self.pool = num_layers * num_experts if pool is None else pool
+        self._ranked = self.capacity_slots < self.pool  # else it never evicts (for the pool's keys)
         given = policy(self.capacity_slots)
         self._policy: EvictionPolicy = given if self._ranked else _Unranked(given.name)
         self._slots: dict[ExpertKey, int] = {}
+        self._per_layer = [0] * num_layers  # resident keys of each layer
         self._uses: Counter[ExpertKey] = Counter()  # uses since admission, resident keys only
         self._free: list[int] = list(range(self.capacity_slots - 1, -1, -1))  # pop() -> 0 first
         self._pinned: set[ExpertKey] = set()
@@ -280,6 +289,7 @@ class ExpertCache:
             self._evictions += 1
         slot = self._free.pop()
         self._slots[key] = slot
+        self._per_layer[key[0]] += 1
         self._uses[key] = 1
         if key in self._held:  # the policy hears of it at its release, with the uses made by then
             self._suspended.add(key)
@@ -290,6 +300,7 @@ class ExpertCache:
 
     def _remove(self, key: ExpertKey) -> int:
         slot = self._slots.pop(key)
+        self._per_layer[key[0]] -= 1
         del self._uses[key]
         self._suspended.discard(key)
         if key in self._policy:
@@ -402,6 +413,10 @@ class ExpertCache:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def resident_in(self, layer: int) -> int:
+        """How many experts of `layer` are resident (O(1))."""
+        return self._per_layer[layer]
 
     def stats(self) -> CacheStats:
         lookups = self._hits + self._misses

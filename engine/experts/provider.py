@@ -13,7 +13,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
   `record(layer, ids)` counts uses made that way (the one-launch prefill, a replayed decode
   step), `record_later(layer, counts)` from per-expert counts on the device without waiting for
   them (counted at `settle_records()`, which the runtime calls once it has queued the next call,
-  and which every statistic and control here calls first); `all_resident()`; `load_all(on_unit)`;
+  and which every statistic and control here calls first); `all_resident()`; `load_all(on_unit)`
+  (both over the pool: the experts of the main layers 0..n_layers-1, which the model routes; the
+  MTP block's, layer n_layers, are not routed: the engine does not run the block);
 * `arena`: the engine.experts.arena.ExpertArena the experts live in, or None when they are not
   held in slots (an official checkpoint's experts, read from its shards);
 * `cache`: the engine.experts.cache.ExpertCache deciding residency, or None when every expert is
@@ -215,10 +217,12 @@ class ExpertProvider(ABC):
 
     @abstractmethod
     def all_resident(self) -> bool:
-        """Every expert is resident now (then `arena`, if any, holds the whole pool)."""
+        """Every expert of the main layers (the pool) is resident now (then `arena`, if any,
+        holds every expert the model routes)."""
 
     def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
-        """Make every expert resident when the budget holds them all; False when it does not."""
+        """Make every expert of the main layers (the pool) resident when the budget holds them
+        all; False when it does not."""
         return self.all_resident()
 
     def close(self) -> None:

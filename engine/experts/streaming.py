@@ -118,13 +118,18 @@ class StreamingExperts(ExpertProvider):
     def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
                  prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1,
                  tier: HostTier | None = None):
-        """`n_layers`: the main layers whose uses are counted per layer (default: every unit);
-        `top_k`: experts routed per token (that many slots are never pinned by the user);
-        `tier`: the host-RAM tier behind a device arena (None: reads go straight to the arena)."""
+        """`n_layers`: the main layers, units 0..n_layers-1 (default: every unit): the layers
+        the engine routes, whose experts are the pool (`load_all`, `all_resident`, `fill_tier`)
+        and whose uses are counted per layer; a unit from n_layers on (the MTP block) is read
+        only when asked for; `top_k`: experts routed per token (that many slots are never pinned
+        by the user); `tier`: the host-RAM tier behind a device arena (None: reads go straight
+        to the arena)."""
         super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k)
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
+        self.main_layers = [layer for layer in store.layers() if layer < self.n_layers]  # the pool's units
+        self._beyond = range(self.n_layers, cache.num_layers)  # the cache's rows past them (the MTP block's)
         self._loads: dict[ExpertKey, Future | _DeviceCopy] = {}  # reads started, not yet joined
         self._prefetched: dict[int, list[ExpertKey]] = {}  # layer -> keys held for its next call
         self._acquired: dict[int, list[ExpertKey]] = {}  # layer -> keys held by acquire()
@@ -435,10 +440,11 @@ class StreamingExperts(ExpertProvider):
             self._settle(key)
 
     def load_all(self, on_unit: Callable[[int, int], None] | None = None) -> bool:
-        """Read every expert of the store into the arena when the budget holds the whole pool
-        (then `arena.table` is complete), calling `on_unit(units done, units)` as it goes;
-        False, reading nothing, when it does not."""
-        units = self.store.layers()
+        """Read every expert of the main layers (`main_layers`: the pool; not the MTP block's,
+        which the engine never routes) into the arena when the budget holds them all (then
+        `arena.table` is complete for every layer the engine routes), calling
+        `on_unit(units done, units)` as it goes; False, reading nothing, when it does not."""
+        units = self.main_layers
         if len(units) * self.store.count > self.cache.capacity_slots:
             return False
         for i, u in enumerate(units):
@@ -451,8 +457,12 @@ class StreamingExperts(ExpertProvider):
         return True
 
     def all_resident(self) -> bool:
-        """Every expert of every unit is in the arena (e.g. after `load_all`, until a flush)."""
-        return len(self.cache) == len(self.store.layers()) * self.store.count
+        """Every expert of the main layers (the pool) is in the arena, e.g. after `load_all`, or
+        once decode's misses have brought them all back after a flush; experts of the MTP block
+        in the cache, if any, neither count nor matter. O(1): per-layer counts of the cache."""
+        cache = self.cache
+        beyond = sum(cache.resident_in(layer) for layer in self._beyond)
+        return len(cache) - beyond == len(self.main_layers) * self.store.count
 
     def _record(self, layer: int, ids: Iterable[int]) -> None:
         """Cache lookups of experts used through the slot table (all hits). This is the layer's
@@ -585,8 +595,7 @@ class StreamingExperts(ExpertProvider):
         without a tier. Once; `close` stops it."""
         if self.tier is None or self.fill is not None or self._closed:
             return None
-        layers = [layer for layer in self.store.layers() if layer < self.n_layers]
-        self.fill = TierFill(self.tier, fill_order(layers, self.store.count),
+        self.fill = TierFill(self.tier, fill_order(self.main_layers, self.store.count),
                              busy=lambda: self.pool.pending > 0).start()
         return self.fill
 

@@ -141,10 +141,11 @@ def test_engine_runs_forced_routing_over_every_expert(packs, tmp_path):
 
 
 def test_memory_plan_for_256_experts_sizes_cache_and_host_tier():
-    """The H200 run: the real dimensions, 43 layers + MTP x 256 experts, caches of 25 % and 50 %
-    of the pool on a discrete 139 GiB GPU with 128 GiB of host RAM: the device cache is the share
-    asked for and a pinned host tier holds what is left of the host's RAM (less than the pool, so
-    reads stay buffered)."""
+    """The H200 run: the real dimensions, 43 layers x 256 experts in the pool (the pack's MTP
+    block's experts are not: the engine never routes them), caches of 25 % and 50 % of the pool
+    on a discrete 139 GiB GPU with 128 GiB of host RAM: the device cache is the share asked for
+    and a pinned host tier holds what is left of the host's RAM (less than the pool, so reads
+    stay buffered)."""
     from engine.config import EngineConfig, ModelArgs
     from converter.synth_config import flash_config
     from engine.memory_plan import Machine, ModelFootprint, make_plan
@@ -152,14 +153,14 @@ def test_memory_plan_for_256_experts_sizes_cache_and_host_tier():
     GiB = 2**30
     args = ModelArgs.from_dict(flash_config(43, n_routed_experts=256), "flash")
     record = args.expert_record_bytes()
-    pool = (args.n_layers + args.n_mtp_layers) * 256 * record
-    assert record == int(12.75 * 2**20) and pool == 44 * 256 * record  # 140.25 GiB: more than the H200 disk
+    pool = args.n_layers * 256 * record  # 137.06 GiB (the pack, MTP included: 140.25 GiB, more than the H200 disk)
+    assert record == int(12.75 * 2**20) and pool == 43 * 256 * record
     footprint = ModelFootprint(args, 10 * GiB, pool, record, args.n_activated_experts, streamed=True)
     h200 = Machine("cuda:0", False, 139 * GiB, 138 * GiB, 128 * GiB, 120 * GiB)
     plans = {}
     for share in (0.25, 0.5):
         plans[share] = plan = make_plan(footprint, EngineConfig(device="cuda", cache_bytes=int(pool * share)), h200)
-        assert plan.cache == int(pool * share) and plan.cache // record == int(share * 44 * 256)
+        assert plan.cache == int(pool * share) and plan.cache // record == int(share * 43 * 256)
         host_left = 120 * GiB - int(0.15 * 128 * GiB)  # free RAM minus the plan's 15 % headroom
         assert plan.host_cache == min(pool, host_left) // record * record == host_left // record * record
         assert plan.host_cache > 70 * GiB and not plan.direct_reads

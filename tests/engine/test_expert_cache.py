@@ -557,3 +557,32 @@ def test_a_cache_with_a_slot_for_every_key_tells_its_policy_nothing(slots):
     else:
         assert {what for what, _ in policies[0].told} == {"add", "touch"} and stats.evictions > 0
     assert cache.hottest(1) == [(0, 0)] and stats.hits + stats.misses == lookups
+
+
+def test_a_cache_of_its_pool_tells_its_policy_nothing_and_counts_residents_per_layer():
+    """`pool`: the keys its user routes (the engine's main layers: rows 0-2 here, row 3 standing
+    for the MTP block's, in range but never routed). A cache of the pool's 48 slots runs without
+    its policy, as a cache of every key does; `resident_in` follows admissions, discards and
+    flushes per layer."""
+    policies: list[_Told] = []
+
+    def told(capacity: int) -> _Told:
+        policies.append(_Told(capacity))
+        return policies[-1]
+
+    cache = ExpertCache(48 * E, E, num_layers=4, num_experts=16, policy=told, pool=48)
+    assert cache.pool == 48 and ExpertCache(48 * E, E, num_layers=4, num_experts=16).pool == 64
+    keys = [(layer, e) for layer in range(3) for e in range(16)]
+    for key in keys + keys[::-1]:
+        use(cache, key)
+    assert cache.lookup_many(keys) == [cache.peek(key) for key in keys]
+    assert policies[0].told == [] and cache.stats().evictions == 0
+    assert [cache.resident_in(layer) for layer in range(4)] == [16, 16, 16, 0]
+    cache.discard((1, 3))
+    use(cache, (3, 0))  # a key beyond the pool takes the free slot
+    assert [cache.resident_in(layer) for layer in range(4)] == [16, 15, 16, 1]
+    with pytest.raises(CacheFullError):  # full, and nothing ranked to evict
+        cache.admit((1, 3))
+    cache.pin((0, 0))
+    cache.flush()
+    assert [cache.resident_in(layer) for layer in range(4)] == [1, 0, 0, 0] and len(cache) == 1

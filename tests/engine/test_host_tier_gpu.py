@@ -32,7 +32,7 @@ def packed(separated_ckpt, tmp_path_factory) -> Path:
 
 def _open(packed, host: int | None, fill: bool = False):
     full = open_model(packed)
-    record, pool = full.experts.store.record_bytes, len(full.experts.store.layers()) * full.experts.store.count
+    record, pool = full.experts.store.record_bytes, full.args.n_layers * full.experts.store.count  # main layers'
     full.close()
     return (open_model(packed, cache_bytes=12 * record, device="cuda", host_cache_bytes=host, fill_tier=fill),
             record, pool)

@@ -25,6 +25,7 @@ from engine.numerics import Numerics
 from engine.weights import open_model, open_official
 
 E, K, UNITS = 16, 4, 6  # tiny: experts per layer, experts per token, 5 layers + MTP
+MAIN = UNITS - 1  # the layers the engine routes: their experts are the pool (not the MTP block's)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_logits_bitwise_equal_exact(packed, reference, record_bytes, budget):
     assert s.bytes_read == s.admissions * record_bytes and s.admissions >= s.misses
     assert s.used_bytes <= s.capacity_bytes and s.entries <= s.capacity_entries
     assert s.pinned == s.pinned_pending == 0 and cache.pinned() == cache.held() == frozenset()  # no hold leaks
-    assert s.capacity_entries == (UNITS * E if slots is None else slots)
+    assert s.capacity_entries == (MAIN * E if slots is None else slots)  # the pool: the main layers'
     if slots is None:
         assert s.evictions == 0 and s.misses + s.hits > s.misses
     if slots == 1:
@@ -202,7 +203,7 @@ def test_record_routes_is_record_layer_by_layer(packed, record_bytes):
     policy and the usage counts as `record` layer by layer does: resident, with a layer's
     prefetch holds kept (which end at that layer's lookups) and with a streaming budget; an
     expert used but not resident is named."""
-    routes = [[3, 1, 3, 0], [2, 15], [], [7, 7, 9, 4], [0, 1, 2, 3], [5]]  # UNITS layers, repeats, one empty
+    routes = [[3, 1, 3, 0], [2, 15], [], [7, 7, 9, 4], [0, 1, 2, 3]]  # the MAIN layers, repeats, one empty
     for budget, prefetch in ((None, False), (None, True), (4 * UNITS * record_bytes, False)):
         pair = [open_model(packed, cache_bytes=budget) for _ in range(2)]
         for files in pair:
