@@ -28,7 +28,8 @@ step can be captured once and replayed. Two modes:
   for them, after the layer before's bookkeeping), so the device's idle time at a boundary is the
   host's wake-up and launch. Hash layers' experts follow from the token id: they are hinted
   (`provider.prefetch`) once segment 0, which reads no routed expert, is launched, with a fence
-  taken before that launch, so their reads overlap it.
+  taken before that launch, so their reads overlap it; a sampled token still on the device is
+  read by the host only then, so segment 0 is queued behind the sampler while the host waits.
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
   experts (`Transformer.predict_next`, in the graph, beside layer i's route: one host read for
   both). Once layer i's experts are held and segment i+1 is launched, they go to
@@ -199,16 +200,17 @@ class DecodeRunner:
             self.on_routes(layer, self.at.host, ids)
         return ids, predicted
 
-    def _run(self, out: _Outputs, segment, n_segments: int, hashed: list[tuple[int, list[int]]] = ()) -> None:
+    def _run(self, out: _Outputs, segment, n_segments: int, token: torch.Tensor | int | None = None) -> None:
         """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
         resident (and holds them) around the segment that uses them, hands the next layer's
-        predicted experts to the provider once that segment is launched, and `hashed` (layer,
-        expert ids) to `provider.prefetch` once segment 0 (which reads no routed expert) is
-        launched (module docstring)."""
+        predicted experts to the provider once that segment is launched, and the hash layers'
+        experts of `token` to `provider.prefetch` once segment 0 (which reads no routed expert) is
+        launched: a sampled token's wait (`int(token)`) overlaps that segment (module docstring)."""
         n_blocks = len(self.model.blocks)
         for i in range(n_segments):
             predicted = fence = None
-            if i == 0 and hashed:
+            hash_now = i == 0 and token is not None and not self.whole and self._hashed
+            if hash_now:
                 fence = self.provider.fence()  # their reads need not wait for segment 0
             later = False  # layer i-1's experts all resident: segment i goes first, acquire's bookkeeping after
             if i and not self.whole:
@@ -224,9 +226,10 @@ class DecodeRunner:
                 segment(i)
                 if not self.whole and i < n_blocks:
                     self._send_routes(out, i)
-                if i == 0:
-                    for layer, ids_ in hashed:
-                        self.provider.prefetch(layer, ids_, fence=fence)
+                if hash_now:
+                    tok = int(token)  # a device token: the host waits here, segment 0 queued
+                    for layer, table in self._hashed:
+                        self.provider.prefetch(layer, table[tok].tolist(), fence=fence)
                 if later:  # while the device runs segment i: the same lookups and holds, in the same order
                     self.provider.acquire(i - 1, ids)
                 if predicted is not None:  # layer i-1's experts are held: guess layer i's
@@ -236,9 +239,9 @@ class DecodeRunner:
                     self.provider.release(i - 1)
 
     def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool,
-                   hashed: list[tuple[int, list[int]]]) -> _Outputs:
+                   token: torch.Tensor | int) -> _Outputs:
         out = _Outputs([None] * len(self.model.blocks))
-        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, hashed)
+        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, token)
         if logits:
             self._head(out)
         return out
@@ -271,9 +274,9 @@ class DecodeRunner:
         self.captures += 1
         return graphs
 
-    def _replay(self, gs: _GraphSet, logits: bool, hashed: list[tuple[int, list[int]]]) -> _Outputs:
+    def _replay(self, gs: _GraphSet, logits: bool, token: torch.Tensor | int) -> _Outputs:
         *body, head = gs.graphs
-        self._run(gs.out, lambda i: body[i].replay(), len(body), hashed)
+        self._run(gs.out, lambda i: body[i].replay(), len(body), token)
         if logits:
             head.replay()
         return gs.out
@@ -339,10 +342,6 @@ class DecodeRunner:
             self.provider.arena.sync_table()
         else:
             self.settle()  # this step's provider calls come after the last one's statistics
-        hashed = []  # layered: their reads start once segment 0 is launched, overlapping it
-        if not self.whole and self._hashed:
-            tok = int(token)
-            hashed = [(layer, table[tok].tolist()) for layer, table in self._hashed]
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1))
         else:
@@ -354,15 +353,15 @@ class DecodeRunner:
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
         gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
-            out = self._run_eager(state, emitting, logits, hashed)
+            out = self._run_eager(state, emitting, logits, token)
         elif gs is None:
             side = self._side  # warm-up off the default stream, as capture wants
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                out = self._run_eager(state, emitting, logits, hashed)  # this step, eagerly; compiles its kernels
+                out = self._run_eager(state, emitting, logits, token)  # this step, eagerly; compiles its kernels
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            out = self._replay(gs, logits, hashed)
+            out = self._replay(gs, logits, token)
         result = out.logits.clone() if logits else None
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         if self.graphs and gs is None:  # capture after this step's results are taken

@@ -359,7 +359,8 @@ def test_hash_layers_are_hinted_once_segment_0_is_launched_with_a_fence_taken_be
     """A layered step hints the hash layers' experts (known from the token id) right after
     segment 0 (embedding and block 0's attention: no routed expert) is launched, with a fence
     taken before that launch, so that their reads overlap segment 0 and need not wait for it;
-    all before layer 0's experts are acquired."""
+    a sampled token (a device tensor) is read on the host only then, so segment 0 is queued
+    while the host waits for it; all before layer 0's experts are acquired."""
     files = open_model(packed, cache_bytes=6 * record)
     try:
         model = Transformer(files.get, files.args, Numerics.named("exact"))
@@ -369,10 +370,16 @@ def test_hash_layers_are_hinted_once_segment_0_is_launched_with_a_fence_taken_be
         model.forward(PROMPT, state, files.experts)
         log: list = []
         runner = _SegmentLog(model, _OrderSpy(files.experts, log), whole=False, graphs=False, log=log)
-        runner.step(state, 5)
-        assert log[:2 + len(hashed)] == [("fence",), ("segment", 0)] + [("hash", layer, "the fence")
-                                                                        for layer in hashed]
-        assert log[2 + len(hashed)][:2] == ("resident", 0)
+
+        class Sampled(torch.Tensor):  # a sampled token on the device: the host's read is logged
+            def __int__(self):
+                log.append(("read the token",))
+                return super().__int__()
+
+        runner.step(state, torch.tensor([5]).as_subclass(Sampled))
+        assert log[:3 + len(hashed)] == [("fence",), ("segment", 0), ("read the token",)] + [
+            ("hash", layer, "the fence") for layer in hashed]
+        assert log[3 + len(hashed)][:2] == ("resident", 0)
         assert [e for e in log if e[0] == "hash"] == [("hash", layer, "the fence") for layer in hashed]
     finally:
         files.close()
