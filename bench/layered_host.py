@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     providers = {}
     for way in ("acquire first", "resident first"):
         probe = open_model(pack)
-        record, pool = probe.experts.store.record_bytes, len(probe.experts.store.layers()) * probe.experts.store.count
+        record, pool = probe.experts.store.record_bytes, len(probe.experts.main_layers) * probe.experts.store.count
         probe.close()
         files = open_model(pack, cache_bytes=int(a.share * pool) * record, policy=policy)
         for routes in steps:  # warm: the trace's working set, as a conversation's earlier turns leave it

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.cache_replay import EXPERT_RECORD_BYTES, ReplayError, RouteRow, read_route_csv  # noqa: E402
 from bench.full_depth import build_pack  # noqa: E402
+from engine.experts.hint_gate import HintGate  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.provider import ExpertProvider  # noqa: E402
 
@@ -59,6 +60,8 @@ class ReplayCounts:
     hint_reads: int  # reads a hint started
     hint_used: int  # of them, asked for by the route
     hint_unused: int
+    hint_skipped: int  # reads the hint gate (engine/experts/hint_gate.py) did not start
+    hint_skipped_used: int  # of them, asked for by the route
 
     @property
     def hit_rate(self) -> float:
@@ -107,18 +110,25 @@ def replay(provider: ExpertProvider, layers: Sequence[int], steps: Sequence[dict
     return ReplayCounts(tokens=len(steps), uses=uses, hits=after.hits - before.hits,
                         misses=after.misses - before.misses, reads=after.admissions - before.admissions,
                         hint_reads=ledger.issued - ledger0.issued, hint_used=ledger.used - ledger0.used,
-                        hint_unused=ledger.unused - ledger0.unused)
+                        hint_unused=ledger.unused - ledger0.unused, hint_skipped=ledger.skipped - ledger0.skipped,
+                        hint_skipped_used=ledger.skipped_used - ledger0.skipped_used)
 
 
 def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]], slots: int,
-        accuracy: float | None, policy: str = DEFAULT_POLICY, seed: int = 0) -> ReplayCounts:
-    """One replay on a fresh StreamingExperts over `pack` with a cache of `slots` records."""
+        accuracy: float | None, policy: str = DEFAULT_POLICY, seed: int = 0, warm: int = 0,
+        gate: bool = True) -> ReplayCounts:
+    """One replay on a fresh StreamingExperts over `pack` with a cache of `slots` records, after
+    `warm` uncounted passes over `steps` (with the same hints: a conversation's earlier turns);
+    `gate` False: the hints read whatever the outcome of earlier reads (engine/experts/hint_gate.py)."""
     from engine.pack import read_manifest
     from engine.weights import open_model
 
     record = read_manifest(pack).record.record_bytes
-    files = open_model(pack, cache_bytes=slots * record, policy=policy)
+    files = open_model(pack, cache_bytes=slots * record, policy=policy,
+                       hint_gate=None if gate else HintGate.never_closing())
     try:
+        for i in range(warm):
+            replay(files.experts, layers, steps, accuracy, seed + 1 + i)
         return replay(files.experts, layers, steps, accuracy, seed)
     finally:
         files.close()
@@ -159,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"stand-in lookahead accuracies, 'off' for no hints (default {DEFAULT_ACCURACY})")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gate", choices=("on", "off", "both"), default="on",
+                   help="the lookahead hints' gate (engine/experts/hint_gate.py); both: one row each")
+    p.add_argument("--warm", type=int, default=0, help="uncounted passes over the trace first (a warm cache)")
     p.add_argument("--workdir", default="/tmp/dsv4-lookahead-replay", help="where the tiny pack is built once")
     a = p.parse_args(argv)
     try:
@@ -177,15 +190,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         n_experts = 1 + max(max(route[layer]) for route in steps for layer in layers)
         pack = build_pack(Path(a.workdir), layers[-1] + 1, n_experts, tiny=True)
-        print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}")
-        print(f"  {'slots':>6} {'hints':>6} | {'hit rate':>8} {'misses/use':>10} {'reads/use':>9} "
-              f"{'hint reads used / unused':>24} {'GB/token':>8}")
+        print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}"
+              + (f", after {a.warm} uncounted passes" if a.warm else ""))
+        print(f"  {'slots':>6} {'hints':>12} | {'hit rate':>8} {'misses/use':>10} {'reads/use':>9} "
+              f"{'hint reads used / unused':>24} {'skipped (would be used)':>23} {'GB/token':>8}")
         for n in slots:
-            for acc in accuracies:
-                c = run(pack, layers, steps, n, acc, a.policy, a.seed)
-                hints = "off" if acc is None else f"{acc:.0%}"
-                print(f"  {n:>6} {hints:>6} | {c.hit_rate:>8.1%} {c.misses / c.uses:>10.3f} {c.reads / c.uses:>9.3f} "
-                      f"{f'{c.hint_used} / {c.hint_unused}':>24} {c.gb_per_token():>8.2f}", flush=True)
+            for acc, gate in [(acc, gate) for acc in accuracies
+                              for gate in ((True,) if acc is None or a.gate == "on" else
+                                           (False,) if a.gate == "off" else (False, True))]:
+                c = run(pack, layers, steps, n, acc, a.policy, a.seed, a.warm, gate)
+                hints = "off" if acc is None else f"{acc:.0%}" + ("" if gate else " ungated")
+                print(f"  {n:>6} {hints:>12} | {c.hit_rate:>8.1%} {c.misses / c.uses:>10.3f} {c.reads / c.uses:>9.3f} "
+                      f"{f'{c.hint_used} / {c.hint_unused}':>24} {f'{c.hint_skipped} ({c.hint_skipped_used})':>23} "
+                      f"{c.gb_per_token():>8.2f}", flush=True)
     return 0
 
 

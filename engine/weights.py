@@ -18,6 +18,7 @@ import torch
 
 from engine.checkpoint import INDEX_NAME, CheckpointError, TensorIndex
 from engine.config import ModelArgs
+from engine.experts.hint_gate import HintGate
 from engine.experts.provider import ExpertProvider
 from engine.experts.resident import ResidentExperts
 
@@ -84,7 +85,8 @@ def open_official(path: str | Path, device: str | torch.device = "cpu") -> Model
 
 def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
                    io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-                   host_cache_bytes: int | None = None, fill_tier: bool = False) -> ModelFiles:
+                   host_cache_bytes: int | None = None, fill_tier: bool = False,
+                   hint_gate: HintGate | None = None) -> ModelFiles:
     """Open a converted (expert-pack) directory: routed experts streamed through a cache of
     `cache_bytes` (None = room for the whole pool: every expert of the main layers, the MTP
     block's packed experts excluded, since the engine does not run the block) by positional reads
@@ -135,7 +137,7 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
         if tier is not None and tier.slots >= records:
             store.use_direct_reads()
     provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
-                                tier=tier)
+                                tier=tier, hint_gate=hint_gate)
     if fill_tier:
         provider.fill_tier()
     get = index.get if torch.device(device).type != "cpu" else (lambda name: index.get(name).clone())
@@ -145,13 +147,14 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
 
 def open_model(path: str | Path, cache_bytes: int | None = None, policy: str = "lfu",
                io_threads: int = 2, o_direct: bool = False, device: str = "cpu",
-               host_cache_bytes: int | None = None, fill_tier: bool = False) -> ModelFiles:
+               host_cache_bytes: int | None = None, fill_tier: bool = False,
+               hint_gate: HintGate | None = None) -> ModelFiles:
     """Open either layout: a converted directory (manifest.json) streams its experts with the
     given cache settings; an official checkpoint keeps every expert resident (settings unused)."""
     path = Path(path)
     if (path / "manifest.json").is_file():
         return open_converted(path, cache_bytes, policy, io_threads, o_direct, device, host_cache_bytes,
-                              fill_tier)
+                              fill_tier, hint_gate)
     if (path / INDEX_NAME).is_file():
         return open_official(path, device)
     raise _not_a_model(path)

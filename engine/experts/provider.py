@@ -41,6 +41,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from engine.experts.cache import CacheStats, ExpertCache, ExpertCacheError, ExpertKey, add_per_layer
+from engine.experts.hint_gate import HintGate
 from engine.experts.prefetch import PrefetchLedger, PrefetchStats
 from engine.experts.weights import ExpertWeights
 
@@ -89,12 +90,13 @@ class ExpertProvider(ABC):
     tier = None  # engine.experts.host_tier.HostTier | None
     fill = None  # engine.experts.tier_fill.TierFill | None: the tier's background filler
 
-    def __init__(self, n_layers: int, n_experts: int, top_k: int) -> None:
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, hint_gate: HintGate | None = None) -> None:
         """`n_layers` main layers (the MTP block, if any, is layer n_layers), `n_experts` per
-        layer, `top_k` experts routed per token (the slots a turn needs stay unpinnable)."""
+        layer, `top_k` experts routed per token (the slots a turn needs stay unpinnable);
+        `hint_gate`: when lookahead hints may read (engine/experts/hint_gate.py; default HintGate())."""
         self.n_layers, self.n_experts, self.top_k = n_layers, n_experts, top_k
         self.usage = ExpertUsage(n_layers)
-        self.prefetches = PrefetchLedger()  # what hints predicted and issued, settled by the routes
+        self.prefetches = PrefetchLedger(hint_gate)  # what hints predicted and issued, settled by the routes
         self._later: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()  # record_later's, not yet counted
 
     # ------------------------------------------------------------------ data

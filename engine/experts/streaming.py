@@ -25,6 +25,10 @@ current layer's call) the hint waits until that call has queued its own reads (t
 FIFO: guesses never delay the current layer's misses); without it (the decode runner hints once
 the current layer's experts are held) it is issued at once, and with a `fence()` taken before the
 runner launched work that reads only held experts, its reads wait only for the work before it.
+A lookahead hint reads only while its gate is open (engine/experts/hint_gate.py: closed while
+fewer than a quarter of recent hint reads were used, as when the cache holds nearly every expert
+the route asks for and the reads are the wrong guesses); a closed gate's would-be reads are
+settled by the route all the same (`prefetches`: skipped), so it reopens when guesses pay.
 A hint's slot-table writes are not sent to the device by the hint (one host->device copy and an
 event fewer per layer of a streamed step): its experts are read through the table only by
 kernels launched after their layer's `acquire`, which sends the whole table (or, for a layer
@@ -63,6 +67,7 @@ import torch
 
 from engine.experts.arena import ExpertArena
 from engine.experts.cache import CacheFullError, ExpertCache, ExpertCacheError, ExpertKey
+from engine.experts.hint_gate import HintGate
 from engine.experts.host_tier import HostTier
 from engine.experts.io_pool import IOPool
 from engine.experts.provider import ExpertProvider
@@ -117,14 +122,14 @@ class StreamingExperts(ExpertProvider):
 
     def __init__(self, store: ExpertStore, arena: ExpertArena, cache: ExpertCache, pool: IOPool,
                  prefetch_share: float = 0.5, *, n_layers: int | None = None, top_k: int = 1,
-                 tier: HostTier | None = None):
+                 tier: HostTier | None = None, hint_gate: HintGate | None = None):
         """`n_layers`: the main layers, units 0..n_layers-1 (default: every unit): the layers
         the engine routes, whose experts are the pool (`load_all`, `all_resident`, `fill_tier`)
         and whose uses are counted per layer; a unit from n_layers on (the MTP block) is read
         only when asked for; `top_k`: experts routed per token (that many slots are never pinned
         by the user); `tier`: the host-RAM tier behind a device arena (None: reads go straight
-        to the arena)."""
-        super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k)
+        to the arena); `hint_gate`: when lookahead hints may read (engine/experts/hint_gate.py)."""
+        super().__init__(len(store.layers()) if n_layers is None else n_layers, store.count, top_k, hint_gate)
         if arena.slots != cache.capacity_slots:
             raise ValueError(f"arena has {arena.slots} slots but the cache {cache.capacity_slots}")
         self.store, self.arena, self.cache, self.pool = store, arena, cache, pool
@@ -540,6 +545,9 @@ class StreamingExperts(ExpertProvider):
                     if self.cache.peek(key) is not None:
                         if not self._hold(key, user):
                             break
+                    elif not self.prefetches.may_read(source):  # its gate is closed: settled, not read
+                        self.prefetches.skipped(key)
+                        continue
                     elif not self._admit(key, user):
                         break
                     else:
