@@ -120,6 +120,8 @@ class AppConfig:
     system: str = ""
     gen: SamplingParams = field(default_factory=SamplingParams)
     warnings: tuple[str, ...] = ()  # one line each, for stderr (e.g. an unknown DSV4_* variable)
+    # the settings a DSV4_<KEY> variable gave (flags aside): they override the file at every start
+    from_env: frozenset[str] = frozenset()
 
     @property
     def models_dir(self) -> Path:
@@ -391,7 +393,8 @@ def build_config(
     """Merge the sources: flags (None = not given) > env > file > defaults; each value is checked
     where it is read, so a SettingsError names its source. A set but
     empty DSV4_CONFIG, or an empty path setting from any source, is refused (SettingsError),
-    never read as the current directory. The engine
+    never read as the current directory. `AppConfig.from_env` names the settings the
+    environment gave, whether or not a flag overrode them now. The engine
     settings become `AppConfig.engine` here, once (GiB -> bytes; an unset device or backend is
     chosen from `cuda_available`/`tilelang_available`, None = looked up)."""
     if config_file is None:
@@ -412,7 +415,7 @@ def build_config(
     return AppConfig(
         config_file=config_file, plain=bool(flags.get("plain")), gen=SamplingParams(**gen),
         engine=resolve_engine_config(cuda_available, tilelang_available, **engine),
-        warnings=tuple(warnings), **merged
+        warnings=tuple(warnings), from_env=frozenset(env_settings), **merged
     )
 
 
