@@ -109,3 +109,22 @@ def test_set_save_says_when_the_environment_overrides_the_saved_value(tmp_path):
     assert both.apply(parse("/set save")).text.endswith(
         "; but DSV4_TOP_K and DSV4_TEMPERATURE are set in the environment and override the saved top_k, "
         "temperature at every start: unset them to use the saved values")
+
+
+@pytest.mark.parametrize("before, after", [
+    ("# mine\r\ncache_gb = 20\r\n\r\n[generation]\r\ntemperature = 0.9  # warm\r\n",
+     "# mine\r\ncache_gb = 20\r\n\r\n[generation]\r\ntemperature = 0.3  # warm\r\ntop_k = 5\r\n"),
+    ('model = "/m"\r\n', 'model = "/m"\r\n\r\n[generation]\r\ntemperature = 0.3\r\ntop_k = 5\r\n'),
+    # mixed endings: each kept line keeps its own, new lines take the first line's
+    ("cache_gb = 1\r\nio_threads = 2\n[generation]\r\ntop_k = 1",
+     "cache_gb = 1\r\nio_threads = 2\n[generation]\r\ntop_k = 5\r\ntemperature = 0.3\r\n"),
+    # a raw U+2028 inside a string is no line break
+    ('system = "a\u2028b"\n[generation]\n', 'system = "a\u2028b"\n[generation]\ntemperature = 0.3\ntop_k = 5\n'),
+])
+def test_set_save_keeps_the_files_line_endings(tmp_path, before, after):
+    path = tmp_path / "config.toml"
+    path.write_bytes(before.encode())
+    save_generation(path, {"temperature": 0.3, "top_k": 5})
+    assert path.read_bytes() == after.encode()
+    gen = _config(path).gen
+    assert (gen.temperature, gen.top_k) == (0.3, 5)
