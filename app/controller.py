@@ -467,12 +467,16 @@ class Controller:
         return SwitchModel(path)
 
     def _history(self, number: int | None, state: EngineState) -> Reply | SessionReset:
+        """/history lists the past conversations, the current one's transcript marked "(open)",
+        or "(open, autosave off)" once its autosave stopped (the file lacks the later turns);
+        /history N reopens one."""
         past = past_conversations(self.config.transcripts_dir)
         if not past:
             return Reply("no past conversations yet", error=number is not None)
         if number is None:
             current = self.autosave.path if self.autosave is not None else None
-            lines = [f"{i:>2}. {p.line()}" + (" (open)" if current == p.path else "")
+            mark = " (open)" if self.autosave is None or self.autosave.off is None else " (open, autosave off)"
+            lines = [f"{i:>2}. {p.line()}" + (mark if current == p.path else "")
                      for i, p in enumerate(past, 1)]
             return Reply("past conversations (newest first):\n" + "\n".join(lines)
                          + "\n/history N reopens one (also Ctrl+P)")
