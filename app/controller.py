@@ -403,7 +403,12 @@ class Controller:
     def _save_settings(self) -> Reply:
         """/set save: write the settings changed with /set in this session (their current values)
         into the settings file, which keeps everything else it had. Values that came from flags
-        or the environment are one-offs and are not written."""
+        or the environment are one-offs and are not written.
+
+        A saved setting that a DSV4_<KEY> variable also set is still written, but the environment
+        outranks the file at every start: the reply says so in the same line, naming each such
+        variable and the fix (unset it), rather than letting the next start quietly ignore the
+        saved value. Flags are not named: they last one command line, not a shell session."""
         path = self.config.config_file
         if path is None:
             return Reply("no settings file to save to: start with --config FILE", error=True)
@@ -418,7 +423,15 @@ class Controller:
         except OSError as err:
             return Reply(f"cannot write {path}: {err.strerror or err}", error=True)
         saved = ", ".join(f"{key} = {_shown(value)}" for key, value in values.items())
-        return Reply(f"saved {saved} to {path} (used from the next start)")
+        overridden = [key for key in values if key in self.config.from_env]
+        note = ""
+        if overridden:
+            names = " and ".join(f"DSV4_{key.upper()}" for key in overridden)
+            one = len(overridden) == 1
+            note = (f"; but {names} {'is' if one else 'are'} set in the environment and "
+                    f"override{'s' if one else ''} the saved {', '.join(overridden)} at every start: "
+                    f"unset {'it' if one else 'them'} to use the saved value{'' if one else 's'}")
+        return Reply(f"saved {saved} to {path} (used from the next start){note}")
 
     def is_demo(self, model_dir: Path) -> bool:
         return model_dir.resolve() == demo_dir(self.config).resolve()
@@ -454,12 +467,16 @@ class Controller:
         return SwitchModel(path)
 
     def _history(self, number: int | None, state: EngineState) -> Reply | SessionReset:
+        """/history lists the past conversations, the current one's transcript marked "(open)",
+        or "(open, autosave off)" once its autosave stopped (the file lacks the later turns);
+        /history N reopens one."""
         past = past_conversations(self.config.transcripts_dir)
         if not past:
             return Reply("no past conversations yet", error=number is not None)
         if number is None:
             current = self.autosave.path if self.autosave is not None else None
-            lines = [f"{i:>2}. {p.line()}" + (" (open)" if current == p.path else "")
+            mark = " (open)" if self.autosave is None or self.autosave.off is None else " (open, autosave off)"
+            lines = [f"{i:>2}. {p.line()}" + (mark if current == p.path else "")
                      for i, p in enumerate(past, 1)]
             return Reply("past conversations (newest first):\n" + "\n".join(lines)
                          + "\n/history N reopens one (also Ctrl+P)")

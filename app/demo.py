@@ -69,13 +69,19 @@ def current(target: Path) -> bool:
 def ensure_demo_model(data_dir: Path, progress: ProgressFn, build: BuildFn | None = None) -> Path:
     """The converted demo model under `data_dir/models/demo`, marked as the demo for the engine
     (engine/demo_marker.py), building it on first use (and again when an older build left it in
-    another layout version or unmarked)."""
+    another layout version or unmarked). A data dir it cannot write (read-only, not a directory)
+    is a WizardError naming the data_dir setting and the fix, before anything is built."""
     models = data_dir / "models"
     target = models / DEMO_NAME
     if current(target):
         return target
-    models.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=models))
+    except OSError as err:
+        raise WizardError(f"cannot write the data dir {data_dir} ({err.strerror or err}): set data_dir "
+                          "(DSV4_DATA_DIR, or data_dir in the settings file) to a directory you can write"
+                          ) from None
     try:
         out = work / "converted"
         (build or build_with_converter)(work, out, progress)

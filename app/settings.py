@@ -12,24 +12,31 @@ The settings file is TOML, by default `<user config dir>/dsv4-chat/config.toml`:
     backend = "tilelang"             # GPU kernels, or "torch"; absent = tilelang on CUDA when installed
     cuda_graphs = true               # replay decode steps from CUDA graphs (CUDA, converted model)
     cache_policy = "next-use"              # or lru, lfu, slru, arc, lfu-aging (bench/cache_replay.py)
-    io_threads = 8
+    io_threads = 8                   # expert reads in flight, 1..256 (MAX_IO_THREADS)
     max_seq_len = 4096
 
     [generation]
-    temperature = 0.6
-    top_p = 1.0
-    top_k = 0
-    max_tokens = 512
+    temperature = 0.6                # [0, 2]; 0 = greedy
+    top_p = 1.0                      # (0, 1]
+    top_k = 0                        # 0..1,048,576 (MAX_TOP_K); 0 = off
+    max_tokens = 512                 # 1..1,048,576 (MAX_TOKENS)
     think = false
     system = ""
 
 Every key may also come from the environment as `DSV4_<KEY>` (upper case, e.g.
 `DSV4_CACHE_GB=20`, `DSV4_TEMPERATURE=0.2`); `DSV4_CONFIG` names the settings file (which must
 exist, like `--config`). Every value is type-checked (TOML and flag values by their type,
-environment text by parsing); a bad one is one `SettingsError` line naming the source, the
-setting, the value and the expected type. Budgets and sizes must be finite and > 0; a path
-(`model`, `data_dir`, `DSV4_CONFIG`, `--config`) must not be empty, from any source: an empty
-one is refused, never taken as the current directory (leave the setting out for its default). A `DSV4_*`
+environment text by parsing) and range-checked the same from every source; a bad one is one
+`SettingsError` line naming the source (`environment DSV4_<KEY>`, the file, the `--flag`), the
+setting, the value, the expected type or range, and the fix (correct or drop it in that source).
+Budgets and sizes must be finite and > 0; the counts have a maximum (`MAX_TOP_K`, `MAX_TOKENS`,
+`MAX_IO_THREADS`), far above any useful value: a typo is refused here, not carried to the engine
+(or by `/set save` into the file, where TOML allows 64-bit integers only), and io_threads cannot
+exhaust the system's threads while the model loads. A path (`model`, `data_dir`, `DSV4_CONFIG`,
+`--config`) must not be empty, from any source: an empty one is refused, never taken as the
+current directory (leave the setting out for its default). `data_dir` must be a directory or
+not exist yet (it is created when first written): a file there, or on its way, is refused at
+start (whether it can be written is only known when writing: see app/demo.py). A `DSV4_*`
 variable that is no setting is ignored with a warning (`AppConfig.warnings`). The engine settings
 become one `engine.config.EngineConfig` (`AppConfig.engine`, GiB converted to bytes once) and the
 `[generation]` ones one `engine.sampling.SamplingParams` (`AppConfig.gen`; `think` sets `thinking`).
@@ -54,6 +61,15 @@ from engine.memory_plan import MemoryPlanError, gib_to_bytes
 from engine.sampling import SamplingParams
 
 APP_NAME = "dsv4-chat"
+
+
+# The largest top_k: far above any vocabulary (DeepSeek-V4's is 129,280); one >= the vocabulary keeps
+# every token, like 0.
+MAX_TOP_K = 2**20
+# The largest max_tokens: the model's longest context (max_position_embeddings); no answer is longer.
+MAX_TOKENS = 2**20
+# The most expert-read threads (the default is 8; each is an OS thread started with the model).
+MAX_IO_THREADS = 256
 
 
 class SettingsError(ValueError):
@@ -104,6 +120,8 @@ class AppConfig:
     system: str = ""
     gen: SamplingParams = field(default_factory=SamplingParams)
     warnings: tuple[str, ...] = ()  # one line each, for stderr (e.g. an unknown DSV4_* variable)
+    # the settings a DSV4_<KEY> variable gave (flags aside): they override the file at every start
+    from_env: frozenset[str] = frozenset()
 
     @property
     def models_dir(self) -> Path:
@@ -148,7 +166,7 @@ class _Key:
         except ValueError:
             expected = "true/false" if self.kind == "bool" else self.expected
             raise ValueError(f"expected {expected}, got {text!r}") from None
-        return _path(text, "unset the variable") if self.kind == "path" else text
+        return _path(text) if self.kind == "path" else text
 
     def from_value(self, value: Any) -> Any:
         """A TOML or flag value as this setting's type (ValueError names value and type)."""
@@ -171,12 +189,11 @@ class _Key:
         return value
 
 
-def _path(value: str | Path, leave_out: str = "leave the setting out") -> Path:
+def _path(value: str | Path) -> Path:
     """A path setting's value as a Path (`~` expanded). An empty (or blank) text is refused with
-    ValueError (`leave_out` says how to use the default instead): Path("") is the current
-    directory, which no one means by leaving a value empty."""
+    ValueError: Path("") is the current directory, which no one means by leaving a value empty."""
     if isinstance(value, str) and not value.strip():
-        raise ValueError(f"empty path {value!r}: name one, or {leave_out} to use the default")
+        raise ValueError(f"empty path {value!r} (it is not taken as the current directory)")
     return Path(value).expanduser()
 
 
@@ -224,6 +241,33 @@ def _positive(value: float) -> str | None:
     return None if value > 0 else f"must be > 0, got {value}"
 
 
+def _in_range(low: float, high: float, low_open: bool = False, note: str = "") -> Callable[[Any], str | None]:
+    """A check that the value is in [low, high] ((low, high] with `low_open`); NaN is refused.
+    `note` follows the range in the message (e.g. "(0 = off)")."""
+    shown = f"{'(' if low_open else '['}{low}, {high}]" + (f" {note}" if note else "")
+
+    def check(value: float) -> str | None:
+        inside = (low < value if low_open else low <= value) and value <= high
+        return None if inside else f"must be in {shown}, got {value}"
+
+    return check
+
+
+def _data_dir(path: Path) -> str | None:
+    """`data_dir` must be a directory, or not exist yet with a directory as its nearest existing
+    ancestor (it is created when first written); a file there or on the way can never be one."""
+    try:
+        for at in (path, *path.parents):
+            if at.exists():
+                if at.is_dir():
+                    return None
+                return (f"{path} is a file, not a directory" if at == path
+                        else f"{path} is inside {at}, a file, not a directory")
+    except OSError as err:  # e.g. a name too long for the filesystem
+        return f"cannot use {_short(path)} ({err.strerror or err})"
+    return None
+
+
 def _gib(value: float) -> str | None:
     """A memory budget in GiB: `_positive`, and bytes that `gib_to_bytes` can count."""
     problem = _positive(value)
@@ -238,7 +282,7 @@ def _gib(value: float) -> str | None:
 # Settable keys: name -> how it is read and checked.
 _KEYS: dict[str, _Key] = {
     "model": _Key("path"),
-    "data_dir": _Key("path"),
+    "data_dir": _Key("path", _data_dir),
     "demo": _Key("bool"),
     "cache_gb": _Key("number", _gib),
     "host_cache_gb": _Key("number", _gib),
@@ -248,13 +292,13 @@ _KEYS: dict[str, _Key] = {
     "backend": _Key("text", _choice("torch", "tilelang")),
     "cuda_graphs": _Key("bool"),
     "cache_policy": _Key("text"),
-    "io_threads": _Key("int", _positive),
+    "io_threads": _Key("int", _in_range(1, MAX_IO_THREADS)),
     "max_seq_len": _Key("int", _positive),
     "system": _Key("text"),
-    "temperature": _Key("number"),
-    "top_p": _Key("number"),
-    "top_k": _Key("int"),
-    "max_tokens": _Key("int", _positive),
+    "temperature": _Key("number", _in_range(0, 2)),
+    "top_p": _Key("number", _in_range(0, 1, low_open=True)),
+    "top_k": _Key("int", _in_range(0, MAX_TOP_K, note="(0 = off)")),
+    "max_tokens": _Key("int", _in_range(1, MAX_TOKENS)),
     "think": _Key("bool"),
 }
 # The settings that configure the engine (AppConfig.engine): EngineConfig fields, budgets in GiB.
@@ -272,8 +316,19 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir(APP_NAME))
 
 
+def _fix(key: str, source: str) -> str:
+    """How to fix a bad value of `key` in `source` ("environment DSV4_<KEY>", "--flag" or the file)."""
+    if source.startswith("environment "):
+        name = source[len("environment "):]
+        return f"set {name} to a valid value or unset it"
+    if source.startswith("--"):
+        return f"give {source} a valid value or leave it out"
+    return f"correct {key!r} in this file or remove it"
+
+
 def _convert(key: str, raw: Any, source: str) -> Any:
-    """`raw` (environment text when `source` is one, else a TOML/flag value) as setting `key`."""
+    """`raw` (environment text when `source` is one, else a TOML/flag value) as setting `key`,
+    type- and range-checked; SettingsError: `SOURCE: bad value for 'KEY': PROBLEM; FIX`."""
     if key not in _KEYS:
         known = ", ".join(sorted(_KEYS))
         raise SettingsError(f"{source}: unknown setting {key!r} (known: {known})")
@@ -282,7 +337,7 @@ def _convert(key: str, raw: Any, source: str) -> Any:
         value = spec.from_text(raw) if source.startswith("environment ") else spec.from_value(raw)
         return spec.validate(value)
     except ValueError as err:
-        raise SettingsError(f"{source}: bad value for {key!r}: {err}") from None
+        raise SettingsError(f"{source}: bad value for {key!r}: {err}; {_fix(key, source)}") from None
 
 
 def read_file_settings(path: Path) -> dict[str, Any]:
@@ -335,9 +390,11 @@ def build_config(
     flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None, *,
     cuda_available: bool | None = None, tilelang_available: bool | None = None,
 ) -> AppConfig:
-    """Merge the sources: flags (None = not given) > env > file > defaults; validate. A set but
+    """Merge the sources: flags (None = not given) > env > file > defaults; each value is checked
+    where it is read, so a SettingsError names its source. A set but
     empty DSV4_CONFIG, or an empty path setting from any source, is refused (SettingsError),
-    never read as the current directory. The engine
+    never read as the current directory. `AppConfig.from_env` names the settings the
+    environment gave, whether or not a flag overrode them now. The engine
     settings become `AppConfig.engine` here, once (GiB -> bytes; an unset device or backend is
     chosen from `cuda_available`/`tilelang_available`, None = looked up)."""
     if config_file is None:
@@ -352,33 +409,26 @@ def build_config(
     merged.update({k: _convert(k, v, f"--{k.replace('_', '-')}")
                    for k, v in flags.items() if v is not None and k != "plain"})
     gen = {GENERATION_KEYS[k]: merged.pop(k) for k in list(merged) if k in GENERATION_KEYS}
-    problem = gen_problem(gen)
-    if problem:
-        raise SettingsError(f"generation settings: {problem}")
     engine = {k: merged.pop(k) for k in list(merged) if k in _ENGINE_KEYS}
     for key in ("cache_gb", "host_cache_gb", "memory_gb"):
         engine[key.replace("_gb", "_bytes")] = gib_to_bytes(engine.pop(key, None), key)
     return AppConfig(
         config_file=config_file, plain=bool(flags.get("plain")), gen=SamplingParams(**gen),
         engine=resolve_engine_config(cuda_available, tilelang_available, **engine),
-        warnings=tuple(warnings), **merged
+        warnings=tuple(warnings), from_env=frozenset(env_settings), **merged
     )
 
 
 def gen_problem(gen: Mapping[str, Any]) -> str | None:
-    """One line naming what is wrong with the SamplingParams fields in `gen` (the app's ranges,
-    narrower than the engine's), or None when they are valid."""
-    sampling = SamplingParams()
-    temperature, top_p, top_k, max_tokens = (gen.get(k, getattr(sampling, k))
-                                             for k in ("temperature", "top_p", "top_k", "max_tokens"))
-    if not 0.0 <= temperature <= 2.0:
-        return f"temperature must be in [0, 2], got {temperature}"
-    if not 0.0 < top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {top_p}"
-    if top_k < 0:
-        return f"top_k must be >= 0 (0 = off), got {top_k}"
-    if max_tokens < 1:
-        return f"max_tokens must be >= 1, got {max_tokens}"
+    """One line naming what is wrong with the SamplingParams fields in `gen` (the settings'
+    ranges, narrower than the engine's: `_KEYS`), e.g. "top_k must be in [0, 1048576] (0 = off),
+    got -1", or None when they are valid."""
+    for key in ("temperature", "top_p", "top_k", "max_tokens"):
+        if key in gen:
+            try:
+                _KEYS[key].validate(gen[key])
+            except ValueError as err:
+                return f"{key} {err}"
     return None
 
 

@@ -7,6 +7,10 @@ spells where it lives: a `[generation]` table (`[ generation ]`, `["generation"]
 keys at top level (`generation.temperature = 0.5`). A new key goes after the file's last
 generation key, in the same spelling, or into a `[generation]` table appended at the end.
 
+Line endings are kept: every line keeps its own (CRLF or LF), and the lines added (and an end
+added to a last line that had none) take the file's first line's (LF for a new file). Lines are
+split at "\n" only, so a raw U+2028 or form feed inside a string is no line break.
+
 Before it replaces the file, the result is parsed (tomllib) and must hold exactly the old file's
 values plus the new ones, and pass the app's own checks; otherwise (e.g. an inline table
 `generation = {...}`, which cannot be edited in place) nothing is written and a SettingsError
@@ -85,9 +89,24 @@ def _with_value(line: str, lead_end: int, value: str) -> str:
     return f"{lead} {value}"
 
 
+def _lines(text: str) -> tuple[list[str], list[str], str]:
+    """`text` split at "\n": the lines without their ends; each line's end ("\r\n" or "\n"; a
+    last line without one gets the newline); and the text's newline (its first line's end, "\n"
+    when the text has no line end at all)."""
+    parts = text.split("\n")
+    last = parts.pop()  # after the last "\n": "" when the text ends with one
+    ends = ["\r\n" if part.endswith("\r") else "\n" for part in parts]
+    lines = [part[:-1] if part.endswith("\r") else part for part in parts]
+    newline = ends[0] if ends else "\n"
+    if last:
+        lines.append(last)
+        ends.append(newline)
+    return lines, ends, newline
+
+
 def _edit(text: str, values: Mapping[str, Any], origin: str) -> str:
     """`text` with the generation settings `values` set (see the module docstring)."""
-    lines = text.splitlines()
+    lines, ends, newline = _lines(text)
     outside = _outside_strings(lines)
     table: str | None = ""  # the current table's name ("" = top level, None = an array of tables)
     found: dict[str, tuple[int, int]] = {}  # key -> (line index, end of its `KEY =` part)
@@ -136,11 +155,15 @@ def _edit(text: str, values: Mapping[str, Any], origin: str) -> str:
     added = [f"{prefix}{key} = {_toml_value(values[key])}" for key in new]
     if at is not None:
         lines[at + 1:at + 1] = added
+        ends[at + 1:at + 1] = [newline] * len(added)
     elif added:
         while lines and not lines[-1].strip():
             lines.pop()
-        lines += ([""] if lines else []) + ["[generation]"] + added
-    return "\n".join(lines) + "\n"
+            ends.pop()
+        table = ([""] if lines else []) + ["[generation]"] + added
+        lines += table
+        ends += [newline] * len(table)
+    return "".join(line + end for line, end in zip(lines, ends))
 
 
 def save_generation(path: Path, values: Mapping[str, Any]) -> None:
@@ -152,7 +175,8 @@ def save_generation(path: Path, values: Mapping[str, Any]) -> None:
     if unknown:
         raise SettingsError(f"unknown generation setting {unknown[0]!r} (known: {', '.join(GENERATION_KEYS)})")
     try:
-        old = path.read_text(encoding="utf-8") if path.is_file() else ""
+        # bytes decoded, not read_text: its universal newlines would turn CRLF into LF
+        old = path.read_bytes().decode("utf-8") if path.is_file() else ""
     except UnicodeDecodeError as err:
         raise SettingsError(f"{path}: cannot read the settings file ({err}); fix or delete it") from None
     try:

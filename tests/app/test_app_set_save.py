@@ -86,3 +86,45 @@ def test_set_save_through_a_symlinked_settings_file_keeps_the_link(tmp_path):
     assert ctl.apply(parse("/set save")).error is False
     assert link.is_symlink() and os.stat(real).st_mode & 0o777 == 0o644
     assert real.read_text() == "cache_gb = 20\n\n[generation]\ntemperature = 0.2\n"
+
+
+def test_set_save_says_when_the_environment_overrides_the_saved_value(tmp_path):
+    """A DSV4_<KEY> variable wins over the file at every start: /set save still writes the value,
+    and its one line says which variable will override it and how to let the saved one apply."""
+    path = tmp_path / "config.toml"
+    path.write_text("[generation]\ntemperature = 0.9\n")
+    ctl = _controller(path, env={"DSV4_TEMPERATURE": "0.1", "DSV4_TOP_P": "0.5"})
+    ctl.apply(parse("/set temperature 0.3"))
+    ctl.apply(parse("/set top_k 5"))
+    assert ctl.apply(parse("/set save")) == Reply(
+        f"saved temperature = 0.3, top_k = 5 to {path} (used from the next start); but DSV4_TEMPERATURE is "
+        "set in the environment and overrides the saved temperature at every start: unset it to use the "
+        "saved value")
+    assert path.read_text() == "[generation]\ntemperature = 0.3\ntop_k = 5\n"
+    assert _config(path, env={"DSV4_TEMPERATURE": "0.1"}).gen.temperature == 0.1  # what the note says
+    assert _config(path).gen.temperature == 0.3
+    both = _controller(path, env={"DSV4_TEMPERATURE": "0.1", "DSV4_TOP_K": "2"})
+    both.apply(parse("/set top_k 7"))
+    both.apply(parse("/set temperature 0.4"))
+    assert both.apply(parse("/set save")).text.endswith(
+        "; but DSV4_TOP_K and DSV4_TEMPERATURE are set in the environment and override the saved top_k, "
+        "temperature at every start: unset them to use the saved values")
+
+
+@pytest.mark.parametrize("before, after", [
+    ("# mine\r\ncache_gb = 20\r\n\r\n[generation]\r\ntemperature = 0.9  # warm\r\n",
+     "# mine\r\ncache_gb = 20\r\n\r\n[generation]\r\ntemperature = 0.3  # warm\r\ntop_k = 5\r\n"),
+    ('model = "/m"\r\n', 'model = "/m"\r\n\r\n[generation]\r\ntemperature = 0.3\r\ntop_k = 5\r\n'),
+    # mixed endings: each kept line keeps its own, new lines take the first line's
+    ("cache_gb = 1\r\nio_threads = 2\n[generation]\r\ntop_k = 1",
+     "cache_gb = 1\r\nio_threads = 2\n[generation]\r\ntop_k = 5\r\ntemperature = 0.3\r\n"),
+    # a raw U+2028 inside a string is no line break
+    ('system = "a\u2028b"\n[generation]\n', 'system = "a\u2028b"\n[generation]\ntemperature = 0.3\ntop_k = 5\n'),
+])
+def test_set_save_keeps_the_files_line_endings(tmp_path, before, after):
+    path = tmp_path / "config.toml"
+    path.write_bytes(before.encode())
+    save_generation(path, {"temperature": 0.3, "top_k": 5})
+    assert path.read_bytes() == after.encode()
+    gen = _config(path).gen
+    assert (gen.temperature, gen.top_k) == (0.3, 5)

@@ -96,7 +96,7 @@ def test_argv_missing_config_file(tmp_path):
     ({"DSV4_CACHE_GB": "-1"}, "must be > 0"),
     ({"DSV4_NUMERICS": "fast"}, "expected one of native, exact"),
     ({"DSV4_THINK": "perhaps"}, "expected true/false"),
-    ({"DSV4_TOP_P": "1.5"}, "top_p must be in (0, 1]"),
+    ({"DSV4_TOP_P": "1.5"}, "environment DSV4_TOP_P: bad value for 'top_p': must be in (0, 1]"),
 ])
 def test_bad_environment_values(tmp_path, env, fragment):
     with pytest.raises(SettingsError) as info:
@@ -119,7 +119,7 @@ def test_with_gen_validates():
     assert with_gen(cfg, temperature=0.2).gen.temperature == 0.2
     with pytest.raises(SettingsError, match="temperature must be in"):
         with_gen(cfg, temperature=3.0)
-    with pytest.raises(SettingsError, match="max_tokens must be >= 1"):
+    with pytest.raises(SettingsError, match=r"max_tokens must be in \[1, "):
         with_gen(cfg, max_tokens=0)
 
 
@@ -170,7 +170,8 @@ def test_main_reports_bad_settings_in_one_line(capsys, tmp_path, toml_file):
     assert err.startswith("dsv4-chat: --config ") and err.count("\n") == 1
     assert main(["--cache-gb", "-1", "--config", str(toml_file)]) == 2
     assert capsys.readouterr().err == (
-        "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got -1.0\n")
+        "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got -1.0; "
+        "give --cache-gb a valid value or leave it out\n")
 
 
 def test_unknown_dsv4_variables_are_warned_about_not_fatal(tmp_path):
@@ -229,7 +230,8 @@ def test_file_values_are_type_checked(tmp_path, line, message):
     path.write_text(line + "\n")
     with pytest.raises(SettingsError) as info:
         build_config({}, {}, path)
-    assert str(info.value) == f"{path}: {message}"
+    key = message.split("'")[1]
+    assert str(info.value) == f"{path}: {message}; correct {key!r} in this file or remove it"
 
 
 @pytest.mark.parametrize("env, message", [
@@ -246,7 +248,8 @@ def test_environment_values_are_type_checked(tmp_path, env, message):
     key = name[5:].lower()
     with pytest.raises(SettingsError) as info:
         build_config({}, env, tmp_path / "absent.toml")
-    assert str(info.value) == f"environment {name}: bad value for {key!r}: {message}"
+    assert str(info.value) == (f"environment {name}: bad value for {key!r}: {message}; "
+                               f"set {name} to a valid value or unset it")
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -254,15 +257,16 @@ def test_environment_values_are_type_checked(tmp_path, env, message):
     (["--cache-gb", "inf"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be a finite number > 0, got inf"),
     (["--cache-gb", "0"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got 0.0"),
     (["--cache-gb", "-1"], "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be > 0, got -1.0"),
-    (["--max-tokens", "0"], "dsv4-chat: --max-tokens: bad value for 'max_tokens': must be > 0, got 0"),
-    (["--temperature", "nan"], "dsv4-chat: generation settings: temperature must be in [0, 2], got nan"),
+    (["--max-tokens", "0"], "dsv4-chat: --max-tokens: bad value for 'max_tokens': must be in [1, 1048576], got 0"),
+    (["--temperature", "nan"], "dsv4-chat: --temperature: bad value for 'temperature': must be in [0, 2], got nan"),
     (["run", "--cache-gb", "inf", "hi"],
      "dsv4-chat: --cache-gb: bad value for 'cache_gb': must be a finite number > 0, got inf"),
 ])
 def test_bad_flags_refused_at_parse_time_in_one_line(capsys, tmp_path, monkeypatch, argv, line):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     assert main(argv) == 2
-    assert capsys.readouterr().err == line + "\n"
+    flag = line.split(": ")[1]
+    assert capsys.readouterr().err == f"{line}; give {flag} a valid value or leave it out\n"
 
 
 @pytest.mark.parametrize("argv, line", [

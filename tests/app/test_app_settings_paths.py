@@ -27,8 +27,8 @@ def test_an_empty_path_variable_is_refused_not_the_current_directory(name, value
     key = name[len("DSV4_"):].lower()
     with pytest.raises(SettingsError) as info:
         _build(env={name: value})
-    assert str(info.value) == (f"environment {name}: bad value for {key!r}: empty path {value!r}: "
-                               "name one, or unset the variable to use the default")
+    assert str(info.value) == (f"environment {name}: bad value for {key!r}: empty path {value!r} (it is not "
+                               f"taken as the current directory); set {name} to a valid value or unset it")
 
 
 @pytest.mark.parametrize("key", ["data_dir", "model"])
@@ -37,14 +37,15 @@ def test_an_empty_path_in_the_settings_file_is_refused(tmp_path, key):
     path.write_text(f'{key} = ""\n')
     with pytest.raises(SettingsError) as info:
         _build(config_file=path)
-    assert str(info.value) == (f"{path}: bad value for {key!r}: empty path '': "
-                               "name one, or leave the setting out to use the default")
+    assert str(info.value) == (f"{path}: bad value for {key!r}: empty path '' (it is not taken as the "
+                               f"current directory); correct {key!r} in this file or remove it")
 
 
 def test_an_empty_model_flag_is_refused(capsys, tmp_path):
     assert main(["run", "--demo", "--model", "", "hi"]) == 2
-    assert capsys.readouterr().err == ("dsv4-chat: --model: bad value for 'model': empty path '': "
-                                       "name one, or leave the setting out to use the default\n")
+    assert capsys.readouterr().err == ("dsv4-chat: --model: bad value for 'model': empty path '' (it is not "
+                                       "taken as the current directory); give --model a valid value or "
+                                       "leave it out\n")
 
 
 def test_an_empty_settings_file_name_is_refused_from_flag_and_environment(capsys, tmp_path, monkeypatch):

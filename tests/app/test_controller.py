@@ -5,7 +5,9 @@ to the same state."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
+import os
 import threading
 from dataclasses import replace
 
@@ -422,3 +424,24 @@ def conv_io_load(rig, name):
     from app import conversation as conv_io
 
     return conv_io.load(rig.ctl.config.saved_dir, name)
+
+
+def test_history_shows_the_open_transcript_as_autosave_off_once_autosave_stopped(config, monkeypatch):
+    """A transcript whose autosave turned itself off (a full or read-only data dir) holds only the
+    turns before: /history marks it so, not as a live "(open)" one."""
+    warnings: list[str] = []
+    rig = Rig(config)
+    rig.ctl = Controller(config, on_autosave_error=warnings.append)
+    rig.turn("the first question")
+    path = rig.ctl.autosave.path
+    assert rig.apply("/history").text.splitlines()[1].endswith("the first question (open)")
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("app.autosave.os.write", refuse)
+    rig.turn("the second question")
+    assert len(warnings) == 1 and rig.ctl.autosave.path == path
+    line = rig.apply("/history").text.splitlines()[1]
+    assert line.endswith("the first question (open, autosave off)") and "(open)" not in line
+    assert rig.apply("/history 1") == Reply("that conversation is the one open now")
