@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from app.server.errors import bad_request
+from app.settings import MAX_TOKENS, MAX_TOP_K
 from engine.chat import Message, not_unicode
 from engine.sampling import SamplingError, SamplingParams
 
@@ -159,22 +160,22 @@ def parse_chat_request(raw: bytes, defaults: SamplingParams) -> ChatRequest:
                               param=name)
         return float(v)
 
-    def integer(name, lo):
+    def integer(name, lo, hi):
         v = body.get(name)
         if v is None:
             return None
-        if not _is_int(v) or v < lo:
-            raise bad_request(f"'{name}' must be an integer >= {lo}, got {v!r}", param=name)
+        if not _is_int(v) or not lo <= v <= hi:
+            raise bad_request(f"'{name}' must be an integer in [{lo}, {hi:,}], got {v!r}", param=name)
         return v
 
-    max_tokens = integer("max_completion_tokens", 1)
-    legacy = integer("max_tokens", 1)
+    max_tokens = integer("max_completion_tokens", 1, MAX_TOKENS)
+    legacy = integer("max_tokens", 1, MAX_TOKENS)
     if max_tokens is not None and legacy is not None and max_tokens != legacy:
         raise bad_request("'max_tokens' and 'max_completion_tokens' differ; send one of them", param="max_tokens")
     max_tokens = max_tokens or legacy or defaults.max_tokens
     temperature = number("temperature", 0.0, 2.0)
     top_p = number("top_p", 0.0, 1.0, lo_open=True)
-    top_k = integer("top_k", 0)
+    top_k = integer("top_k", 0, MAX_TOP_K)
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**64):
         raise bad_request(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
