@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -13,10 +13,12 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, ProgressBar, Static
 
 from app.messages import ConvertProgressed, ModelFailed, ModelReady
+from converter.convert import ConvertProgress
+from engine.events import LoadProgress
 from app.service import user_message
 from app.widgets.bars import fmt_bytes
 
-JobFn = Callable[[Callable[[Any], None], threading.Event], Path]
+JobFn = Callable[[Callable[[ConvertProgress | LoadProgress], None], threading.Event], Path]
 
 
 def fmt_eta(seconds: float | None) -> str:
@@ -26,19 +28,19 @@ def fmt_eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def describe(progress: Any) -> tuple[float, float, str]:
-    """(done, total, one line) for converter ConvertProgress or engine LoadProgress values."""
-    if hasattr(progress, "bytes_done"):
+def describe(progress: ConvertProgress | LoadProgress) -> tuple[float, float, str]:
+    """(done, total, one line) of a conversion's or a load's progress."""
+    if isinstance(progress, ConvertProgress):
         line = (f"{fmt_bytes(progress.bytes_done)} / {fmt_bytes(progress.bytes_total)} · "
                 f"{fmt_bytes(progress.bytes_per_s)}/s · ETA {fmt_eta(progress.eta_s)}")
-        if getattr(progress, "current", ""):
+        if progress.current:
             line += f" · {progress.current}"
         return progress.bytes_done, progress.bytes_total, line
-    unit = f" {progress.unit}" if getattr(progress, "unit", "") else ""
+    unit = f" {progress.unit}" if progress.unit else ""
     line = progress.phase
     if progress.total:
         line += f": {progress.done}/{progress.total}{unit}"
-    if getattr(progress, "message", ""):
+    if progress.message:
         line += f" · {progress.message}"
     return progress.done, progress.total, line
 
