@@ -9,7 +9,8 @@ decodes one token per step until EOS, `max_tokens` or the context limit. Outcome
 * cancelled while decoding: the partial answer is kept as the assistant message with its ids
   (finish_reason "cancelled"); cancelled during prefill: the assistant message is empty and the
   state is rolled back to the turn's start (the next turn prefills the missing prompt);
-* failure (context limit, an exception in the model): EngineFailure, session exactly as before.
+* failure (context limit: ContextOverflow, refused before any step; an exception in the model):
+  EngineFailure, session exactly as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine.chat import ChatTokenizer, Message, ThinkingSplitter, parse_completi
 from engine.chat import THINK_START, not_unicode, render_messages
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.events import EngineFailure, Event, StepUpdate, TurnFinished
+from engine.events import ContextOverflow, EngineFailure, Event, StepUpdate, TurnFinished
 from engine.model import Transformer
 from engine.runtime import Runtime
 from engine.sampling import Sampler, SamplingParams, checked
@@ -118,8 +119,9 @@ class Turns:
             return
         plan = session.plan(prompt_text, tok.encode)
         if plan.prompt_tokens >= limit:
-            yield EngineFailure(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
-                                f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len")
+            yield ContextOverflow(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
+                                  f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len",
+                                  plan.prompt_tokens, limit)
             return
         turn_start = session.live_copy() if plan.from_live and session.live.length else None
         work = session.start(plan)

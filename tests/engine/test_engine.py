@@ -15,7 +15,7 @@ from engine.buckets import chunk_lengths
 from engine.chat import ChatTokenizer, Message, render_messages
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
+from engine.events import ContextOverflow, EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.experts.cache import ExpertCache
 from engine.experts.resident import ResidentExperts
 from engine.model import Transformer
@@ -330,8 +330,10 @@ def test_context_limit_fails_cleanly_and_the_session_stays_usable(ckpt):
         assert isinstance(ok, TurnFinished)
         ids, messages = sess.ids, list(sess.messages)
         fail, evs = turn(eng.generate(sess, " ".join(["word"] * 60), GREEDY))
-        assert isinstance(fail, EngineFailure) and len(evs) == 1
-        assert "context limit of 48 tokens" in fail.message
+        assert isinstance(fail, ContextOverflow) and len(evs) == 1  # an EngineFailure, with its numbers
+        assert "context limit of 48 tokens" in fail.message and fail.limit == 48
+        assert fail.prompt_tokens == len(eng.tokenizer.encode(render_messages(
+            sess.conversation(messages + [Message("user", " ".join(["word"] * 60))]), False)))
         assert sess.ids == ids and sess.messages == messages
         full, _ = turn(eng.generate(sess, "Go on", SamplingParams(temperature=0.0, max_tokens=100)))
         assert full.stats.finish_reason == "context" and len(sess.ids) == 48
