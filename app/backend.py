@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 from app.settings import AppConfig
 
@@ -49,9 +49,10 @@ class EngineLike(Protocol[S]):
     def new_session(self, system: str | None = None, history: Sequence[Message] = ()) -> S: ...
 
     def generate(self, session: S, user_text: str, params: SamplingParams,
-                 cancel: threading.Event) -> Iterator[Event]: ...
+                 cancel: threading.Event) -> Generator[Event, None, None]: ...
 
-    def regenerate(self, session: S, params: SamplingParams, cancel: threading.Event) -> Iterator[Event]: ...
+    def regenerate(self, session: S, params: SamplingParams,
+                   cancel: threading.Event) -> Generator[Event, None, None]: ...
 
     def undo(self, session: S) -> None: ...
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 from textual.app import App
 from textual.message import Message
@@ -192,9 +193,13 @@ class EngineService:
         self._start("regen", lambda: self._drain(
             self.engine.regenerate(self.session, params, cancel=self._cancel), True))
 
-    def _drain(self, events: Iterable[Event], regenerated: bool) -> None:
+    def _drain(self, events: Generator[Event, None, None], regenerated: bool) -> None:
+        """Run one turn's events to their end; the turn is closed on the way out, whatever stops
+        the loop (its last event, an error here), so it never keeps the session busy
+        (engine.engine.Engine.generate)."""
         try:
-            self._drain_events(events, regenerated)
+            with closing(events):
+                self._drain_events(events, regenerated)
         finally:
             if self._trim is not None:
                 self._trim()

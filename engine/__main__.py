@@ -1,7 +1,8 @@
 """`python -m engine generate --ckpt DIR --prompt TEXT`: one answer, for scripts.
 
 The answer text streams to stdout; load progress and a statistics line go to stderr. Exit
-status 0 on success, 1 if the turn failed, 2 on bad arguments or an unusable model directory.
+status 0 on success, 1 if the turn failed, 2 on bad arguments, an unusable model directory or a
+prompt over the context limit (the engine's turn refuses it: engine.events.ContextOverflow).
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ def _model_args(path: Path):
 
 
 def generate(a: argparse.Namespace) -> int:
-    from engine.chat import Message, render_messages
     from engine.config import ConfigError
     from engine.engine import Engine
-    from engine.events import EngineFailure, TextDelta, TurnFinished
+    from engine.events import ContextOverflow, EngineFailure, TextDelta, TurnFinished
     from engine.memory_plan import MemoryPlanError
     from engine.sampling import SamplingError, SamplingParams
 
@@ -80,12 +80,6 @@ def generate(a: argparse.Namespace) -> int:
     status = 1
     try:
         session = engine.new_session(system=a.system)
-        prompt = render_messages(session.conversation([Message("user", a.prompt)]), a.think)
-        n = len(engine.tokenizer.encode(prompt))
-        if n >= config.max_seq_len:  # the engine would refuse the turn with a chat's advice
-            print(f"error: the prompt is {n} tokens, over the context limit of {config.max_seq_len}: shorten it "
-                  "or raise --max-seq-len", file=sys.stderr)
-            return 2
         for ev in engine.generate(session, a.prompt, params, threading.Event()):
             if isinstance(ev, TextDelta):
                 if ev.channel == "answer" or a.think:
@@ -97,6 +91,10 @@ def generate(a: argparse.Namespace) -> int:
                 print(f"[{s.prompt_tokens} prompt tokens, {s.completion_tokens} generated ({s.finish_reason}), "
                       f"TTFT {s.ttft_s:.2f} s, {s.tok_per_s:.1f} tok/s]", file=sys.stderr)
                 status = 0
+            elif isinstance(ev, ContextOverflow):  # refused before any step: the engine's chat advice, reworded
+                print(f"error: the prompt is {ev.prompt_tokens} tokens, over the context limit of {ev.limit}: "
+                      "shorten it or raise --max-seq-len", file=sys.stderr)
+                status = 2
             elif isinstance(ev, EngineFailure):
                 print(f"error: {ev.message}", file=sys.stderr)
     finally:

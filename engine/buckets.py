@@ -12,7 +12,7 @@ shape outside these buckets:
   16 tokens or fewer joins the first full chunk (`longest_chunk`: chunk + 16 tokens at most) or,
   without one, is split into powers of two, largest first (13 -> 8, 4, 1): those rows reach the
   GEMV kernels, compiled per row count. Chunked prefill equals whole prefill, so the split
-  changes no result;
+  changes no result (bit for bit on the CPU with its math pinned: engine/numerics.py, "Chunking");
 * compressed-cache capacities: powers of two from `engine.state.MIN_ENTRIES` up to what
   `max_seq_len` needs (`engine.state.LayerState.reserve` grows them that way);
 * rows of a one-launch GEMV: padded to powers of two by the kernels (kernels.act_quant);

@@ -19,7 +19,7 @@ import gc
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Generator
 from weakref import WeakSet
 
 import torch
@@ -205,15 +205,20 @@ class Engine:
             raise SessionError("this session belongs to another engine")
 
     def generate(self, session: Session, user_text: str, params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Answer `user_text` in `session`; yields events, the last one TurnFinished or EngineFailure."""
+                 cancel: threading.Event | None = None) -> Generator[Event, None, None]:
+        """Answer `user_text` in `session`; yields events, the last one TurnFinished or EngineFailure.
+        The session is busy with the turn from its first event until its last one is yielded: a
+        caller that stops iterating before that must close() the generator (it rolls the session
+        back to before the turn), else the session's next turn fails until the generator is
+        garbage collected (engine.turn.Turns.run)."""
         self._check(session)
         return self._turns.run(session, lambda: (list(session.messages), user_text), params,
                                cancel or threading.Event())
 
     def regenerate(self, session: Session, params: SamplingParams,
-                   cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Drop the last answer and answer the last user message again (same events)."""
+                   cancel: threading.Event | None = None) -> Generator[Event, None, None]:
+        """Drop the last answer and answer the last user message again (same events and contract
+        as `generate`)."""
         self._check(session)
         _last_question(session)  # refused now if there is nothing to answer again
         return self._turns.run(session, lambda: _last_question(session), params, cancel or threading.Event())

@@ -43,6 +43,18 @@ class EngineFailure:
 
 
 @dataclass(frozen=True)
+class ContextOverflow(EngineFailure):
+    """The turn's prompt (the conversation with the new message, as rendered and tokenised for
+    the turn) is `prompt_tokens` tokens, not below the context limit `limit` (max_seq_len), so
+    the turn was refused before any step. engine.turn.Turns is the one place this rule is
+    checked; `message` gives a chat's advice, and a front end with other advice (the engine CLI
+    names its flag) words its own from the numbers."""
+
+    prompt_tokens: int = 0
+    limit: int = 0
+
+
+@dataclass(frozen=True)
 class LoadProgress:
     """Progress while loading or warming up: `done`/`total` in `unit` (bytes, layers, …)."""
 

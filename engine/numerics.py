@@ -13,6 +13,25 @@ the mode once, at load (`fp8_weight`, `fp8_groups`, `grouped_weight`, `float_wei
 `compressor_weight`, `shared_expert_weights`): a module holds the prepared form, opaque to it,
 and hands it back to the matching op. Each op is the exact sequence of operations the mode ran
 before this split, so results are unchanged bit for bit.
+
+Chunking (`EngineConfig.prefill_chunk`, engine.buckets.chunk_lengths): in both modes a token's
+result does not depend on how its prompt is split into forward calls. Every op computes a row
+on its own (native's FP8 activation quantisation is per row, in blocks of 128 along it; the
+reference's `matmul` pads a product of fewer than 4 rows to keep its rows the same), so on the
+torch reference (the CPU) a prefill in chunks of any size, token by token included, gives the
+logits and selections of one prefill bit for bit (tests/engine/test_model_paths.py) — given the
+CPU's matrix products pinned to MKL's reproducible path (engine/reproducible.py: the entry
+points and the tests set MKL_CBWR before the first product; a program that drives the engine
+itself must do the same). Without that pin MKL may round a product differently in its last bits
+for another chunking, which exact shows as such (~1e-6 relative on the tiny model) and native's
+FP8 quantisation can turn into a flipped quantisation step and a few per cent on the logits
+(up to 14 % relative max on the tiny model, prefill_chunk 1 or 7 against one chunk): not a
+bound of native, a CPU setup error. The bitwise promise is the reference's: the graph runner's
+one-token and chunk steps (engine/decode_graph.py, the GPU's short-prefill and decode path)
+agree with the forward within 1e-4 relative (tests/engine/test_decode_graph.py, run eagerly on
+the CPU: a reduction over another number of masked slots may round differently), and the
+TileLang kernels take another kernel for at most 16 rows than for more (kernels/fp8_gemm.py),
+so on CUDA no bitwise chunking promise is made (nor tested).
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ resident (`DecodeRunner.chunk`), and otherwise a chunk of at most SHORT_PREFILL 
 decode steps, one per token.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
-shared and routed experts); the expert provider measures the time spent waiting inside it for
-experts (`ExpertProvider.usage.wait_s`: expert wait, taken out of the MoE figure); mHC,
-embedding and the head are "other".
+shared and routed experts); the expert provider measures the time the host was blocked on
+expert reads inside it (`ExpertProvider.usage.wait_s`: expert wait, taken out of the MoE figure,
+or out of a replayed step's graph time; the provider's lookups, holds and hints stay in those);
+mHC, embedding and the head are "other".
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Launched:
     graphed: bool
     timer: StepTimer
     t0: float  # perf_counter at launch
-    wait_s: float  # seconds spent waiting for experts while launching
+    wait_s: float  # seconds blocked on expert reads while launching (ExpertUsage.wait_s)
     done: torch.cuda.Event | None = None  # recorded after the call's work (CUDA): finish waits for it alone
 
 

@@ -101,7 +101,7 @@ class Session:
         self.system: str | None = system or None
         self.messages: list[Message] = list(history)
         self.live = self._empty()
-        self.answering = False  # one of its turns is running (engine.turn.Turns.run: one at a time)
+        self.answering = False  # one of its turns has started and not ended (engine.turn.Turns.run: one at a time)
         self.snapshots: list[Snapshot] = []
         # (the live snapshot, its copy made between turns by `spare_live`), for `live_copy`
         self._spare: tuple[Snapshot, Snapshot] | None = None

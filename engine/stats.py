@@ -71,7 +71,7 @@ class StepTiming:
 
     attention_ms: float = 0.0
     moe_ms: float = 0.0
-    expert_wait_ms: float = 0.0
+    expert_wait_ms: float = 0.0  # the host blocked on expert reads (engine.experts.provider.ExpertUsage.wait_s)
     other_ms: float = 0.0
     graph_ms: float = 0.0
 

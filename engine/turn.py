@@ -9,7 +9,8 @@ decodes one token per step until EOS, `max_tokens` or the context limit. Outcome
 * cancelled while decoding: the partial answer is kept as the assistant message with its ids
   (finish_reason "cancelled"); cancelled during prefill: the assistant message is empty and the
   state is rolled back to the turn's start (the next turn prefills the missing prompt);
-* failure (context limit, an exception in the model): EngineFailure, session exactly as before.
+* failure (context limit: ContextOverflow, refused before any step; an exception in the model):
+  EngineFailure, session exactly as before.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 
@@ -25,13 +26,18 @@ from engine.chat import ChatTokenizer, Message, ThinkingSplitter, parse_completi
 from engine.chat import THINK_START, not_unicode, render_messages
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.events import EngineFailure, Event, StepUpdate, TurnFinished
+from engine.events import ContextOverflow, EngineFailure, Event, StepUpdate, TurnFinished
 from engine.model import Transformer
 from engine.runtime import Runtime
 from engine.sampling import Sampler, SamplingParams, checked
 from engine.session import Session, SessionError, Snapshot
 from engine.stats import CacheSnapshot, TurnStats
 from engine.step_meter import StepMeter
+
+
+ANSWERING = ("this session is already answering: a turn of it has started and not ended. Iterate that turn's "
+             "events to its last one (TurnFinished or EngineFailure; set its cancel event to stop it sooner), or "
+             "close() it to drop it unfinished (the session is then as before that turn)")
 
 
 class CorruptModelError(EngineError):
@@ -61,17 +67,24 @@ class Turns:
         self.runtime = self.model = self._meter = self._cache_snapshot = None
 
     def run(self, session: Session, question: Callable[[], tuple[list[Message], str]], params: SamplingParams,
-            cancel: threading.Event) -> Iterator[Event]:
+            cancel: threading.Event) -> Generator[Event, None, None]:
         """One turn answering `question()` = (the messages before it, the user's text), asked when
         the turn starts (its first event), not when it is made (the module docstring's outcomes);
-        yields events, the last one TurnFinished or EngineFailure. One turn of a session at a time:
-        a second one started while another runs fails at once, as does a turn of a closed engine
-        (and one whose question raises SessionError: e.g. nothing left to regenerate)."""
+        yields events, the last one TurnFinished or EngineFailure.
+
+        One turn of a session at a time: the session is answering from the turn's first event
+        until its last one is yielded (by then the turn has ended: its state is committed or
+        rolled back), or until the generator is closed mid-way (then the session is as before the
+        turn: the module docstring's failure). A turn started while another of the session has
+        not ended fails at once, leaving that one untouched (it may be running in another thread:
+        only its consumer can end it, by iterating to its last event or closing it); so does a
+        turn of a closed engine, and one whose question raises SessionError (e.g. nothing left to
+        regenerate)."""
         if self.runtime is None:
             yield EngineFailure("the engine is closed: load the model again to chat")
             return
         if session.answering:
-            yield EngineFailure("this session is already answering: finish or cancel that turn first")
+            yield EngineFailure(ANSWERING)
             return
         try:
             base, user_text = question()
@@ -79,10 +92,18 @@ class Turns:
             yield EngineFailure(str(err))
             return
         session.answering = True
+        events, last = self._run(session, base, user_text, params, cancel), None
         try:
-            yield from self._run(session, base, user_text, params, cancel)
+            for event in events:
+                if isinstance(event, (TurnFinished, EngineFailure)):
+                    last = event  # the turn's last event: yielded once the turn has ended
+                else:
+                    yield event
         finally:
+            events.close()  # closed mid-way (GeneratorExit at a yield above): the turn rolls back now
             session.answering = False
+        if last is not None:
+            yield last
 
     def _run(self, session: Session, base: list[Message], user_text: str, params: SamplingParams,
              cancel: threading.Event) -> Iterator[Event]:
@@ -98,8 +119,9 @@ class Turns:
             return
         plan = session.plan(prompt_text, tok.encode)
         if plan.prompt_tokens >= limit:
-            yield EngineFailure(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
-                                f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len")
+            yield ContextOverflow(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
+                                  f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len",
+                                  plan.prompt_tokens, limit)
             return
         turn_start = session.live_copy() if plan.from_live and session.live.length else None
         work = session.start(plan)

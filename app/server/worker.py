@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -178,32 +179,35 @@ class Worker:
         scanner = StopScanner(req.stops)
         content: list[str] = []
         try:
-            for ev in self.engine.generate(session, req.user, req.params, job.cancel):
-                if isinstance(ev, StepUpdate):
-                    with self._lock:
-                        self._step = ev.stats
-                elif isinstance(ev, TextDelta):
-                    if ev.channel == "thinking":
-                        job.emit(Delta(reasoning=ev.text))
-                        continue
-                    text, hit = scanner.push(ev.text)
-                    if text:
-                        content.append(text)
-                        job.emit(Delta(content=text))
-                    if hit:
-                        job.cancel.set()  # the engine stops after this step; the answer is cut here
-                elif isinstance(ev, TurnFinished):
-                    tail = scanner.flush()
-                    if tail:
-                        content.append(tail)
-                        job.emit(Delta(content=tail))
-                    finish = "stop" if scanner.hit else FINISH.get(ev.stats.finish_reason, "stop")
-                    text = "".join(content) if scanner.hit else ev.content
-                    self._record(ev.stats, finish, t0)
-                    job.emit(Finished(finish, text, ev.reasoning, ev.stats))
-                elif isinstance(ev, EngineFailure):
-                    self._count("failed")
-                    job.emit(Failed(ev.message))
+            # closed before the session goes back to the pool, whatever ends the loop (a failed
+            # emit): an unfinished turn keeps its session busy (engine.engine.Engine.generate)
+            with closing(self.engine.generate(session, req.user, req.params, job.cancel)) as events:
+                for ev in events:
+                    if isinstance(ev, StepUpdate):
+                        with self._lock:
+                            self._step = ev.stats
+                    elif isinstance(ev, TextDelta):
+                        if ev.channel == "thinking":
+                            job.emit(Delta(reasoning=ev.text))
+                            continue
+                        text, hit = scanner.push(ev.text)
+                        if text:
+                            content.append(text)
+                            job.emit(Delta(content=text))
+                        if hit:
+                            job.cancel.set()  # the engine stops after this step; the answer is cut here
+                    elif isinstance(ev, TurnFinished):
+                        tail = scanner.flush()
+                        if tail:
+                            content.append(tail)
+                            job.emit(Delta(content=tail))
+                        finish = "stop" if scanner.hit else FINISH.get(ev.stats.finish_reason, "stop")
+                        text = "".join(content) if scanner.hit else ev.content
+                        self._record(ev.stats, finish, t0)
+                        job.emit(Finished(finish, text, ev.reasoning, ev.stats))
+                    elif isinstance(ev, EngineFailure):
+                        self._count("failed")
+                        job.emit(Failed(ev.message))
         finally:
             self.pool.checkin(key, session)
 

@@ -25,7 +25,9 @@ The model's MoE, the decode runner and the Engine's cache controls talk to one o
 * controls: `flush`, `pin` (all or nothing; never the slots a turn needs), `unpin`, `pinned`,
   `contents`, `hottest`, `stats`;
 * `usage`: every use counted once, here, whichever path used the expert (`experts`, `acquire`,
-  `record`), with the seconds spent waiting for experts.
+  `record`), with the seconds the host was blocked on expert reads (`ExpertUsage.waiting`,
+  around the implementations' blocking waits only: not their lookups, holds, admissions and
+  hints, nor the counting of uses).
 
 Implementations: engine.experts.resident.ResidentExperts (official layout) and
 engine.experts.streaming.StreamingExperts (a converted pack through a bounded cache).
@@ -36,6 +38,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -52,12 +55,23 @@ def used_experts(counts: list[int]) -> list[int]:
 
 
 class ExpertUsage:
-    """All-time uses per (layer, expert) and per layer, and seconds spent waiting for experts."""
+    """All-time uses per (layer, expert) and per layer, and seconds the host spent blocked on
+    expert reads (`wait_s`; a step's "expert wait", engine/runtime.py)."""
 
     def __init__(self, n_layers: int) -> None:
         self.uses: Counter[ExpertKey] = Counter()
         self.layer_uses = [0] * n_layers  # main layers only (the MTP block is not counted per layer)
         self.wait_s = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's seconds in `wait_s`: a provider wraps the calls that block on an
+        expert read (a read's future, a mapped shard's fetch) in it, and nothing else."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def reset(self) -> None:
         """Forget every use and wait counted so far."""
@@ -81,9 +95,9 @@ class ExpertUsage:
 
 class ExpertProvider(ABC):
     """Supplies routed experts (module docstring). Subclasses implement `_experts`, `prefetch`
-    and `all_resident`, and where they hold experts in an arena `_acquire`/`release`/`_record`;
-    this class counts usage and times the waits around them, and implements the controls over
-    `cache` (nothing to control when it is None)."""
+    and `all_resident`, and where they hold experts in an arena `_acquire`/`release`/`_record`,
+    timing their blocking waits on reads with `usage.waiting()`; this class counts usage and
+    implements the controls over `cache` (nothing to control when it is None)."""
 
     arena = None  # engine.experts.arena.ExpertArena | None
     cache: ExpertCache | None = None
@@ -102,15 +116,7 @@ class ExpertProvider(ABC):
     # ------------------------------------------------------------------ data
     def experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield (expert id, weights) once for every distinct id in `ids`, in any order."""
-        it = iter(self._experts(layer, ids))
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                self.usage.wait_s += time.perf_counter() - t0
-                return
-            self.usage.wait_s += time.perf_counter() - t0
+        for item in self._experts(layer, ids):
             self.usage.count(layer, [item[0]])
             yield item
 
@@ -149,11 +155,7 @@ class ExpertProvider(ABC):
         """Make these experts of `layer` resident in `arena` at once and hold them until
         `release(layer)`; counts their use."""
         ids = list(ids)
-        t0 = time.perf_counter()
-        try:
-            self._acquire(layer, ids)
-        finally:
-            self.usage.wait_s += time.perf_counter() - t0
+        self._acquire(layer, ids)
         self.usage.count(layer, ids)
 
     def _acquire(self, layer: int, ids: list[int]) -> None:

@@ -25,9 +25,10 @@ class ResidentExperts(ExpertProvider):
 
     def _experts(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
         for e in dict.fromkeys(int(i) for i in ids):
-            w = ExpertWeights.from_official(self.fetch(layer, e))
-            if self.device is not None:
-                w = ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
+            with self.usage.waiting():  # the read: from the mapped shards (and to the device)
+                w = ExpertWeights.from_official(self.fetch(layer, e))
+                if self.device is not None:
+                    w = ExpertWeights(**{f.name: getattr(w, f.name).to(self.device) for f in fields(w)})
             yield e, w
 
     def prefetch(self, layer: int, ids: Iterable[int], fence: object | None = None) -> None:

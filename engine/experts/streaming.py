@@ -303,7 +303,8 @@ class StreamingExperts(ExpertProvider):
             self.tier.done(key)
             return
         try:
-            fut.result()
+            with self.usage.waiting():  # the host is blocked on the read (a device copy never blocks it)
+                fut.result()
         except BaseException as e:
             if key in self._tiered:
                 self._tiered.remove(key)
@@ -371,7 +372,8 @@ class StreamingExperts(ExpertProvider):
                 elif loading:  # a RAM-tier copy is consumed at once (its kernels wait on the device)
                     key = next((k for k, f in loading.items() if isinstance(f, _DeviceCopy) or f.done()), None)
                     if key is None:
-                        wait(list(loading.values()), return_when=FIRST_COMPLETED)
+                        with self.usage.waiting():
+                            wait(list(loading.values()), return_when=FIRST_COMPLETED)
                         key = next(k for k, f in loading.items() if f.done())
                     del loading[key]
                 else:

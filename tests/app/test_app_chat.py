@@ -6,6 +6,8 @@ import asyncio
 import threading
 from dataclasses import replace
 
+import pytest
+
 from fake_engine import ANSWER, THINKING, FakeBackend, FakeEngine
 from app_helpers import start_turn, type_and_send, wait_for, wait_idle
 
@@ -277,6 +279,38 @@ def test_the_service_gives_heap_pages_back_after_every_turn(config):
     service = EngineService(_Recorder(), FakeBackend(), config, trim=lambda: calls.append("trim"))
     stats = TurnStats(prompt_tokens=3, completion_tokens=1, prefill_s=0.1, decode_s=0.1, ttft_s=0.1,
                       tok_per_s=10.0, finish_reason="eos")
-    service._drain(iter([TextDelta("hi"), TurnFinished(stats, "", "hi")]), False)
-    service._drain(iter([EngineFailure("boom")]), False)
+    service._drain((ev for ev in [TextDelta("hi"), TurnFinished(stats, "", "hi")]), False)
+    service._drain((ev for ev in [EngineFailure("boom")]), False)
     assert calls == ["trim", "trim"]
+
+
+def test_the_service_closes_every_turn_it_stops_reading(config, monkeypatch):
+    """A turn keeps its session busy until its events end or it is closed (engine.engine.Engine
+    .generate): the service closes it whatever stops its loop — the last event (the turn's
+    generator is not asked for more), or an error while handling an event."""
+    stats = TurnStats(prompt_tokens=3, completion_tokens=1, prefill_s=0.1, decode_s=0.1, ttft_s=0.1,
+                      tok_per_s=10.0, finish_reason="eos")
+    closed = []
+
+    def events(*evs):
+        try:
+            yield from evs
+            yield TextDelta("never asked for")
+        finally:
+            closed.append(evs[-1])
+
+    service = EngineService(_Recorder(), FakeBackend(), config)
+    last = [TurnFinished(stats, "", "hi"), EngineFailure("boom")]
+    turns = [events(TextDelta("hi"), last[0]), events(last[1])]  # the caller keeps them
+    for t in turns:
+        service._drain(t, False)
+    assert closed == last
+
+    def fail(channel, text):
+        raise RuntimeError("the UI is gone")
+
+    monkeypatch.setattr(service, "_push_text", fail)
+    broken = events(TextDelta("hi"))
+    with pytest.raises(RuntimeError):
+        service._drain(broken, False)
+    assert closed == last + [TextDelta("hi")]

@@ -15,7 +15,7 @@ from engine.buckets import chunk_lengths
 from engine.chat import ChatTokenizer, Message, render_messages
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.events import EngineFailure, StepUpdate, TextDelta, TurnFinished
+from engine.events import ContextOverflow, EngineFailure, StepUpdate, TextDelta, TurnFinished
 from engine.experts.cache import ExpertCache
 from engine.experts.resident import ResidentExperts
 from engine.model import Transformer
@@ -330,8 +330,10 @@ def test_context_limit_fails_cleanly_and_the_session_stays_usable(ckpt):
         assert isinstance(ok, TurnFinished)
         ids, messages = sess.ids, list(sess.messages)
         fail, evs = turn(eng.generate(sess, " ".join(["word"] * 60), GREEDY))
-        assert isinstance(fail, EngineFailure) and len(evs) == 1
-        assert "context limit of 48 tokens" in fail.message
+        assert isinstance(fail, ContextOverflow) and len(evs) == 1  # an EngineFailure, with its numbers
+        assert "context limit of 48 tokens" in fail.message and fail.limit == 48
+        assert fail.prompt_tokens == len(eng.tokenizer.encode(render_messages(
+            sess.conversation(messages + [Message("user", " ".join(["word"] * 60))]), False)))
         assert sess.ids == ids and sess.messages == messages
         full, _ = turn(eng.generate(sess, "Go on", SamplingParams(temperature=0.0, max_tokens=100)))
         assert full.stats.finish_reason == "context" and len(sess.ids) == 48
@@ -481,6 +483,7 @@ def test_two_turns_of_one_session_cannot_interleave(engine):
     next(first)  # the first turn is running
     second_end, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))
     assert isinstance(second_end, EngineFailure) and "already answering" in second_end.message
+    assert "close()" in second_end.message  # says how to end a turn stopped early
     fin, _ = turn(first)
     assert isinstance(fin, TurnFinished)
     assert [m.content for m in sess.messages if m.role == "user"] == [USER_TEXTS[0]]
@@ -488,6 +491,43 @@ def test_two_turns_of_one_session_cannot_interleave(engine):
     fin, _ = turn(engine.generate(sess, USER_TEXTS[1], GREEDY))  # once it has ended, the next one runs
     assert isinstance(fin, TurnFinished)
     check_against_scratch(engine, sess, fin)
+
+
+def test_a_turn_has_ended_when_its_last_event_is_taken(engine):
+    """A caller that stops at the last event (TurnFinished or EngineFailure) and keeps the
+    generator, never asking for more, does not keep the session busy: its next turn runs."""
+    sess = engine.new_session()
+    first = engine.generate(sess, USER_TEXTS[0], GREEDY)
+    fin = next(ev for ev in first if isinstance(ev, TurnFinished))
+    assert not sess.answering
+    nxt = engine.generate(sess, USER_TEXTS[1], GREEDY)
+    end = next(ev for ev in nxt if isinstance(ev, (TurnFinished, EngineFailure)))  # kept too
+    assert isinstance(end, TurnFinished) and end.stats.reused_tokens > fin.stats.prompt_tokens
+    check_against_scratch(engine, sess, end)
+    regen = engine.regenerate(sess, GREEDY)
+    assert isinstance(next(ev for ev in regen if isinstance(ev, TurnFinished)), TurnFinished)
+    assert not sess.answering
+    failed = engine.generate(sess, "x " * engine.config.max_seq_len, GREEDY)  # over the context limit
+    assert isinstance(next(failed), EngineFailure) and not sess.answering
+
+
+@pytest.mark.parametrize("events_taken", [1, 4])  # in the prefill; in the decode loop
+def test_a_turn_closed_mid_way_leaves_the_session_as_before(engine, events_taken):
+    """close() on a turn stopped early ends it: the session is as before the turn (messages, ids,
+    state) and its next turn runs, reusing what came before."""
+    sess = engine.new_session()
+    turn(engine.generate(sess, USER_TEXTS[0], GREEDY))
+    messages, ids, position = list(sess.messages), sess.ids, sess.position
+    first = engine.generate(sess, USER_TEXTS[1], SamplingParams(temperature=0.0, max_tokens=20))
+    taken = [next(first) for _ in range(events_taken)]
+    assert sess.answering and not any(isinstance(ev, (TurnFinished, EngineFailure)) for ev in taken)
+    assert (sum(isinstance(ev, TextDelta) for ev in taken) > 0) == (events_taken > 1)
+    first.close()
+    assert not sess.answering
+    assert sess.messages == messages and sess.ids == ids and sess.position == position == sess.state.pos
+    nxt, _ = turn(engine.generate(sess, USER_TEXTS[2], GREEDY))
+    assert isinstance(nxt, TurnFinished) and nxt.stats.reused_tokens == position
+    check_against_scratch(engine, sess, nxt)
 
 
 def test_turns_made_together_answer_after_each_other(engine):
