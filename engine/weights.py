@@ -124,7 +124,7 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     budget = pool_bytes if cache_bytes is None else cache_bytes
     cache = ExpertCache(budget, manifest.record.record_bytes,
                         num_layers=max(u.layer for u in manifest.units) + 1,
-                        num_experts=manifest.count, policy=policy, pool=records)
+                        num_experts=manifest.count, policy=policy, pool_layers=args.n_layers)
     arena = ExpertArena(cache.capacity_slots, manifest.record, cache.num_layers, manifest.count,
                         device)
     index = TensorIndex.open(path)

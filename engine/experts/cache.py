@@ -118,11 +118,12 @@ class ExpertCache:
     pending: it is pinned as soon as it is admitted (the `/pin L:E` behaviour: loads on next
     use, then never evicts). At most capacity_slots keys can be pinned.
 
-    `pool`: how many distinct keys its user routes (default num_layers * num_experts; the engine
-    passes the main layers' experts, its key range also covering the MTP block's row, which it
-    never routes). A cache of at least that many slots never evicts for them, so it runs without
-    an eviction policy (nothing to rank; `lookup_many` of resident keys does no policy work): a
-    key beyond the pool admitted into it once it is full raises CacheFullError.
+    `pool_layers`: the layers 0..pool_layers-1 whose keys its user routes, the pool (default
+    every layer; the engine passes its main layers, the key range also covering the MTP block's
+    row, which it never routes). A cache with a slot for every key of the pool never evicts for
+    them, so it runs without an eviction policy (nothing to rank; `lookup_many` of resident keys
+    does no policy work), and admits a key beyond the pool only into a spare slot (one no key of
+    the pool can need), else ExpertCacheError naming the fix: it could never be evicted.
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class ExpertCache:
         num_experts: int,
         policy: str | Callable[[int], EvictionPolicy] = "lfu",
         window: int = 1024,
-        pool: int | None = None,
+        pool_layers: int | None = None,
     ) -> None:
         if entry_bytes <= 0:
             raise ExpertCacheError(f"entry_bytes must be positive, got {entry_bytes}")
@@ -160,7 +161,10 @@ class ExpertCache:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.window = window
-        self.pool = num_layers * num_experts if pool is None else pool
+        self.pool_layers = num_layers if pool_layers is None else pool_layers
+        if not 0 < self.pool_layers <= num_layers:
+            raise ExpertCacheError(f"pool_layers must be in [1, {num_layers}], got {pool_layers}")
+        self.pool = self.pool_layers * num_experts  # the keys its user routes
         self._ranked = self.capacity_slots < self.pool  # else it never evicts (for the pool's keys)
         given = policy(self.capacity_slots)
         self._policy: EvictionPolicy = given if self._ranked else _Unranked(given.name)
@@ -273,6 +277,14 @@ class ExpertCache:
         """
         if self._check(key) in self._slots:
             raise ExpertCacheError(f"expert {key!r} is already resident in slot {self._slots[key]}")
+        if not self._ranked and key[0] >= self.pool_layers:
+            beyond = sum(self._per_layer[self.pool_layers:])
+            if len(self._free) <= self.pool - (len(self._slots) - beyond):  # it would take a pool key's slot
+                raise ExpertCacheError(
+                    f"expert {key!r} is outside this cache's pool (layers 0-{self.pool_layers - 1}, every "
+                    f"expert of which has a slot, so none is ever evicted) and no spare slot is left; give "
+                    f"the cache a budget of more than {self.pool + beyond} records to also hold it"
+                )
         evicted = None
         if not self._free:
             evicted = self._policy.victim()

@@ -279,6 +279,9 @@ class StreamingExperts(ExpertProvider):
         except CacheFullError:
             self._release(key)
             return False
+        except BaseException:  # e.g. a key outside a whole-pool cache's pool: nothing stays held
+            self._release(key)
+            raise
         if evicted is not None:
             self.arena.clear(*evicted)
             if self.tier is not None:

@@ -570,7 +570,7 @@ def test_a_cache_of_its_pool_tells_its_policy_nothing_and_counts_residents_per_l
         policies.append(_Told(capacity))
         return policies[-1]
 
-    cache = ExpertCache(48 * E, E, num_layers=4, num_experts=16, policy=told, pool=48)
+    cache = ExpertCache(48 * E, E, num_layers=4, num_experts=16, policy=told, pool_layers=3)
     assert cache.pool == 48 and ExpertCache(48 * E, E, num_layers=4, num_experts=16).pool == 64
     keys = [(layer, e) for layer in range(3) for e in range(16)]
     for key in keys + keys[::-1]:
@@ -579,10 +579,18 @@ def test_a_cache_of_its_pool_tells_its_policy_nothing_and_counts_residents_per_l
     assert policies[0].told == [] and cache.stats().evictions == 0
     assert [cache.resident_in(layer) for layer in range(4)] == [16, 16, 16, 0]
     cache.discard((1, 3))
-    use(cache, (3, 0))  # a key beyond the pool takes the free slot
-    assert [cache.resident_in(layer) for layer in range(4)] == [16, 15, 16, 1]
-    with pytest.raises(CacheFullError):  # full, and nothing ranked to evict
-        cache.admit((1, 3))
+    assert [cache.resident_in(layer) for layer in range(4)] == [16, 15, 16, 0]
+    with pytest.raises(ExpertCacheError, match=r"outside this cache's pool \(layers 0-2.*no spare slot.*more than 48 records"):
+        cache.admit((3, 0))  # it could never be evicted: refused, and the free slot stays the pool's
+    use(cache, (1, 3))
+    assert [cache.resident_in(layer) for layer in range(4)] == [16, 16, 16, 0]
     cache.pin((0, 0))
     cache.flush()
     assert [cache.resident_in(layer) for layer in range(4)] == [1, 0, 0, 0] and len(cache) == 1
+    ranked = ExpertCache(47 * E, E, num_layers=4, num_experts=16, pool_layers=3)  # evicts: takes any key
+    use(ranked, (3, 0))
+    assert ranked.peek((3, 0)) is not None
+    spare = ExpertCache(49 * E, E, num_layers=4, num_experts=16, pool_layers=3)  # one slot beyond the pool
+    use(spare, (3, 0))
+    with pytest.raises(ExpertCacheError, match="more than 49 records"):
+        spare.admit((3, 1))

@@ -157,3 +157,25 @@ def test_the_memory_plans_pool_is_the_main_layers_experts(packed, separated_ckpt
         experts = {n: index.info(n).nbytes for n in index.names() if ".ffn.experts." in n}
     mtp = sum(b for n, b in experts.items() if n.startswith("mtp."))
     assert mtp > 0 and official.pool == sum(experts.values()) - mtp
+
+
+def test_a_whole_pool_cache_refuses_the_mtp_blocks_experts_clearly_and_holds_nothing(packed):
+    """A cache of exactly the pool never evicts, so an MTP expert admitted into it would keep a
+    main-layer expert out for good: it is refused with the fix named, and the call leaves no
+    hold behind; the main layers still all load."""
+    import pytest
+
+    from engine.experts.cache import ExpertCacheError
+
+    n_layers, count, _ = _sizes(packed)
+    files = open_model(packed)  # the default budget: the pool
+    try:
+        p = files.experts
+        with pytest.raises(ExpertCacheError, match="outside this cache's pool.*no spare slot.*more than"):
+            list(p.experts(n_layers, [0]))
+        with pytest.raises(ExpertCacheError, match="outside this cache's pool"):
+            p.acquire(n_layers, [0])
+        assert p.cache.held() == frozenset() and len(p.cache) == 0
+        assert p.load_all() and p.all_resident()
+    finally:
+        files.close()
