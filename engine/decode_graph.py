@@ -29,7 +29,8 @@ step can be captured once and replayed. Two modes:
   host's wake-up and launch. Hash layers' experts follow from the token id: they are hinted
   (`provider.prefetch`) once segment 0, which reads no routed expert, is launched, with a fence
   taken before that launch, so their reads overlap it; a sampled token still on the device is
-  read by the host only then, so segment 0 is queued behind the sampler while the host waits.
+  copied to the host before that launch and waited for only after it, so segment 0 is queued
+  behind the sampler while the host waits for the sampler alone.
   With router lookahead (`Transformer.lookahead`), segment i also computes layer i+1's predicted
   experts (`Transformer.predict_next`, in the graph, beside layer i's route: one host read for
   both). Once layer i's experts are held and segment i+1 is launched, they go to
@@ -143,6 +144,7 @@ class DecodeRunner:
         # pinned buffer and event per (layer, width) they are copied with
         self._sent: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._picks_host: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self._token_host: tuple[torch.Tensor, torch.cuda.Event] | None = None  # `_token_to_host`'s
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -212,6 +214,7 @@ class DecodeRunner:
             hash_now = i == 0 and token is not None and not self.whole and self._hashed
             if hash_now:
                 fence = self.provider.fence()  # their reads need not wait for segment 0
+                read_token = self._token_to_host(token)  # queued before segment 0: waits for the sampler only
             later = False  # layer i-1's experts all resident: segment i goes first, acquire's bookkeeping after
             if i and not self.whole:
                 ids, predicted = self._routes(out, i - 1)
@@ -227,7 +230,7 @@ class DecodeRunner:
                 if not self.whole and i < n_blocks:
                     self._send_routes(out, i)
                 if hash_now:
-                    tok = int(token)  # a device token: the host waits here, segment 0 queued
+                    tok = read_token()  # a device token: the host waits here, segment 0 queued
                     for layer, table in self._hashed:
                         self.provider.prefetch(layer, table[tok].tolist(), fence=fence)
                 if later:  # while the device runs segment i: the same lookups and holds, in the same order
@@ -237,6 +240,23 @@ class DecodeRunner:
             finally:
                 if i and not self.whole:
                     self.provider.release(i - 1)
+
+    def _token_to_host(self, token: torch.Tensor | int) -> Callable[[], int]:
+        """Start copying a device token to the host (pinned buffer, event) -> a call that waits
+        for that copy alone and returns the id. `int()` of a CUDA tensor would wait for the whole
+        stream, segment 0 included."""
+        if not isinstance(token, torch.Tensor) or token.device.type != "cuda":
+            return lambda: int(token)
+        if self._token_host is None:
+            self._token_host = (torch.empty(1, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+        host, event = self._token_host
+        host.copy_(token.reshape(1), non_blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+
+        def read() -> int:
+            event.synchronize()
+            return int(host[0])
+        return read
 
     def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool,
                    token: torch.Tensor | int) -> _Outputs:
