@@ -179,3 +179,42 @@ def test_a_whole_pool_cache_refuses_the_mtp_blocks_experts_clearly_and_holds_not
         assert p.load_all() and p.all_resident()
     finally:
         files.close()
+
+
+def test_the_pool_is_resident_only_once_its_last_read_has_landed(packed, monkeypatch):
+    """After a flush, the last missing expert pinned (its read starts at once, joined on its next
+    use): a whole step reads every slot through the table without acquiring, so `all_resident`
+    joins the pending read before it says yes; the slot then holds the record's bytes."""
+    import threading
+
+    n_layers, count, record = _sizes(packed)
+    files = open_model(packed)
+    try:
+        p = files.experts
+        assert p.load_all()
+        p.flush()
+        _refill(p, range(n_layers), count)
+        last = (n_layers - 1, count - 1)
+        old = p.cache.peek(last)
+        p.cache.discard(last)  # as if evicted: the one expert missing, its slot overwritten
+        p.arena.clear(*last)
+        p.arena.data[old].zero_()
+        release = threading.Event()
+        read = p.store.read_into
+
+        def held_back(layer, expert, out):
+            if (layer, expert) == last:
+                release.wait(10)
+            read(layer, expert, out)
+
+        monkeypatch.setattr(p.store, "read_into", held_back)
+        p.pin([last])  # its read waits on the I/O thread until `release`
+        threading.Timer(0.2, release.set).start()
+        assert p.all_resident()
+        slot = p.cache.peek(last)
+        want = bytearray(record)
+        read(last[0], last[1], memoryview(want))
+        assert bytes(p.arena.data[slot].numpy()) == bytes(want)
+    finally:
+        release.set()
+        files.close()
