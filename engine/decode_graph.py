@@ -133,18 +133,16 @@ class DecodeRunner:
         # decode step's after it): (positions, host [n_layers, k] or a chunk step's
         # [n_layers, CHUNK_SLOTS, k], CUDA event or None)
         self._pending: deque[tuple[list[int], torch.Tensor, object]] = deque()
-        # the pinned buffers they are copied into, one per shape: a chunk step's routes and the
-        # next decode step's are pending together, never two of one shape
-        self._routes_host: dict[tuple[int, ...], torch.Tensor] = {}
+        # the pinned buffers and events of `_to_host`, one per key (by default the shape): a chunk
+        # step's routes and the next decode step's are pending together, never two of one shape
+        self._routes_host: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
         # hash layers know their experts from the token id: layered mode reads them ahead
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
         self.chunk_at = model.chunk_position(CHUNK_SLOTS, self.device)  # a chunk step's static inputs
-        # layered steps: each layer's picks on their way to the host (`_send_routes`), and the
-        # pinned buffer and event per (layer, width) they are copied with
+        # layered steps: each layer's picks on their way to the host (`_send_routes`: `_to_host`
+        # with a buffer per layer and width)
         self._sent: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._picks_host: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event]] = {}
-        self._token_host: tuple[torch.Tensor, torch.cuda.Event] | None = None  # `_token_to_host`'s
 
     # ------------------------------------------------------------------ segments
     def _segment(self, i: int, state: SequenceState, emitting: frozenset[int], out: _Outputs) -> None:
@@ -176,16 +174,7 @@ class DecodeRunner:
         segment ends, while the host does the layer before's bookkeeping (`_routes` waits for it)."""
         picks = out.picks.get(layer)
         src = out.carry[layer].routed[0] if picks is None else picks  # [1, k] or [1, 2k]
-        if src.device.type != "cuda":
-            self._sent[layer] = (src, None)
-            return
-        host, event = self._picks_host.get((layer, src.shape[1]), (None, None))
-        if host is None:
-            host, event = torch.empty(src.shape, dtype=src.dtype, pin_memory=True), torch.cuda.Event()
-            self._picks_host[layer, src.shape[1]] = (host, event)
-        host.copy_(src, non_blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
-        self._sent[layer] = (host, event)
+        self._sent[layer] = self._to_host(src, ("picks", layer, src.shape[1]))
 
     def _routes(self, out: _Outputs, layer: int) -> tuple[list[int], list[int] | None]:
         """(layer's routed ids, layer + 1's predicted ids or None): the segment boundary's one
@@ -247,11 +236,7 @@ class DecodeRunner:
         stream, segment 0 included."""
         if not isinstance(token, torch.Tensor) or token.device.type != "cuda":
             return lambda: int(token)
-        if self._token_host is None:
-            self._token_host = (torch.empty(1, dtype=torch.long, pin_memory=True), torch.cuda.Event())
-        host, event = self._token_host
-        host.copy_(token.reshape(1), non_blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
+        host, event = self._to_host(token.reshape(1), ("token",))
 
         def read() -> int:
             event.synchronize()
@@ -302,16 +287,17 @@ class DecodeRunner:
         return gs.out
 
     # ------------------------------------------------------------------ routes of whole steps
-    def _to_host(self, routes: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Start copying a step's routes [n_layers, k] to the host -> (host tensor, event or None)."""
-        if routes.device.type != "cuda":
-            return routes, None
-        host = self._routes_host.get(tuple(routes.shape))
-        if host is None:
-            host = self._routes_host[tuple(routes.shape)] = torch.empty(routes.shape, dtype=routes.dtype,
-                                                                        pin_memory=True)
-        host.copy_(routes, non_blocking=True)
-        event = torch.cuda.Event()
+    def _to_host(self, src: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying `src` to the host, on the current stream -> (host tensor, event or None:
+        `src` itself off CUDA): into the pinned buffer of `key` (default: the shape; a step's
+        routes [n_layers, k]), which must not still be waited on by an earlier copy."""
+        if src.device.type != "cuda":
+            return src, None
+        key = key or tuple(src.shape)
+        if key not in self._routes_host:
+            self._routes_host[key] = (torch.empty(src.shape, dtype=src.dtype, pin_memory=True), torch.cuda.Event())
+        host, event = self._routes_host[key]
+        host.copy_(src, non_blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return host, event
 
@@ -349,7 +335,7 @@ class DecodeRunner:
         self.homes.clear()
         self._pool = None
         self._routes_host = {}
-        self._sent, self._picks_host = {}, {}
+        self._sent = {}
 
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
