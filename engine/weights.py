@@ -120,7 +120,6 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
         raise CheckpointError(str(e)) from None
     args = ModelArgs.from_dict(manifest.config, str(path / "manifest.json"))
     pool_bytes = manifest.pool_bytes(args.n_layers)
-    records = len(manifest.main_units(args.n_layers)) * manifest.count  # the pool's
     budget = pool_bytes if cache_bytes is None else cache_bytes
     cache = ExpertCache(budget, manifest.record.record_bytes,
                         num_layers=max(u.layer for u in manifest.units) + 1,
@@ -131,10 +130,10 @@ def open_converted(path: str | Path, cache_bytes: int | None = None, policy: str
     store = ExpertStore(path, manifest, o_direct=o_direct)
     pool = IOPool(io_threads).start()
     tier = None
-    if host_cache_bytes and not arena.on_host and cache.capacity_slots < records:
+    if host_cache_bytes and not arena.on_host and cache.capacity_slots < cache.pool:
         tier = pinned_tier(store, min(host_cache_bytes, pool_bytes), num_layers=cache.num_layers,
                            policy=policy)
-        if tier is not None and tier.slots >= records:
+        if tier is not None and tier.slots >= cache.pool:
             store.use_direct_reads()
     provider = StreamingExperts(store, arena, cache, pool, n_layers=args.n_layers, top_k=args.n_activated_experts,
                                 tier=tier, hint_gate=hint_gate)
