@@ -194,10 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f", after {a.warm} uncounted passes" if a.warm else ""))
         print(f"  {'slots':>6} {'hints':>12} | {'hit rate':>8} {'misses/use':>10} {'reads/use':>9} "
               f"{'hint reads used / unused':>24} {'skipped (would be used)':>23} {'GB/token':>8}")
+        gates = {"on": (True,), "off": (False,), "both": (False, True)}[a.gate]
+        runs = [(acc, gate) for acc in accuracies for gate in ((True,) if acc is None else gates)]
         for n in slots:
-            for acc, gate in [(acc, gate) for acc in accuracies
-                              for gate in ((True,) if acc is None or a.gate == "on" else
-                                           (False,) if a.gate == "off" else (False, True))]:
+            for acc, gate in runs:
                 c = run(pack, layers, steps, n, acc, a.policy, a.seed, a.warm, gate)
                 hints = "off" if acc is None else f"{acc:.0%}" + ("" if gate else " ungated")
                 print(f"  {n:>6} {hints:>12} | {c.hit_rate:>8.1%} {c.misses / c.uses:>10.3f} {c.reads / c.uses:>9.3f} "
