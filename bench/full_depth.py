@@ -184,6 +184,14 @@ def _captures(eng) -> int:
     return runner.captures if runner is not None else 0
 
 
+def _guesses(eng) -> tuple[int, int]:
+    """(steps guessed whole through the bounded cache, of those redone layer by layer) so far
+    (engine/step_guess.py; 0, 0 without guessing)."""
+    runner = eng.runtime.runner
+    guesses = runner.guesses if runner is not None else None
+    return (guesses.guesses, guesses.wrong) if guesses is not None else (0, 0)
+
+
 class PhaseClock:
     """Seconds spent in each load phase (LoadProgress.phase), from the progress callbacks."""
 
@@ -222,7 +230,7 @@ def child(a) -> dict:
                           max_seq_len=a.max_seq_len, io_threads=a.io_threads, routing_trace=a.routing_trace,
                           host_cache_bytes=None if a.host_cache_gb is None else int(a.host_cache_gb * GiB),
                           fill_host_tier=not a.no_tier_fill, lookahead_prefetch=not a.no_lookahead,
-                          routing_lookahead=a.lookahead_accuracy)
+                          routing_lookahead=a.lookahead_accuracy, guess_whole_steps=not a.no_guess)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = PhaseClock()
     if cuda:
@@ -252,12 +260,13 @@ def child(a) -> dict:
     for n in a.prompts:
         session = eng.new_session()
         t_turn = time.perf_counter()
-        captures = _captures(eng)
+        captures, guessed = _captures(eng), _guesses(eng)
         now = eng.stats().cache
         tier = now.tier if now else None  # how full the host tier is now
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
         print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
-              f"{_captures(eng) - captures} graph captures"
+              f"{_captures(eng) - captures} graph captures, "
+              f"{_guesses(eng)[0] - guessed[0]} steps guessed whole ({_guesses(eng)[1] - guessed[1]} redone)"
               + (f", host tier {tier.entries}/{tier.capacity_entries} records at its start" if tier else ""),
               file=sys.stderr, flush=True)
         fin = events[-1]
@@ -272,7 +281,8 @@ def child(a) -> dict:
                                "step_ms": [round(x, 3) for x in st.step_ms],
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "tier_entries_at_start": tier.entries if tier else None,
-                               "graph_captures": _captures(eng) - captures})
+                               "graph_captures": _captures(eng) - captures,
+                               "guessed": _guesses(eng)[0] - guessed[0], "guessed_wrong": _guesses(eng)[1] - guessed[1]})
     before = eng.stats().cache
     follow = list(eng.generate(session, "And then?", greedy))[-1]
     after = eng.stats().cache
@@ -341,6 +351,7 @@ def child(a) -> dict:
         free, total = torch.cuda.mem_get_info()
         out["device_used"] = total - free
     out["graph_captures"] = _captures(eng)
+    out["guessed"], out["guessed_wrong"] = _guesses(eng)
     out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
     out["peak_allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
     out["info"] = {k: v for k, v in eng.info.items() if k != "memory_plan"}
@@ -443,6 +454,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-lookahead", action="store_true",
                    help="no router lookahead prefetch (EngineConfig.lookahead_prefetch off): its reads against "
                         "the misses it saves")
+    p.add_argument("--no-guess", action="store_true",
+                   help="streamed steps always layer by layer (EngineConfig.guess_whole_steps off), not guessed "
+                        "whole when their experts look resident")
     p.add_argument("--workdir", default="/tmp/dsv4fd")
     p.add_argument("--warm-repeat", action="store_true", help="run the first configuration twice (cold, then warm)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -512,6 +526,8 @@ def main(argv=None) -> int:
             cmd += ["--no-tier-fill"]
         if a.no_lookahead:
             cmd += ["--no-lookahead"]
+        if a.no_guess:
+            cmd += ["--no-guess"]
         if a.trace:
             Path(a.trace).mkdir(parents=True, exist_ok=True)
             cmd += ["--trace", a.trace]
@@ -529,14 +545,15 @@ def main(argv=None) -> int:
         r["label"] = (label + (" forced routing" if a.routing_trace else "")
                       + (f" lookahead stand-in {a.lookahead_accuracy:.0%}" if a.lookahead_accuracy is not None else "")
                       + (" TIMING PACK" if a.timing_pack else "") + (" no tier fill" if a.no_tier_fill else "")
-                      + (" no lookahead" if a.no_lookahead else ""))
+                      + (" no lookahead" if a.no_lookahead else "") + (" no guessed steps" if a.no_guess else ""))
         r["timing_only"] = a.timing_pack
         r["process_s"] = time.perf_counter() - t
         results.append(r)
         print(f"{share:.0%} {label}: process {r['process_s']:.0f} s, load {r['load_s']:.1f} s "
               f"({', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())}), "
               f"kernels {r['kernels_after_load']} at load, {r['kernels_during_chat']} during the chat; "
-              f"{r['graph_captures']} graph sets captured, device memory in use {r.get('device_used', 0) / GiB:.2f} GiB "
+              f"{r['graph_captures']} graph sets captured, {r['guessed']} steps guessed whole "
+              f"({r['guessed_wrong']} redone layer by layer), device memory in use {r.get('device_used', 0) / GiB:.2f} GiB "
               f"(allocator's peak reserved {r['peak_reserved'] / GiB:.2f}); "
               f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
               f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)

@@ -356,6 +356,9 @@ class EngineConfig:
     routing_lookahead: float | None = None  # with routing_trace: a stand-in lookahead right this share of the time
     cuda_graphs: bool = True  # on CUDA, native numerics, converted model: replay decode steps from graphs
     lookahead_prefetch: bool = True  # streaming: prefetch layer L+1's experts predicted by its gate on layer L's state
+    # streaming, graphs: run a step as one graph when its experts look resident, redo it layer by
+    # layer when one was not (engine/step_guess.py)
+    guess_whole_steps: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

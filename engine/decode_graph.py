@@ -38,6 +38,17 @@ step can be captured once and replayed. Two modes:
   runs on the host while segment i+1 runs on the device, and its reads wait only for the work
   before the fence (segment i+1 reads only layer i's experts, which are held until the hint
   is issued), so they overlap segment i+1 (layer i's FFN and layer i+1's attention).
+- **guessed whole** (a bounded cache, with `guesses`: engine/step_guess.py decides when): the
+  layered step's host round trips only confirm what the cache holds when it holds every expert
+  the step routes to, so the step replays the whole graph instead, its kernels reading every
+  routed expert through the slot table (an expert not resident reads slot 0: a wrong value, no
+  fault). Its routes come back to the host between the blocks and the head, and
+  `provider.first_missing` checks them. All resident: the step stands, its routes counted as a
+  whole step's. Else the tensors the step rewrote in place are restored
+  (`SequenceState.rewritten`, saved before an emitting step) and the step runs again layered at
+  the same position, which rewrites everything else the guess wrote. A guess waits for no
+  pending read: it is not made while one is pending (`provider.reading()`), since that slot may
+  not hold its bytes yet.
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
@@ -71,7 +82,8 @@ from engine.graph_homes import HOMES, GraphHomes
 from engine.lanes import Lanes
 from engine.model import DecodeCarry, Transformer
 from engine.moe import Cells
-from engine.state import SequenceState
+from engine.state import SequenceState, copies
+from engine.step_guess import StepGuess
 
 # Token slots of a chunk step (`DecodeRunner.chunk`): a prefill chunk of up to this many tokens
 # runs as one graph replay; its GEMV kernels take at most 16 rows (kernels.fp4_moe.GEMV_MAX_M).
@@ -102,13 +114,16 @@ class DecodeRunner:
 
     def __init__(self, model: Transformer, provider: ExpertProvider, whole: bool, graphs: bool | None = None,
                  on_routes: Callable[[int, int, list[int]], None] | None = None, homes: int = HOMES,
-                 lanes: Lanes | None = None):
+                 lanes: Lanes | None = None, guesses: StepGuess | None = None):
         """`whole`: use one graph per step while every expert is resident (else one per layer);
         `on_routes(layer, position, expert ids)` observes every routing decision of a step (the
         provider counts the uses itself, in `acquire` and `record_routes`); `homes`: graph homes kept
         (engine/graph_homes.py `homes_for`); `lanes`: where a step's work off its chain of kernels
-        runs (engine/lanes.py), None: side streams on the model's device."""
+        runs (engine/lanes.py), None: side streams on the model's device; `guesses`: when a step
+        through a bounded cache runs whole on the guess that its experts are resident
+        (engine/step_guess.py), None: never."""
         self.model, self.provider, self.prefer_whole, self.on_routes = model, provider, whole, on_routes
+        self.guesses = guesses
         self.whole = whole  # the mode of the current step
         self.device = model.embed.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -191,13 +206,15 @@ class DecodeRunner:
             self.on_routes(layer, self.at.host, ids)
         return ids, predicted
 
-    def _run(self, out: _Outputs, segment, n_segments: int, token: torch.Tensor | int | None = None) -> None:
+    def _run(self, out: _Outputs, segment, n_segments: int, token: torch.Tensor | int | None = None) -> bool:
         """Run segments 0..n-1 via `segment(i)`; layered mode makes each layer's routed experts
         resident (and holds them) around the segment that uses them, hands the next layer's
         predicted experts to the provider once that segment is launched, and the hash layers'
         experts of `token` to `provider.prefetch` once segment 0 (which reads no routed expert) is
-        launched: a sampled token's wait (`int(token)`) overlaps that segment (module docstring)."""
+        launched: a sampled token's wait (`int(token)`) overlaps that segment (module docstring).
+        -> whether every layer's experts were `resident` at its turn (always in whole mode)."""
         n_blocks = len(self.model.blocks)
+        every = True
         for i in range(n_segments):
             predicted = fence = None
             hash_now = i == 0 and token is not None and not self.whole and self._hashed
@@ -208,6 +225,7 @@ class DecodeRunner:
             if i and not self.whole:
                 ids, predicted = self._routes(out, i - 1)
                 later = self.provider.resident(i - 1, ids)
+                every = every and later
                 if later:  # a hint's table writes since the last acquire (engine/experts/streaming.py)
                     self.provider.arena.sync_table()
                 else:
@@ -229,6 +247,7 @@ class DecodeRunner:
             finally:
                 if i and not self.whole:
                     self.provider.release(i - 1)
+        return every
 
     def _token_to_host(self, token: torch.Tensor | int) -> Callable[[], int]:
         """Start copying a device token to the host (pinned buffer, event) -> a call that waits
@@ -244,12 +263,13 @@ class DecodeRunner:
         return read
 
     def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool,
-                   token: torch.Tensor | int) -> _Outputs:
+                   token: torch.Tensor | int, routes: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
         out = _Outputs([None] * len(self.model.blocks))
-        self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, token)
+        every = self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, token)
+        routes(out)
         if logits:
             self._head(out)
-        return out
+        return out, every
 
     def _capture(self, state: SequenceState, emitting: frozenset[int]) -> _GraphSet:
         """Record the graphs of one emission pattern on the current state buffers (nothing runs
@@ -279,12 +299,14 @@ class DecodeRunner:
         self.captures += 1
         return graphs
 
-    def _replay(self, gs: _GraphSet, logits: bool, token: torch.Tensor | int) -> _Outputs:
+    def _replay(self, gs: _GraphSet, logits: bool, token: torch.Tensor | int,
+                routes: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
         *body, head = gs.graphs
-        self._run(gs.out, lambda i: body[i].replay(), len(body), token)
+        every = self._run(gs.out, lambda i: body[i].replay(), len(body), token)
+        routes(gs.out)
         if logits:
             head.replay()
-        return gs.out
+        return gs.out, every
 
     # ------------------------------------------------------------------ routes of whole steps
     def _to_host(self, src: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -341,9 +363,13 @@ class DecodeRunner:
     def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor), or None without
         `logits` (a prefill token's step: the head is skipped); state.pos += 1. A whole-mode
-        step's routes are counted by the next step (after its launch) or `settle()`."""
+        step's routes are counted by the next step (after its launch) or `settle()`. A step
+        through a bounded cache may be guessed whole (`_guessed`, engine/step_guess.py)."""
         self.model.reserve(state, state.pos)
-        self.whole = self.prefer_whole and self.provider.all_resident()
+        complete = self.prefer_whole and self.provider.all_resident()
+        guess = (not complete and self.guesses is not None and self.guesses.ready()
+                 and not self.provider.reading())  # a pending read's slot may not hold its bytes yet
+        self.whole = complete or guess
         if self.whole:  # no acquire sends the slot table: a hint's writes may not be on the device yet
             self.provider.arena.sync_table()
         else:
@@ -357,29 +383,87 @@ class DecodeRunner:
             self.model.routing.set_position(state.pos)
         emitting = self.model.emitting(state.pos)
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
-        gs = home.sets.get((self.whole, emitting)) if home is not None else None
-        if not self.graphs:
-            out = self._run_eager(state, emitting, logits, token)
-        elif gs is None:
-            side = self._side  # warm-up off the default stream, as capture wants
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                out = self._run_eager(state, emitting, logits, token)  # this step, eagerly; compiles its kernels
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        else:
-            out = self._replay(gs, logits, token)
+        if guess:
+            right, result = self._guessed(state, emitting, home, logits, token)
+            if right:
+                state.pos += 1
+                return result
+            self.whole = False  # redone layer by layer, the state as before the guess
+            self.settle()
+        out, every, sent = self._execute(state, emitting, home, logits, token)
         result = out.logits.clone() if logits else None
-        routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
-        if self.graphs and gs is None:  # capture after this step's results are taken
-            try:
-                home.sets[self.whole, emitting] = self._capture(state, emitting)
-            except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
-                self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
+        self._capture_missing(state, home, emitting)  # after this step's results are taken
         self._settle_before_token()  # the previous step's routes, while this one runs (queued after it)
-        if routes is not None:
-            self._pending.append(([state.pos], *self._to_host(routes)))
+        if sent is not None:
+            self._pending.append(([state.pos], *sent))
+        if self.guesses is not None and not guess:
+            self.guesses.observed(every)
         state.pos += 1
         return result
+
+    def _execute(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
+                 token: torch.Tensor | int, key: tuple = ()) -> tuple[_Outputs, bool, tuple | None]:
+        """Run the step once in the current mode (`self.whole`): replayed from the home's graph
+        set of this mode and emission pattern, or eagerly (with graphs on the side stream, as
+        capture wants: it also compiles the kernels it needs; `_capture_missing` then captures
+        the set) -> (its outputs, whether every layer's experts were resident at its turn, a
+        whole step's routes [n_layers, k] on their way to the host (`_to_host` with `key`),
+        queued between the blocks and the head, or None)."""
+        sent = None
+
+        def routes(out: _Outputs) -> None:
+            nonlocal sent
+            if self.whole:
+                sent = self._to_host(torch.stack([c.routed[0][0] for c in out.carry]), key)
+        gs = home.sets.get((self.whole, emitting)) if home is not None else None
+        if not self.graphs:
+            out, every = self._run_eager(state, emitting, logits, token, routes)
+        elif gs is None:
+            side = self._side
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                out, every = self._run_eager(state, emitting, logits, token, routes)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        else:
+            out, every = self._replay(gs, logits, token, routes)
+        return out, every, sent
+
+    def _capture_missing(self, state: SequenceState, home, emitting: frozenset[int]) -> None:
+        """Capture the current mode's graph set for this emission pattern if the home lacks it
+        (a step just ran it eagerly)."""
+        if not self.graphs or (self.whole, emitting) in home.sets:
+            return
+        try:
+            home.sets[self.whole, emitting] = self._capture(state, emitting)
+        except RuntimeError as err:  # graphs are an optimisation: decode eagerly, keep the step
+            self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
+
+    def _guessed(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
+                 token: torch.Tensor | int) -> tuple[bool, torch.Tensor | None]:
+        """The step run whole through a bounded cache, on the guess that every expert it routes
+        to is resident (no read pending: the kernels read every routed expert through the slot
+        table, a missing one a resident one's slot) -> (True, its logits or None) when its
+        routes, read back between the blocks and the head, were all resident (the provider's
+        `first_missing`), pending then as a whole step's; (False, None) when one was not, the
+        tensors the step rewrites (`SequenceState.rewritten`, saved before an emitting step)
+        restored: every other write is redone at the same position by the layered step that
+        follows. The host waits for the blocks here, where a whole step of the full pool does not."""
+        rewritten = state.rewritten() if emitting else []
+        saved = copies(rewritten) if rewritten else None
+        out, _, (host, event) = self._execute(state, emitting, home, logits, token, ("guess",))
+        result = out.logits.clone() if logits else None
+        self._capture_missing(state, home, emitting)
+        if event is not None:
+            event.synchronize()
+        if self.provider.first_missing(host.tolist()) is None:
+            self.guesses.right()
+            self._settle_before_token()
+            self._pending.append(([state.pos], host.clone(), None))
+            return True, result
+        self.guesses.missed()
+        if saved is not None:
+            torch._foreach_copy_(rewritten, saved)
+        return False, None
 
     # ------------------------------------------------------------------ the chunk step
     def can_chunk(self) -> bool:
@@ -454,13 +538,18 @@ class DecodeRunner:
 
 def make_runner(model: Transformer, provider: ExpertProvider, device: torch.device, enabled: bool,
                 on_routes: Callable[[int, int, list[int]], None] | None = None,
-                on_loaded: Callable[[int, int], None] | None = None, homes: int = HOMES) -> DecodeRunner | None:
+                on_loaded: Callable[[int, int], None] | None = None, homes: int = HOMES,
+                guess: bool = True) -> DecodeRunner | None:
     """The graph runner for an engine, or None when decode stays eager: not CUDA, numerics that
     decode eagerly (exact: `Numerics.decode_graphs`), graphs disabled, or a provider without a
     device slot table. Reads every expert into the arena first when the cache budget holds the
-    whole pool (then one graph per step), reporting `on_loaded(units done, units)`."""
+    whole pool (then one graph per step), reporting `on_loaded(units done, units)`. `guess`:
+    steps through a bounded cache may run whole on the guess that their experts are resident
+    (engine/step_guess.py)."""
     if not enabled or device.type != "cuda" or not model.numerics.decode_graphs:
         return None
     if provider.arena is None:
         return None
-    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes, homes=homes)
+    guesses = StepGuess() if guess and provider.cache is not None else None
+    return DecodeRunner(model, provider, whole=provider.load_all(on_loaded), on_routes=on_routes, homes=homes,
+                        guesses=guesses)

@@ -67,7 +67,7 @@ class Engine:
             lambda done, total: progress(LoadProgress("loading experts", done, total, "layers", "into the GPU arena")))
         routes = self._graph_routes if log is not None else None  # graphed steps' routes: for the trace only
         runner = make_runner(model, self.experts, self.device, config.cuda_graphs, routes, loaded,
-                             homes_for(files.args, config.max_seq_len))
+                             homes_for(files.args, config.max_seq_len), config.guess_whole_steps)
         self.runtime = Runtime(model, self.experts, self.device, self._lock, log, runner)
         self._sessions: WeakSet[Session] = WeakSet()
         self._closed = False

@@ -100,6 +100,15 @@ class LayerState:
             out.append(self.indexer.entries)
         return out
 
+    def rewritten(self) -> list[torch.Tensor]:
+        """The tensors a step reads and then overwrites with what it read: the overlap
+        compressors' previous first halves (`prev_kv`, `prev_gate`), replaced when a window
+        completes. Every other write of a step stores values at its position (a ring row, a
+        buffer row, an entry), so a step run again at the same position, these restored first,
+        leaves the same state."""
+        return [t for comp in (self.compressor, self.indexer) if comp is not None
+                for t in (comp.prev_kv, comp.prev_gate) if t is not None]
+
     def use(self, tensors: Sequence[torch.Tensor]) -> None:
         """Take `tensors` (ordered and shaped as `tensors()` returns them) as this layer's buffers,
         without copying; the views (`window`, the attention entries) follow `kv`."""
@@ -169,6 +178,10 @@ class SequenceState:
         cloned = [layer.on([next(flat) for _ in tensors]) for layer, tensors in zip(layers, owned)]
         return SequenceState(layers=cloned[:len(self.layers)], mtp=None if self.mtp is None else cloned[-1],
                              pos=self.pos, extra=copy.deepcopy(self.extra))
+
+    def rewritten(self) -> list[torch.Tensor]:
+        """Every main layer's `LayerState.rewritten` tensors (a decode step does not run the MTP block)."""
+        return [t for layer in self.layers for t in layer.rewritten()]
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (for the memory budget); views are not counted twice."""

@@ -151,6 +151,18 @@ class ExpertProvider(ABC):
         layered steps). Always, when every expert is addressable without slots."""
         return True
 
+    def reading(self) -> bool:
+        """Whether a read of an expert into `arena` is still pending (a hint's, a pin's): kernels
+        launched now could read its slot before the bytes land (never, by default)."""
+        return False
+
+    def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
+        """The first layer of `routes` (a step's expert ids, layer by layer from layer 0) with
+        an expert that is not in `arena` now, or with a read of it pending; None when every
+        one is resident (always, when every expert is addressable without slots). Changes no
+        statistic: a guessed whole step (engine/step_guess.py) checks its routes with it."""
+        return None
+
     def acquire(self, layer: int, ids: Iterable[int]) -> None:
         """Make these experts of `layer` resident in `arena` at once and hold them until
         `release(layer)`; counts their use."""

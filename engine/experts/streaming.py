@@ -440,6 +440,17 @@ class StreamingExperts(ExpertProvider):
         loads, cache = self._loads, self.cache
         return all(cache.contains((layer, e)) and (layer, e) not in loads for e in ids)
 
+    def reading(self) -> bool:
+        return bool(self._loads)
+
+    def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
+        loads, contains = self._loads, self.cache.contains
+        for layer, ids in enumerate(routes):
+            for e in ids:
+                if not contains((layer, e)) or (layer, e) in loads:
+                    return layer
+        return None
+
     def can_acquire(self, n: int) -> bool:
         acquired = sum(len(keys) for keys in self._acquired.values())
         return n <= self.cache.capacity_slots - len(self.pinned()) - acquired

@@ -15,6 +15,7 @@ from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.decode_graph import DecodeRunner
 from engine.model import Transformer
 from engine.numerics import Numerics
+from engine.step_guess import StepGuess
 from engine.weights import open_model
 from kernels.backend import make_backend
 
@@ -33,9 +34,11 @@ def packed(tmp_path_factory) -> Path:
     return convert(src, tmp_path_factory.mktemp("gpack") / "pack")
 
 
-def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
+def _run(packed: Path, backend: str, cache_records: int | None, steps: int, guesses: StepGuess | None = None,
+         logits: list | None = None):
     """Greedy decode through graphs; each step is also run eagerly on a copy of the state (same
-    token, same position): returns the per-step max relative difference and the captures."""
+    token, same position): returns the per-step max relative difference and the captures.
+    `guesses`: the runner's (engine/step_guess.py); `logits` collects each step's."""
     dev = torch.device("cuda")
     probe = open_model(packed)
     record = probe.experts.store.record_bytes
@@ -45,7 +48,7 @@ def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
     whole = files.experts.load_all()
     model = Transformer(lambda n: files.get(n).to(dev), files.args,
                         Numerics.named("native", make_backend(backend, dev)))
-    runner = DecodeRunner(model, files.experts, whole=whole, graphs=True)
+    runner = DecodeRunner(model, files.experts, whole=whole, graphs=True, guesses=guesses)
     errs, agree = [], 0
     with torch.inference_mode():
         state = model.new_state()
@@ -56,6 +59,8 @@ def _run(packed: Path, backend: str, cache_records: int | None, steps: int):
             eager_state = state.clone()
             want = model.forward(tok, eager_state, files.experts, last_only=True)
             got = runner.step(state, tok)
+            if logits is not None:
+                logits.append(got)
             errs.append(((got - want).abs().max() / want.abs().max()).item())
             agree += int(torch.equal(got.argmax(-1), want.argmax(-1)))
             tok = got.argmax(-1)
@@ -75,6 +80,23 @@ def test_whole_graph_equals_eager(packed, backend):
 
 def test_layered_graphs_through_a_small_cache_equal_eager(packed):
     errs, agree, captures = _run(packed, "tilelang", 12, 24)
+    assert max(errs) <= 1e-2 and agree >= 23
+
+
+def test_guessed_whole_graphs_equal_layered_graphs(packed):
+    """Steps through a cache of most of the pool, every one guessed whole (engine/step_guess.py):
+    some guesses right, some redone layer by layer; the logits bit for bit those of layered
+    graphs, and near the eager step's."""
+    probe = open_model(packed)
+    pool = probe.args.n_layers * probe.experts.store.count
+    k = probe.args.n_activated_experts
+    probe.close()
+    layered, guessed = [], []
+    _run(packed, "tilelang", pool - 2 * k, 24, logits=layered)
+    guesses = StepGuess(least=0, most=0)
+    errs, agree, _ = _run(packed, "tilelang", pool - 2 * k, 24, guesses, guessed)
+    assert guesses.guesses > 12 and 0 < guesses.wrong < guesses.guesses  # both outcomes, on graphs
+    assert all(torch.equal(a, b) for a, b in zip(layered, guessed))
     assert max(errs) <= 1e-2 and agree >= 23
 
 
