@@ -30,8 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cache_replay import ReplayError, read_route_csv  # noqa: E402
-from bench.full_depth import build_pack  # noqa: E402
-from bench.lookahead_replay import route_steps  # noqa: E402
+from bench.lookahead_replay import traced_pack  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.provider import ExpertProvider  # noqa: E402
 from engine.step_guess import StepGuess  # noqa: E402
@@ -153,12 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     for name, rows in traces:
         try:
-            layers, steps = route_steps(rows)
+            layers, steps, pack = traced_pack(rows, Path(a.workdir))
         except ReplayError as e:
             print(f"bench.guess_replay: {name}: {e}", file=sys.stderr)
             return 2
-        n_experts = 1 + max(max(route[layer]) for route in steps for layer in layers)
-        pack = build_pack(Path(a.workdir), layers[-1] + 1, n_experts, tiny=True)
         print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}"
               + (f", after {a.warm} uncounted passes" if a.warm else ""))
         print(f"  {'slots':>6} {'guesses':>8} | {'all resident':>12} {'right':>6} {'wrong':>6} {'layered':>8} "

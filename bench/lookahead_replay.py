@@ -83,6 +83,14 @@ def route_steps(rows: Sequence[RouteRow]) -> tuple[list[int], list[dict[int, lis
     return layers, [steps[pos] for pos in sorted(steps)]
 
 
+def traced_pack(rows: Sequence[RouteRow], workdir: Path) -> tuple[list[int], list[dict[int, list[int]]], Path]:
+    """`route_steps(rows)` and the tiny pack with the trace's layers and experts (built once into
+    `workdir`: records of a few KiB, for counting reads, not timing them)."""
+    layers, steps = route_steps(rows)
+    n_experts = 1 + max(max(route[layer]) for route in steps for layer in layers)
+    return layers, steps, build_pack(workdir, layers[-1] + 1, n_experts, tiny=True)
+
+
 def predict(route: list[int], accuracy: float, n_experts: int, rng: random.Random) -> list[int]:
     """The stand-in lookahead: each routed id kept with probability `accuracy`, else replaced by
     one the route does not hold, drawn uniformly."""
@@ -184,12 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           "layers take no slots; reads counted, not timed; GB at 12.75 MiB a record", flush=True)
     for name, rows in traces:
         try:
-            layers, steps = route_steps(rows)
+            layers, steps, pack = traced_pack(rows, Path(a.workdir))
         except ReplayError as e:
             print(f"bench.lookahead_replay: {name}: {e}", file=sys.stderr)
             return 2
-        n_experts = 1 + max(max(route[layer]) for route in steps for layer in layers)
-        pack = build_pack(Path(a.workdir), layers[-1] + 1, n_experts, tiny=True)
         print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}"
               + (f", after {a.warm} uncounted passes" if a.warm else ""))
         print(f"  {'slots':>6} {'hints':>12} | {'hit rate':>8} {'misses/use':>10} {'reads/use':>9} "
