@@ -43,8 +43,9 @@ step can be captured once and replayed. Two modes:
   the step routes to, so the step replays the whole graph instead, its kernels reading every
   routed expert through the slot table (an expert not resident reads slot 0: a wrong value, no
   fault). Its routes come back to the host between the blocks and the head, and
-  `provider.first_missing` checks them. All resident: the step stands, its routes counted as a
-  whole step's. Else the tensors the step rewrote in place are restored
+  `provider.first_missing` checks them. All resident: the step stands, its routes counted at
+  once (a whole step's wait for the next step; here a cache that misses could evict them
+  meanwhile). Else the tensors the step rewrote in place are restored
   (`SequenceState.rewritten`, saved before an emitting step) and the step runs again layered at
   the same position, which rewrites everything else the guess wrote. A guess waits for no
   pending read: it is not made while one is pending (`provider.reading()`), since that slot may
@@ -390,30 +391,31 @@ class DecodeRunner:
                 return result
             self.whole = False  # redone layer by layer, the state as before the guess
             self.settle()
-        out, every, sent = self._execute(state, emitting, home, logits, token)
+        out, every, _ = self._execute(state, emitting, home, logits, token)
         result = out.logits.clone() if logits else None
+        routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
         self._capture_missing(state, home, emitting)  # after this step's results are taken
         self._settle_before_token()  # the previous step's routes, while this one runs (queued after it)
-        if sent is not None:
-            self._pending.append(([state.pos], *sent))
+        if routes is not None:  # into the buffer the previous step's, counted now, came through
+            self._pending.append(([state.pos], *self._to_host(routes)))
         if self.guesses is not None and not guess:
             self.guesses.observed(every)
         state.pos += 1
         return result
 
     def _execute(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
-                 token: torch.Tensor | int, key: tuple = ()) -> tuple[_Outputs, bool, tuple | None]:
+                 token: torch.Tensor | int, key: tuple | None = None) -> tuple[_Outputs, bool, tuple | None]:
         """Run the step once in the current mode (`self.whole`): replayed from the home's graph
         set of this mode and emission pattern, or eagerly (with graphs on the side stream, as
         capture wants: it also compiles the kernels it needs; `_capture_missing` then captures
-        the set) -> (its outputs, whether every layer's experts were resident at its turn, a
-        whole step's routes [n_layers, k] on their way to the host (`_to_host` with `key`),
-        queued between the blocks and the head, or None)."""
+        the set) -> (its outputs, whether every layer's experts were resident at its turn, with
+        `key` a whole step's routes [n_layers, k] on their way to the host (`_to_host` into the
+        buffer of `key`), queued between the blocks and the head; else None)."""
         sent = None
 
         def routes(out: _Outputs) -> None:
             nonlocal sent
-            if self.whole:
+            if key is not None:
                 sent = self._to_host(torch.stack([c.routed[0][0] for c in out.carry]), key)
         gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
@@ -444,7 +446,7 @@ class DecodeRunner:
         to is resident (no read pending: the kernels read every routed expert through the slot
         table, a missing one a resident one's slot) -> (True, its logits or None) when its
         routes, read back between the blocks and the head, were all resident (the provider's
-        `first_missing`), pending then as a whole step's; (False, None) when one was not, the
+        `first_missing`), counted then (`_count`); (False, None) when one was not, the
         tensors the step rewrites (`SequenceState.rewritten`, saved before an emitting step)
         restored: every other write is redone at the same position by the layered step that
         follows. The host waits for the blocks here, where a whole step of the full pool does not."""
@@ -457,9 +459,9 @@ class DecodeRunner:
             event.synchronize()
         if self.provider.first_missing(host.tolist()) is None:
             self.guesses.right()
-            self._settle_before_token()
-            self._pending.append(([state.pos], host.clone(), None))
-            return True, result
+            self.settle()  # earlier steps' routes first
+            self._count([state.pos], host, None)  # now, while the head runs: nothing pending names an
+            return True, result  # expert the cache may evict before the next step (a pin, say)
         self.guesses.missed()
         if saved is not None:
             torch._foreach_copy_(rewritten, saved)

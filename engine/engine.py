@@ -251,6 +251,7 @@ class Engine:
                                    f"experts 0-{self.args.n_routed_experts - 1})")
         with self._lock:
             self._open()
+            self.runtime.settle()  # a pin may evict: the routes still to be counted name resident experts
             self.experts.pin(keys)
 
     def pin_hot(self, n: int) -> list[tuple[int, int]]:

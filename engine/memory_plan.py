@@ -133,17 +133,27 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
 # Device memory a captured decode graph set holds outside the caching allocator, per layer
 # (H200, 43 layers: 0.14 GiB a set, whole graph or one graph per layer alike).
 GRAPH_SET_BYTES_PER_LAYER = 3_500_000
-GRAPH_SETS_PER_HOME = 4  # the decode step's control flows (none, 4, 4 and 128) and the chunk step
+GRAPH_SETS_PER_HOME = 4  # every expert resident: the decode step's control flows (none, 4, 4 and 128), the chunk step
 
 
-def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES) -> int:
+def graph_sets(bounded: bool, guess: bool) -> int:
+    """Decode graph sets a home keeps (engine/decode_graph.py): with every expert resident, the
+    whole step's three control flows and the chunk step; through a bounded cache, the layered
+    step's three, and the whole step's three too when steps are guessed whole
+    (EngineConfig.guess_whole_steps; no chunk step: it needs every expert resident)."""
+    if not bounded:
+        return GRAPH_SETS_PER_HOME
+    return 6 if guess else 3
+
+
+def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES, sets: int = GRAPH_SETS_PER_HOME) -> int:
     """What the framework holds beyond our tensors: on CUDA the caching allocator's slack,
     cuBLAS workspaces and kernel modules (1 GiB) and the graph sets the `homes` graph homes keep
-    (engine/graph_homes.py: the decode step's three control flows and the chunk step per home);
-    on the CPU, the interpreter, torch and the tokenizer (0.5 GiB)."""
+    (engine/graph_homes.py: `sets` per home, `graph_sets`); on the CPU, the interpreter, torch
+    and the tokenizer (0.5 GiB)."""
     if not machine.device.startswith("cuda"):
         return GiB // 2
-    return GiB + homes * GRAPH_SETS_PER_HOME * GRAPH_SET_BYTES_PER_LAYER * n_layers
+    return GiB + homes * sets * GRAPH_SET_BYTES_PER_LAYER * n_layers
 
 
 @dataclass(frozen=True)
@@ -249,10 +259,17 @@ def make_plan(footprint: ModelFootprint, config: EngineConfig, machine: Machine,
     # uses (one per capacity, powers of two: together under two states at max_seq_len)
     state = (max_snapshots + 4) * state_bytes(args, config.max_seq_len, dtype)
     workspace = workspace_bytes(args, config)
-    framework = framework_bytes(machine, args.n_layers, homes_for(args, config.max_seq_len))
+    homes = homes_for(args, config.max_seq_len)
+    framework = framework_bytes(machine, args.n_layers, homes)
     margin = int(MARGIN_FRACTION * limit)
     fixed = footprint.weights + state + workspace + framework + margin
     pool, record = footprint.pool, footprint.record
+    bounded = footprint.streamed and (config.cache_bytes < pool if config.cache_bytes is not None
+                                      else limit - fixed < pool)
+    if bounded:  # the graph sets of a cache smaller than the pool (`graph_sets`)
+        fixed -= framework
+        framework = framework_bytes(machine, args.n_layers, homes, graph_sets(True, config.guess_whole_steps))
+        fixed += framework
     smallest = footprint.top_k * record if footprint.streamed else 0
     if fixed + smallest > limit:
         raise MemoryPlanError(

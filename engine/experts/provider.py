@@ -152,13 +152,13 @@ class ExpertProvider(ABC):
         return True
 
     def reading(self) -> bool:
-        """Whether a read of an expert into `arena` is still pending (a hint's, a pin's): kernels
-        launched now could read its slot before the bytes land (never, by default)."""
+        """Whether a read of an expert into `arena` has not landed yet (a hint's, a pin's):
+        kernels launched now could read its slot before its bytes are there (never, by default)."""
         return False
 
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
         """The first layer of `routes` (a step's expert ids, layer by layer from layer 0) with
-        an expert that is not in `arena` now, or with a read of it pending; None when every
+        an expert that is not in `arena` now, or whose read has not landed; None when every
         one is resident (always, when every expert is addressable without slots). Changes no
         statistic: a guessed whole step (engine/step_guess.py) checks its routes with it."""
         return None

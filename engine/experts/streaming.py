@@ -440,14 +440,25 @@ class StreamingExperts(ExpertProvider):
         loads, cache = self._loads, self.cache
         return all(cache.contains((layer, e)) and (layer, e) not in loads for e in ids)
 
+    def _landed(self, key: ExpertKey) -> bool:
+        """Whether the bytes of `key`'s read are in its slot: no read pending, or one that has
+        completed without an error and is not joined yet (a pin's, say, of an expert not used
+        since: it stays in `_loads` until then)."""
+        fut = self._loads.get(key)
+        if fut is None:
+            return True
+        if isinstance(fut, _DeviceCopy):
+            return fut.done()
+        return fut.done() and fut.exception() is None
+
     def reading(self) -> bool:
-        return bool(self._loads)
+        return not all(self._landed(key) for key in self._loads)
 
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
         loads, contains = self._loads, self.cache.contains
         for layer, ids in enumerate(routes):
             for e in ids:
-                if not contains((layer, e)) or (layer, e) in loads:
+                if not contains((layer, e)) or ((layer, e) in loads and not self._landed((layer, e))):
                     return layer
         return None
 

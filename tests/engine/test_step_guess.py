@@ -5,6 +5,9 @@ was right or the step was redone layer by layer."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -65,7 +68,7 @@ def test_a_policy_out_of_range_is_refused(least, most):
 
 
 # ---------------------------------------------------------------------------- the runner
-def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str = "native", pin=None):
+def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str = "native"):
     """Prefill PROMPT, then STEPS greedy steps through a cache of `slots` records (None: every
     expert resident, the runner still preferring layers) -> (logits, state, cache figures, runner)."""
     files = open_model(packed) if slots is None else open_model(packed, cache_bytes=slots * _pool(packed)[2])
@@ -77,9 +80,7 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
         model.forward(torch.tensor(PROMPT), state, files.experts)
         runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
         tok, logits = 5, []
-        for i in range(STEPS):
-            if pin is not None and i == STEPS // 2:
-                pin(files.experts)
+        for _ in range(STEPS):
             out = runner.step(state, tok)
             logits.append(out)
             tok = int(out.argmax())
@@ -89,7 +90,7 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
         # reads complete in (engine/experts/streaming.py), which differs from run to run
         figures = (files.experts.stats(), set(cache.resident()), cache.hottest(10 ** 6), dict(usage.uses),
                    list(usage.layer_uses))
-        assert cache.held() == frozenset() and cache.pinned() == files.experts.pinned()  # every hold released
+        assert cache.pinned() == cache.held() == frozenset()  # every hold released
         return logits, state, figures, runner
     finally:
         files.close()
@@ -154,20 +155,63 @@ def test_the_default_policy_guesses_after_a_resident_layered_step(packed):
     assert runner.guesses.guesses == STEPS - 1 and runner.guesses.wrong == 0  # the first step went layered
 
 
-def test_no_guess_while_a_read_is_pending(packed):
-    """A user pin of an expert that is not resident starts its read: while it is pending the
-    slot may not hold its bytes yet, so the next step goes layer by layer."""
-    pool, k, _ = _pool(packed)
-    seen = []
-
-    def pin(experts):
-        missing = next((layer, e) for layer in range(experts.n_layers) for e in range(experts.n_experts)
-                       if not experts.cache.contains((layer, e)))
+def test_no_guess_until_a_pending_read_lands(packed, monkeypatch):
+    """A user pin of an expert that is not resident starts its read: until its bytes are in the
+    slot the next step goes layer by layer; once they are (the read done, not joined: the expert
+    is not used), steps are guessed again."""
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - 2 * k) * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        experts = files.experts
+        runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
+        tok = int(runner.step(state, 5).argmax())
+        assert runner.guesses.guesses == 1 and not experts.reading()
+        landed = threading.Event()
+        real = experts.store.read_into
+        monkeypatch.setattr(experts.store, "read_into", lambda *a: (landed.wait(10), real(*a))[1])
+        missing = next((layer, e) for layer in reversed(range(experts.n_layers))  # not a hash layer's
+                       for e in reversed(range(experts.n_experts)) if not experts.cache.contains((layer, e)))
         experts.pin([missing])
-        seen.append(experts.reading())
-        seen.append(runner_guesses.guesses)
+        assert experts.reading()
+        release = threading.Timer(0.5, landed.set)  # lets the read finish if the step needs it
+        release.start()
+        tok = int(runner.step(state, tok).argmax())
+        assert runner.guesses.guesses == 1  # that step went layer by layer
+        release.join()
+        deadline = time.monotonic() + 10
+        while experts.reading() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not experts.reading() and experts.cache.contains(missing)
+        runner.step(state, tok)
+        assert runner.guesses.guesses == 2  # its bytes landed: guessed again
+        runner.settle()
+        experts.unpin([missing])
+    finally:
+        files.close()
 
-    runner_guesses = StepGuess(least=0, most=0)
-    got, _, _, runner = _decode(packed, pool - 2 * k, runner_guesses, pin=pin)
-    assert seen[0] is True  # the pin's read was pending when the step began
-    assert runner.guesses.guesses == STEPS - 1  # that step alone was not guessed
+
+def test_a_right_guess_leaves_no_route_an_eviction_could_strand(packed):
+    """A right guess counts its routes at once: evicting the experts it used before the next
+    step (a pin or a flush between steps) leaves no pending route naming them, which that step
+    would fail to count ("was used but is not resident")."""
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - 2 * k) * record)
+    try:
+        experts = files.experts
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
+        tok = 5
+        while runner.guesses.guesses == runner.guesses.wrong:  # until a guess is right
+            tok = int(runner.step(state, tok).argmax())
+            assert runner.guesses.guesses < STEPS
+        uses = sum(experts.usage.uses.values())
+        experts.flush()  # every expert the guess used is gone
+        runner.step(state, tok)
+        assert sum(experts.usage.uses.values()) > uses
+    finally:
+        files.close()
