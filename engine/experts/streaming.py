@@ -492,20 +492,17 @@ class StreamingExperts(ExpertProvider):
         """Every expert of the main layers (the pool) is in the arena, e.g. after `load_all`, or
         once decode's misses have brought them all back after a flush; experts of the MTP block
         in the cache, if any, neither count nor matter. O(1) (per-layer counts of the cache)
-        unless reads are still pending when the count is complete (the last expert pinned, or
-        hinted, and not used yet): those are joined first (kernels enqueued from now on wait for
-        a RAM-tier copy on the device; a disk read, on the host), since a whole step reads every
-        slot through the table without an `acquire`; a failed one leaves the pool incomplete."""
+        unless reads are not joined yet when the count is complete (the last expert pinned, or
+        hinted, and not used yet): then each must have landed (`_landed`), since a whole step
+        reads every slot through the table without an `acquire`. A query only: it joins and
+        waits for nothing (`DecodeRunner.can_chunk` asks it outside the engine's lock, and a
+        step that waited here for a disk read would idle the device), so a read in flight keeps
+        the steps layered (or guessed) until it lands; a failed one, until it is joined."""
         cache = self.cache
         beyond = sum(cache.resident_in(layer) for layer in self._beyond)
         if len(cache) - beyond != len(self.main_layers) * self.store.count:
             return False
-        if self._loads:
-            waited: set = set()
-            for key in list(self._loads):
-                self._join(key, reraise=False, waited=waited)
-            return self.all_resident()
-        return True
+        return all(self._landed(key) for key in self._loads)
 
     def _record(self, layer: int, ids: Iterable[int]) -> None:
         """Cache lookups of experts used through the slot table (all hits). This is the layer's

@@ -184,8 +184,10 @@ def test_a_whole_pool_cache_refuses_the_mtp_blocks_experts_clearly_and_holds_not
 def test_the_pool_is_resident_only_once_its_last_read_has_landed(packed, monkeypatch):
     """After a flush, the last missing expert pinned (its read starts at once, joined on its next
     use): a whole step reads every slot through the table without acquiring, so `all_resident`
-    joins the pending read before it says yes; the slot then holds the record's bytes."""
+    says no while that read is in flight, and yes once it has landed (joining nothing: it is a
+    query, asked outside the engine's lock too); the slot then holds the record's bytes."""
     import threading
+    import time
 
     n_layers, count, record = _sizes(packed)
     files = open_model(packed)
@@ -209,8 +211,12 @@ def test_the_pool_is_resident_only_once_its_last_read_has_landed(packed, monkeyp
 
         monkeypatch.setattr(p.store, "read_into", held_back)
         p.pin([last])  # its read waits on the I/O thread until `release`
-        threading.Timer(0.2, release.set).start()
-        assert p.all_resident()
+        assert not p.all_resident() and p.reading()  # counted complete, its bytes not there yet
+        release.set()
+        deadline = time.monotonic() + 10
+        while not p.all_resident() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.all_resident() and not p.reading()
         slot = p.cache.peek(last)
         want = bytearray(record)
         read(last[0], last[1], memoryview(want))
