@@ -43,9 +43,9 @@ step can be captured once and replayed. Two modes:
   the step routes to, so the step replays the whole graph instead, its kernels reading every
   routed expert through the slot table (an expert not resident reads slot 0: a wrong value, no
   fault). Its routes come back to the host between the blocks and the head, and
-  `provider.first_missing` checks them. All resident: the step stands, its routes counted at
-  once (a whole step's wait for the next step; here a cache that misses could evict them
-  meanwhile). Else the tensors the step rewrote in place are restored
+  `provider.first_missing` checks them. All resident: the step stands, its routes pending as a
+  whole step's (counted while the next step's blocks run, or by `settle()`, which anything that
+  evicts calls first: here the cache can evict). Else the tensors the step rewrote in place are restored
   (`SequenceState.rewritten`, saved before an emitting step) and the step runs again layered at
   the same position, which rewrites everything else the guess wrote. A guess waits for no
   pending read: it is not made while one is pending (`provider.reading()`), since that slot may
@@ -446,7 +446,7 @@ class DecodeRunner:
         to is resident (no read pending: the kernels read every routed expert through the slot
         table, a missing one a resident one's slot) -> (True, its logits or None) when its
         routes, read back between the blocks and the head, were all resident (the provider's
-        `first_missing`), counted then (`_count`); (False, None) when one was not, the
+        `first_missing`), pending then as a whole step's; (False, None) when one was not, the
         tensors the step rewrites (`SequenceState.rewritten`, saved before an emitting step)
         restored: every other write is redone at the same position by the layered step that
         follows. The host waits for the blocks here, where a whole step of the full pool does not."""
@@ -455,13 +455,13 @@ class DecodeRunner:
         out, _, (host, event) = self._execute(state, emitting, home, logits, token, ("guess",))
         result = out.logits.clone() if logits else None
         self._capture_missing(state, home, emitting)
+        self._settle_before_token()  # the previous step's routes, while this one's blocks run
         if event is not None:
             event.synchronize()
-        if self.provider.first_missing(host.tolist()) is None:
+        if self.provider.first_missing(host.numpy()) is None:
             self.guesses.right()
-            self.settle()  # earlier steps' routes first
-            self._count([state.pos], host, None)  # now, while the head runs: nothing pending names an
-            return True, result  # expert the cache may evict before the next step (a pin, say)
+            self._pending.append(([state.pos], host.clone(), None))  # counted as a whole step's
+            return True, result
         self.guesses.missed()
         if saved is not None:
             torch._foreach_copy_(rewritten, saved)

@@ -15,6 +15,7 @@ offsets, so nothing is allocated on the decode path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.pack import RecordLayout
@@ -84,6 +85,11 @@ class ExpertArena:
         """The slots of `experts` of `layer` (-1: not resident), from the host copy: no device read."""
         row = self._host_view[layer]
         return [int(row[e]) for e in experts]
+
+    def rows_resident(self, rows: np.ndarray) -> np.ndarray:
+        """For rows [L, k] of expert ids, row i of layer i: bool [L], whether each row's experts
+        all have a slot (the host copy: what the device table holds after the next sync)."""
+        return (self._host_view[np.arange(rows.shape[0])[:, None], rows] >= 0).all(axis=1)
 
     def assign(self, layer: int, expert: int, slot: int) -> None:
         """(layer, expert) lives in `slot` (on a device: from the next `sync_table` on)."""

@@ -63,6 +63,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from engine.experts.arena import ExpertArena
@@ -455,6 +456,10 @@ class StreamingExperts(ExpertProvider):
         return not all(self._landed(key) for key in self._loads)
 
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
+        if isinstance(routes, np.ndarray) and routes.ndim == 2 and not self._loads:
+            # a decode step's [n_layers, k] with no read in flight: one lookup in the slot table
+            bad = np.flatnonzero(~self.arena.rows_resident(routes))
+            return int(bad[0]) if bad.size else None
         loads, contains = self._loads, self.cache.contains
         for layer, ids in enumerate(routes):
             for e in ids:

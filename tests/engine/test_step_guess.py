@@ -193,10 +193,10 @@ def test_no_guess_until_a_pending_read_lands(packed, monkeypatch):
         files.close()
 
 
-def test_a_right_guess_leaves_no_route_an_eviction_could_strand(packed):
-    """A right guess counts its routes at once: evicting the experts it used before the next
-    step (a pin or a flush between steps) leaves no pending route naming them, which that step
-    would fail to count ("was used but is not resident")."""
+def test_a_right_guess_is_counted_by_the_next_step_or_settle(packed):
+    """A right guess's routes are pending as a whole step's: the next step counts them while its
+    own blocks run, or `settle()` does, which anything that evicts calls first (Engine.pin and
+    flush_cache do): after it, a flush strands nothing and the next step runs."""
     pool, k, record = _pool(packed)
     files = open_model(packed, cache_bytes=(pool - 2 * k) * record)
     try:
@@ -207,11 +207,44 @@ def test_a_right_guess_leaves_no_route_an_eviction_could_strand(packed):
         runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
         tok = 5
         while runner.guesses.guesses == runner.guesses.wrong:  # until a guess is right
+            uses = sum(experts.usage.uses.values())
             tok = int(runner.step(state, tok).argmax())
             assert runner.guesses.guesses < STEPS
-        uses = sum(experts.usage.uses.values())
+        assert sum(experts.usage.uses.values()) == uses  # pending
+        runner.settle()
+        counted = sum(experts.usage.uses.values())
+        assert files.args.n_layers <= counted - uses <= files.args.n_layers * k
         experts.flush()  # every expert the guess used is gone
         runner.step(state, tok)
-        assert sum(experts.usage.uses.values()) > uses
+        assert sum(experts.usage.uses.values()) > counted
+    finally:
+        files.close()
+
+
+def test_the_slot_table_check_agrees_with_the_cache(packed):
+    """`first_missing` of a step's routes as an array (one lookup in the slot table) names the
+    same layer as over lists (the cache, key by key), on routes with and without misses."""
+    import numpy as np
+
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool // 2) * record)
+    try:
+        experts = files.experts
+        n = files.args.n_layers
+        gen = torch.Generator().manual_seed(0)
+        for layer in range(n):  # about half of each layer's experts resident
+            ids = torch.randperm(experts.n_experts, generator=gen)[:experts.n_experts // 2 - 1].tolist()
+            experts.acquire(layer, ids)
+            experts.release(layer)
+        resident = [[e for e in range(experts.n_experts) if experts.cache.contains((layer, e))] for layer in range(n)]
+        rng = np.random.default_rng(0)
+        answers = set()
+        for _ in range(200):  # each id resident with probability 0.95: about a third of the steps miss nothing
+            routes = np.array([[rng.choice(resident[layer]) if rng.random() < 0.9 else rng.integers(experts.n_experts)
+                                for _ in range(k)] for layer in range(n)])
+            want = experts.first_missing(routes.tolist())
+            assert experts.first_missing(routes) == want
+            answers.add(want)
+        assert None in answers and len(answers) > 2
     finally:
         files.close()
