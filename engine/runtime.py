@@ -114,16 +114,16 @@ class Runtime:
         whose logits nobody reads."""
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
-        graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
-        chunked = not graphed and host is not None and self._chunks(n)  # one graphed chunk step
-        graphed = graphed or chunked
-        x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
-                                  else self._to_device(host))
         timer = StepTimer()
         kwargs = {"timer": timer}
         if self.log is not None:
             kwargs["log"] = self.log
-        with self.lock:
+        with self.lock:  # the chunk step needs every expert resident: decided where no flush can come between
+            graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
+            chunked = not graphed and host is not None and self._chunks(n)  # one graphed chunk step
+            graphed = graphed or chunked
+            x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
+                                      else self._to_device(host))
             wait0 = self.experts.usage.wait_s
             t0 = time.perf_counter()
             with torch.inference_mode():

@@ -8,6 +8,7 @@ CUDA graph is exercised by tests/engine/test_decode_graph_gpu.py.)"""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -174,3 +175,27 @@ def test_no_chunk_step_without_every_expert_resident_or_in_exact_numerics(packed
             runner.chunk(model.new_state(), [1, 2])
     finally:
         bounded.close()
+
+
+def test_a_flush_while_a_chunk_waits_for_the_lock_sends_it_down_the_eager_path(files):
+    """`Runtime.launch` decides on a chunk step (every expert resident) under the engine's lock:
+    a flush by another thread that holds the lock first makes the waiting chunk run eagerly
+    (equal to the eager prefill), not fail in `DecodeRunner.chunk` for want of the experts."""
+    args = files.args
+    model = Transformer(files.get, args, Numerics.named("native"))
+    lock = threading.RLock()
+    graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, DecodeRunner(model, files.experts, True))
+    plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+    prompt = _tokens(CHUNK_SLOTS, args.vocab_size, seed=2)
+    want = plain.step(model.new_state(), prompt)
+    assert graphed.chunk_tokens() == CHUNK_SLOTS
+    state, out = model.new_state(), []
+    with lock:  # another thread's flush holds the lock
+        launcher = threading.Thread(target=lambda: out.append(graphed.step(state, prompt)), name="chunk-launch")
+        launcher.start()
+        time.sleep(0.3)  # the launch waits for the lock
+        graphed.settle()
+        files.experts.flush()
+    launcher.join(30)
+    assert out and not out[0].graphed  # eager: the flushed pool reads its experts again
+    assert state.pos == CHUNK_SLOTS and torch.equal(out[0].logits, want.logits)
