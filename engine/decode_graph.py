@@ -3,7 +3,7 @@
 `DecodeRunner.step(state, token)` runs the model's static one-token step (`decode_begin`, each
 block's `decode_attention` and `decode_ffn`, `logits`) — static shapes, the position in device
 tensors, routed experts read from the expert arena through its slot table — so on CUDA the
-step can be captured once and replayed. Two modes:
+step can be captured once and replayed. Three modes:
 
 - **whole** (every expert the model routes, not the MTP block's, resident in the arena, e.g. after
   `StreamingExperts.load_all`): one graph per step, no host round trip inside it; the routes of
@@ -45,9 +45,9 @@ step can be captured once and replayed. Two modes:
   fault). Its routes come back to the host between the blocks and the head, and
   `provider.first_missing` checks them. All resident: the step stands, its routes pending as a
   whole step's (counted while the next step's blocks run, or by `settle()`, which anything that
-  evicts calls first: here the cache can evict). Else the tensors the step rewrote in place are restored
-  (`SequenceState.rewritten`, saved before an emitting step) and the step runs again layered at
-  the same position, which rewrites everything else the guess wrote. A guess waits for no
+  evicts calls first: here the cache can evict). Else the tensors the step rewrote in place are
+  restored (`SequenceState.rewritten`, saved before an emitting step) and the step runs again
+  layered at the same position, which rewrites everything else the guess wrote. A guess waits for no
   pending read: it is not made while one is pending (`provider.reading()`), since that slot may
   not hold its bytes yet.
 
@@ -264,10 +264,10 @@ class DecodeRunner:
         return read
 
     def _run_eager(self, state: SequenceState, emitting: frozenset[int], logits: bool,
-                   token: torch.Tensor | int, routes: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
+                   token: torch.Tensor | int, after_blocks: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
         out = _Outputs([None] * len(self.model.blocks))
         every = self._run(out, lambda i: self._segment(i, state, emitting, out), len(self.model.blocks) + 1, token)
-        routes(out)
+        after_blocks(out)
         if logits:
             self._head(out)
         return out, every
@@ -301,10 +301,10 @@ class DecodeRunner:
         return graphs
 
     def _replay(self, gs: _GraphSet, logits: bool, token: torch.Tensor | int,
-                routes: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
+                after_blocks: Callable[[_Outputs], None]) -> tuple[_Outputs, bool]:
         *body, head = gs.graphs
         every = self._run(gs.out, lambda i: body[i].replay(), len(body), token)
-        routes(gs.out)
+        after_blocks(gs.out)
         if logits:
             head.replay()
         return gs.out, every
@@ -413,21 +413,21 @@ class DecodeRunner:
         buffer of `key`), queued between the blocks and the head; else None)."""
         sent = None
 
-        def routes(out: _Outputs) -> None:
+        def after_blocks(out: _Outputs) -> None:
             nonlocal sent
             if key is not None:
                 sent = self._to_host(torch.stack([c.routed[0][0] for c in out.carry]), key)
         gs = home.sets.get((self.whole, emitting)) if home is not None else None
         if not self.graphs:
-            out, every = self._run_eager(state, emitting, logits, token, routes)
+            out, every = self._run_eager(state, emitting, logits, token, after_blocks)
         elif gs is None:
             side = self._side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                out, every = self._run_eager(state, emitting, logits, token, routes)
+                out, every = self._run_eager(state, emitting, logits, token, after_blocks)
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            out, every = self._replay(gs, logits, token, routes)
+            out, every = self._replay(gs, logits, token, after_blocks)
         return out, every, sent
 
     def _capture_missing(self, state: SequenceState, home, emitting: frozenset[int]) -> None:

@@ -5,14 +5,15 @@ Through a cache smaller than the pool the decode runner goes layer by layer: the
 layer's routes and makes its experts resident before the segment that uses them (a graph per
 layer, a host round trip between). When the cache holds every expert a step routes to (a warm
 cache on a conversation's working set), those round trips only confirm it, and cost the step
-~67 µs a layer over the one-graph step (H200, 256 experts a layer through a 36 % cache that
-held every routed expert). So the runner may instead replay the one-graph step, whose kernels
+~67 µs a layer over the one-graph step (H200, 8 layers of 256 experts through a 36 % cache
+that held every routed expert). So the runner may instead replay the one-graph step, whose kernels
 read experts through the slot table (an expert that is not resident reads a resident one's
 slot, a wrong but harmless value), check the step's routes against the cache once the graph has
-run, and redo the step layer by layer when an expert was missing (engine/decode_graph.py). A wrong guess costs a whole step's
-device time; this policy decides when to guess, from what recent steps saw:
+run, and redo the step layer by layer when an expert was missing (engine/decode_graph.py). A
+wrong guess costs a whole step's device time; this policy decides when to guess, from what
+recent steps saw:
 
-- a guess is made once `streak` consecutive steps had every routed expert resident at its layer
+- a guess is made once `needed` consecutive steps had every routed expert resident at its layer
   (a layered step's `resident` checks all true; a right guess; a step of the whole pool);
 - a wrong guess doubles the streak the next guess needs (from `least`, at most `most`): a
   conversation moving to experts the cache lacks does not pay a wasted step each time;
