@@ -311,17 +311,20 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ routes of whole steps
     def _to_host(self, src: torch.Tensor, key: tuple = ()) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying `src` to the host, on the current stream -> (host tensor, event or None:
-        `src` itself off CUDA): into the pinned buffer of `key` (default: the shape; a step's
-        routes [n_layers, k]), which must not still be waited on by an earlier copy."""
-        if src.device.type != "cuda":
-            return src, None
+        """Start copying `src` to the host, on the current stream -> (host tensor, event or None
+        off CUDA): into the buffer of `key` (default: the shape; a step's routes [n_layers, k];
+        pinned on CUDA), which must not still be waited on or read for an earlier copy. Off
+        CUDA the copy is done when this returns, into the same buffer per key, so that the CPU
+        tests see the buffers' reuse as the GPU has it."""
         key = key or tuple(src.shape)
+        cuda = src.device.type == "cuda"
         if key not in self._routes_host:
-            self._routes_host[key] = (torch.empty(src.shape, dtype=src.dtype, pin_memory=True), torch.cuda.Event())
+            self._routes_host[key] = (torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda),
+                                      torch.cuda.Event() if cuda else None)
         host, event = self._routes_host[key]
-        host.copy_(src, non_blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
+        host.copy_(src, non_blocking=cuda)
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.device))
         return host, event
 
     def settle(self) -> None:
