@@ -407,7 +407,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
              f"{per_token / 1e9:.2f} GB touched per token -> roofline {roof_ms:.2f} ms/token",
              "",
              "| cache | load s (kernels) | prompt | TTFT s | prefill tok/s | decode tok/s (Engine.generate) "
-             "| median step ms | graphed step ms (% roofline) | follow-up: TTFT ms, decode tok/s | hit rate "
+             "| median step ms | graphed step ms (% roofline) | follow-up: TTFT ms, decode tok/s "
+             "| hit rate; steps guessed whole (redone) "
              "| graphed step reads: GB, GB/s (% of H2D); follow-up turn's reads GB/s (% of H2D) "
              "| peak GiB / plan GiB | compiles in chat |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -425,7 +426,8 @@ def table(results: list[dict], ceil: dict, per_token: int) -> str:
                 + " | " + (f"{1e3 * r['followup']['ttft_s']:.0f} ({r['followup']['new_tokens']} new), "
                            f"{r['followup']['decode_tok_s']:.1f}; {1e3 * r['followup_long']['ttft_s']:.0f} "
                            f"({r['followup_long']['new_tokens']} new)" if first else "")
-                + f" | {p['hit_rate']:.3f} | "
+                + f" | {p['hit_rate']:.3f}"
+                + (f"; {p['guessed']} ({p['guessed_wrong']})" if p.get("guessed") else "") + " | "
                 + (f"{r.get('step_read_gb', 0.0):.2f}, {r.get('miss_gb_s', 0.0):.1f} "
                    f"({100 * 1e9 * r.get('miss_gb_s', 0.0) / ceil['h2d_pinned']:.0f} %); "
                    f"{r['followup']['read_gb_s']:.1f} ({100 * 1e9 * r['followup']['read_gb_s'] / ceil['h2d_pinned']:.0f} %)"

@@ -39,6 +39,11 @@ def test_a_streamed_process_reports_its_graphed_step_reads_and_prefetch_counters
     assert len(re.findall(r"^ +\d+(?:/\d+)? +\d+\.\d+ ", r["host_profile"], re.M)) == 40
     table = full_depth.table([dict(r, label="cpu")], {"hbm_copy": 1e12, "h2d_pinned": 5e10}, 10**9)
     assert "graphed step reads: GB, GB/s (% of H2D); follow-up turn's reads" in table and "| 50 % cpu |" in table
+    # steps guessed whole (engine/step_guess.py) take a graph runner: none on the CPU, none shown
+    assert r["prompts"][0]["guessed"] == r["guessed"] == 0 and "hit rate; steps guessed whole (redone)" in table
+    guessed = dict(r, prompts=[dict(r["prompts"][0], guessed=40, guessed_wrong=3)])
+    hit = f"{r['prompts'][0]['hit_rate']:.3f}"
+    assert f"| {hit}; 40 (3) |" in full_depth.table([guessed], {"hbm_copy": 1e12, "h2d_pinned": 5e10}, 10**9)
     # the follow-up turn's own reads, per second of that turn
     f = r["followup"]
     assert 0 < f["read_gb"] <= r["miss_gb"]
