@@ -24,7 +24,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,8 +35,9 @@ from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.provider import ExpertProvider  # noqa: E402
 from engine.step_guess import StepGuess  # noqa: E402
 
-# name -> (least, most) of StepGuess, or None: never guess (every step layered)
-GUESSES: dict[str, tuple[int, int] | None] = {"never": None, "default": (1, 64), "every": (0, 0)}
+# name -> a fresh policy, or None: never guess (every step layered)
+GUESSES: dict[str, Callable[[], StepGuess] | None] = {"never": None, "default": StepGuess,
+                                                      "every": lambda: StepGuess(least=0, most=0)}
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,10 @@ def replay(provider: ExpertProvider, layers: Sequence[int], steps: Sequence[dict
 
 
 def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]], slots: int,
-        guess: tuple[int, int] | None, policy: str = DEFAULT_POLICY, warm: int = 0) -> GuessCounts:
+        guess: Callable[[], StepGuess] | None, policy: str = DEFAULT_POLICY, warm: int = 0) -> GuessCounts:
     """One replay on a fresh StreamingExperts over `pack` with a cache of `slots` records, after
-    `warm` uncounted layered passes over `steps` (a conversation's earlier turns)."""
+    `warm` uncounted layered passes over `steps` (a conversation's earlier turns); `guess`
+    makes the policy (None: never guess)."""
     from engine.pack import read_manifest
     from engine.weights import open_model
 
@@ -106,7 +108,7 @@ def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]]
     try:
         for _ in range(warm):
             replay(files.experts, layers, steps, None)
-        return replay(files.experts, layers, steps, None if guess is None else StepGuess(*guess))
+        return replay(files.experts, layers, steps, None if guess is None else guess())
     finally:
         files.close()
 

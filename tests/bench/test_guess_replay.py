@@ -7,6 +7,7 @@ import pytest
 
 from bench.full_depth import build_pack
 from bench.guess_replay import GuessCounts, main, run
+from engine.step_guess import StepGuess
 
 LAYERS = (3, 4)  # the tiny model's routed layers (0-2 are hash layers)
 EXPERTS = 16
@@ -26,12 +27,12 @@ STEADY = _steps([([0, 1, 2], [3, 4, 5]), ([3, 4, 5], [0, 1, 2])] * 10 + [([8, 9,
 
 
 def test_a_cache_holding_the_working_set_guesses_right_after_one_layered_step(pack):
-    c = run(pack, LAYERS, STEADY[:20], slots=24, guess=(1, 64), warm=1)
+    c = run(pack, LAYERS, STEADY[:20], slots=24, guess=StepGuess, warm=1)
     assert (c.tokens, c.resident, c.right, c.wrong, c.layered, c.misses) == (20, 20, 19, 0, 1, 0)
 
 
 def test_a_move_to_new_experts_costs_one_wrong_guess_then_layered_steps(pack):
-    c = run(pack, LAYERS, STEADY, slots=24, guess=(1, 64))
+    c = run(pack, LAYERS, STEADY, slots=24, guess=StepGuess)
     # cold: the first two tokens miss (layered), then all resident until token 20 moves to 8..13
     assert c.resident == 18 + 9 and c.layered + c.right + c.wrong == 30
     assert c.wrong == 1  # token 20, guessed on the streak before it; redone layered
