@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.decode_graph import make_runner
 from engine.demo_marker import is_demo_model
 from engine.errors import EngineError
-from engine.events import Event, LoadProgress
+from engine.events import ContextOverflow, Event, LoadProgress
 from engine.graph_homes import homes_for
 from engine.loading import build_model, load_tokenizer, open_model_files, plan_memory
 from engine.memory_plan import MemoryPlan
@@ -214,6 +214,14 @@ class Engine:
         self._check(session)
         return self._turns.run(session, lambda: (list(session.messages), user_text), params,
                                cancel or threading.Event())
+
+    def context_overflow(self, conversation: list[Message], thinking: bool = False) -> ContextOverflow | None:
+        """Whether a turn on `conversation` (system message first, the new user message last)
+        would be refused for the context limit: the ContextOverflow it would end with (its
+        numbers, for a front end's own words), or None. Checks what the turn checks, without a
+        session: a front end's answer before it queues the turn."""
+        self._open()
+        return self._turns.prompt_overflow(conversation, thinking)
 
     def regenerate(self, session: Session, params: SamplingParams,
                    cancel: threading.Event | None = None) -> Generator[Event, None, None]:

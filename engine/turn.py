@@ -66,6 +66,22 @@ class Turns:
         """Drop the model, runtime and meters (the engine is closed): a turn still running fails."""
         self.runtime = self.model = self._meter = self._cache_snapshot = None
 
+    def overflow(self, prompt_tokens: int) -> ContextOverflow | None:
+        """The context rule, here only: a prompt of `prompt_tokens` tokens (the conversation with
+        the new message, rendered and tokenised) is refused, before any step, when it is not
+        below max_seq_len (the turn needs a position for its first generated token)."""
+        limit = self.config.max_seq_len
+        if prompt_tokens < limit:
+            return None
+        return ContextOverflow(f"the conversation would be {prompt_tokens} tokens, over the context limit of "
+                               f"{limit} tokens (max_seq_len): start a new conversation or raise max_seq_len",
+                               prompt_tokens, limit)
+
+    def prompt_overflow(self, conversation: list[Message], thinking: bool) -> ContextOverflow | None:
+        """`overflow` of a whole conversation (system message first, the new user message
+        last), rendered as a turn renders it: a front end's check before it queues a turn."""
+        return self.overflow(len(self.tokenizer.encode(render_messages(conversation, thinking))))
+
     def run(self, session: Session, question: Callable[[], tuple[list[Message], str]], params: SamplingParams,
             cancel: threading.Event) -> Generator[Event, None, None]:
         """One turn answering `question()` = (the messages before it, the user's text), asked when
@@ -118,10 +134,9 @@ class Turns:
                                 "e.g. input that was not UTF-8): send UTF-8 text")
             return
         plan = session.plan(prompt_text, tok.encode)
-        if plan.prompt_tokens >= limit:
-            yield ContextOverflow(f"the conversation would be {plan.prompt_tokens} tokens, over the context limit "
-                                  f"of {limit} tokens (max_seq_len): start a new conversation or raise max_seq_len",
-                                  plan.prompt_tokens, limit)
+        refused = self.overflow(plan.prompt_tokens)
+        if refused is not None:
+            yield refused
             return
         turn_start = session.live_copy() if plan.from_live and session.live.length else None
         work = session.start(plan)

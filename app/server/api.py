@@ -36,7 +36,6 @@ from app.heap_trim import heap_trimmer
 from app.server.pool import SessionPool
 from app.server.request import ChatRequest, parse_chat_request
 from app.server.worker import SHUTTING_DOWN, Delta, Failed, Finished, Job, Started, Worker
-from engine.chat import render_messages
 from engine.sampling import SamplingParams
 
 
@@ -116,11 +115,10 @@ class Api:
         return b"".join(chunks)
 
     def _check_context(self, req: ChatRequest) -> None:
-        text = render_messages(req.conversation(), req.params.thinking)
-        n, limit = len(self.engine.tokenizer.encode(text)), self.engine.config.max_seq_len
-        if n >= limit:
-            raise bad_request(f"the prompt is {n} tokens, over the context limit of {limit} tokens; "
-                              "shorten the conversation (or restart the server with a larger max_seq_len)",
+        over = self.engine.context_overflow(req.conversation(), req.params.thinking)  # the turn's own rule
+        if over is not None:
+            raise bad_request(f"the prompt is {over.prompt_tokens} tokens, over the context limit of {over.limit} "
+                              "tokens; shorten the conversation (or restart the server with a larger max_seq_len)",
                               param="messages", code="context_length_exceeded")
 
     def _chunk(self, cid: str, created: int, delta: dict, finish: str | None = None) -> str:

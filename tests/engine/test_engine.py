@@ -335,6 +335,10 @@ def test_context_limit_fails_cleanly_and_the_session_stays_usable(ckpt):
         assert fail.prompt_tokens == len(eng.tokenizer.encode(render_messages(
             sess.conversation(messages + [Message("user", " ".join(["word"] * 60))]), False)))
         assert sess.ids == ids and sess.messages == messages
+        # a front end's check before it queues a turn (the HTTP server's) is the turn's own rule
+        long = sess.conversation(messages + [Message("user", " ".join(["word"] * 60))])
+        assert eng.context_overflow(long) == fail
+        assert eng.context_overflow(sess.conversation(messages + [Message("user", "Go on")])) is None
         full, _ = turn(eng.generate(sess, "Go on", SamplingParams(temperature=0.0, max_tokens=100)))
         assert full.stats.finish_reason == "context" and len(sess.ids) == 48
         check_against_scratch(eng, sess, full)
