@@ -101,9 +101,9 @@ class LayerState:
         return out
 
     def rewritten(self) -> list[torch.Tensor]:
-        """The tensors a step reads and then overwrites with what it read: the overlap
-        compressors' previous first halves (`prev_kv`, `prev_gate`), replaced when a window
-        completes. Every other write of a step stores values at its position (a ring row, a
+        """The tensors a step reads and then overwrites in place: the overlap compressors'
+        previous first halves (`prev_kv`, `prev_gate`), pooled into an entry and replaced when
+        a window completes. Every other write of a step stores values at its position (a ring row, a
         buffer row, an entry), so a step run again at the same position, these restored first,
         leaves the same state."""
         return [t for comp in (self.compressor, self.indexer) if comp is not None
