@@ -460,10 +460,10 @@ class StreamingExperts(ExpertProvider):
             # a decode step's [n_layers, k] with no read in flight: one lookup in the slot table
             bad = np.flatnonzero(~self.arena.rows_resident(routes))
             return int(bad[0]) if bad.size else None
-        loads, contains = self._loads, self.cache.contains
+        contains = self.cache.contains
         for layer, ids in enumerate(routes):
             for e in ids:
-                if not contains((layer, e)) or ((layer, e) in loads and not self._landed((layer, e))):
+                if not contains((layer, e)) or not self._landed((layer, e)):
                     return layer
         return None
 
@@ -507,7 +507,7 @@ class StreamingExperts(ExpertProvider):
         beyond = sum(cache.resident_in(layer) for layer in self._beyond)
         if len(cache) - beyond != len(self.main_layers) * self.store.count:
             return False
-        return all(self._landed(key) for key in self._loads)
+        return not self.reading()
 
     def _record(self, layer: int, ids: Iterable[int]) -> None:
         """Cache lookups of experts used through the slot table (all hits). This is the layer's
