@@ -264,9 +264,10 @@ def child(a) -> dict:
         now = eng.stats().cache
         tier = now.tier if now else None  # how full the host tier is now
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
+        guesses = [after - before for after, before in zip(_guesses(eng), guessed)]  # (guessed, redone) this turn
         print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
               f"{_captures(eng) - captures} graph captures, "
-              f"{_guesses(eng)[0] - guessed[0]} steps guessed whole ({_guesses(eng)[1] - guessed[1]} redone)"
+              f"{guesses[0]} steps guessed whole ({guesses[1]} redone)"
               + (f", host tier {tier.entries}/{tier.capacity_entries} records at its start" if tier else ""),
               file=sys.stderr, flush=True)
         fin = events[-1]
@@ -282,7 +283,7 @@ def child(a) -> dict:
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "tier_entries_at_start": tier.entries if tier else None,
                                "graph_captures": _captures(eng) - captures,
-                               "guessed": _guesses(eng)[0] - guessed[0], "guessed_wrong": _guesses(eng)[1] - guessed[1]})
+                               "guessed": guesses[0], "guessed_wrong": guesses[1]})
     before = eng.stats().cache
     follow = list(eng.generate(session, "And then?", greedy))[-1]
     after = eng.stats().cache
