@@ -184,12 +184,13 @@ def _captures(eng) -> int:
     return runner.captures if runner is not None else 0
 
 
-def _guesses(eng) -> tuple[int, int]:
-    """(steps guessed whole through the bounded cache, of those redone layer by layer) so far
-    (engine/step_guess.py; 0, 0 without guessing)."""
+def _guesses(eng) -> tuple[int, int, int, int]:
+    """(steps guessed whole through the bounded cache, of those redone layer by layer, of the
+    guesses the prefill chunk steps, of those redone) so far (engine/step_guess.py; zeros without
+    guessing)."""
     runner = eng.runtime.runner
-    guesses = runner.guesses if runner is not None else None
-    return (guesses.guesses, guesses.wrong) if guesses is not None else (0, 0)
+    g = runner.guesses if runner is not None else None
+    return (g.guesses, g.wrong, g.chunks, g.chunks_wrong) if g is not None else (0, 0, 0, 0)
 
 
 class PhaseClock:
@@ -264,10 +265,11 @@ def child(a) -> dict:
         now = eng.stats().cache
         tier = now.tier if now else None  # how full the host tier is now
         events = list(eng.generate(session, _text_of(eng.tokenizer, n), greedy))
-        guesses = [after - before for after, before in zip(_guesses(eng), guessed)]  # (guessed, redone) this turn
+        guesses = [after - before for after, before in zip(_guesses(eng), guessed)]  # this turn's
         print(f"  {n}-token prompt: {time.perf_counter() - t_turn:.1f} s, {compiled_kernels()} kernel variants, "
               f"{_captures(eng) - captures} graph captures, "
-              f"{guesses[0]} steps guessed whole ({guesses[1]} redone)"
+              f"{guesses[0]} steps guessed whole ({guesses[1]} redone; {guesses[2]} of them chunk steps, "
+              f"{guesses[3]} redone)"
               + (f", host tier {tier.entries}/{tier.capacity_entries} records at its start" if tier else ""),
               file=sys.stderr, flush=True)
         fin = events[-1]
@@ -283,9 +285,11 @@ def child(a) -> dict:
                                "hit_rate": st.cache.hit_rate if st.cache else 1.0,
                                "tier_entries_at_start": tier.entries if tier else None,
                                "graph_captures": _captures(eng) - captures,
-                               "guessed": guesses[0], "guessed_wrong": guesses[1]})
-    before = eng.stats().cache
+                               "guessed": guesses[0], "guessed_wrong": guesses[1],
+                               "guessed_chunks": guesses[2], "guessed_chunks_wrong": guesses[3]})
+    before, guessed = eng.stats().cache, _guesses(eng)
     follow = list(eng.generate(session, "And then?", greedy))[-1]
+    follow_chunks = [after - before for after, before in zip(_guesses(eng)[2:], guessed[2:])]
     after = eng.stats().cache
     follow_read = (after.bytes_read - before.bytes_read) if after else 0
     if after is not None and after.tier is not None:  # the follow-up's misses: RAM hits, reads from the disk
@@ -296,7 +300,8 @@ def child(a) -> dict:
               f"{out['tier_followup']['disk_reads']} disk reads; over the run {t1.ram_hits} / {t1.disk_reads}",
               file=sys.stderr, flush=True)
     print(f"  follow-up turn: TTFT {1e3 * follow.stats.ttft_s:.1f} ms, of which its {follow.stats.prefill_tokens} "
-          f"new tokens' steps {1e3 * follow.stats.prefill_s:.1f} ms", file=sys.stderr, flush=True)
+          f"new tokens' steps {1e3 * follow.stats.prefill_s:.1f} ms ({follow_chunks[0]} chunk steps guessed whole, "
+          f"{follow_chunks[1]} redone)", file=sys.stderr, flush=True)
     fsteps = sorted(follow.stats.step_ms)
     out["followup"] = {"new_tokens": follow.stats.prefill_tokens, "ttft_s": follow.stats.ttft_s,
                        "reused": follow.stats.reused_tokens, "decode_tok_s": follow.stats.tok_per_s,
@@ -352,7 +357,7 @@ def child(a) -> dict:
         free, total = torch.cuda.mem_get_info()
         out["device_used"] = total - free
     out["graph_captures"] = _captures(eng)
-    out["guessed"], out["guessed_wrong"] = _guesses(eng)
+    out["guessed"], out["guessed_wrong"], out["guessed_chunks"], out["guessed_chunks_wrong"] = _guesses(eng)
     out["peak_reserved"] = torch.cuda.max_memory_reserved() if cuda else 0
     out["peak_allocated"] = torch.cuda.max_memory_allocated() if cuda else 0
     out["info"] = {k: v for k, v in eng.info.items() if k != "memory_plan"}
@@ -556,7 +561,8 @@ def main(argv=None) -> int:
               f"({', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())}), "
               f"kernels {r['kernels_after_load']} at load, {r['kernels_during_chat']} during the chat; "
               f"{r['graph_captures']} graph sets captured, {r['guessed']} steps guessed whole "
-              f"({r['guessed_wrong']} redone layer by layer), device memory in use {r.get('device_used', 0) / GiB:.2f} GiB "
+              f"({r['guessed_wrong']} redone layer by layer; {r['guessed_chunks']} of them prefill chunk steps, "
+              f"{r['guessed_chunks_wrong']} redone), device memory in use {r.get('device_used', 0) / GiB:.2f} GiB "
               f"(allocator's peak reserved {r['peak_reserved'] / GiB:.2f}); "
               f"allocated {r['allocated_before_close'] / GiB:.2f} GiB before close, "
               f"{r['allocated_after_close'] / GiB:.3f} after", flush=True)

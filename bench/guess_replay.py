@@ -12,6 +12,12 @@ sees whether every layer's experts were `resident` at its turn. Hash layers (not
 traces) take no slots; the pack is a tiny synthetic model with the trace's layers and experts
 (bench/lookahead_replay.py), so steps are counted, not timed.
 
+With `--chunk N` the trace's tokens come as prefill chunks of N (a follow-up turn's new tokens,
+`DecodeRunner.chunk`): when the policy is ready a chunk is guessed whole and checked on the union
+of its tokens' routes: all resident, counted as one chunk step (`record_routes` of each layer's
+distinct experts); else its tokens run as decode steps (guessed or layered as above). Its counts
+are `chunks` and `chunks_wrong`; `right`, `wrong` and `layered` stay the decode steps'.
+
 A guess pays when the share of guesses that are right exceeds W / L (a whole step's device time
 over a layered one's: a wrong guess costs W on top of the layered redo). With `--whole-ms W
 --layered-ms L` (figures measured elsewhere, given by the caller) each row also models ms per
@@ -50,6 +56,8 @@ class GuessCounts:
     wrong: int  # guessed whole, redone layer by layer
     layered: int  # not guessed
     misses: int  # demand misses over the replay
+    chunks: int = 0  # prefill chunks guessed whole (`--chunk`)
+    chunks_wrong: int = 0  # of those, their tokens redone as decode steps
 
     def model_ms(self, whole_ms: float, layered_ms: float) -> float:
         """Modelled device time per token (module docstring)."""
@@ -67,39 +75,63 @@ def _layered(provider: ExpertProvider, layers: Sequence[int], route: dict[int, l
     return every
 
 
+def _full(layers: Sequence[int], route: dict[int, list[int]]) -> list[list[int]]:
+    """A route's experts from layer 0 (the hash layers', not traced, empty)."""
+    return [route.get(layer, []) for layer in range(layers[-1] + 1)]
+
+
+def _decode(provider: ExpertProvider, layers: Sequence[int], route: dict[int, list[int]],
+            guess: StepGuess | None, c: dict[str, int]) -> None:
+    """One decode step as `DecodeRunner.step` serves it, counted into `c`."""
+    full = _full(layers, route)
+    all_in = provider.first_missing(full) is None
+    c["resident"] += all_in
+    if guess is not None and guess.ready():
+        if all_in:
+            guess.right()
+            provider.record_routes(full)
+            c["right"] += 1
+            return
+        guess.missed()
+        c["wrong"] += 1
+        _layered(provider, layers, route)
+        return
+    c["layered"] += 1
+    every = _layered(provider, layers, route)
+    if guess is not None:
+        guess.observed(every)
+
+
 def replay(provider: ExpertProvider, layers: Sequence[int], steps: Sequence[dict[int, list[int]]],
-           guess: StepGuess | None) -> GuessCounts:
-    """Serve `steps` through `provider` as the decode runner would with `guess` (None: never)."""
+           guess: StepGuess | None, chunk: int = 1) -> GuessCounts:
+    """Serve `steps` through `provider` as the decode runner would with `guess` (None: never):
+    one decode step a token, or (`chunk` > 1) prefill chunks of `chunk` tokens (module docstring)."""
     before = provider.stats()
-    resident = right = wrong = layered = 0
-    for route in steps:
-        full = [route.get(layer, []) for layer in range(layers[-1] + 1)]  # from layer 0: hash layers empty
-        all_in = provider.first_missing(full) is None
-        resident += all_in
-        if guess is not None and guess.ready():
-            if all_in:
-                guess.right()
-                provider.record_routes(full)
-                right += 1
+    c = dict.fromkeys(("resident", "right", "wrong", "layered", "chunks", "chunks_wrong"), 0)
+    for i in range(0, len(steps), chunk):
+        part = steps[i:i + chunk]
+        if len(part) > 1 and guess is not None and guess.ready():
+            union = [sorted({e for ids in rows for e in ids}) for rows in zip(*(_full(layers, r) for r in part))]
+            c["chunks"] += 1
+            if provider.first_missing(union) is None:
+                guess.right(chunk=True)
+                provider.record_routes(union)
+                c["resident"] += len(part)
                 continue
-            guess.missed()
-            wrong += 1
-            _layered(provider, layers, route)
-            continue
-        layered += 1
-        every = _layered(provider, layers, route)
-        if guess is not None:
-            guess.observed(every)
+            guess.missed(chunk=True)
+            c["chunks_wrong"] += 1
+        for route in part:
+            _decode(provider, layers, route, guess, c)
     after = provider.stats()
-    return GuessCounts(tokens=len(steps), resident=resident, right=right, wrong=wrong, layered=layered,
-                       misses=after.misses - before.misses)
+    return GuessCounts(tokens=len(steps), misses=after.misses - before.misses, **c)
 
 
 def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]], slots: int,
-        guess: Callable[[], StepGuess] | None, policy: str = DEFAULT_POLICY, warm: int = 0) -> GuessCounts:
+        guess: Callable[[], StepGuess] | None, policy: str = DEFAULT_POLICY, warm: int = 0,
+        chunk: int = 1) -> GuessCounts:
     """One replay on a fresh StreamingExperts over `pack` with a cache of `slots` records, after
     `warm` uncounted layered passes over `steps` (a conversation's earlier turns); `guess`
-    makes the policy (None: never guess)."""
+    makes the policy (None: never guess); `chunk`: tokens as prefill chunks of that many."""
     from engine.pack import read_manifest
     from engine.weights import open_model
 
@@ -108,7 +140,7 @@ def run(pack: Path, layers: Sequence[int], steps: Sequence[dict[int, list[int]]]
     try:
         for _ in range(warm):
             replay(files.experts, layers, steps, None)
-        return replay(files.experts, layers, steps, None if guess is None else guess())
+        return replay(files.experts, layers, steps, None if guess is None else guess(), chunk)
     finally:
         files.close()
 
@@ -121,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"guess policies, of {', '.join(GUESSES)} (default: all)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     p.add_argument("--warm", type=int, default=0, help="uncounted layered passes over the trace first")
+    p.add_argument("--chunk", type=int, default=1,
+                   help="the tokens as prefill chunks of this many (guessed whole as chunk steps), not decode steps")
     p.add_argument("--whole-ms", type=float, help="a whole step's device time, to model ms per token")
     p.add_argument("--layered-ms", type=float, help="a layered step's device time, to model ms per token")
     p.add_argument("--workdir", default="/tmp/dsv4-lookahead-replay", help="where the tiny pack is built once")
@@ -136,6 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in GUESSES]
     if unknown:
         print(f"bench.guess_replay: --guesses takes names of {', '.join(GUESSES)}, got {', '.join(unknown)}",
+              file=sys.stderr)
+        return 2
+    if a.chunk < 1:
+        print(f"bench.guess_replay: --chunk takes a positive number of tokens, got {a.chunk}", file=sys.stderr)
+        return 2
+    if a.chunk > 1 and a.whole_ms is not None:
+        print("bench.guess_replay: --whole-ms and --layered-ms model decode steps; leave them out with --chunk",
               file=sys.stderr)
         return 2
     if (a.whole_ms is None) != (a.layered_ms is None):
@@ -159,16 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench.guess_replay: {name}: {e}", file=sys.stderr)
             return 2
         print(f"\n{name}: {len(steps)} tokens, layers {layers[0]}..{layers[-1]}, policy {a.policy}"
-              + (f", after {a.warm} uncounted passes" if a.warm else ""))
+              + (f", after {a.warm} uncounted passes" if a.warm else "")
+              + (f", in prefill chunks of {a.chunk}" if a.chunk > 1 else ""))
         print(f"  {'slots':>6} {'guesses':>8} | {'all resident':>12} {'right':>6} {'wrong':>6} {'layered':>8} "
-              f"{'right share':>11} {'misses/token':>12}" + (f" {'model ms/token':>14}" if model else ""))
+              f"{'right share':>11} {'misses/token':>12}" + (f" {'model ms/token':>14}" if model else "")
+              + (f" {'chunks right':>12} {'wrong':>6}" if a.chunk > 1 else ""))
         for n in slots:
             for g in names:
-                c = run(pack, layers, steps, n, GUESSES[g], a.policy, a.warm)
+                c = run(pack, layers, steps, n, GUESSES[g], a.policy, a.warm, a.chunk)
                 share = f"{c.right / (c.right + c.wrong):.1%}" if c.right + c.wrong else "-"
                 print(f"  {n:>6} {g:>8} | {c.resident:>12} {c.right:>6} {c.wrong:>6} {c.layered:>8} {share:>11} "
                       f"{c.misses / c.tokens:>12.2f}"
-                      + (f" {c.model_ms(a.whole_ms, a.layered_ms):>14.2f}" if model else ""), flush=True)
+                      + (f" {c.model_ms(a.whole_ms, a.layered_ms):>14.2f}" if model else "")
+                      + (f" {c.chunks - c.chunks_wrong:>12} {c.chunks_wrong:>6}" if a.chunk > 1 else ""), flush=True)
     return 0
 
 

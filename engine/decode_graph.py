@@ -64,10 +64,13 @@ they never run concurrently, and each set's outputs are read before another set 
 On the CPU the same step runs eagerly (no graphs): the tests check it against
 `Transformer.forward`.
 
-The **chunk step** (`DecodeRunner.chunk`, whole mode only) prefills 1..CHUNK_SLOTS tokens in one
-static step of CHUNK_SLOTS token slots: every position-dependent index is computed on the host
+The **chunk step** (`DecodeRunner.chunk`) prefills 1..CHUNK_SLOTS tokens in one static step of
+CHUNK_SLOTS token slots: every position-dependent index is computed on the host
 (engine/chunk_position.py), so its graph set ("chunk" in `Home.sets`: the blocks, then the
-head) is captured once per home and replays at any position and length.
+head) is captured once per home and replays at any position and length. It runs whole: with
+every expert resident, or through a bounded cache guessed whole like a decode step (a wrong
+guess restores what the chunk wrote that its tokens would read again, and runs them as decode
+steps): a follow-up turn's few new tokens then cost a step or two, not an eager chunk.
 """
 
 from __future__ import annotations
@@ -471,63 +474,109 @@ class DecodeRunner:
         return False, None
 
     # ------------------------------------------------------------------ the chunk step
+    def runs_chunks(self) -> bool:
+        """Whether chunk steps run on this runner at all: native numerics (the routed experts
+        batched), a chunk's routed cells scheduled without a host sync (`Cells.static`), and
+        every expert resident in whole mode or steps guessed whole (`guesses`)."""
+        return (self.model.numerics.batched_experts
+                and Cells.static(CHUNK_SLOTS * self.model.args.n_activated_experts, self.provider.arena.table.shape[1])
+                and (self._complete() or self.guesses is not None))
+
     def can_chunk(self) -> bool:
-        """Whether `chunk` runs now: native numerics (the routed experts batched), whole mode
-        (every expert resident), no forced routing, and a chunk's routed cells scheduled without a
-        host sync (`Cells.static`)."""
-        return (self.model.numerics.batched_experts and self.prefer_whole and self.model.routing is None
-                and self.provider.all_resident()
-                and Cells.static(CHUNK_SLOTS * self.model.args.n_activated_experts, self.provider.arena.table.shape[1]))
+        """Whether `chunk` runs now: `runs_chunks`, and every expert resident in whole mode, or
+        through a bounded cache a step guess ready (`_guessing`: the chunk is then guessed whole)."""
+        return self.runs_chunks() and (self._complete() or self._guessing())
+
+    def can_force_chunk(self) -> bool:
+        """Whether `chunk(..., force=True)` runs now: `runs_chunks`, and a guess, whatever the
+        policy says, reads no slot whose read is pending (`provider.reading`)."""
+        return self.runs_chunks() and (self._complete() or not self.provider.reading())
+
+    def _complete(self) -> bool:
+        """Every expert resident, and the runner prefers one graph a step then."""
+        return self.prefer_whole and self.provider.all_resident()
+
+    def _guessing(self) -> bool:
+        """A step through a bounded cache runs whole on the guess that its experts are resident:
+        the policy says so, and no read is pending (that slot may not hold its bytes yet)."""
+        return self.guesses is not None and self.guesses.ready() and not self.provider.reading()
 
     def _chunk_body(self, state: SequenceState, out: _Outputs) -> None:
-        """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`)."""
+        """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`), the
+        routed experts read through a copy of the slot table in which a missing expert has slot
+        0 (made in the step, so a replay reads the table of its time): a guessed chunk reads a
+        wrong record for it, never memory outside the arena."""
         at, streams, pre = self.chunk_at, self.model.decode_begin(self.chunk_at.ids), None
+        arena = self.provider.arena
+        table = arena.table.clamp_min(0)
         blocks = self.model.blocks
         for i, block in enumerate(blocks):
             out.carry[i] = block.chunk_attention(streams, at, state.layers[i], self.lanes, pre)
             following = blocks[i + 1].hc_attn if i + 1 < len(blocks) else None
-            streams, pre = block.chunk_ffn(out.carry[i], self.provider.arena, self.lanes, following)
+            streams, pre = block.chunk_ffn(out.carry[i], arena, table, self.lanes, following)
         out.final = streams
 
     def _chunk_head(self, out: _Outputs) -> None:
         out.logits = self.model.logits(out.final.index_select(0, self.chunk_at.last))
 
-    def chunk(self, state: SequenceState, ids: list[int], logits: bool = True) -> torch.Tensor | None:
+    def chunk(self, state: SequenceState, ids: list[int], logits: bool = True,
+              force: bool = False) -> torch.Tensor | None:
         """Prefill `ids` (1..CHUNK_SLOTS tokens) at state.pos in one static step of CHUNK_SLOTS
         token slots (engine/chunk_position.py), replayed from one graph per home whatever the
         position -> logits [1, V] fp32 of the last token (a fresh tensor), or None without
-        `logits`; state.pos += len(ids). Needs `can_chunk()`. Its routes are counted as a whole
-        step's are (`settle`): each layer's distinct experts once, as an eager chunk's; each
-        token's route to `on_routes`."""
-        if not self.can_chunk():
-            raise RuntimeError("DecodeRunner.chunk needs every expert resident and no forced routing")
+        `logits`; state.pos += len(ids). Needs `can_chunk()`, or with `force` (the warm-up: its
+        kernels and graphs made before the first turn) `can_force_chunk()`. Its routes are
+        counted as a whole step's are (`settle`): each layer's distinct experts once, as an eager
+        chunk's; each token's route to `on_routes`.
+
+        Through a bounded cache the chunk is guessed whole, as a decode step is (`_guessed`):
+        its real tokens' routes come back between the blocks and the head; all resident, the
+        chunk stands; else what it wrote that its tokens, run again one by one, would read
+        before rewriting is restored (`SequenceState.chunk_rewritten`: the window rings, the
+        compressors' buffers and previous halves, the entries left open) and its tokens run again
+        as decode steps (layered, the policy having counted the miss)."""
+        if not (self.can_force_chunk() if force else self.can_chunk()):
+            raise RuntimeError("DecodeRunner.chunk needs native numerics and every expert resident, or a "
+                               "step guess ready through a bounded cache")
         p0, n = state.pos, len(ids)
         self.model.reserve(state, p0 + n)  # the entry the chunk leaves open takes its unused windows
+        guess = not self._complete()
         self.whole = True
         self.provider.arena.sync_table()
         self.chunk_at.set(p0, ids)
-        home = self.homes.enter(state) if self.graphs else None
+        if self.model.routing is not None:  # forced routing (timing only): the slots' ids, before the step
+            self.model.routing.set_chunk(p0, CHUNK_SLOTS)
+        home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
+        if guess:
+            rewritten = state.chunk_rewritten(p0 + n)
+            saved = copies(rewritten)
         gs = home.sets.get("chunk") if home is not None else None
         out = gs.out if gs is not None else _Outputs([None] * len(self.model.blocks))
-        if not self.graphs:
-            self._chunk_body(state, out)
+        sent = None
+
+        def body() -> None:
+            nonlocal sent
+            if gs is None:
+                self._chunk_body(state, out)
+            else:
+                gs.graphs[0].replay()
+            if guess:  # the real tokens' routes to the host, queued before the head
+                sent = self._to_host(torch.stack([c.routed[0] for c in out.carry]), ("guess", "chunk"))
             if logits:
-                self._chunk_head(out)
-        elif gs is None:
+                if gs is None:
+                    self._chunk_head(out)
+                else:
+                    gs.graphs[1].replay()
+        if self.graphs and gs is None:
             side = self._side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # eagerly, off the default stream; compiles its kernels
-                self._chunk_body(state, out)
-                if logits:
-                    self._chunk_head(out)
+                body()
             torch.cuda.current_stream(self.device).wait_stream(side)
         else:
-            body, head = gs.graphs
-            body.replay()
-            if logits:
-                head.replay()
+            body()
         result = out.logits.clone() if logits else None
-        routes = torch.stack([c.routed[0] for c in out.carry])  # [n_layers, CHUNK_SLOTS, k]
+        routes = None if guess else torch.stack([c.routed[0] for c in out.carry])  # [n_layers, CHUNK_SLOTS, k]
         if self.graphs and gs is None:
             try:
                 cap = _Outputs([None] * len(self.model.blocks))
@@ -536,8 +585,25 @@ class DecodeRunner:
             except RuntimeError as err:
                 self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
         self.settle()  # the previous steps' routes, while this one runs
-        self._pending.append((list(range(p0, p0 + n)), *self._to_host(routes)))
-        state.pos = p0 + n
+        positions = list(range(p0, p0 + n))
+        if not guess:
+            self._pending.append((positions, *self._to_host(routes)))
+            state.pos = p0 + n
+            return result
+        host, event = sent
+        if event is not None:
+            event.synchronize()
+        real = host[:, :n].reshape(host.shape[0], -1).numpy()  # [n_layers, n·k]: the real tokens' experts
+        if self.provider.first_missing(real) is None:
+            self.guesses.right(chunk=True)
+            self._pending.append((positions, host.clone(), None))  # counted as a whole chunk's
+            state.pos = p0 + n
+            return result
+        self.guesses.missed(chunk=True)
+        torch._foreach_copy_(rewritten, saved)
+        self.whole = False
+        for i, token in enumerate(ids):  # redone token by token (layered: the policy counted the miss)
+            result = self.step(state, token, logits=logits and i == n - 1)
         return result
 
 

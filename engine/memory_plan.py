@@ -139,11 +139,11 @@ GRAPH_SETS_PER_HOME = 4  # every expert resident: the decode step's control flow
 def graph_sets(bounded: bool, guess: bool) -> int:
     """Decode graph sets a home keeps (engine/decode_graph.py): with every expert resident, the
     whole step's three control flows and the chunk step; through a bounded cache, the layered
-    step's three, and the whole step's three too when steps are guessed whole
-    (EngineConfig.guess_whole_steps; no chunk step: it needs every expert resident)."""
+    step's three, and when steps are guessed whole (EngineConfig.guess_whole_steps) the whole
+    step's three and the chunk step too."""
     if not bounded:
         return GRAPH_SETS_PER_HOME
-    return 6 if guess else 3
+    return 3 + GRAPH_SETS_PER_HOME if guess else 3
 
 
 def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES, sets: int = GRAPH_SETS_PER_HOME) -> int:

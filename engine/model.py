@@ -108,14 +108,15 @@ class Block:
         a = self.attn.chunk(self.norm_q(x, self.attn_norm, self.eps), at, st, lanes)
         streams, (h, post, comb) = self.hc_attn.post_pre(a, streams, post, comb, self.hc_ffn)
         x = self.norm(h, self.ffn_norm, self.eps)
-        return DecodeCarry(streams, x, post, comb, self.ffn.route(x, at.ids), h)
+        forced = None if self.routing is None else self.routing.chunk_ids(self.layer)  # set before the step
+        return DecodeCarry(streams, x, post, comb, self.ffn.route(x, at.ids, forced), h)
 
-    def chunk_ffn(self, carry: DecodeCarry, arena, lanes: Lanes,
+    def chunk_ffn(self, carry: DecodeCarry, arena, table: torch.Tensor, lanes: Lanes,
                   following: HyperConnection | None = None) -> tuple[torch.Tensor, MixedIn | None]:
-        """Second half of a chunk step: every slot's routed experts from the arena in one call
-        (`MoE.chunk`), the shared expert, mHC post -> streams [size, n_hc, D], and as
-        `decode_ffn` the next block's mHC pre of them."""
-        return self._post(self.ffn.chunk(carry.x, carry.routed, arena, lanes), carry, following)
+        """Second half of a chunk step: every slot's routed experts from the arena in one call,
+        each read from its slot in `table` (`MoE.chunk`), the shared expert, mHC post -> streams
+        [size, n_hc, D], and as `decode_ffn` the next block's mHC pre of them."""
+        return self._post(self.ffn.chunk(carry.x, carry.routed, arena, table, lanes), carry, following)
 
     def decode_ffn(self, carry: DecodeCarry, arena, lanes: Lanes,
                    following: HyperConnection | None = None) -> tuple[torch.Tensor, MixedIn | None]:

@@ -127,13 +127,15 @@ class MoE:
         `decode`. Every expert of the call must be resident (and held while this enqueues its kernels)."""
         return self.numerics.moe_combine(self._routed_cells(x, w, cells, arena, groups), self._shared(x), cells.rows)
 
-    def _routed_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list) -> torch.Tensor:
+    def _routed_cells(self, x: torch.Tensor, w: torch.Tensor, cells: Cells, arena, groups: list,
+                      table: torch.Tensor | None = None) -> torch.Tensor:
         """Every (token, choice) cell [N·k] in one fp4_moe call, cells grouped by expert (`cells.order`)
-        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV) -> [N·k, D]
-        bf16 in that order."""
+        with their `groups` (`Cells.groups`, `Cells.all_groups`: [] for the grouped GEMV), each
+        expert read from its slot in `table` (default `arena.table`) -> [N·k, D] bf16 in that order."""
         k = cells.shape[1]
         order = cells.order
-        slots = arena.table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
+        table = arena.table if table is None else table
+        slots = table[self.layer].index_select(0, cells.sorted_ids)  # [N·k] int32
         return self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots,
                                              w.reshape(-1).index_select(0, order), self.limit, groups,
                                              order // k)  # each token quantised once
@@ -160,24 +162,28 @@ class MoE:
         lanes.join()
         return MoEParts(self.numerics, y.unsqueeze(0), shared)  # [1, k, D]
 
-    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena, lanes: Lanes) -> MoEParts:
+    def chunk(self, x: torch.Tensor, routed: tuple[torch.Tensor, torch.Tensor], arena, table: torch.Tensor,
+              lanes: Lanes) -> MoEParts:
         """A chunk step's token slots x [N, D] with their routes ([N, k] ids and weights) -> the
         output's parts (cells with their rows, shared [N, D]), no host sync: every cell in one
-        `fp4_moe` call from `arena` (every expert of the layer resident), the shared expert on
-        `lanes`' side lane. With no more experts than cells, each expert is read once for its run
-        of N cells (`ExpertRuns`); else each cell reads its expert, scheduled from the device
-        counts (`Cells.static`). Equals `__call__`."""
+        `fp4_moe` call from `arena`, each expert read from its slot in `table` ([units, E] int32,
+        every entry a slot of the arena: the runner's copy of `arena.table` with a slot for the
+        experts not resident, so that a step guessed whole reads a wrong record, never outside
+        the arena; engine/decode_graph.py), the shared expert on `lanes`' side lane. With no more
+        experts than cells, each expert is read once for its run of N cells (`ExpertRuns`); else
+        each cell reads its expert, scheduled from the device counts (`Cells.static`). Equals
+        `__call__` when every routed expert is resident."""
         idx, w = routed
-        experts = arena.table.shape[1]
+        experts = table.shape[1]
         with lanes.side():
             shared = self._shared(x)
         if experts > idx.numel():
             cells = Cells(idx, experts)
-            y = self._routed_cells(x, w, cells, arena, cells.all_groups(arena.table[self.layer]))
+            y = self._routed_cells(x, w, cells, arena, cells.all_groups(table[self.layer]), table)
             rows = cells.rows
         else:
             runs = ExpertRuns(idx, experts)
-            slots = arena.table[self.layer].repeat_interleave(runs.run)  # [E·N] int32
+            slots = table[self.layer].repeat_interleave(runs.run)  # [E·N] int32
             y = self.numerics.backend.fp4_moe(x, arena.data, arena.record.fields, slots, runs.spread(w), self.limit, [],
                                               runs.tokens, runs.run)  # [E·N, D] bf16
             rows = runs.rows

@@ -9,8 +9,8 @@ decode loop launches the next step on a sampled token before it reads that token
 so that nothing (a flush) changes what a running step reads. `Runtime.prefill` yields one result
 per chunk and stops between chunks when `cancel` is set; with a graph runner, a prompt of at most
 GRAPHED_PREFILL tokens runs as graphed chunk steps of CHUNK_SLOTS tokens when every expert is
-resident (`DecodeRunner.chunk`), and otherwise a chunk of at most SHORT_PREFILL tokens runs as
-decode steps, one per token.
+resident or a step guess is ready (`DecodeRunner.chunk`), and otherwise a chunk of at most
+SHORT_PREFILL tokens runs as decode steps, one per token.
 
 Timing split: the model's own `timer` sections give attention and the whole MoE (router,
 shared and routed experts); the expert provider measures the time the host was blocked on
@@ -44,8 +44,8 @@ SETTLED_PER_LAUNCH = 2
 # chunk step runs: 16 replayed steps at 43 layers (~7 ms each on the H200) beat one eager chunk
 # (~300 ms of launches).
 SHORT_PREFILL = 16
-# Prompts of at most this many tokens prefill in graphed chunk steps (`DecodeRunner.chunk`, every
-# expert resident) instead of eager chunks: at 43 layers (H200) a chunk step of 16 tokens takes
+# Prompts of at most this many tokens prefill in graphed chunk steps (`DecodeRunner.chunk`: every
+# expert resident, or guessed whole) instead of eager chunks: at 43 layers (H200) a chunk step of 16 tokens takes
 # ~29 ms, an eager chunk of any length at least ~125 ms of launches, so four steps still win.
 GRAPHED_PREFILL = 64
 
@@ -118,7 +118,7 @@ class Runtime:
         kwargs = {"timer": timer}
         if self.log is not None:
             kwargs["log"] = self.log
-        with self.lock:  # the chunk step needs every expert resident: decided where no flush can come between
+        with self.lock:  # whether a chunk step runs depends on the cache: decided where no flush can come between
             graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
             chunked = not graphed and host is not None and self._chunks(n)  # one graphed chunk step
             graphed = graphed or chunked
@@ -259,9 +259,22 @@ class Runtime:
         """Token slots of a graphed chunk step when they run now (`DecodeRunner.chunk`), else 0."""
         return CHUNK_SLOTS if self._chunks(2) else 0
 
+    def warm_chunk(self, state: SequenceState, token: int) -> bool:
+        """The warm-up's chunk step: CHUNK_SLOTS copies of `token` from state.pos in one graphed
+        chunk step whenever the runner runs chunk steps at all, guessed whole through a bounded
+        cache whatever its policy says (`DecodeRunner.chunk` with `force`), so that its kernels
+        compile and its graphs are captured before the first turn -> whether it ran."""
+        with self.lock:
+            if not (self.runner is not None and self.runner.can_force_chunk()
+                    and (self.runner.graphs or self.device.type != "cuda")):
+                return False
+            with torch.inference_mode():
+                self.runner.chunk(state, [token] * CHUNK_SLOTS, logits=True, force=True)
+        return True
+
     def _chunks(self, n: int) -> bool:
         """`n` tokens (2..CHUNK_SLOTS) run as one graphed chunk step (`DecodeRunner.chunk`: every
-        expert resident), on CUDA while the runner has graphs (after a failed capture an eager
+        expert resident, or guessed whole), on CUDA while the runner has graphs (after a failed capture an eager
         chunk step costs more than replayed decode steps: 179 ms for 16 tokens at 43 layers)."""
         return (self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk()
                 and (self.runner.graphs or self.device.type != "cuda"))

@@ -109,6 +109,24 @@ class LayerState:
         return [t for comp in (self.compressor, self.indexer) if comp is not None
                 for t in (comp.prev_kv, comp.prev_gate) if t is not None]
 
+    def chunk_rewritten(self, end: int) -> list[torch.Tensor]:
+        """What a chunk step ending at position `end` (engine/chunk_position.py) writes that its
+        tokens, run again one by one as decode steps from its first position, would read before
+        rewriting: the window ring (the chunk's later tokens' rows held keys its earlier tokens
+        attend to), the compressors' open-window buffers (rows of windows the earlier tokens
+        complete) and previous halves, and the entry each compressor has open at `end` (a [1, d]
+        view, when reserved: the chunk's unused window slots write it, a decode step only once
+        its window completes). The chunk's other writes are complete entries, which the decode
+        steps write again."""
+        out = [self.window]
+        for comp in (self.compressor, self.indexer):
+            if comp is not None:
+                out += [t for t in (comp.buf_kv, comp.buf_gate, comp.prev_kv, comp.prev_gate) if t is not None]
+                e = end // comp.ratio
+                if e < comp.entries.shape[0]:
+                    out.append(comp.entries[e:e + 1])
+        return out
+
     def use(self, tensors: Sequence[torch.Tensor]) -> None:
         """Take `tensors` (ordered and shaped as `tensors()` returns them) as this layer's buffers,
         without copying; the views (`window`, the attention entries) follow `kv`."""
@@ -182,6 +200,10 @@ class SequenceState:
     def rewritten(self) -> list[torch.Tensor]:
         """Every main layer's `LayerState.rewritten` tensors (a decode step does not run the MTP block)."""
         return [t for layer in self.layers for t in layer.rewritten()]
+
+    def chunk_rewritten(self, end: int) -> list[torch.Tensor]:
+        """Every main layer's `LayerState.chunk_rewritten(end)`."""
+        return [t for layer in self.layers for t in layer.chunk_rewritten(end)]
 
     def nbytes(self) -> int:
         """Bytes held by the state's tensors (for the memory budget); views are not counted twice."""

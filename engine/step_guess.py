@@ -19,6 +19,10 @@ recent steps saw:
   conversation moving to experts the cache lacks does not pay a wasted step each time;
 - a right guess halves it again (not below `least`).
 
+A graphed prefill chunk step (`DecodeRunner.chunk`) is guessed by the same policy: its tokens'
+experts are the conversation's, like the decode steps' around it. Its outcome moves the policy as
+a decode step's does and is also counted on its own (`chunks`, `chunks_wrong`).
+
 `least=0, most=0` guesses every step (tests, comparisons). Engine-thread bookkeeping only.
 """
 
@@ -34,8 +38,10 @@ class StepGuess:
         self.least, self.most = least, most
         self.needed = least  # consecutive all-resident steps the next guess needs
         self.streak = 0  # consecutive steps whose routed experts were all resident
-        self.guesses = 0  # steps run whole on the guess
+        self.guesses = 0  # steps run whole on the guess (chunk steps included)
         self.wrong = 0  # of those, redone layer by layer
+        self.chunks = 0  # of the guesses, prefill chunk steps
+        self.chunks_wrong = 0  # of those, redone
 
     def ready(self) -> bool:
         """Whether the next streamed step should be guessed whole."""
@@ -45,15 +51,20 @@ class StepGuess:
         """A step not guessed: whether every expert it routed to was resident at its layer."""
         self.streak = self.streak + 1 if all_resident else 0
 
-    def right(self) -> None:
-        """A guessed step's experts were all resident: its result stands."""
+    def right(self, chunk: bool = False) -> None:
+        """A guessed step's experts were all resident: its result stands (`chunk`: a prefill
+        chunk step's)."""
         self.guesses += 1
+        self.chunks += chunk
         self.streak += 1
         self.needed = max(self.least, self.needed // 2)
 
-    def missed(self) -> None:
-        """A guessed step routed to an expert that was not resident: it is redone layer by layer."""
+    def missed(self, chunk: bool = False) -> None:
+        """A guessed step routed to an expert that was not resident: it is redone layer by layer
+        (`chunk`: a prefill chunk step's, its tokens redone as decode steps)."""
         self.guesses += 1
         self.wrong += 1
+        self.chunks += chunk
+        self.chunks_wrong += chunk
         self.streak = 0
         self.needed = min(self.most, max(1, 2 * self.needed))

@@ -12,8 +12,9 @@ On scratch states (discarded afterwards):
    flows of a decode step (`Transformer.emitting`) — on a state whose caches have exactly that
    capacity (the smallest one, too small for the position where every window completes, runs
    just below its last position: the first decode steps of a short chat), then, where the
-   runtime runs graphed chunk steps (every expert resident), one chunk step on a state of that
-   capacity (a short prompt's or a follow-up turn's prefill replays its graph).
+   runtime runs graphed chunk steps (every expert resident, or guessed whole through a bounded
+   cache), one chunk step on a state of that capacity (a short prompt's or a follow-up turn's
+   prefill replays its graph).
 
 With the torch reference backend nothing compiles, so `plan_warmup(..., full=False)` keeps only
 one short prefill and one decode step (the CPU path's first-call costs).
@@ -135,15 +136,13 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
 
 def _chunk_step(runtime, model, token: int, last: int) -> None:
     """One graphed chunk step (engine.decode_graph.DecodeRunner.chunk), when the runtime runs
-    them, on a fresh state with the caches of the decode steps before it (reserved up to `last`):
-    its graph is captured on their home, the one a conversation of that capacity replays."""
-    tokens = runtime.chunk_tokens()
-    if not tokens:
-        return
+    them at all (`Runtime.warm_chunk`: through a bounded cache, guessed whole whatever the guess
+    policy says), on a fresh state with the caches of the decode steps before it (reserved up to
+    `last`): its graph is captured on their home, the one a conversation of that capacity replays."""
     state = model.new_state()
     runtime.reserve(state, last)
-    runtime.step(state, [token] * tokens)
-    runtime.settle()
+    if runtime.warm_chunk(state, token):
+        runtime.settle()
 
 
 # Threads replaying a manifest (each call: a kernel module built into a TileLang program, then

@@ -67,3 +67,18 @@ def test_the_command_prints_its_table_and_refuses_bad_arguments(pack, tmp_path, 
     assert "--guesses takes names of never, default, every, got sometimes" in capsys.readouterr().err
     assert main([str(trace), "--whole-ms", "5", "--workdir", workdir]) == 2
     assert "give both or neither" in capsys.readouterr().err
+
+
+def test_prefill_chunks_guessed_whole_on_their_tokens_union(pack):
+    """`chunk`: a warm working set's chunks all stand once the policy is ready; a chunk reaching
+    experts the cache lacks is wrong once and its tokens run as decode steps."""
+    c = run(pack, LAYERS, STEADY[:20], slots=24, guess=StepGuess, warm=1, chunk=8)
+    # chunk 0: the policy not ready, decode steps (one layered, seven guessed); chunks 1 and 2 stand
+    assert (c.chunks, c.chunks_wrong, c.right, c.wrong, c.layered, c.resident, c.misses) == (2, 0, 7, 0, 1, 20, 0)
+    c = run(pack, LAYERS, STEADY, slots=24, guess=StepGuess, chunk=8)
+    # chunk 0 (cold): decode steps; chunk 1 stands; chunk 2 (tokens 16..23) reaches 8..13 from token
+    # 20: redone as decode steps; chunk 3 (the last 6 tokens) stands. A guess reads nothing, so the
+    # misses are the decode steps' (cold 0..5, then 8..13)
+    assert (c.chunks, c.chunks_wrong) == (3, 1)
+    assert c.right + c.wrong + c.layered == c.tokens - 8 - 6 == 16
+    assert c.misses == run(pack, LAYERS, STEADY, slots=24, guess=StepGuess).misses == 3 * 6

@@ -88,3 +88,23 @@ def as_sets(t: torch.Tensor) -> list[frozenset]:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row relative L2 error of a against reference b."""
     return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-30)
+
+
+def assert_same_live_state(ref, state, args) -> None:
+    """`state` holds what `ref` holds wherever a later step reads: the window rings, every complete
+    compressed entry, the open windows' buffer rows and the previous halves (a chunk step and the
+    decode steps of its tokens leave different values in rows no step reads again)."""
+    assert state.pos == ref.pos
+    for i, (r, s) in enumerate(zip(ref.layers, state.layers)):
+        assert torch.equal(s.window, r.window), i
+        ratio = args.ratio(i)
+        if not ratio:
+            continue
+        n, rest = divmod(state.pos, ratio)
+        for a, b in ((r.compressor, s.compressor), (r.indexer, s.indexer)):
+            if a is None:
+                continue
+            assert torch.equal(b.entries[:n], a.entries[:n]), i  # every complete entry
+            assert torch.equal(b.buf_kv[:rest], a.buf_kv[:rest]) and torch.equal(b.buf_gate[:rest], a.buf_gate[:rest])
+            if a.prev_kv is not None:
+                assert torch.equal(b.prev_kv, a.prev_kv) and torch.equal(b.prev_gate, a.prev_gate), i

@@ -135,14 +135,14 @@ def test_each_decode_bucket_steps_at_its_own_capacity():
         def step(self, state, tokens):
             if len(tokens) == 1:
                 self.seen.append((state.cap, state.pos))
-            if len(tokens) == self.chunk_tokens():
-                state.cap = max(state.cap, capacity(state.pos + len(tokens)))  # DecodeRunner.chunk's reserve
-                self.chunks.append((state.cap, state.pos))
             state.cap = max(state.cap, capacity(state.pos + len(tokens) - 1))
             state.pos += len(tokens)
 
-        def chunk_tokens(self):
-            return 16
+        def warm_chunk(self, state, token):
+            state.cap = max(state.cap, capacity(state.pos + 16))  # DecodeRunner.chunk's reserve
+            self.chunks.append((state.cap, state.pos))
+            state.pos += 16
+            return True
 
         def reserve(self, state, last):
             state.cap = max(state.cap, capacity(last))

@@ -19,27 +19,11 @@ from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.runtime import GRAPHED_PREFILL, Runtime
 from engine.weights import open_model
+from oracle import assert_same_live_state
 
 
 def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _assert_same_state(ref, state, args) -> None:
-    assert state.pos == ref.pos
-    for i, (r, s) in enumerate(zip(ref.layers, state.layers)):
-        assert torch.equal(s.window, r.window), i
-        ratio = args.ratio(i)
-        if not ratio:
-            continue
-        n, rest = divmod(state.pos, ratio)
-        for a, b in ((r.compressor, s.compressor), (r.indexer, s.indexer)):
-            if a is None:
-                continue
-            assert torch.equal(b.entries[:n], a.entries[:n]), i  # every complete entry
-            assert torch.equal(b.buf_kv[:rest], a.buf_kv[:rest]) and torch.equal(b.buf_gate[:rest], a.buf_gate[:rest])
-            if a.prev_kv is not None:
-                assert torch.equal(b.prev_kv, a.prev_kv) and torch.equal(b.prev_gate, a.prev_gate), i
 
 
 def test_chunk_steps_equal_forward_bit_for_bit(files):
@@ -60,7 +44,7 @@ def test_chunk_steps_equal_forward_bit_for_bit(files):
         b = runner.chunk(state, ids) if n > 1 else runner.step(state, ids[0])
         assert torch.equal(a, b), (pos, n)
     assert pos > 2 * 128 and any(s.capacity > 16 for s in state.layers)  # two ratio-128 windows; grown
-    _assert_same_state(ref, state, args)
+    assert_same_live_state(ref, state, args)
     assert not any(t.isnan().any() for layer in state.layers for t in layer.tensors())  # nor in an entry left open
     # a step without logits leaves the same state
     a, b = state.clone(), state.clone()

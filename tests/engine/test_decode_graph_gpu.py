@@ -120,6 +120,69 @@ def test_guessed_whole_graphs_equal_layered_graphs(packed):
     assert all(torch.equal(a, b) for a, b in zip(layered, guessed))
 
 
+def _chunked_run(packed: Path, cache_records: int, guesses: StepGuess | None) -> tuple[list[torch.Tensor], list[bool]]:
+    """Chunks of a prompt through a bounded cache on graphs: guessed chunk steps (`guesses`), or
+    decode steps (layered graphs) where no chunk step runs, then greedy decode steps -> (the
+    logits of each chunk's last token and of each step, whether each chunk was redone)."""
+    dev = torch.device("cuda")
+    probe = open_model(packed)
+    record = probe.experts.store.record_bytes
+    probe.close()
+    files = open_model(packed, cache_bytes=cache_records * record, device="cuda")
+    try:
+        model = Transformer(lambda n: files.get(n).to(dev), files.args,
+                            Numerics.named("native", make_backend("tilelang", dev)))
+        runner = DecodeRunner(model, files.experts, whole=False, graphs=True, guesses=guesses)
+        ids = torch.randint(0, 129280, (160,), generator=torch.Generator().manual_seed(11)).tolist()
+        out, redone, pos = [], [], 0
+        with torch.inference_mode():
+            state = model.new_state()
+            model.forward(PROMPT.to(dev), state, files.experts)
+            for n in [16, 16, 9, 16, 16, 5, 16, 16, 16]:  # from 40 to 166: ratio-4 and ratio-128 windows, growth
+                wrong = guesses.chunks_wrong if guesses is not None else 0
+                part = ids[pos:pos + n]
+                pos += n
+                if runner.can_chunk():
+                    out.append(runner.chunk(state, part))
+                else:
+                    for i, t in enumerate(part):
+                        last = runner.step(state, t, logits=i == n - 1)
+                    out.append(last)
+                redone.append(guesses is not None and guesses.chunks_wrong > wrong)
+            tok = out[-1].argmax(-1)
+            for _ in range(8):
+                out.append(runner.step(state, tok))
+                tok = out[-1].argmax(-1)
+            runner.settle()
+        assert runner.capture_error is None
+        return out, redone
+    finally:
+        files.close()
+
+
+def test_guessed_chunk_graphs_through_a_bounded_cache(packed):
+    """Prefill chunks through a cache of most of the pool, every one guessed whole on graphs: a
+    redone chunk (what it wrote restored, its tokens run as decode steps) with only redone chunks
+    before it gives the bits of the layered decode steps; the others (after a chunk step stood)
+    are within the native paths' rounding of them, with the same greedy token, and so are the
+    decode steps after them."""
+    probe = open_model(packed)
+    pool = probe.args.n_layers * probe.experts.store.count
+    k = probe.args.n_activated_experts
+    probe.close()
+    want, _ = _chunked_run(packed, pool - k, None)
+    guesses = StepGuess(least=0, most=0)
+    got, redone = _chunked_run(packed, pool - k, guesses)
+    print(f"guessed chunks: {guesses.chunks} ({guesses.chunks_wrong} redone), redone {redone}")
+    assert guesses.chunks == len(redone) and sum(redone) == guesses.chunks_wrong
+    for i, (a, b) in enumerate(zip(want, got)):
+        if i < len(redone) and all(redone[:i + 1]):
+            assert torch.equal(a, b), i
+        else:
+            assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-2, i
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), i
+
+
 def test_conversations_of_one_capacity_take_turns_in_the_same_graphs_and_stay_exact(packed):
     """Two sequence states of one capacity decode alternately through one runner: after each has
     stepped through every control flow, no capture happens, and every replay equals the eager step."""

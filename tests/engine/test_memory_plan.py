@@ -222,17 +222,17 @@ def test_a_context_beyond_the_model_is_refused_at_load(packs):
 def test_the_framework_term_counts_the_decode_graph_sets_the_homes_keep():
     """CUDA: 1 GiB plus the graph sets each kept home holds, per layer (0.14 GiB a set at 43
     layers on the H200, outside the caching allocator): through a cache smaller than the pool
-    the layered step's three control flows and the whole step's three (steps guessed whole;
-    three without guessing); with every expert resident the whole step's three and the chunk
-    step; the CPU keeps no graphs."""
+    the layered step's three control flows, the whole step's three and the chunk step (steps
+    and chunks guessed whole; three without guessing); with every expert resident the whole
+    step's three and the chunk step; the CPU keeps no graphs."""
     from engine.graph_homes import HOMES, homes_for
     from engine.memory_plan import GRAPH_SET_BYTES_PER_LAYER, framework_bytes, graph_sets
 
-    assert (graph_sets(False, True), graph_sets(True, True), graph_sets(True, False)) == (4, 6, 3)
+    assert (graph_sets(False, True), graph_sets(True, True), graph_sets(True, False)) == (4, 7, 3)
     full = make_plan(flash_footprint(), EngineConfig(device="cuda"), H200).framework  # 158 GB: a bounded cache
-    assert full == framework_bytes(H200, 43, HOMES, 6) and 7 * GiB < full < 8 * GiB and HOMES == 8
+    assert full == framework_bytes(H200, 43, HOMES, 7) and 8 * GiB < full < 9 * GiB and HOMES == 8
     unguessed = make_plan(flash_footprint(), EngineConfig(device="cuda", guess_whole_steps=False), H200).framework
-    assert unguessed == framework_bytes(H200, 43, HOMES, 3) == full - HOMES * 3 * GRAPH_SET_BYTES_PER_LAYER * 43
+    assert unguessed == framework_bytes(H200, 43, HOMES, 3) == full - HOMES * 4 * GRAPH_SET_BYTES_PER_LAYER * 43
     resident = make_plan(flash_footprint(experts=4), EngineConfig(device="cuda"), H200)  # a 2.2 GB pool: all of it
     assert resident.cache == resident.pool
     resident = resident.framework
@@ -242,6 +242,6 @@ def test_the_framework_term_counts_the_decode_graph_sets_the_homes_keep():
     args = flash_footprint().args
     assert homes_for(args, 4096) == 8 and homes_for(args, 16384) == 10 and homes_for(args, 1024) == 8
     longer = make_plan(flash_footprint(), EngineConfig(device="cuda", max_seq_len=16384), H200).framework
-    assert longer == framework_bytes(H200, 43, 10, 6) == full + 2 * 6 * GRAPH_SET_BYTES_PER_LAYER * 43
+    assert longer == framework_bytes(H200, 43, 10, 7) == full + 2 * 7 * GRAPH_SET_BYTES_PER_LAYER * 43
     assert framework_bytes(Machine("cpu", unified=True, total=24 * GiB, available=20 * GiB, host_total=24 * GiB,
                                    host_available=20 * GiB), 43) == GiB // 2

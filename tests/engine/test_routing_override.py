@@ -189,6 +189,41 @@ def test_prefill_and_decode_read_the_traces_experts(packed, tmp_path, numerics):
         files.close()
 
 
+def test_a_chunk_step_reads_the_traces_experts(packed, tmp_path):
+    """A graphed chunk step under forced routing (`set_chunk`): each real token's forced ids are
+    its position's, counted as an eager chunk counts them (each layer's distinct experts), and
+    the logits and state are the eager prefill's; a second chunk refills the same buffer."""
+    trace = _write_trace(tmp_path / "t.csv", tokens=5)
+    files = open_model(packed)
+    try:
+        args = files.args
+        k, n_experts = args.n_activated_experts, args.n_routed_experts
+        routing = ForcedRouting.from_csv(trace, args, "cpu")
+        model = Transformer(files.get, args, Numerics.named("native"), routing=routing)
+        assert files.experts.load_all()
+        spy = _Spy(files.experts)
+        runner = DecodeRunner(model, spy, whole=True)
+        assert runner.can_chunk()
+        ref, state = model.new_state(), model.new_state()
+        for start, end in ((0, 8), (8, 13)):
+            want = model.forward(torch.tensor(PROMPT[start:end]), ref, files.experts, last_only=True)
+            spy.calls.clear()
+            buffer = routing.chunk
+            got = runner.chunk(state, PROMPT[start:end])
+            runner.settle()
+            assert torch.equal(want, got)
+            assert buffer is None or routing.chunk is buffer  # one buffer: a captured step reads it
+            for layer in (3, 4):
+                asked = [ids for c, lay, ids in spy.calls if c == "record" and lay == layer]
+                assert asked == [sorted(set().union(*(_expected(trace, layer, p, k, n_experts)
+                                                      for p in range(start, end))))]
+        assert all(torch.equal(x.window, y.window) for x, y in zip(ref.layers, state.layers))
+        with pytest.raises(ValueError, match="16 token slots, not 8"):
+            routing.set_chunk(0, 8)
+    finally:
+        files.close()
+
+
 def test_replaying_the_models_own_routes_reproduces_its_logits(packed, tmp_path):
     """Record the router's choices (prefill then decode), write them as a trace, force them: the
     same ids and (the router's own) weights, so the same logits bit for bit, prefill and decode."""

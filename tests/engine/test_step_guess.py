@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 
-from engine.decode_graph import DecodeRunner
+from engine.decode_graph import CHUNK_SLOTS, DecodeRunner
 from engine.model import Transformer
 from engine.numerics import Numerics
+from engine.runtime import Runtime
 from engine.step_guess import StepGuess
 from engine.weights import open_model
+from oracle import assert_same_live_state
 
 PROMPT = [0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3, 77]
 STEPS = 12  # positions 13..24: windows of ratio 4 complete at 15, 19, 23 (the prev halves rewritten)
@@ -246,5 +248,160 @@ def test_the_slot_table_check_agrees_with_the_cache(packed):
             assert experts.first_missing(routes) == want
             answers.add(want)
         assert None in answers and len(answers) > 2
+    finally:
+        files.close()
+
+
+# ---------------------------------------------------------------------------- chunk steps guessed whole
+# From position 13: chunks ending at 29, 34, 45 and 61 complete ratio-4 windows inside them and leave
+# entries open (the entry a chunk's unused window slots write), then STEPS decode steps read them.
+CHUNKS = [16, 5, 11, 16]
+CHUNK_IDS = [(37 * i + 11) % 512 for i in range(sum(CHUNKS))]
+
+
+def _chunked(packed, slots: int | None, guesses: StepGuess | None, whole: bool = False):
+    """Prefill PROMPT, then CHUNK_IDS in CHUNKS as chunk steps when the runner runs them (else as
+    decode steps, the last one's logits kept), then STEPS greedy decode steps, through a cache of
+    `slots` records (None: every expert resident) -> (logits, state, cache figures, runner)."""
+    files = open_model(packed) if slots is None else open_model(packed, cache_bytes=slots * _pool(packed)[2])
+    try:
+        if slots is None:
+            assert files.experts.load_all()
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, files.experts, whole=whole, guesses=guesses)
+        logits, at = [], 0
+        for n in CHUNKS:
+            ids = CHUNK_IDS[at:at + n]
+            at += n
+            if runner.can_chunk():
+                logits.append(runner.chunk(state, ids))
+            else:
+                for i, t in enumerate(ids):
+                    out = runner.step(state, t, logits=i == n - 1)
+                logits.append(out)
+        tok = int(logits[-1].argmax())
+        for _ in range(STEPS):
+            out = runner.step(state, tok)
+            logits.append(out)
+            tok = int(out.argmax())
+        runner.settle()
+        cache, usage = files.experts.cache, files.experts.usage
+        figures = (files.experts.stats(), set(cache.resident()), cache.hottest(10 ** 6), dict(usage.uses),
+                   list(usage.layer_uses))
+        assert cache.pinned() == cache.held() == frozenset()
+        return logits, state, figures, runner
+    finally:
+        files.close()
+
+
+def test_right_chunk_guesses_equal_chunk_steps_of_the_whole_pool(packed):
+    """Every expert resident, the runner preferring layers: each chunk is guessed whole and right,
+    and equals the chunk step of a runner of the whole pool bit for bit (logits, state, the cache's
+    statistics, contents, order and usage)."""
+    want, want_state, want_figures, whole = _chunked(packed, None, None, whole=True)
+    got, state, figures, runner = _chunked(packed, None, StepGuess(least=0, most=0))
+    assert (runner.guesses.chunks, runner.guesses.chunks_wrong) == (len(CHUNKS), 0)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    _same_state(want_state, state)
+    assert figures == want_figures
+
+
+def test_wrong_chunk_guesses_are_redone_as_decode_steps(packed):
+    """A cache of a few layers' experts: every chunk guessed, every guess wrong, its tokens redone
+    as decode steps: the logits, the state (the prev halves and the entries the chunk left open
+    restored) and the cache's figures those of a runner that never chunks."""
+    pool, k, _ = _pool(packed)
+    want, want_state, want_figures, plain = _chunked(packed, 3 * k, None)
+    assert plain.guesses is None
+    got, state, figures, runner = _chunked(packed, 3 * k, StepGuess(least=0, most=0))
+    assert runner.guesses.chunks == runner.guesses.chunks_wrong == len(CHUNKS)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    _same_state(want_state, state)
+    assert figures == want_figures
+
+
+def test_chunk_guesses_right_and_wrong_in_one_conversation(packed):
+    """A cache of most of the pool: some chunks' experts all resident, some not; the logits and
+    the state (wherever a later step reads) bit for bit those of a runner that never chunks (on
+    the CPU a chunk step rounds as the decode steps of its tokens do)."""
+    pool, k, _ = _pool(packed)
+    slots = pool - k
+    want, want_state, _, _ = _chunked(packed, slots, None)
+    got, state, _, runner = _chunked(packed, slots, StepGuess(least=0, most=0))
+    assert 0 < runner.guesses.chunks_wrong < runner.guesses.chunks == len(CHUNKS)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    files = open_model(packed)
+    args = files.args
+    files.close()
+    assert_same_live_state(want_state, state, args)
+
+
+def test_a_chunk_is_not_guessed_while_the_policy_waits(packed):
+    """The default policy: no chunk is guessed before a decode step found every expert resident;
+    `can_chunk` is then false and the runtime prefills by decode steps."""
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - k) * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
+        assert not runner.can_chunk()
+        with pytest.raises(RuntimeError, match="step guess ready"):
+            runner.chunk(model.new_state(), [1, 2])
+        exact = DecodeRunner(Transformer(files.get, files.args, Numerics.named("exact")), files.experts, whole=False,
+                             guesses=StepGuess(least=0, most=0))
+        assert not exact.can_chunk()  # exact numerics never chunk
+    finally:
+        files.close()
+
+
+def test_runtime_prefills_a_follow_up_in_guessed_chunk_steps(packed):
+    """`Runtime.prefill` through a bounded cache whose runner guesses: a prompt of at most
+    GRAPHED_PREFILL tokens runs as guessed chunk steps of CHUNK_SLOTS tokens (graphed), equal bit
+    for bit to the eager prefill; a policy not ready yet prefills without them."""
+    pool, k, record = _pool(packed)
+    for guesses, chunked in ((StepGuess(least=0, most=0), True), (StepGuess(), False)):
+        files = open_model(packed, cache_bytes=pool * record)  # every expert fits; the runner still streams
+        try:
+            model = Transformer(files.get, files.args, Numerics.named("native"))
+            lock = threading.RLock()
+            runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
+            graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
+            plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+            ids = CHUNK_IDS[:CHUNK_SLOTS * 2 + 8]
+            want = list(plain.prefill(model.new_state(), ids, 64))
+            state = model.new_state()
+            got = list(graphed.prefill(state, ids, 64))
+            graphed.settle()
+            assert state.pos == len(ids) and torch.equal(want[-1].logits, got[-1].logits)
+            if chunked:
+                assert [r.tokens for r in got] == [CHUNK_SLOTS, CHUNK_SLOTS, 8] and all(r.graphed for r in got)
+                assert (runner.guesses.chunks, runner.guesses.chunks_wrong) == (3, 0)
+            else:
+                assert runner.guesses.chunks == 0 and [r.tokens for r in got] == [len(ids)]
+        finally:
+            files.close()
+
+
+def test_the_warm_up_chunk_step_runs_whatever_the_policy_says(packed):
+    """`Runtime.warm_chunk` (the warm-up's chunk step, which compiles and captures it before the
+    first turn) guesses a chunk through a bounded cache before the policy is ready; without
+    guesses no chunk step runs."""
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - k) * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        lock = threading.RLock()
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
+        runtime = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
+        assert not runner.can_chunk() and runner.can_force_chunk() and runtime.chunk_tokens() == 0
+        state = model.new_state()
+        assert runtime.warm_chunk(state, 7)
+        assert state.pos == CHUNK_SLOTS and runner.guesses.chunks == 1
+        runtime.settle()
+        plain = DecodeRunner(model, files.experts, whole=False)
+        assert not plain.can_force_chunk()
+        assert not Runtime(model, files.experts, torch.device("cpu"), lock, None, plain).warm_chunk(model.new_state(), 7)
     finally:
         files.close()
