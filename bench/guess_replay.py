@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.cache_replay import ReplayError, read_route_csv  # noqa: E402
 from bench.lookahead_replay import traced_pack  # noqa: E402
+from engine.chunk_position import CHUNK_SLOTS  # noqa: E402
 from engine.experts.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
 from engine.experts.provider import ExpertProvider  # noqa: E402
 from engine.step_guess import StepGuess  # noqa: E402
@@ -172,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench.guess_replay: --guesses takes names of {', '.join(GUESSES)}, got {', '.join(unknown)}",
               file=sys.stderr)
         return 2
-    if a.chunk < 1:
-        print(f"bench.guess_replay: --chunk takes a positive number of tokens, got {a.chunk}", file=sys.stderr)
+    if not 1 <= a.chunk <= CHUNK_SLOTS:
+        print(f"bench.guess_replay: --chunk takes 1..{CHUNK_SLOTS} tokens (a chunk step's slots), got {a.chunk}",
+              file=sys.stderr)
         return 2
     if a.chunk > 1 and a.whole_ms is not None:
         print("bench.guess_replay: --whole-ms and --layered-ms model decode steps; leave them out with --chunk",

@@ -32,6 +32,11 @@ import torch
 
 from engine.decode_position import upload
 
+# Token slots of a chunk step (engine.decode_graph.DecodeRunner.chunk): a prefill chunk of up to
+# this many tokens runs as one graph replay; its GEMV kernels take at most 16 rows
+# (kernels.fp4_moe.GEMV_MAX_M).
+CHUNK_SLOTS = 16
+
 
 class ChunkPosition:
     """Static device views of a chunk's token ids and position facts; `set(p0, ids)` fills them."""

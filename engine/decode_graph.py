@@ -81,6 +81,7 @@ from typing import Callable
 
 import torch
 
+from engine.chunk_position import CHUNK_SLOTS
 from engine.experts.provider import ExpertProvider
 from engine.graph_homes import HOMES, GraphHomes
 from engine.lanes import Lanes
@@ -89,9 +90,7 @@ from engine.moe import Cells
 from engine.state import SequenceState, copies
 from engine.step_guess import StepGuess
 
-# Token slots of a chunk step (`DecodeRunner.chunk`): a prefill chunk of up to this many tokens
-# runs as one graph replay; its GEMV kernels take at most 16 rows (kernels.fp4_moe.GEMV_MAX_M).
-CHUNK_SLOTS = 16
+__all__ = ["CHUNK_SLOTS", "DecodeRunner", "make_runner"]
 
 
 @dataclass
@@ -367,15 +366,21 @@ class DecodeRunner:
         self._sent = {}
 
     # ------------------------------------------------------------------ the step
-    def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True) -> torch.Tensor | None:
+    def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True,
+             guess: bool | None = None) -> torch.Tensor | None:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor), or None without
         `logits` (a prefill token's step: the head is skipped); state.pos += 1. A whole-mode
         step's routes are counted by the next step (after its launch) or `settle()`. A step
-        through a bounded cache may be guessed whole (`_guessed`, engine/step_guess.py)."""
+        through a bounded cache may be guessed whole (`_guessed`, engine/step_guess.py): when
+        the policy says so (`guess` None), or always (True) or never (False) — the warm-up's
+        choice, so that both graph sets of each emission pattern are captured before a chat."""
         self.model.reserve(state, state.pos)
-        complete = self.prefer_whole and self.provider.all_resident()
-        guess = (not complete and self.guesses is not None and self.guesses.ready()
-                 and not self.provider.reading())  # a pending read's slot may not hold its bytes yet
+        complete = self._complete()
+        if guess is None:
+            guess = self._guessing()
+        else:  # a pending read's slot may not hold its bytes yet
+            guess = guess and self.guesses is not None and not self.provider.reading()
+        guess = guess and not complete
         self.whole = complete or guess
         if self.whole:  # no acquire sends the slot table: a hint's writes may not be on the device yet
             self.provider.arena.sync_table()
@@ -534,7 +539,8 @@ class DecodeRunner:
         chunk stands; else what it wrote that its tokens, run again one by one, would read
         before rewriting is restored (`SequenceState.chunk_rewritten`: the window rings, the
         compressors' buffers and previous halves, the entries left open) and its tokens run again
-        as decode steps (layered, the policy having counted the miss)."""
+        as decode steps (`step`: layer by layer unless the policy, having counted the miss, is
+        ready to guess again)."""
         if not (self.can_force_chunk() if force else self.can_chunk()):
             raise RuntimeError("DecodeRunner.chunk needs native numerics and every expert resident, or a "
                                "step guess ready through a bounded cache")
@@ -545,7 +551,7 @@ class DecodeRunner:
         self.provider.arena.sync_table()
         self.chunk_at.set(p0, ids)
         if self.model.routing is not None:  # forced routing (timing only): the slots' ids, before the step
-            self.model.routing.set_chunk(p0, CHUNK_SLOTS)
+            self.model.routing.set_chunk(p0)
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
         if guess:
             rewritten = state.chunk_rewritten(p0 + n)
@@ -601,8 +607,7 @@ class DecodeRunner:
             return result
         self.guesses.missed(chunk=True)
         torch._foreach_copy_(rewritten, saved)
-        self.whole = False
-        for i, token in enumerate(ids):  # redone token by token (layered: the policy counted the miss)
+        for i, token in enumerate(ids):  # redone token by token
             result = self.step(state, token, logits=logits and i == n - 1)
         return result
 

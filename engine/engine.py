@@ -120,7 +120,8 @@ class Engine:
         nothing compiles during a chat (a later load replays the kernel manifest the first one
         wrote instead, loading the kernels in parallel, then runs the steps, which find them
         built); with the torch reference, one short prefill and decode.
-        The expert statistics are zeroed afterwards: they count the user's lookups only."""
+        The expert statistics and the step-guess policy are reset afterwards: they count the
+        user's lookups and steps only."""
         self._open()
         full = self.config.backend == "tilelang"
         report = progress or (lambda p: None)
@@ -140,6 +141,7 @@ class Engine:
             run(lambda done, total, what: report(LoadProgress("warm-up", done, total, "shapes", what)))
         warm_sampling(self.runtime, self.args.vocab_size, self.device)
         self.experts.reset_stats()  # the statistics start with the user's first prompt
+        self.runtime.reset_guesses()  # and the step-guess policy, which the warm-up forced
 
     @property
     def info(self) -> dict:

@@ -25,8 +25,9 @@ chunk's ids are `index_select`ed from it on the device (`prefill_ids`, no host s
 step's are a view of the static buffer `step` [n_layers, k], which `set_position(p)` fills with
 token p mod T (one device copy queued before the step), so a captured CUDA graph reads each
 step's forced ids (engine/decode_graph.py calls it before every step). A graphed chunk step's
-`size` token slots read theirs likewise from `chunk` [n_layers, size, k] (`set_chunk(p0, size)`:
-slot t takes position p0 + t; the slots past the chunk's tokens are never committed).
+CHUNK_SLOTS token slots read theirs likewise from `chunk` [n_layers, CHUNK_SLOTS, k]
+(`set_chunk(p0)`: slot t takes position p0 + t; the slots past the chunk's tokens are never
+committed).
 
 Router lookahead (`Transformer.predict_next`: layer L+1's gate on layer L's state) means nothing
 on a forced layer, whose experts are not its router's. With `lookahead_accuracy` a, a stand-in
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from engine.chunk_position import CHUNK_SLOTS
 from engine.config import ModelArgs
 
 
@@ -152,7 +154,7 @@ class ForcedRouting:
                              for layer in range(self.first, args.n_layers)}
         self.table = table.to(device)  # [n_layers, T, k]
         self.step = torch.zeros(args.n_layers, k, dtype=torch.long, device=device)  # a decode step's ids
-        self.chunk: torch.Tensor | None = None  # a chunk step's ids [n_layers, size, k] (`set_chunk`)
+        self.chunk = torch.zeros(args.n_layers, CHUNK_SLOTS, k, dtype=torch.long, device=device)  # a chunk step's ids
         self.lookahead_accuracy = lookahead_accuracy
         self.guess = self.guess_step = None
         if lookahead_accuracy is not None:
@@ -188,22 +190,14 @@ class ForcedRouting:
         """The current decode step's forced ids of `layer` [1, k]: a view of `step`."""
         return self.step[layer:layer + 1]
 
-    def set_chunk(self, start: int, size: int) -> None:
-        """Fill `chunk` with the ids of positions start..start+size-1 (device ops on the current
-        stream, no host sync). The buffer is made on the first call and keeps its address (a
-        captured chunk step reads it); every call must give the same `size`."""
-        if self.chunk is None:
-            self.chunk = torch.zeros(self.args.n_layers, size, self.table.shape[2], dtype=torch.long,
-                                     device=self.table.device)
-        elif self.chunk.shape[1] != size:
-            raise ValueError(f"forced routing's chunk steps have {self.chunk.shape[1]} token slots, not {size}")
-        rows = torch.arange(start, start + size, device=self.table.device).remainder_(self.tokens)
+    def set_chunk(self, start: int) -> None:
+        """Fill `chunk` with the ids of positions start..start+CHUNK_SLOTS-1 (device ops on the
+        current stream, no host sync)."""
+        rows = torch.arange(start, start + CHUNK_SLOTS, device=self.table.device).remainder_(self.tokens)
         torch.index_select(self.table, 1, rows, out=self.chunk)
 
     def chunk_ids(self, layer: int) -> torch.Tensor:
-        """The current chunk step's forced ids of `layer` [size, k]: a view of `chunk`."""
-        if self.chunk is None:
-            raise RuntimeError("ForcedRouting.set_chunk must run before a chunk step reads its ids")
+        """The current chunk step's forced ids of `layer` [CHUNK_SLOTS, k]: a view of `chunk`."""
         return self.chunk[layer]
 
     def lookahead_ids(self, layer: int, start: int | None = None, n: int = 1) -> torch.Tensor | None:

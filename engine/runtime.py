@@ -259,12 +259,35 @@ class Runtime:
         """Token slots of a graphed chunk step when they run now (`DecodeRunner.chunk`), else 0."""
         return CHUNK_SLOTS if self._chunks(2) else 0
 
+    def guesses_steps(self) -> bool:
+        """Whether the runner guesses streamed steps whole (engine/step_guess.py): a bounded cache's
+        decode steps then run in two modes, each with its graph sets."""
+        return self.runner is not None and self.runner.guesses is not None
+
+    def reset_guesses(self) -> None:
+        """The runner's step-guess policy and counts as they started (`StepGuess.reset`: after the
+        warm-up, which forces guesses on a repeated token), if it guesses."""
+        if self.guesses_steps():
+            self.runner.guesses.reset()
+
+    def warm_step(self, state: SequenceState, token: int, guess: bool) -> None:
+        """The warm-up's decode step of `token` at state.pos, guessed whole (`guess`) or layer by
+        layer whatever the runner's policy says (`DecodeRunner.step`), its graph set captured if
+        its home lacks it (a guess waits for the reads still pending first, `warm_chunk`). Needs
+        `guesses_steps()`."""
+        with self.lock, torch.inference_mode():
+            if guess:
+                self.experts.wait_reads()
+            self.runner.step(state, token, logits=True, guess=guess)
+
     def warm_chunk(self, state: SequenceState, token: int) -> bool:
         """The warm-up's chunk step: CHUNK_SLOTS copies of `token` from state.pos in one graphed
         chunk step whenever the runner runs chunk steps at all, guessed whole through a bounded
         cache whatever its policy says (`DecodeRunner.chunk` with `force`), so that its kernels
-        compile and its graphs are captured before the first turn -> whether it ran."""
+        compile and its graphs are captured before the first turn (a read still pending, a
+        hint's, is waited for first: a guess reads no slot being written) -> whether it ran."""
         with self.lock:
+            self.experts.wait_reads()
             if not (self.runner is not None and self.runner.can_force_chunk()
                     and (self.runner.graphs or self.device.type != "cuda")):
                 return False

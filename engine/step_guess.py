@@ -36,7 +36,12 @@ class StepGuess:
         if not 0 <= least <= most:
             raise ValueError(f"a step guess needs 0 <= least <= most, got least={least}, most={most}")
         self.least, self.most = least, most
-        self.needed = least  # consecutive all-resident steps the next guess needs
+        self.reset()
+
+    def reset(self) -> None:
+        """The policy and its counts as they started (after the warm-up, whose repeated token is
+        not a conversation's)."""
+        self.needed = self.least  # consecutive all-resident steps the next guess needs
         self.streak = 0  # consecutive steps whose routed experts were all resident
         self.guesses = 0  # steps run whole on the guess (chunk steps included)
         self.wrong = 0  # of those, redone layer by layer

@@ -9,7 +9,8 @@ On scratch states (discarded afterwards):
 2. for every compressed-cache capacity up to `max_seq_len` (`engine.buckets.capacity_buckets`),
    the one-token decode step (the graph runner's path on CUDA) at positions whose steps complete
    no window, a ratio-4 window, and ratio-4 and ratio-128 windows at once — the three control
-   flows of a decode step (`Transformer.emitting`) — on a state whose caches have exactly that
+   flows of a decode step (`Transformer.emitting`; through a bounded cache whose steps are guessed
+   whole, each both layer by layer and guessed) — on a state whose caches have exactly that
    capacity (the smallest one, too small for the position where every window completes, runs
    just below its last position: the first decode steps of a short chat), then, where the
    runtime runs graphed chunk steps (every expert resident, or guessed whole through a bounded
@@ -127,9 +128,15 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
                 runtime.step(bases[start], [token] * n)
         state = bases[start].clone()
         runtime.reserve(state, step.last)
-        for _ in range(min(DECODE_STEPS, max_seq_len - state.pos)):
-            runtime.step(state, [token])
-        runtime.settle()
+        # through a bounded cache steps run layer by layer or guessed whole: both modes' graph sets
+        for guess in ((False, True) if runtime.guesses_steps() else (None,)):
+            steps = state.clone() if guess is False else state
+            for _ in range(min(DECODE_STEPS, max_seq_len - steps.pos)):
+                if guess is None:
+                    runtime.step(steps, [token])
+                else:
+                    runtime.warm_step(steps, token, guess)
+            runtime.settle()
         _chunk_step(runtime, model, token, step.last)
     progress(total, total, "kernels ready")
 

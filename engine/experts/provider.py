@@ -156,6 +156,11 @@ class ExpertProvider(ABC):
         kernels launched now could read its slot before its bytes are there (never, by default)."""
         return False
 
+    def wait_reads(self) -> None:
+        """Wait until every read started so far has landed or failed (`reading` is then False
+        unless one failed), joining none of them: no statistic changes (the warm-up, before a
+        step it guesses whole; nothing to wait for, by default)."""
+
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
         """The first layer of `routes` (a step's expert ids, layer by layer from layer 0) with
         an expert that is not in `arena` now, or whose read has not landed; None when every

@@ -455,11 +455,27 @@ class StreamingExperts(ExpertProvider):
     def reading(self) -> bool:
         return not all(self._landed(key) for key in self._loads)
 
+    def wait_reads(self) -> None:
+        futures = []
+        for fut in self._loads.values():
+            if isinstance(fut, _DeviceCopy):
+                fut.result()  # the copy's event
+            else:
+                futures.append(fut)
+        wait(futures)
+
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
-        if isinstance(routes, np.ndarray) and routes.ndim == 2 and not self._loads:
-            # a decode step's [n_layers, k] with no read in flight: one lookup in the slot table
-            bad = np.flatnonzero(~self.arena.rows_resident(routes))
-            return int(bad[0]) if bad.size else None
+        if isinstance(routes, np.ndarray) and routes.ndim == 2:
+            # a step's [n_layers, width] ids: one lookup in the slot table, then the reads not
+            # joined yet (a key being read has its slot already) that have not landed
+            bad = ~self.arena.rows_resident(routes)
+            for key in self._loads:
+                layer = key[0]
+                if layer < bad.shape[0] and not bad[layer] and (routes[layer] == key[1]).any() \
+                        and not self._landed(key):
+                    bad[layer] = True
+            first = np.flatnonzero(bad)
+            return int(first[0]) if first.size else None
         contains = self.cache.contains
         for layer, ids in enumerate(routes):
             for e in ids:

@@ -67,6 +67,10 @@ def test_the_command_prints_its_table_and_refuses_bad_arguments(pack, tmp_path, 
     assert "--guesses takes names of never, default, every, got sometimes" in capsys.readouterr().err
     assert main([str(trace), "--whole-ms", "5", "--workdir", workdir]) == 2
     assert "give both or neither" in capsys.readouterr().err
+    assert main([str(trace), "--chunk", "17", "--workdir", workdir]) == 2
+    assert "--chunk takes 1..16 tokens" in capsys.readouterr().err
+    assert main([str(trace), "--chunk", "8", "--whole-ms", "5", "--layered-ms", "9", "--workdir", workdir]) == 2
+    assert "model decode steps; leave them out with --chunk" in capsys.readouterr().err
 
 
 def test_prefill_chunks_guessed_whole_on_their_tokens_union(pack):

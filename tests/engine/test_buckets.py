@@ -138,6 +138,9 @@ def test_each_decode_bucket_steps_at_its_own_capacity():
             state.cap = max(state.cap, capacity(state.pos + len(tokens) - 1))
             state.pos += len(tokens)
 
+        def guesses_steps(self):
+            return False
+
         def warm_chunk(self, state, token):
             state.cap = max(state.cap, capacity(state.pos + 16))  # DecodeRunner.chunk's reserve
             self.chunks.append((state.cap, state.pos))

@@ -79,9 +79,13 @@ def test_layered_graphs_through_a_small_cache_equal_eager(packed):
     assert max(errs) <= 1e-2 and agree >= 23
 
 
-def _guessed_run(packed: Path, cache_records: int, steps: int, guesses: StepGuess | None) -> list[torch.Tensor]:
-    """Greedy decode through layered graphs (`guesses` None) or steps guessed whole, on a provider
-    of its own (no eager reference reading experts in between) -> each step's logits."""
+def _guessed_run(packed: Path, cache_records: int, steps: int, guesses: StepGuess | None,
+                 chunks: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[bool]]:
+    """Through a bounded cache on graphs, on a provider of its own (no eager reference reading
+    experts in between): prefill PROMPT, then `chunks` of seeded token ids as chunk steps guessed
+    whole (`guesses`) or, where no chunk step runs, as decode steps (layered graphs), then
+    `steps` greedy decode steps, layered or guessed whole -> (the logits of each chunk's last
+    token and of each step, whether each chunk was redone)."""
     dev = torch.device("cuda")
     probe = open_model(packed)
     record = probe.experts.store.record_bytes
@@ -92,15 +96,29 @@ def _guessed_run(packed: Path, cache_records: int, steps: int, guesses: StepGues
         model = Transformer(lambda n: files.get(n).to(dev), files.args,
                             Numerics.named("native", make_backend("tilelang", dev)))
         runner = DecodeRunner(model, files.experts, whole=False, graphs=True, guesses=guesses)
-        out = []
+        ids = torch.randint(0, 129280, (sum(chunks),), generator=torch.Generator().manual_seed(11)).tolist()
+        out, redone, pos = [], [], 0
         with torch.inference_mode():
             state = model.new_state()
             tok = model.forward(PROMPT.to(dev), state, files.experts, last_only=True).argmax(-1)
+            for n in chunks:
+                wrong = guesses.chunks_wrong if guesses is not None else 0
+                part = ids[pos:pos + n]
+                pos += n
+                if runner.can_chunk():
+                    out.append(runner.chunk(state, part))
+                else:
+                    for i, t in enumerate(part):
+                        last = runner.step(state, t, logits=i == n - 1)
+                    out.append(last)
+                redone.append(guesses is not None and guesses.chunks_wrong > wrong)
+                tok = out[-1].argmax(-1)
             for _ in range(steps):
                 out.append(runner.step(state, tok))
                 tok = out[-1].argmax(-1)
+            runner.settle()
         assert runner.capture_error is None
-        return out
+        return out, redone
     finally:
         files.close()
 
@@ -113,51 +131,11 @@ def test_guessed_whole_graphs_equal_layered_graphs(packed):
     pool = probe.args.n_layers * probe.experts.store.count
     k = probe.args.n_activated_experts
     probe.close()
-    layered = _guessed_run(packed, pool - 2 * k, 24, None)
+    layered, _ = _guessed_run(packed, pool - 2 * k, 24, None)
     guesses = StepGuess(least=0, most=0)
-    guessed = _guessed_run(packed, pool - 2 * k, 24, guesses)
+    guessed, _ = _guessed_run(packed, pool - 2 * k, 24, guesses)
     assert guesses.guesses == 24 and 0 < guesses.wrong < 24  # both outcomes, on graphs
     assert all(torch.equal(a, b) for a, b in zip(layered, guessed))
-
-
-def _chunked_run(packed: Path, cache_records: int, guesses: StepGuess | None) -> tuple[list[torch.Tensor], list[bool]]:
-    """Chunks of a prompt through a bounded cache on graphs: guessed chunk steps (`guesses`), or
-    decode steps (layered graphs) where no chunk step runs, then greedy decode steps -> (the
-    logits of each chunk's last token and of each step, whether each chunk was redone)."""
-    dev = torch.device("cuda")
-    probe = open_model(packed)
-    record = probe.experts.store.record_bytes
-    probe.close()
-    files = open_model(packed, cache_bytes=cache_records * record, device="cuda")
-    try:
-        model = Transformer(lambda n: files.get(n).to(dev), files.args,
-                            Numerics.named("native", make_backend("tilelang", dev)))
-        runner = DecodeRunner(model, files.experts, whole=False, graphs=True, guesses=guesses)
-        ids = torch.randint(0, 129280, (160,), generator=torch.Generator().manual_seed(11)).tolist()
-        out, redone, pos = [], [], 0
-        with torch.inference_mode():
-            state = model.new_state()
-            model.forward(PROMPT.to(dev), state, files.experts)
-            for n in [16, 16, 9, 16, 16, 5, 16, 16, 16]:  # from 40 to 166: ratio-4 and ratio-128 windows, growth
-                wrong = guesses.chunks_wrong if guesses is not None else 0
-                part = ids[pos:pos + n]
-                pos += n
-                if runner.can_chunk():
-                    out.append(runner.chunk(state, part))
-                else:
-                    for i, t in enumerate(part):
-                        last = runner.step(state, t, logits=i == n - 1)
-                    out.append(last)
-                redone.append(guesses is not None and guesses.chunks_wrong > wrong)
-            tok = out[-1].argmax(-1)
-            for _ in range(8):
-                out.append(runner.step(state, tok))
-                tok = out[-1].argmax(-1)
-            runner.settle()
-        assert runner.capture_error is None
-        return out, redone
-    finally:
-        files.close()
 
 
 def test_guessed_chunk_graphs_through_a_bounded_cache(packed):
@@ -170,9 +148,10 @@ def test_guessed_chunk_graphs_through_a_bounded_cache(packed):
     pool = probe.args.n_layers * probe.experts.store.count
     k = probe.args.n_activated_experts
     probe.close()
-    want, _ = _chunked_run(packed, pool - k, None)
+    chunks = (16, 16, 9, 16, 16, 5, 16, 16, 16)  # from 40 to 166: ratio-4 and ratio-128 windows, growth
+    want, _ = _guessed_run(packed, pool - k, 8, None, chunks)
     guesses = StepGuess(least=0, most=0)
-    got, redone = _chunked_run(packed, pool - k, guesses)
+    got, redone = _guessed_run(packed, pool - k, 8, guesses, chunks)
     print(f"guessed chunks: {guesses.chunks} ({guesses.chunks_wrong} redone), redone {redone}")
     assert guesses.chunks == len(redone) and sum(redone) == guesses.chunks_wrong
     for i, (a, b) in enumerate(zip(want, got)):

@@ -192,7 +192,8 @@ def test_prefill_and_decode_read_the_traces_experts(packed, tmp_path, numerics):
 def test_a_chunk_step_reads_the_traces_experts(packed, tmp_path):
     """A graphed chunk step under forced routing (`set_chunk`): each real token's forced ids are
     its position's, counted as an eager chunk counts them (each layer's distinct experts), and
-    the logits and state are the eager prefill's; a second chunk refills the same buffer."""
+    the logits and state are the eager prefill's; a second chunk refills the same buffer (made
+    with the routing, outside any inference mode, so steps in or out of one can write it)."""
     trace = _write_trace(tmp_path / "t.csv", tokens=5)
     files = open_model(packed)
     try:
@@ -208,18 +209,20 @@ def test_a_chunk_step_reads_the_traces_experts(packed, tmp_path):
         for start, end in ((0, 8), (8, 13)):
             want = model.forward(torch.tensor(PROMPT[start:end]), ref, files.experts, last_only=True)
             spy.calls.clear()
-            buffer = routing.chunk
+            buffer = routing.chunk.data_ptr()
             got = runner.chunk(state, PROMPT[start:end])
             runner.settle()
             assert torch.equal(want, got)
-            assert buffer is None or routing.chunk is buffer  # one buffer: a captured step reads it
+            assert routing.chunk.data_ptr() == buffer  # one buffer: a captured step reads it
             for layer in (3, 4):
                 asked = [ids for c, lay, ids in spy.calls if c == "record" and lay == layer]
                 assert asked == [sorted(set().union(*(_expected(trace, layer, p, k, n_experts)
                                                       for p in range(start, end))))]
         assert all(torch.equal(x.window, y.window) for x, y in zip(ref.layers, state.layers))
-        with pytest.raises(ValueError, match="16 token slots, not 8"):
-            routing.set_chunk(0, 8)
+        with torch.inference_mode():  # as the runtime fills it
+            routing.set_chunk(3)
+        routing.set_chunk(3)  # and outside
+        assert routing.chunk_ids(4)[0].tolist() == _expected(trace, 4, 3, k, n_experts)
     finally:
         files.close()
 

@@ -21,6 +21,10 @@ from oracle import assert_same_live_state
 
 PROMPT = [0, 17, 300, 5, 5, 99, 511, 42, 8, 250, 17, 3, 77]
 STEPS = 12  # positions 13..24: windows of ratio 4 complete at 15, 19, 23 (the prev halves rewritten)
+# From position 13: chunks ending at 29, 34, 45 and 61 complete ratio-4 windows inside them and leave
+# entries open (the entry a chunk's unused window slots write), then STEPS decode steps read them.
+CHUNKS = (16, 5, 11, 16)
+CHUNK_IDS = [(37 * i + 11) % 512 for i in range(sum(CHUNKS))]
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -70,9 +74,12 @@ def test_a_policy_out_of_range_is_refused(least, most):
 
 
 # ---------------------------------------------------------------------------- the runner
-def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str = "native"):
-    """Prefill PROMPT, then STEPS greedy steps through a cache of `slots` records (None: every
-    expert resident, the runner still preferring layers) -> (logits, state, cache figures, runner)."""
+def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str = "native", whole: bool = False,
+            chunks: tuple[int, ...] = ()):
+    """Prefill PROMPT, then CHUNK_IDS in `chunks` as chunk steps when the runner runs them (else as
+    decode steps, the last one's logits kept), then STEPS greedy decode steps, through a cache of
+    `slots` records (None: every expert resident; `whole`: the runner then prefers one graph a
+    step, else layers) -> (logits, state, cache figures, runner)."""
     files = open_model(packed) if slots is None else open_model(packed, cache_bytes=slots * _pool(packed)[2])
     try:
         if slots is None:
@@ -80,8 +87,18 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
         model = Transformer(files.get, files.args, Numerics.named(numerics))
         state = model.new_state()
         model.forward(torch.tensor(PROMPT), state, files.experts)
-        runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
-        tok, logits = 5, []
+        runner = DecodeRunner(model, files.experts, whole=whole, guesses=guesses)
+        logits, at = [], 0
+        for n in chunks:
+            ids = CHUNK_IDS[at:at + n]
+            at += n
+            if runner.can_chunk():
+                logits.append(runner.chunk(state, ids))
+            else:
+                for i, t in enumerate(ids):
+                    out = runner.step(state, t, logits=i == n - 1)
+                logits.append(out)
+        tok = int(logits[-1].argmax()) if logits else 5
         for _ in range(STEPS):
             out = runner.step(state, tok)
             logits.append(out)
@@ -253,55 +270,14 @@ def test_the_slot_table_check_agrees_with_the_cache(packed):
 
 
 # ---------------------------------------------------------------------------- chunk steps guessed whole
-# From position 13: chunks ending at 29, 34, 45 and 61 complete ratio-4 windows inside them and leave
-# entries open (the entry a chunk's unused window slots write), then STEPS decode steps read them.
-CHUNKS = [16, 5, 11, 16]
-CHUNK_IDS = [(37 * i + 11) % 512 for i in range(sum(CHUNKS))]
-
-
-def _chunked(packed, slots: int | None, guesses: StepGuess | None, whole: bool = False):
-    """Prefill PROMPT, then CHUNK_IDS in CHUNKS as chunk steps when the runner runs them (else as
-    decode steps, the last one's logits kept), then STEPS greedy decode steps, through a cache of
-    `slots` records (None: every expert resident) -> (logits, state, cache figures, runner)."""
-    files = open_model(packed) if slots is None else open_model(packed, cache_bytes=slots * _pool(packed)[2])
-    try:
-        if slots is None:
-            assert files.experts.load_all()
-        model = Transformer(files.get, files.args, Numerics.named("native"))
-        state = model.new_state()
-        model.forward(torch.tensor(PROMPT), state, files.experts)
-        runner = DecodeRunner(model, files.experts, whole=whole, guesses=guesses)
-        logits, at = [], 0
-        for n in CHUNKS:
-            ids = CHUNK_IDS[at:at + n]
-            at += n
-            if runner.can_chunk():
-                logits.append(runner.chunk(state, ids))
-            else:
-                for i, t in enumerate(ids):
-                    out = runner.step(state, t, logits=i == n - 1)
-                logits.append(out)
-        tok = int(logits[-1].argmax())
-        for _ in range(STEPS):
-            out = runner.step(state, tok)
-            logits.append(out)
-            tok = int(out.argmax())
-        runner.settle()
-        cache, usage = files.experts.cache, files.experts.usage
-        figures = (files.experts.stats(), set(cache.resident()), cache.hottest(10 ** 6), dict(usage.uses),
-                   list(usage.layer_uses))
-        assert cache.pinned() == cache.held() == frozenset()
-        return logits, state, figures, runner
-    finally:
-        files.close()
 
 
 def test_right_chunk_guesses_equal_chunk_steps_of_the_whole_pool(packed):
     """Every expert resident, the runner preferring layers: each chunk is guessed whole and right,
     and equals the chunk step of a runner of the whole pool bit for bit (logits, state, the cache's
     statistics, contents, order and usage)."""
-    want, want_state, want_figures, whole = _chunked(packed, None, None, whole=True)
-    got, state, figures, runner = _chunked(packed, None, StepGuess(least=0, most=0))
+    want, want_state, want_figures, whole = _decode(packed, None, None, whole=True, chunks=CHUNKS)
+    got, state, figures, runner = _decode(packed, None, StepGuess(least=0, most=0), chunks=CHUNKS)
     assert (runner.guesses.chunks, runner.guesses.chunks_wrong) == (len(CHUNKS), 0)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     _same_state(want_state, state)
@@ -313,9 +289,9 @@ def test_wrong_chunk_guesses_are_redone_as_decode_steps(packed):
     as decode steps: the logits, the state (the prev halves and the entries the chunk left open
     restored) and the cache's figures those of a runner that never chunks."""
     pool, k, _ = _pool(packed)
-    want, want_state, want_figures, plain = _chunked(packed, 3 * k, None)
+    want, want_state, want_figures, plain = _decode(packed, 3 * k, None, chunks=CHUNKS)
     assert plain.guesses is None
-    got, state, figures, runner = _chunked(packed, 3 * k, StepGuess(least=0, most=0))
+    got, state, figures, runner = _decode(packed, 3 * k, StepGuess(least=0, most=0), chunks=CHUNKS)
     assert runner.guesses.chunks == runner.guesses.chunks_wrong == len(CHUNKS)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     _same_state(want_state, state)
@@ -328,8 +304,8 @@ def test_chunk_guesses_right_and_wrong_in_one_conversation(packed):
     the CPU a chunk step rounds as the decode steps of its tokens do)."""
     pool, k, _ = _pool(packed)
     slots = pool - k
-    want, want_state, _, _ = _chunked(packed, slots, None)
-    got, state, _, runner = _chunked(packed, slots, StepGuess(least=0, most=0))
+    want, want_state, _, _ = _decode(packed, slots, None, chunks=CHUNKS)
+    got, state, _, runner = _decode(packed, slots, StepGuess(least=0, most=0), chunks=CHUNKS)
     assert 0 < runner.guesses.chunks_wrong < runner.guesses.chunks == len(CHUNKS)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     files = open_model(packed)
@@ -403,5 +379,78 @@ def test_the_warm_up_chunk_step_runs_whatever_the_policy_says(packed):
         plain = DecodeRunner(model, files.experts, whole=False)
         assert not plain.can_force_chunk()
         assert not Runtime(model, files.experts, torch.device("cpu"), lock, None, plain).warm_chunk(model.new_state(), 7)
+    finally:
+        files.close()
+
+
+def test_the_warm_up_runs_each_decode_step_layered_and_guessed(packed):
+    """Through a bounded cache whose steps are guessed, the warm-up's decode steps of a capacity run
+    twice from the same state, layer by layer and then guessed whole whatever the policy says (on
+    CUDA each emission pattern's two graph sets are captured before the first turn), then the
+    chunk step, guessed."""
+    from engine.config import EngineConfig
+    from engine.warmup import DECODE_BASE, DECODE_STEPS, plan_warmup, run_warmup
+
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - k) * record)
+    try:
+        args = files.args
+        model = Transformer(files.get, args, Numerics.named("native"))
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess(least=4, most=8))
+        runtime = Runtime(model, files.experts, torch.device("cpu"), threading.RLock(), None, runner)
+        assert runtime.guesses_steps()
+        step = next(s for s in plan_warmup(args, EngineConfig(max_seq_len=512), full=True)
+                    if s.kind == "decode" and s.base == DECODE_BASE)
+        modes = []
+        real = runner.step
+
+        def spy(state, token, logits=True, guess=None):  # which mode each warm-up decode step asked for
+            modes.append(guess)
+            return real(state, token, logits, guess)
+        runner.step = spy
+        run_warmup([step], runtime, model, 7, 512, lambda *a: None)
+        assert modes == [False] * DECODE_STEPS + [True] * DECODE_STEPS
+        # the policy (a streak of 4 needed) never guessed: every guess was the warm-up's own
+        assert runner.guesses.guesses == DECODE_STEPS + 1 and runner.guesses.chunks == 1
+        runtime.reset_guesses()  # as Engine.warm_up does after it
+        g = runner.guesses
+        assert (g.needed, g.streak, g.guesses, g.wrong, g.chunks, g.chunks_wrong) == (4, 0, 0, 0, 0, 0)
+    finally:
+        files.close()
+
+
+def test_waiting_for_pending_reads_joins_none(packed, monkeypatch):
+    """`wait_reads` returns once a pinned expert's slow read has landed: `reading()` is then False,
+    and the read is still to be joined by its first use (`resident` says so). While it is pending
+    `first_missing` names its layer, over an array (the slot table) as over lists; once landed,
+    none."""
+    import numpy as np
+
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=(pool - 2 * k) * record)
+    try:
+        experts, n = files.experts, files.args.n_layers
+        for layer in range(n):  # experts 1..k of every layer resident
+            experts.acquire(layer, range(1, k + 1))
+            experts.release(layer)
+        landed = threading.Event()
+        real = experts.store.read_into
+        monkeypatch.setattr(experts.store, "read_into", lambda *a: (landed.wait(10), real(*a))[1])
+        missing = (n - 2, 0)
+        assert not experts.cache.contains(missing)
+        experts.pin([missing])
+        assert experts.reading()
+        routes = [list(range(1, k + 1)) for _ in range(n)]
+        routes[n - 2] = [0] + routes[n - 2][1:]
+        assert experts.first_missing(np.array(routes)) == experts.first_missing(routes) == n - 2
+        release = threading.Timer(0.3, landed.set)
+        release.start()
+        t0 = time.monotonic()
+        experts.wait_reads()
+        assert time.monotonic() - t0 >= 0.2 and not experts.reading()
+        assert not experts.resident(missing[0], [missing[1]])  # landed, not joined yet
+        assert experts.first_missing(np.array(routes)) is experts.first_missing(routes) is None
+        release.join()
+        experts.unpin([missing])
     finally:
         files.close()
