@@ -214,8 +214,9 @@ class Runtime:
                 cancel: threading.Event | None = None,
                 on_queued: Callable[[], None] | None = None) -> Iterator[StepResult]:
         """Process `ids` in chunks of `chunk` tokens and the remainder in powers of two
-        (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), one result per
-        chunk, in order. On CUDA each chunk is queued before the one before it is waited for, so
+        (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), or in chunk steps
+        (`_lengths`), each chunk planned from what is left when it comes, one result per chunk,
+        in order. On CUDA each chunk is queued before the one before it is waited for, so
         the host's work for a chunk overlaps the device's for the previous one. Stops before
         queueing a chunk when `cancel` is set (the state then holds the chunks yielded: on CUDA,
         one more than had been yielded when it was set).
@@ -237,13 +238,15 @@ class Runtime:
             done_at = launched.t0 + res.seconds
             return res
 
-        lengths = self._lengths(len(ids), chunk)
-        for i, length in enumerate(lengths):
+        while start < len(ids):
             if cancel is not None and cancel.is_set():
                 break
+            # planned again before each chunk: after a chunk step guessed wrong through a bounded
+            # cache (engine/step_guess.py) the rest goes in eager chunks, not token by token
+            length = self._lengths(len(ids) - start, chunk)[0]
             part = ids[start:start + length]
             launched = self._graphed_tokens(state, part) if self._graphs_short(length) else self.launch(state, part)
-            if on_queued is not None and i == len(lengths) - 1:
+            if on_queued is not None and start + length == len(ids):
                 on_queued()
             if running is not None:
                 yield finished(running)

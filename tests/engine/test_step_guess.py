@@ -454,3 +454,27 @@ def test_waiting_for_pending_reads_joins_none(packed, monkeypatch):
         experts.unpin([missing])
     finally:
         files.close()
+
+
+def test_after_a_wrong_chunk_guess_the_rest_of_the_prompt_goes_in_an_eager_chunk(packed):
+    """`Runtime.prefill` plans each chunk when it comes: a 60-token prompt through a cache of a few
+    layers' experts, the policy ready, starts with a chunk step of 16 guessed whole; the guess is
+    wrong (its tokens redone as decode steps), the policy no longer ready, and the other 44 tokens
+    go in one eager chunk, not 44 more decode steps; the logits those of the eager prefill."""
+    pool, k, record = _pool(packed)
+    files = open_model(packed, cache_bytes=3 * k * record)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        lock = threading.RLock()
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
+        runner.guesses.observed(True)  # as after a decode step that found its experts resident
+        graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
+        plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+        ids = [(37 * i + 11) % 512 for i in range(60)]
+        want = list(plain.prefill(model.new_state(), ids, 64))
+        got = list(graphed.prefill(model.new_state(), ids, 64))
+        assert (runner.guesses.chunks, runner.guesses.chunks_wrong) == (1, 1)
+        assert [r.tokens for r in got] == [CHUNK_SLOTS, 60 - CHUNK_SLOTS] and [r.graphed for r in got] == [True, False]
+        assert torch.equal(want[-1].logits, got[-1].logits)
+    finally:
+        files.close()
