@@ -311,7 +311,8 @@ def main(argv=None) -> int:
 
 def profile_all(a, eng) -> None:
     """The profiles of the module docstring, on a loaded engine."""
-    from engine.decode_graph import CHUNK_SLOTS, DecodeRunner
+    from engine.chunk_position import CHUNK_SLOTS
+    from engine.decode_graph import DecodeRunner
     from kernels.backend import compiled_kernels
 
     runtime, model = eng.runtime, eng.model

@@ -90,8 +90,6 @@ from engine.moe import Cells
 from engine.state import SequenceState, copies
 from engine.step_guess import StepGuess
 
-__all__ = ["CHUNK_SLOTS", "DecodeRunner", "make_runner"]
-
 
 @dataclass
 class _Outputs:

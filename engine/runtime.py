@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from engine.buckets import chunk_lengths
-from engine.decode_graph import CHUNK_SLOTS
+from engine.chunk_position import CHUNK_SLOTS
 from engine.experts.provider import ExpertProvider
 from engine.state import SequenceState
 from engine.stats import StepTiming

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from engine.decode_graph import CHUNK_SLOTS, DecodeRunner
+from engine.chunk_position import CHUNK_SLOTS
+from engine.decode_graph import DecodeRunner
 from engine.model import Transformer
 from engine.numerics import Numerics
 from engine.runtime import Runtime

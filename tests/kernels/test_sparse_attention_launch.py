@@ -44,5 +44,5 @@ def test_unknown_architectures_use_the_default_tiles():
 
 
 def test_the_few_queries_that_split_alike_are_a_chunk_steps_slots():
-    from engine.decode_graph import CHUNK_SLOTS
+    from engine.chunk_position import CHUNK_SLOTS
     assert FEW_QUERIES == CHUNK_SLOTS
