@@ -45,8 +45,9 @@ SETTLED_PER_LAUNCH = 2
 # (~300 ms of launches).
 SHORT_PREFILL = 16
 # Prompts of at most this many tokens prefill in graphed chunk steps (`DecodeRunner.chunk`: every
-# expert resident, or guessed whole) instead of eager chunks: at 43 layers (H200) a chunk step of 16 tokens takes
-# ~29 ms, an eager chunk of any length at least ~125 ms of launches, so four steps still win.
+# expert resident, or guessed whole) instead of eager chunks: at 43 layers (H200) a chunk step of
+# 16 tokens takes ~29 ms, an eager chunk of any length at least ~125 ms of launches, so four steps
+# still win.
 GRAPHED_PREFILL = 64
 
 
@@ -263,14 +264,14 @@ class Runtime:
         return CHUNK_SLOTS if self._chunks(2) else 0
 
     def guesses_steps(self) -> bool:
-        """Whether the runner guesses streamed steps whole (engine/step_guess.py): a bounded cache's
-        decode steps then run in two modes, each with its graph sets."""
-        return self.runner is not None and self.runner.guesses is not None
+        """Whether the runner streams through a bounded cache and guesses steps whole
+        (engine/step_guess.py): its decode steps then run in two modes, each with its graph sets."""
+        return self.runner is not None and self.runner.guesses is not None and not self.runner.prefer_whole
 
     def reset_guesses(self) -> None:
         """The runner's step-guess policy and counts as they started (`StepGuess.reset`: after the
-        warm-up, which forces guesses on a repeated token), if it guesses."""
-        if self.guesses_steps():
+        warm-up, which forces guesses on a repeated token), if it has one."""
+        if self.runner is not None and self.runner.guesses is not None:
             self.runner.guesses.reset()
 
     def warm_step(self, state: SequenceState, token: int, guess: bool) -> None:
@@ -300,8 +301,9 @@ class Runtime:
 
     def _chunks(self, n: int) -> bool:
         """`n` tokens (2..CHUNK_SLOTS) run as one graphed chunk step (`DecodeRunner.chunk`: every
-        expert resident, or guessed whole), on CUDA while the runner has graphs (after a failed capture an eager
-        chunk step costs more than replayed decode steps: 179 ms for 16 tokens at 43 layers)."""
+        expert resident, or guessed whole), on CUDA while the runner has graphs (after a failed
+        capture an eager chunk step costs more than replayed decode steps: 179 ms for 16 tokens at
+        43 layers)."""
         return (self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk()
                 and (self.runner.graphs or self.device.type != "cuda"))
 

@@ -130,12 +130,12 @@ def run_warmup(steps: list[WarmupStep], runtime, model, token: int, max_seq_len:
         runtime.reserve(state, step.last)
         # through a bounded cache steps run layer by layer or guessed whole: both modes' graph sets
         for guess in ((False, True) if runtime.guesses_steps() else (None,)):
-            steps = state.clone() if guess is False else state
-            for _ in range(min(DECODE_STEPS, max_seq_len - steps.pos)):
+            scratch = state.clone() if guess is False else state
+            for _ in range(min(DECODE_STEPS, max_seq_len - scratch.pos)):
                 if guess is None:
-                    runtime.step(steps, [token])
+                    runtime.step(scratch, [token])
                 else:
-                    runtime.warm_step(steps, token, guess)
+                    runtime.warm_step(scratch, token, guess)
             runtime.settle()
         _chunk_step(runtime, model, token, step.last)
     progress(total, total, "kernels ready")

@@ -400,6 +400,8 @@ def test_the_warm_up_runs_each_decode_step_layered_and_guessed(packed):
         runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess(least=4, most=8))
         runtime = Runtime(model, files.experts, torch.device("cpu"), threading.RLock(), None, runner)
         assert runtime.guesses_steps()
+        whole = DecodeRunner(model, files.experts, whole=True, guesses=StepGuess())  # a whole pool: one mode
+        assert not Runtime(model, files.experts, torch.device("cpu"), threading.RLock(), None, whole).guesses_steps()
         step = next(s for s in plan_warmup(args, EngineConfig(max_seq_len=512), full=True)
                     if s.kind == "decode" and s.base == DECODE_BASE)
         modes = []
