@@ -36,6 +36,9 @@ def _prompt(n_words: int) -> str:
 
 @pytest.mark.parametrize("cache_share", [1.0, 0.5])
 def test_no_kernel_compiles_during_a_five_turn_chat(pack, cache_share):
+    """Kernels and decode graph sets are all made at load: a chat of five turns, every expert
+    resident or through a cache of half the pool (steps and chunks guessed whole), compiles no
+    kernel and captures no graph set."""
     probe = Engine.load(pack, EngineConfig(device="cuda", backend="tilelang"), warmup=False)
     pool = probe.plan.pool
     probe.close()
@@ -45,12 +48,16 @@ def test_no_kernel_compiles_during_a_five_turn_chat(pack, cache_share):
     try:
         after_load, built = compiled_kernels(), built_kernels()
         assert after_load > 0
+        runner = eng.runtime.runner
+        captured = runner.captures  # the warm-up's: every capacity's sets, both modes through a bounded cache
         sess = eng.new_session()
         for words in (3, 40, 700, 1500, 12):  # prompts of ~3 to ~2,000 tokens, then a short follow-up
             events = list(eng.generate(sess, _prompt(words), GREEDY))
             assert isinstance(events[-1], TurnFinished), events[-1]
         assert sess.position > 2000
         assert compiled_kernels() == after_load, f"compiled during the chat: {sorted(built_kernels() - built)}"
+        assert runner.capture_error is None
+        assert runner.captures == captured, f"{runner.captures - captured} graph sets captured during the chat"
     finally:
         eng.close()
 
