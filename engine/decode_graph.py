@@ -77,7 +77,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -374,8 +374,8 @@ class DecodeRunner:
         choice, so that both graph sets of each emission pattern are captured before a chat."""
         self.model.reserve(state, state.pos)
         complete = self._complete()
-        if guess is None:
-            guess = self._guessing()
+        if guess is None:  # a host token's hash-layer experts are checked too
+            guess = self._guessing(None if isinstance(token, torch.Tensor) else [int(token)])
         else:  # a pending read's slot may not hold its bytes yet
             guess = guess and self.guesses is not None and not self.provider.reading()
         guess = guess and not complete
@@ -485,10 +485,11 @@ class DecodeRunner:
                 and Cells.static(CHUNK_SLOTS * self.model.args.n_activated_experts, self.provider.arena.table.shape[1])
                 and (self._complete() or self.guesses is not None))
 
-    def can_chunk(self) -> bool:
-        """Whether `chunk` runs now: `runs_chunks`, and every expert resident in whole mode, or
-        through a bounded cache a step guess ready (`_guessing`: the chunk is then guessed whole)."""
-        return self.runs_chunks() and (self._complete() or self._guessing())
+    def can_chunk(self, ids: Sequence[int] | None = None) -> bool:
+        """Whether `chunk` runs now (on tokens `ids`, when given): `runs_chunks`, and every expert
+        resident in whole mode, or through a bounded cache a step guess ready (`_guessing`: the
+        chunk is then guessed whole)."""
+        return self.runs_chunks() and (self._complete() or self._guessing(ids))
 
     def can_force_chunk(self) -> bool:
         """Whether `chunk(..., force=True)` runs now: `runs_chunks`, and a guess, whatever the
@@ -499,10 +500,22 @@ class DecodeRunner:
         """Every expert resident, and the runner prefers one graph a step then."""
         return self.prefer_whole and self.provider.all_resident()
 
-    def _guessing(self) -> bool:
+    def _guessing(self, ids: Sequence[int] | None = None) -> bool:
         """A step through a bounded cache runs whole on the guess that its experts are resident:
-        the policy says so, and no read is pending (that slot may not hold its bytes yet)."""
-        return self.guesses is not None and self.guesses.ready() and not self.provider.reading()
+        the policy says so, no read is pending (that slot may not hold its bytes yet), and with
+        the step's token `ids` known on the host, the hash layers' experts of those tokens are
+        resident (without them the guess is wrong for certain: no step is wasted on it, and the
+        policy does not count it)."""
+        return (self.guesses is not None and self.guesses.ready() and not self.provider.reading()
+                and (ids is None or self._hash_resident(ids)))
+
+    def _hash_resident(self, ids: Sequence[int]) -> bool:
+        """Whether the hash layers' experts of tokens `ids` (layers 0.., from the token ids:
+        `Gate.tid2eid_host`) are all resident, their reads landed (`provider.first_missing`)."""
+        if not self._hashed:
+            return True
+        rows = torch.stack([table[list(ids)].reshape(-1) for _, table in self._hashed])  # [hash layers, n·k]
+        return self.provider.first_missing(rows.numpy()) is None
 
     def _chunk_body(self, state: SequenceState, out: _Outputs) -> None:
         """Every block on the chunk's token slots (`Block.chunk_attention`, `chunk_ffn`), the
@@ -539,7 +552,7 @@ class DecodeRunner:
         compressors' buffers and previous halves, the entries left open) and its tokens run again
         as decode steps (`step`: layer by layer unless the policy, having counted the miss, is
         ready to guess again)."""
-        if not (self.can_force_chunk() if force else self.can_chunk()):
+        if not (self.can_force_chunk() if force else self.can_chunk(ids)):
             raise RuntimeError("DecodeRunner.chunk needs native numerics and every expert resident, or a "
                                "step guess ready through a bounded cache")
         p0, n = state.pos, len(ids)

@@ -121,7 +121,7 @@ class Runtime:
             kwargs["log"] = self.log
         with self.lock:  # whether a chunk step runs depends on the cache: decided where no flush can come between
             graphed = self.runner is not None and n == 1  # the runner takes the token (host id or tensor) itself
-            chunked = not graphed and host is not None and self._chunks(n)  # one graphed chunk step
+            chunked = not graphed and host is not None and self._chunks(n, host)  # one graphed chunk step
             graphed = graphed or chunked
             x = None if graphed else (ids.reshape(-1).to(self.device, torch.long) if host is None
                                       else self._to_device(host))
@@ -246,7 +246,8 @@ class Runtime:
             # cache (engine/step_guess.py) the rest goes in eager chunks, not token by token
             length = self._lengths(len(ids) - start, chunk)[0]
             part = ids[start:start + length]
-            launched = self._graphed_tokens(state, part) if self._graphs_short(length) else self.launch(state, part)
+            launched = (self._graphed_tokens(state, part) if self._graphs_short(length, part)
+                        else self.launch(state, part))
             if on_queued is not None and start + length == len(ids):
                 on_queued()
             if running is not None:
@@ -299,12 +300,12 @@ class Runtime:
                 self.runner.chunk(state, [token] * CHUNK_SLOTS, logits=True, force=True)
         return True
 
-    def _chunks(self, n: int) -> bool:
-        """`n` tokens (2..CHUNK_SLOTS) run as one graphed chunk step (`DecodeRunner.chunk`: every
-        expert resident, or guessed whole), on CUDA while the runner has graphs (after a failed
+    def _chunks(self, n: int, ids: Sequence[int] | None = None) -> bool:
+        """`n` tokens (2..CHUNK_SLOTS; `ids`, when known) run as one graphed chunk step
+        (`DecodeRunner.chunk`: every expert resident, or guessed whole), on CUDA while the runner has graphs (after a failed
         capture an eager chunk step costs more than replayed decode steps: 179 ms for 16 tokens at
         43 layers)."""
-        return (self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk()
+        return (self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk(ids)
                 and (self.runner.graphs or self.device.type != "cuda"))
 
     def _lengths(self, n: int, chunk: int) -> list[int]:
@@ -315,12 +316,13 @@ class Runtime:
             return [CHUNK_SLOTS] * full + ([rest] if rest else [])
         return chunk_lengths(n, chunk)
 
-    def _graphs_short(self, length: int) -> bool:
-        """A chunk of at most SHORT_PREFILL tokens runs as that many decode steps of the graph
-        runner when no chunk step runs (a follow-up turn's few new tokens: an eager chunk launches
-        the whole depth's kernels one by one, a replay costs one decode step per token; and the
-        GEMV kernels of short eager chunks, compiled per row count, are then never needed)."""
-        return self.runner is not None and length <= SHORT_PREFILL and not self._chunks(length)
+    def _graphs_short(self, length: int, ids: Sequence[int] | None = None) -> bool:
+        """A chunk of at most SHORT_PREFILL tokens (`ids`, when known) runs as that many decode
+        steps of the graph runner when no chunk step runs (a follow-up turn's few new tokens: an
+        eager chunk launches the whole depth's kernels one by one, a replay costs one decode step
+        per token; and the GEMV kernels of short eager chunks, compiled per row count, are then
+        never needed)."""
+        return self.runner is not None and length <= SHORT_PREFILL and not self._chunks(length, ids)
 
     def _graphed_tokens(self, state: SequenceState, ids: Sequence[int]) -> Launched:
         """`ids` one token per replayed decode step, launched back to back, the head only for

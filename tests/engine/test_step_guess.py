@@ -79,9 +79,10 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
             chunks: tuple[int, ...] = ()):
     """Prefill PROMPT, then CHUNK_IDS in `chunks` as chunk steps when the runner runs them (else as
     decode steps, the last one's logits kept), then STEPS greedy decode steps, through a cache of
-    `slots` records (None: every expert resident; `whole`: the runner then prefers one graph a
-    step, else layers) -> (logits, state, cache figures, runner)."""
-    files = open_model(packed) if slots is None else open_model(packed, cache_bytes=slots * _pool(packed)[2])
+    `slots` records beside the hash layers' pinned experts (`_streamed`; None: every expert
+    resident; `whole`: the runner then prefers one graph a step, else layers) -> (logits, state,
+    cache figures, runner)."""
+    files = open_model(packed) if slots is None else _streamed(packed, slots)
     try:
         if slots is None:
             assert files.experts.load_all()
@@ -93,7 +94,7 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
         for n in chunks:
             ids = CHUNK_IDS[at:at + n]
             at += n
-            if runner.can_chunk():
+            if runner.can_chunk(ids):
                 logits.append(runner.chunk(state, ids))
             else:
                 for i, t in enumerate(ids):
@@ -110,7 +111,7 @@ def _decode(packed, slots: int | None, guesses: StepGuess | None, numerics: str 
         # reads complete in (engine/experts/streaming.py), which differs from run to run
         figures = (files.experts.stats(), set(cache.resident()), cache.hottest(10 ** 6), dict(usage.uses),
                    list(usage.layer_uses))
-        assert cache.pinned() == cache.held() == frozenset()  # every hold released
+        assert cache.held() == frozenset() and cache.pinned() == (frozenset() if slots is None else _hashed(files))
         return logits, state, figures, runner
     finally:
         files.close()
@@ -133,6 +134,32 @@ def _pool(packed) -> tuple[int, int, int]:
         files.close()
 
 
+def _hashed(files) -> frozenset:
+    """Every expert of the hash layers (0..n_hash_layers-1)."""
+    return frozenset((layer, e) for layer in range(files.args.n_hash_layers) for e in range(files.experts.n_experts))
+
+
+def _routed_pool(packed) -> int:
+    """Experts of the router-routed main layers (the pool less the hash layers')."""
+    files = open_model(packed)
+    try:
+        return (files.args.n_layers - files.args.n_hash_layers) * files.experts.n_experts
+    finally:
+        files.close()
+
+
+def _streamed(packed, slots: int):
+    """The pack through a cache of `slots` records beside the hash layers' experts, pinned: a step
+    on a host token is guessed only with its hash-layer experts resident (`DecodeRunner._guessing`),
+    so that the guesses these tests count go right or wrong on the routed layers."""
+    probe = open_model(packed)
+    hashed, record = len(_hashed(probe)), probe.experts.store.record_bytes
+    probe.close()
+    files = open_model(packed, cache_bytes=(slots + hashed) * record)
+    files.experts.pin(sorted(_hashed(files)))
+    return files
+
+
 @pytest.mark.parametrize("numerics", ["native", "exact"])
 def test_right_guesses_equal_layered_steps(packed, numerics):
     """Every expert resident (the runner preferring layers): each step guessed whole and right;
@@ -146,12 +173,13 @@ def test_right_guesses_equal_layered_steps(packed, numerics):
 
 
 def test_wrong_guesses_are_redone_layer_by_layer(packed):
-    """A cache of a few layers' experts: most guesses miss and their steps are redone layered;
+    """A cache of one layer's experts (beside the hash layers', pinned): most guesses miss and
+    their steps are redone layered;
     the state the wrong guesses wrote (the prev halves of emitting steps included) is the
     layered steps' own, the logits bit for bit."""
-    pool, k, _ = _pool(packed)
-    want, want_state, want_figures, _ = _decode(packed, 3 * k, None)
-    got, state, figures, runner = _decode(packed, 3 * k, StepGuess(least=0, most=0))
+    k = _pool(packed)[1]
+    want, want_state, want_figures, _ = _decode(packed, k, None)
+    got, state, figures, runner = _decode(packed, k, StepGuess(least=0, most=0))
     assert runner.guesses.guesses == STEPS and runner.guesses.wrong >= STEPS // 2
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     _same_state(want_state, state)
@@ -159,10 +187,11 @@ def test_wrong_guesses_are_redone_layer_by_layer(packed):
 
 
 def test_guesses_right_and_wrong_in_one_conversation(packed):
-    """A cache of most of the pool: some steps' experts are all resident, some are not; every
+    """A cache of most of the routed layers' experts: some steps' experts are all resident, some
+    are not; every
     step guessed, both outcomes seen, the logits and state those of layered steps."""
-    pool, k, _ = _pool(packed)
-    slots = pool - 2 * k
+    k = _pool(packed)[1]
+    slots = _routed_pool(packed) - 2 * k
     want, want_state, _, _ = _decode(packed, slots, None)
     got, state, _, runner = _decode(packed, slots, StepGuess(least=0, most=0))
     assert 0 < runner.guesses.wrong < runner.guesses.guesses == STEPS
@@ -179,8 +208,8 @@ def test_no_guess_until_a_pending_read_lands(packed, monkeypatch):
     """A user pin of an expert that is not resident starts its read: until its bytes are in the
     slot the next step goes layer by layer; once they are (the read done, not joined: the expert
     is not used), steps are guessed again."""
-    pool, k, record = _pool(packed)
-    files = open_model(packed, cache_bytes=(pool - 2 * k) * record)
+    k = _pool(packed)[1]
+    files = _streamed(packed, _routed_pool(packed) - 2 * k)
     try:
         model = Transformer(files.get, files.args, Numerics.named("native"))
         state = model.new_state()
@@ -286,13 +315,14 @@ def test_right_chunk_guesses_equal_chunk_steps_of_the_whole_pool(packed):
 
 
 def test_wrong_chunk_guesses_are_redone_as_decode_steps(packed):
-    """A cache of a few layers' experts: every chunk guessed, every guess wrong, its tokens redone
+    """A cache of one layer's experts (beside the hash layers', pinned): every chunk guessed,
+    every guess wrong, its tokens redone
     as decode steps: the logits, the state (the prev halves and the entries the chunk left open
     restored) and the cache's figures those of a runner that never chunks."""
-    pool, k, _ = _pool(packed)
-    want, want_state, want_figures, plain = _decode(packed, 3 * k, None, chunks=CHUNKS)
+    k = _pool(packed)[1]
+    want, want_state, want_figures, plain = _decode(packed, k, None, chunks=CHUNKS)
     assert plain.guesses is None
-    got, state, figures, runner = _decode(packed, 3 * k, StepGuess(least=0, most=0), chunks=CHUNKS)
+    got, state, figures, runner = _decode(packed, k, StepGuess(least=0, most=0), chunks=CHUNKS)
     assert runner.guesses.chunks == runner.guesses.chunks_wrong == len(CHUNKS)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     _same_state(want_state, state)
@@ -300,11 +330,12 @@ def test_wrong_chunk_guesses_are_redone_as_decode_steps(packed):
 
 
 def test_chunk_guesses_right_and_wrong_in_one_conversation(packed):
-    """A cache of most of the pool: some chunks' experts all resident, some not; the logits and
+    """A cache of most of the routed layers' experts: some chunks' experts all resident, some not;
+    the logits and
     the state (wherever a later step reads) bit for bit those of a runner that never chunks (on
     the CPU a chunk step rounds as the decode steps of its tokens do)."""
-    pool, k, _ = _pool(packed)
-    slots = pool - k
+    k = _pool(packed)[1]
+    slots = _routed_pool(packed) - k
     want, want_state, _, _ = _decode(packed, slots, None, chunks=CHUNKS)
     got, state, _, runner = _decode(packed, slots, StepGuess(least=0, most=0), chunks=CHUNKS)
     assert 0 < runner.guesses.chunks_wrong < runner.guesses.chunks == len(CHUNKS)
@@ -460,12 +491,12 @@ def test_waiting_for_pending_reads_joins_none(packed, monkeypatch):
 
 
 def test_after_a_wrong_chunk_guess_the_rest_of_the_prompt_goes_in_an_eager_chunk(packed):
-    """`Runtime.prefill` plans each chunk when it comes: a 60-token prompt through a cache of a few
-    layers' experts, the policy ready, starts with a chunk step of 16 guessed whole; the guess is
+    """`Runtime.prefill` plans each chunk when it comes: a 60-token prompt through a cache of one
+    layer's experts (beside the hash layers', pinned), the policy ready, starts with a chunk step of 16 guessed whole; the guess is
     wrong (its tokens redone as decode steps), the policy no longer ready, and the other 44 tokens
     go in one eager chunk, not 44 more decode steps; the logits those of the eager prefill."""
-    pool, k, record = _pool(packed)
-    files = open_model(packed, cache_bytes=3 * k * record)
+    k = _pool(packed)[1]
+    files = _streamed(packed, k)
     try:
         model = Transformer(files.get, files.args, Numerics.named("native"))
         lock = threading.RLock()
@@ -479,5 +510,31 @@ def test_after_a_wrong_chunk_guess_the_rest_of_the_prompt_goes_in_an_eager_chunk
         assert (runner.guesses.chunks, runner.guesses.chunks_wrong) == (1, 1)
         assert [r.tokens for r in got] == [CHUNK_SLOTS, 60 - CHUNK_SLOTS] and [r.graphed for r in got] == [True, False]
         assert torch.equal(want[-1].logits, got[-1].logits)
+    finally:
+        files.close()
+
+
+def test_a_host_tokens_missing_hash_experts_skip_the_guess(packed):
+    """A step or a chunk on tokens the host knows, whose hash-layer experts (from the token ids) are
+    not all resident, is not guessed: the guess would be wrong for certain, and the policy counts
+    nothing. A sampled token still on the device is guessed as before."""
+    k = _pool(packed)[1]
+    files = open_model(packed, cache_bytes=(_routed_pool(packed) + 4 * k) * _pool(packed)[2])
+    try:
+        experts = files.experts
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, experts)
+        runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
+        tables = [b.ffn.gate.tid2eid_host for b in model.blocks[:files.args.n_hash_layers]]
+        cold = next(t for t in range(files.args.vocab_size)
+                    if not all(experts.cache.contains((layer, int(e))) for layer, table in enumerate(tables)
+                               for e in table[t]))
+        assert runner.can_chunk() and not runner.can_chunk([cold, 7])
+        runner.step(state, cold)
+        assert runner.guesses.guesses == 0 and runner.guesses.needed == 0  # layered; nothing counted
+        runner.step(state, torch.tensor([cold]))  # the host does not read a sampled token to decide
+        assert runner.guesses.guesses == 1
+        runner.settle()
     finally:
         files.close()
