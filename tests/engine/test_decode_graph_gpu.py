@@ -105,7 +105,7 @@ def _guessed_run(packed: Path, cache_records: int, steps: int, guesses: StepGues
                 wrong = guesses.chunks_wrong if guesses is not None else 0
                 part = ids[pos:pos + n]
                 pos += n
-                if runner.can_chunk():
+                if runner.can_chunk(part):
                     out.append(runner.chunk(state, part))
                 else:
                     for i, t in enumerate(part):
@@ -153,7 +153,8 @@ def test_guessed_chunk_graphs_through_a_bounded_cache(packed):
     guesses = StepGuess(least=0, most=0)
     got, redone = _guessed_run(packed, pool - k, 8, guesses, chunks)
     print(f"guessed chunks: {guesses.chunks} ({guesses.chunks_wrong} redone), redone {redone}")
-    assert guesses.chunks == len(redone) and sum(redone) == guesses.chunks_wrong
+    # a chunk whose hash-layer experts are missing is not guessed (DecodeRunner._guessing)
+    assert guesses.chunks >= 1 and sum(redone) == guesses.chunks_wrong
     for i, (a, b) in enumerate(zip(want, got)):
         if i < len(redone) and all(redone[:i + 1]):
             assert torch.equal(a, b), i
