@@ -153,6 +153,7 @@ class DecodeRunner:
         # step's routes and the next decode step's are pending together, never two of one shape
         self._routes_host: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
         # hash layers know their experts from the token id: layered mode reads them ahead
+        # (layers 0..n_hash_layers-1: ModelArgs.is_hash_layer)
         self._hashed = [(b.layer, b.ffn.gate.tid2eid_host) for b in model.blocks if b.ffn.gate.hash]
         self._lookahead = model.lookahead and provider.cache is not None  # router lookahead in layered steps
         self.chunk_at = model.chunk_position(CHUNK_SLOTS, self.device)  # a chunk step's static inputs
@@ -370,8 +371,9 @@ class DecodeRunner:
         `logits` (a prefill token's step: the head is skipped); state.pos += 1. A whole-mode
         step's routes are counted by the next step (after its launch) or `settle()`. A step
         through a bounded cache may be guessed whole (`_guessed`, engine/step_guess.py): when
-        the policy says so (`guess` None), or always (True) or never (False) — the warm-up's
-        choice, so that both graph sets of each emission pattern are captured before a chat."""
+        the policy says so (`guess` None), whenever it can (True: not with every expert resident,
+        without a policy or with a read pending) or never (False) — the warm-up's choice, so that
+        both graph sets of each emission pattern are captured before a chat."""
         self.model.reserve(state, state.pos)
         complete = self._complete()
         if guess is None:  # a host token's hash-layer experts are checked too
@@ -505,7 +507,8 @@ class DecodeRunner:
         the policy says so, no read is pending (that slot may not hold its bytes yet), and with
         the step's token `ids` known on the host, the hash layers' experts of those tokens are
         resident (without them the guess is wrong for certain: no step is wasted on it, and the
-        policy does not count it)."""
+        policy does not back off; the layered step then taken breaks its streak, as any step
+        that misses does)."""
         return (self.guesses is not None and self.guesses.ready() and not self.provider.reading()
                 and (ids is None or self._hash_resident(ids)))
 
@@ -514,7 +517,8 @@ class DecodeRunner:
         `Gate.tid2eid_host`) are all resident, their reads landed (`provider.first_missing`)."""
         if not self._hashed:
             return True
-        rows = torch.stack([table[list(ids)].reshape(-1) for _, table in self._hashed])  # [hash layers, n·k]
+        tokens = torch.as_tensor(ids, dtype=torch.long)
+        rows = torch.stack([table[tokens].reshape(-1) for _, table in self._hashed])  # [hash layers 0.., n·k]
         return self.provider.first_missing(rows.numpy()) is None
 
     def _chunk_body(self, state: SequenceState, out: _Outputs) -> None:

@@ -215,9 +215,9 @@ class Runtime:
                 cancel: threading.Event | None = None,
                 on_queued: Callable[[], None] | None = None) -> Iterator[StepResult]:
         """Process `ids` in chunks of `chunk` tokens and the remainder in powers of two
-        (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), or in chunk steps
-        (`_lengths`), each chunk planned from what is left when it comes, one result per chunk,
-        in order. On CUDA each chunk is queued before the one before it is waited for, so
+        (engine.buckets.chunk_lengths: the kernels see a finite set of shapes), or a prompt of at
+        most GRAPHED_PREFILL tokens in chunk steps, each chunk planned when it comes (`_next`),
+        one result per chunk, in order. On CUDA each chunk is queued before the one before it is waited for, so
         the host's work for a chunk overlaps the device's for the previous one. Stops before
         queueing a chunk when `cancel` is set (the state then holds the chunks yielded: on CUDA,
         one more than had been yielded when it was set).
@@ -239,12 +239,11 @@ class Runtime:
             done_at = launched.t0 + res.seconds
             return res
 
+        short = len(ids) <= GRAPHED_PREFILL  # chunk steps for a short prompt only
         while start < len(ids):
             if cancel is not None and cancel.is_set():
                 break
-            # planned again before each chunk: after a chunk step guessed wrong through a bounded
-            # cache (engine/step_guess.py) the rest goes in eager chunks, not token by token
-            length = self._lengths(len(ids) - start, chunk)[0]
+            length = self._next(ids[start:], chunk, short)
             part = ids[start:start + length]
             launched = (self._graphed_tokens(state, part) if self._graphs_short(length, part)
                         else self.launch(state, part))
@@ -308,13 +307,17 @@ class Runtime:
         return (self.runner is not None and 1 < n <= CHUNK_SLOTS and self.runner.can_chunk(ids)
                 and (self.runner.graphs or self.device.type != "cuda"))
 
-    def _lengths(self, n: int, chunk: int) -> list[int]:
-        """The chunks that prefill n tokens: `chunk_lengths`, except that a prompt of at most
-        GRAPHED_PREFILL tokens runs in chunk steps of CHUNK_SLOTS tokens when they run."""
-        if 1 < n <= GRAPHED_PREFILL and self.chunk_tokens():
-            full, rest = divmod(n, CHUNK_SLOTS)
-            return [CHUNK_SLOTS] * full + ([rest] if rest else [])
-        return chunk_lengths(n, chunk)
+    def _next(self, rest: Sequence[int], chunk: int, short: bool) -> int:
+        """The length of the next chunk of a prefill whose tokens left are `rest`: up to CHUNK_SLOTS
+        of them in one chunk step when the prompt is `short` (at most GRAPHED_PREFILL tokens) and
+        a chunk step runs now on them (`_chunks`: through a bounded cache, guessed whole, their
+        hash-layer experts resident), else the first of `chunk_lengths(len(rest), chunk)`. Asked
+        before each chunk: after a chunk step guessed wrong the rest of the prompt goes in eager
+        chunks (chunk_lengths of a remainder is the rest of its plan), not token by token."""
+        n = min(len(rest), CHUNK_SLOTS)
+        if short and self._chunks(n, rest[:n]):
+            return n
+        return chunk_lengths(len(rest), chunk)[0]
 
     def _graphs_short(self, length: int, ids: Sequence[int] | None = None) -> bool:
         """A chunk of at most SHORT_PREFILL tokens (`ids`, when known) runs as that many decode

@@ -516,8 +516,8 @@ def test_after_a_wrong_chunk_guess_the_rest_of_the_prompt_goes_in_an_eager_chunk
 
 def test_a_host_tokens_missing_hash_experts_skip_the_guess(packed):
     """A step or a chunk on tokens the host knows, whose hash-layer experts (from the token ids) are
-    not all resident, is not guessed: the guess would be wrong for certain, and the policy counts
-    nothing. A sampled token still on the device is guessed as before."""
+    not all resident, is not guessed: the guess would be wrong for certain, and the policy does not
+    back off. A sampled token still on the device is guessed as before."""
     k = _pool(packed)[1]
     files = open_model(packed, cache_bytes=(_routed_pool(packed) + 4 * k) * _pool(packed)[2])
     try:
@@ -525,16 +525,47 @@ def test_a_host_tokens_missing_hash_experts_skip_the_guess(packed):
         model = Transformer(files.get, files.args, Numerics.named("native"))
         state = model.new_state()
         model.forward(torch.tensor(PROMPT), state, experts)
-        runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
         tables = [b.ffn.gate.tid2eid_host for b in model.blocks[:files.args.n_hash_layers]]
-        cold = next(t for t in range(files.args.vocab_size)
-                    if not all(experts.cache.contains((layer, int(e))) for layer, table in enumerate(tables)
-                               for e in table[t]))
-        assert runner.can_chunk() and not runner.can_chunk([cold, 7])
-        runner.step(state, cold)
-        assert runner.guesses.guesses == 0 and runner.guesses.needed == 0  # layered; nothing counted
-        runner.step(state, torch.tensor([cold]))  # the host does not read a sampled token to decide
-        assert runner.guesses.guesses == 1
+        cold = [t for t in range(files.args.vocab_size)
+                if not all(experts.cache.contains((layer, int(e))) for layer, table in enumerate(tables)
+                           for e in table[t])]
+        runner = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=1, most=8))
+        runner.guesses.observed(True)  # the policy ready
+        assert runner.can_chunk() and not runner.can_chunk([cold[0], 7]) and not runner.can_chunk(torch.tensor(cold[:2]))
+        runner.step(state, cold[0])
+        g = runner.guesses
+        assert (g.guesses, g.wrong, g.needed) == (0, 0, 1)  # layered, no backoff (a wrong guess doubles needed)
+        cold = [t for t in cold if not all(experts.cache.contains((layer, int(e))) for layer, table in enumerate(tables)
+                                           for e in table[t])]  # still cold after that step's reads
+        every = DecodeRunner(model, experts, whole=False, guesses=StepGuess(least=0, most=0))
+        every.step(state, torch.tensor([cold[0]]))  # the host does not read a sampled token to decide
+        assert every.guesses.guesses == every.guesses.wrong == 1
         runner.settle()
+        every.settle()
     finally:
         files.close()
+
+
+def test_chunk_steps_are_planned_for_a_short_prompt_on_its_own_tokens(packed):
+    """Through a bounded cache with the policy ready: a prompt longer than GRAPHED_PREFILL goes in
+    eager chunks to its end (its last 36 tokens are no short prompt); a short one whose first
+    tokens' hash-layer experts are missing goes in one eager chunk, not in decode steps; both as
+    the eager prefill, with nothing guessed."""
+    k = _pool(packed)[1]
+    ids = [(37 * i + 11) % 512 for i in range(100)]
+    for n, files, want_lengths in ((100, _streamed(packed, k), [64, 36]),
+                                   (60, open_model(packed, cache_bytes=(_routed_pool(packed) + 4 * k) * _pool(packed)[2]),
+                                    [60])):
+        try:
+            model = Transformer(files.get, files.args, Numerics.named("native"))
+            lock = threading.RLock()
+            runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
+            runner.guesses.observed(True)  # as after a decode step that found its experts resident
+            graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
+            plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+            got = list(graphed.prefill(model.new_state(), ids[:n], 64))
+            want = list(plain.prefill(model.new_state(), ids[:n], 64))
+            assert [r.tokens for r in got] == want_lengths and not any(r.graphed for r in got)
+            assert runner.guesses.guesses == 0 and torch.equal(want[-1].logits, got[-1].logits)
+        finally:
+            files.close()
