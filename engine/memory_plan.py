@@ -133,17 +133,18 @@ def workspace_bytes(args: ModelArgs, config: EngineConfig) -> int:
 # Device memory a captured decode graph set holds outside the caching allocator, per layer
 # (H200, 43 layers: 0.14 GiB a set, whole graph or one graph per layer alike).
 GRAPH_SET_BYTES_PER_LAYER = 3_500_000
-GRAPH_SETS_PER_HOME = 4  # every expert resident: the decode step's control flows (none, 4, 4 and 128), the chunk step
+# a decode step's control flows (none, 4, 4 and 128), in one mode (whole or layered)
+STEP_SETS = 3
+GRAPH_SETS_PER_HOME = 2 * STEP_SETS + 1  # both modes' and the chunk step's (`graph_sets`)
 
 
 def graph_sets(bounded: bool, guess: bool) -> int:
-    """Decode graph sets a home keeps (engine/decode_graph.py): with every expert resident, the
-    whole step's three control flows and the chunk step; through a bounded cache, the layered
-    step's three, and when steps are guessed whole (EngineConfig.guess_whole_steps) the whole
-    step's three and the chunk step too."""
-    if not bounded:
-        return GRAPH_SETS_PER_HOME
-    return 3 + GRAPH_SETS_PER_HOME if guess else 3
+    """Decode graph sets a home may keep (engine/decode_graph.py): the whole step's three control
+    flows, the layered step's three and the chunk step. With every expert resident the layered
+    ones come after a flush (the runner streams until the pool is back); through a bounded cache
+    the whole ones and the chunk step's come only when steps are guessed whole
+    (EngineConfig.guess_whole_steps), else the layered three alone."""
+    return GRAPH_SETS_PER_HOME if guess or not bounded else STEP_SETS
 
 
 def framework_bytes(machine: Machine, n_layers: int, homes: int = HOMES, sets: int = GRAPH_SETS_PER_HOME) -> int:
