@@ -160,6 +160,17 @@ def _streamed(packed, slots: int):
     return files
 
 
+def _prefills(files, guesses: StepGuess):
+    """(runner, its Runtime, a Runtime without a runner) on `files` in native numerics, one lock;
+    the policy ready (as after a decode step that found its experts resident)."""
+    model = Transformer(files.get, files.args, Numerics.named("native"))
+    lock = threading.RLock()
+    runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
+    runner.guesses.observed(True)
+    return (runner, Runtime(model, files.experts, torch.device("cpu"), lock, None, runner),
+            Runtime(model, files.experts, torch.device("cpu"), lock))
+
+
 @pytest.mark.parametrize("numerics", ["native", "exact"])
 def test_right_guesses_equal_layered_steps(packed, numerics):
     """Every expert resident (the runner preferring layers): each step guessed whole and right;
@@ -492,18 +503,15 @@ def test_waiting_for_pending_reads_joins_none(packed, monkeypatch):
 
 def test_after_a_wrong_chunk_guess_the_rest_of_the_prompt_goes_in_an_eager_chunk(packed):
     """`Runtime.prefill` plans each chunk when it comes: a 60-token prompt through a cache of one
-    layer's experts (beside the hash layers', pinned), the policy ready, starts with a chunk step of 16 guessed whole; the guess is
-    wrong (its tokens redone as decode steps), the policy no longer ready, and the other 44 tokens
-    go in one eager chunk, not 44 more decode steps; the logits those of the eager prefill."""
+    layer's experts (beside the hash layers', pinned), the policy ready, starts with a chunk step
+    of 16 guessed whole; the guess is wrong (its tokens redone as decode steps), the policy no
+    longer ready, and the other 44 tokens go in one eager chunk, not 44 more decode steps; the
+    logits those of the eager prefill."""
     k = _pool(packed)[1]
     files = _streamed(packed, k)
     try:
-        model = Transformer(files.get, files.args, Numerics.named("native"))
-        lock = threading.RLock()
-        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
-        runner.guesses.observed(True)  # as after a decode step that found its experts resident
-        graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
-        plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+        runner, graphed, plain = _prefills(files, StepGuess())
+        model = runner.model
         ids = [(37 * i + 11) % 512 for i in range(60)]
         want = list(plain.prefill(model.new_state(), ids, 64))
         got = list(graphed.prefill(model.new_state(), ids, 64))
@@ -557,12 +565,8 @@ def test_chunk_steps_are_planned_for_a_short_prompt_on_its_own_tokens(packed):
                                    (60, open_model(packed, cache_bytes=(_routed_pool(packed) + 4 * k) * _pool(packed)[2]),
                                     [60])):
         try:
-            model = Transformer(files.get, files.args, Numerics.named("native"))
-            lock = threading.RLock()
-            runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess())
-            runner.guesses.observed(True)  # as after a decode step that found its experts resident
-            graphed = Runtime(model, files.experts, torch.device("cpu"), lock, None, runner)
-            plain = Runtime(model, files.experts, torch.device("cpu"), lock)
+            runner, graphed, plain = _prefills(files, StepGuess())
+            model = runner.model
             got = list(graphed.prefill(model.new_state(), ids[:n], 64))
             want = list(plain.prefill(model.new_state(), ids[:n], 64))
             assert [r.tokens for r in got] == want_lengths and not any(r.graphed for r in got)
