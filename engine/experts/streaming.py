@@ -466,14 +466,15 @@ class StreamingExperts(ExpertProvider):
 
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
         if isinstance(routes, np.ndarray) and routes.ndim == 2:
-            # a step's [n_layers, width] ids: one lookup in the slot table, then the reads not
-            # joined yet (a key being read has its slot already) that have not landed
+            # a step's [n_layers, width] ids: one lookup in the slot table, then, of the routed
+            # keys with a read not joined yet (a key being read has its slot already; landed
+            # hints' reads can be many), those whose read has not landed
             bad = ~self.arena.rows_resident(routes)
-            for key in self._loads:
-                layer = key[0]
-                if layer < bad.shape[0] and not bad[layer] and (routes[layer] == key[1]).any() \
-                        and not self._landed(key):
-                    bad[layer] = True
+            loads = self._loads
+            if loads:
+                for layer, row in enumerate(routes.tolist()):
+                    if not bad[layer] and any((layer, e) in loads and not self._landed((layer, e)) for e in row):
+                        bad[layer] = True
             first = np.flatnonzero(bad)
             return int(first[0]) if first.size else None
         contains = self.cache.contains
