@@ -462,21 +462,32 @@ class DecodeRunner:
         restored: every other write is redone at the same position by the layered step that
         follows. The host waits for the blocks here, where a whole step of the full pool does not."""
         rewritten = state.rewritten() if emitting else []
-        saved = copies(rewritten) if rewritten else None
+        saved = copies(rewritten) if rewritten else []
         out, _, (host, event) = self._execute(state, emitting, home, logits, token, ("guess",))
         result = out.logits.clone() if logits else None
         self._capture_missing(state, home, emitting)
         self._settle_before_token()  # the previous step's routes, while this one's blocks run
+        right = self._checked(host, event, [state.pos], rewritten, saved)
+        return right, result if right else None
+
+    def _checked(self, host: torch.Tensor, event, positions: list[int], rewritten: list[torch.Tensor],
+                 saved: list[torch.Tensor], chunk: bool = False) -> bool:
+        """A guessed step's verdict, once its routes `host` (a decode step's [n_layers, k], a chunk
+        step's [n_layers, CHUNK_SLOTS, k]) are on the host (`event`): whether every expert the
+        real tokens (`positions`) routed to was resident (`provider.first_missing`). Right: the
+        routes are pending as a whole step's. Wrong: `rewritten` is restored from `saved`. The
+        policy counts either (`chunk`: a chunk step's)."""
         if event is not None:
             event.synchronize()
-        if self.provider.first_missing(host.numpy()) is None:
-            self.guesses.right()
-            self._pending.append(([state.pos], host.clone(), None))  # counted as a whole step's
-            return True, result
-        self.guesses.missed()
-        if saved is not None:
+        real = host.view(host.shape[0], -1, host.shape[-1])[:, :len(positions)]
+        if self.provider.first_missing(real.reshape(host.shape[0], -1).numpy()) is None:
+            self.guesses.right(chunk)
+            self._pending.append((positions, host.clone(), None))  # counted as a whole step's
+            return True
+        self.guesses.missed(chunk)
+        if rewritten:
             torch._foreach_copy_(rewritten, saved)
-        return False, None
+        return False
 
     # ------------------------------------------------------------------ the chunk step
     def runs_chunks(self) -> bool:
@@ -611,17 +622,9 @@ class DecodeRunner:
             self._pending.append((positions, *self._to_host(routes)))
             state.pos = p0 + n
             return result
-        host, event = sent
-        if event is not None:
-            event.synchronize()
-        real = host[:, :n].reshape(host.shape[0], -1).numpy()  # [n_layers, n·k]: the real tokens' experts
-        if self.provider.first_missing(real) is None:
-            self.guesses.right(chunk=True)
-            self._pending.append((positions, host.clone(), None))  # counted as a whole chunk's
+        if self._checked(*sent, positions, rewritten, saved, chunk=True):
             state.pos = p0 + n
             return result
-        self.guesses.missed(chunk=True)
-        torch._foreach_copy_(rewritten, saved)
         for i, token in enumerate(ids):  # redone token by token
             result = self.step(state, token, logits=logits and i == n - 1)
         return result
