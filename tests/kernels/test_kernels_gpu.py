@@ -207,6 +207,39 @@ def test_fp8_mma_one_token_extreme_codes_and_scales(gen):
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s.view(torch.float8_e8m0fnu))) < 4e-3
 
 
+@pytest.mark.parametrize("n,k", [(32768, 1024), (8192, 1024), (200, 256), (1536, 4096), (130, 512), (130, 128)])
+def test_fp8_gemm_normed_one_token_normalises_in_the_gemv(n, k, gen):
+    """One token: the norm inside the one-token GEMV (fp8_mma_one_token's `normed`) against the
+    reference, and against rms_norm_quant then the GEMV: bit for bit where every sum of squares
+    is exact in fp32 (any order), close where not."""
+    from kernels.fp8_gemm import fp8_gemm_normed, fp8_gemm_quantized
+    from kernels.fp8_mma_one_token import normed_width
+    from kernels.rms_norm_quant import rms_norm_quant
+    assert normed_width(n, k) is not None  # the fused path, not the fallback
+    w, s = fp8_weight(n, k, gen)
+    nw = torch.rand(k, generator=gen, device=DEV) + 0.5
+    x = (torch.randn(1, k, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    y = fp8_gemm_normed(x, nw, 1e-6, w, s)
+    err = rel_err(y, ref.fp8_gemm_normed(x, nw, 1e-6, w, s))
+    print(f"fp8_gemm_normed n={n} k={k}: rel err {err:.2e}")
+    assert err < 4e-3 and rel_err(y, fp8_gemm_quantized(*rms_norm_quant(x, nw, 1e-6)[1:], w, s)) < 4e-3
+    exact = (torch.randint(-16, 17, (1, k), generator=gen, device=DEV) * 0.25).to(torch.bfloat16)
+    assert torch.equal(fp8_gemm_normed(exact, nw, 1e-6, w, s),
+                       fp8_gemm_quantized(*rms_norm_quant(exact, nw, 1e-6)[1:], w, s))
+
+
+def test_fp8_gemm_normed_rows_and_no_weight_take_the_norm_then_the_gemv(gen):
+    """More than one token, or no norm weight: rms_norm_quant, then fp8_gemm_quantized."""
+    from kernels.fp8_gemm import fp8_gemm_normed, fp8_gemm_quantized
+    from kernels.rms_norm_quant import rms_norm_quant
+    w, s = fp8_weight(256, 1024, gen)
+    nw = torch.rand(1024, generator=gen, device=DEV) + 0.5
+    x = (torch.randn(3, 1024, generator=gen, device=DEV) * 3).to(torch.bfloat16)
+    assert torch.equal(fp8_gemm_normed(x, nw, 1e-6, w, s), fp8_gemm_quantized(*rms_norm_quant(x, nw, 1e-6)[1:], w, s))
+    assert torch.equal(fp8_gemm_normed(x[:1], None, 1e-6, w, s),
+                       fp8_gemm_quantized(*rms_norm_quant(x[:1], None, 1e-6)[1:], w, s))
+
+
 def test_fp8_gemm_keeps_leading_dims(gen):
     from kernels.fp8_gemm import fp8_gemm
     x = activations(6, 256, gen).view(2, 3, 256)
