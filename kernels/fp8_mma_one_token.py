@@ -54,8 +54,11 @@ __device__ __forceinline__ void dsv4_fp8_mma_word_first(int w0, int w1, const un
 __device__ __forceinline__ void dsv4_fp8_mma_word(int w0, int w1, const unsigned* b, float* d) {
   dsv4_fp8_mma_word_t<false>(w0, w1, b, d);
 }
+"""
+
+PACK_SOURCE = r"""
 // Four fp32 values as one word of e4m3 codes, a in byte 0 .. d in byte 3, each rounded to nearest
-// even (saturating to +-448: the values are clamped first, so saturation never applies).
+// even (cvt.rn.satfinite, as TileLang's float -> e4m3 cast; the values are clamped to +-448 first).
 __device__ __forceinline__ int dsv4_f32x4_to_e4m3x4(float a, float b, float c, float d) {
   unsigned short lo, hi;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(a), "f"(b));
@@ -248,7 +251,7 @@ def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int
                      W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb_all), "uint8"),
                      Y: T.Tensor((1, n), "bfloat16")):
             with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, ksplit)) as bn:
-                lowbit.import_source(T, SOURCE)
+                lowbit.import_source(T, SOURCE, PACK_SOURCE)
                 lane = T.get_thread_binding(0)
                 warp = T.get_thread_binding(1)
                 ww = T.alloc_local((per, tiles, 2, 2, 4), "int32")  # block, tile, row gi / gi + 8, span, word

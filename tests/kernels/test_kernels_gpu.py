@@ -714,6 +714,33 @@ def test_fp4_moe_quantized_looks_slots_up_in_a_table(gen):
     assert rel_err(got, ref.fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)) < 2e-2
 
 
+@pytest.mark.parametrize("early,scale", [(False, 1.0), (True, 64.0)])
+def test_one_token_swiglu_in_the_gemvs_is_the_three_launches_bit_for_bit(early, scale, gen):
+    """One token through a table: w1|w3 writing swiglu_quant's h, then w2 quantising it (two
+    launches) give the bits of w1|w3, swiglu_quant, w2 (three), with large activations too (the
+    SwiGLU's clamps at the limit)."""
+    from kernels.act_quant import act_quant
+    from kernels.fp4_moe import grouped_gemv, one_token_swiglu_in_the_gemvs
+    from kernels.swiglu_quant import swiglu_quant
+    inter, dim, limit = 2048, 4096, 10.0
+    data, fields, _ = _arena(8, inter, dim, gen)
+    off = {name: f.offset for name, f in fields.items()}
+    table = torch.tensor([3, 7, 0, 5, 1, 6, -1, 2], dtype=torch.int32, device=DEV)
+    ids = torch.tensor([1, 4, 0, 7, 6, 3], device=DEV)  # expert 6 has no slot: slot 0
+    q, sq = act_quant(activations(1, dim, gen) * scale, 128)
+    wts = torch.rand(6, generator=gen, device=DEV)
+    got = one_token_swiglu_in_the_gemvs(q, sq, data, off, inter, dim, ids, wts, limit, table, early)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (6, dim)
+    gu = grouped_gemv(q.view(1, 1, dim), sq.view(1, 1, dim // 128), data, (off["w1.weight"], off["w3.weight"]), data,
+                      (off["w1.scale"], off["w3.scale"]), inter, dim, ids, torch.bfloat16, table)
+    clamped = ((gu[0].float() > limit) | (gu[1].float().abs() > limit)).sum().item()
+    q2, s2 = swiglu_quant(gu[0].reshape(6, inter), gu[1].reshape(6, inter), wts, limit)
+    want = grouped_gemv(q2.view(6, 1, inter), s2.view(6, 1, inter // 128), data, (off["w2.weight"],), data,
+                        (off["w2.scale"],), dim, inter, ids, torch.float32, table, True)[0].reshape(6, dim)
+    print(f"one-token SwiGLU in the GEMVs (x{scale:g}): {clamped} values past the limit")
+    assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------------ sparse attention
 # decode (splits of 16 heads), prefill-sized (whole 64-head blocks a CTA), small heads
 @pytest.mark.parametrize("s,h,d,t,k", [(1, 64, 512, 700, 640), (1, 64, 512, 200, 136), (4, 64, 512, 300, 200),
