@@ -63,16 +63,20 @@ def test_the_modes_differ_by_ops_and_capabilities_not_a_flag():
         Numerics.named("fp16")
 
 
-def test_exact_ops_are_the_reference_and_never_the_backend():
-    calls = []
-
+def _counting_backend(calls: list) -> kb.Backend:
+    """The torch backend, each op call's name appended to `calls`."""
     def counted(name):
         def op(*args, **kwargs):
             calls.append(name)
             return getattr(ref, name)(*args, **kwargs)
         return op
 
-    backend = kb.torch_backend().with_ops(**{name: counted(name) for name in kb.OP_NAMES})
+    return kb.torch_backend().with_ops(**{name: counted(name) for name in kb.OP_NAMES})
+
+
+def test_exact_ops_are_the_reference_and_never_the_backend():
+    calls = []
+    backend = _counting_backend(calls)
     exact = Numerics.named("exact", backend)
     x, w = torch.randn(3, 256), torch.rand(256)
     assert torch.equal(exact.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
@@ -93,14 +97,7 @@ def test_one_tokens_norm_for_fp8_linears_is_made_by_the_linears_in_native():
     s = torch.full((2, 2), 2.0 ** -6).to(torch.float8_e8m0fnu)
     nw = torch.rand(256, generator=gen) + 0.5
     calls = []
-
-    def counted(name):
-        def op(*args, **kwargs):
-            calls.append(name)
-            return getattr(ref, name)(*args, **kwargs)
-        return op
-
-    native = Numerics.named("native", kb.torch_backend().with_ops(**{n: counted(n) for n in kb.OP_NAMES}))
+    native = Numerics.named("native", _counting_backend(calls))
     linear = FP8Linear(w, s, native)
     one = (torch.randn(1, 256, generator=gen) * 3).to(torch.bfloat16)
     c = native.norm_for_linears(one, nw, 1e-6)
