@@ -387,7 +387,9 @@ class Native(Numerics):
 
     def norm_for_linears(self, x, weight, eps):
         """One token: `Normed`, each reading linear normalises in its own launch (one launch fewer
-        on the decode step's chain); more rows are normalised once (`norm_quantized`)."""
+        on the decode step's chain); more rows are normalised once (`norm_quantized`). Where the
+        backend's one-token GEMV cannot normalise (kernels/fp8_gemm.py `fp8_gemm_normed`: not
+        sm_90), each reader runs the norm itself: two launches in a CSA layer, where it was one."""
         return Normed(x, weight, eps) if x.shape[0] == 1 else self.norm_quantized(x, weight, eps)
 
     def fp8_weight(self, weight, scale):

@@ -403,6 +403,9 @@ def one_token_swiglu_in_the_gemvs(q: torch.Tensor, s: torch.Tensor, arena: torch
             or one.mma_tile(dim)[0] != 2 or (inter // 128 * 4) % (32 * one.mma_tile(inter)[1])):
         return None
     g = ids.shape[0]
+    if tuple(weights.shape) != (g,) or not weights.is_floating_point() or weights.device != q.device:
+        raise KernelInputError(f"fp4_moe_quantized: routing weights must be floating point [{g}] on {q.device}, got "
+                               f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
     _check_arena(wb, w13, sb, s13, inter, dim, ids, g, table)
     _check_arena(wb, w2, sb, s2, dim, inter, ids, g, table)
     table, ids = table.contiguous(), ids.contiguous()

@@ -35,7 +35,7 @@ from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
 from kernels.rms_norm_quant import rms_norm_quant
-from kernels.toolkit import (TORCH_TO_TL, KernelInputError, compile_kernel, cuda_arch, kernel_factory,
+from kernels.toolkit import (TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory,
                              pad_rows_to_bucket, tile_params)
 
 GEMV_MAX_M = 16
@@ -189,7 +189,7 @@ def fp8_gemm_normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w:
         nw = weight.float().contiguous()
         y = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
         one.fp8_mma_one_token_kernel(n, k, *one.mma_tile(n, k), arch, True, TORCH_TO_TL[x.dtype], float(eps))(
-            x.contiguous(), nw, as_words(w), scale_bytes(w_scale), y)
+            aligned16(x), nw, as_words(w), scale_bytes(w_scale), y)
         return y
     _, q, s = rms_norm_quant(x, weight, eps)
     return fp8_gemm_quantized(q, s, w, w_scale, w_scale_f32)

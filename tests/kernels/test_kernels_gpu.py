@@ -226,6 +226,8 @@ def test_fp8_gemm_normed_one_token_normalises_in_the_gemv(n, k, gen):
     exact = (torch.randint(-16, 17, (1, k), generator=gen, device=DEV) * 0.25).to(torch.bfloat16)
     assert torch.equal(fp8_gemm_normed(exact, nw, 1e-6, w, s),
                        fp8_gemm_quantized(*rms_norm_quant(exact, nw, 1e-6)[1:], w, s))
+    wide = exact.float()  # an fp32 input: y rounded to fp32, i.e. not at all
+    assert torch.equal(fp8_gemm_normed(wide, nw, 1e-6, w, s), fp8_gemm_quantized(*rms_norm_quant(wide, nw, 1e-6)[1:], w, s))
 
 
 def test_fp8_gemm_normed_rows_and_no_weight_take_the_norm_then_the_gemv(gen):
