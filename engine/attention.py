@@ -204,8 +204,7 @@ class Indexer:
 
     def project(self, c) -> torch.Tensor:
         """`queries`' first step: wq_b of the q_lora activation c -> [S, IH, ID]."""
-        q = self.wq_b(c)
-        return q.view(q.shape[0], self.n_heads, self.head_dim)
+        return self.wq_b(c).view(unquantized(c).shape[0], self.n_heads, self.head_dim)
 
     def rotated(self, q: torch.Tensor, positions: torch.Tensor, rot=None) -> torch.Tensor:
         """`queries`' rest: RoPE and Hadamard + QDQ4 of projected queries q [S, IH, ID]."""
@@ -389,7 +388,7 @@ class Attention:
         return self._slot_ids
 
     def _project(self, x: torch.Tensor, rot) -> tuple:
-        """(c [S, q_lora_rank] (`_query_lora`: read by the two FP8 linears only), q [S, H, D]
+        """(c [S, q_lora_rank] (native: `Quantized`, for the two FP8 linears that read it), q [S, H, D]
         normed + roped, kv [S, D] roped, storage-rounded); `rot` = the tokens' RoPE table."""
         c, kv = self._query_lora(x)
         q, kv = self._queries(c, kv, rot)
@@ -397,11 +396,10 @@ class Attention:
 
     def _query_lora(self, x: torch.Tensor) -> tuple:
         """x [S, D] (attn-normed; may carry its quantisation) -> (c, the q_lora activation after
-        q_norm (native: `Normed` for one token, else `Quantized`; read by wq_b and the indexer's
-        wq_b only), kv [S, D] unnormed)."""
+        q_norm (native: `Quantized`, read by wq_b and the indexer's wq_b), kv [S, D] unnormed)."""
         xq = self.numerics.quantize(x)  # read by wq_a and wkv: quantised once in native
         qa, kv = self.wq_a_kv(xq)
-        return self.numerics.norm_for_linears(qa, self.q_norm, self.args.norm_eps), kv
+        return self.numerics.norm_quantized(qa, self.q_norm, self.args.norm_eps), kv
 
     def _queries(self, c, kv: torch.Tensor, rot,
                  kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.numerics import Normed, Numerics, Quantized
+from engine.numerics import Numerics, Quantized
 
 
 class FP8Linear:
@@ -24,9 +24,8 @@ class FP8Linear:
         self.out_features, self.in_features = weight.shape
         self.w = numerics.fp8_weight(weight, scale)
 
-    def __call__(self, x: torch.Tensor | Quantized | Normed) -> torch.Tensor:
-        """x [..., K], or a `Numerics.quantize`d [M, K] (its quantisation reused), or a
-        `Numerics.norm_for_linears` one (normalised by this linear) -> [..., N]."""
+    def __call__(self, x: torch.Tensor | Quantized) -> torch.Tensor:
+        """x [..., K], or a `Numerics.quantize`d [M, K] (its quantisation reused) -> [..., N]."""
         return self.numerics.fp8_linear(self.w, x)
 
 

@@ -56,17 +56,6 @@ class Quantized:
     s: torch.Tensor
 
 
-@dataclass(frozen=True)
-class Normed:
-    """An activation x [1, K] whose RMSNorm (weight [K], eps) is applied by the FP8 linears that
-    read it, inside their own launches (native numerics, one token: `Numerics.norm_for_linears`);
-    nothing else may read it."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
 def unquantized(x: "torch.Tensor | Quantized") -> torch.Tensor:
     """The activation itself, whether or not it carries its quantisation."""
     return x.x if isinstance(x, Quantized) else x
@@ -175,11 +164,6 @@ class Numerics(ABC):
     def norm_quantized(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> "Quantized | torch.Tensor":
         """RMSNorm of x [M, K] for FP8 linears (and other readers of `.x`): native normalises and
         quantises in one backend op, exact normalises."""
-
-    def norm_for_linears(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> "Normed | Quantized | torch.Tensor":
-        """RMSNorm of x [M, K] (weight [K]) read only by FP8 linears (`fp8_linear`): as
-        `norm_quantized`; native hands one token to those linears to normalise (`Normed`)."""
-        return self.norm_quantized(x, weight, eps)
 
     @abstractmethod
     def fp8_weight(self, weight: torch.Tensor, scale: torch.Tensor):
@@ -385,13 +369,6 @@ class Native(Numerics):
     def norm_quantized(self, x, weight, eps):
         return Quantized(*self.backend.rms_norm_quant(x, weight, eps))
 
-    def norm_for_linears(self, x, weight, eps):
-        """One token: `Normed`, each reading linear normalises in its own launch (one launch fewer
-        on the decode step's chain); more rows are normalised once (`norm_quantized`). Where the
-        backend's one-token GEMV cannot normalise (kernels/fp8_gemm.py `fp8_gemm_normed`: not
-        sm_90), each reader runs the norm itself: two launches in a CSA layer, where it was one."""
-        return Normed(x, weight, eps) if x.shape[0] == 1 else self.norm_quantized(x, weight, eps)
-
     def fp8_weight(self, weight, scale):
         return FP8Weight.of(weight, scale)  # kept in the on-disk format for the backend's FP8 GEMM
 
@@ -404,8 +381,6 @@ class Native(Numerics):
         return super().fp8_groups(parts)
 
     def fp8_linear(self, w, x):
-        if isinstance(x, Normed):
-            return self.backend.fp8_gemm_normed(x.x, x.weight, x.eps, w.weight, w.scale, w.scale_f32)
         if isinstance(x, Quantized):
             return self.backend.fp8_gemm_quantized(x.q, x.s, w.weight, w.scale, w.scale_f32)
         return self.backend.fp8_gemm(x, w.weight, w.scale, w.scale_f32)

@@ -41,7 +41,6 @@ OPS: tuple[Op, ...] = (
     Op("fp8_gemm", ref.fp8_gemm, "kernels.fp8_gemm"),
     Op("act_quant", ref.act_quant, "kernels.act_quant"),
     Op("fp8_gemm_quantized", ref.fp8_gemm_quantized, "kernels.fp8_gemm"),
-    Op("fp8_gemm_normed", ref.fp8_gemm_normed, "kernels.fp8_gemm"),
     Op("fp4_gemm", ref.fp4_gemm, "kernels.fp4_moe"),
     Op("bf16_gemm", ref.bf16_gemm, "kernels.bf16_gemm"),
     Op("compressor_project", ref.compressor_project, "kernels.compressor_project"),

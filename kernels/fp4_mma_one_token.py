@@ -40,10 +40,8 @@ Compiled without TileLang's bounds guards, as the CUDA-core kernel (kernels/tool
 """
 
 
-import functools
-
-from kernels import fp4_mma_few_tokens, fp8_mma_one_token, lowbit, pdl
-from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, fp32_call, kernel_factory, pow2_scale_bits
+from kernels import fp4_mma_few_tokens, lowbit, pdl
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory
 
 SOURCE = r"""
 // One e2m1 word (8 channels) of rows gi and gi + 8 into the block's D: two MMAs, the word's pairs
@@ -120,8 +118,7 @@ def supports(k: int, s_off: tuple[int, ...], s_stride: int) -> bool:
 @kernel_factory
 def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ...], s_stride: int,
                              s_off: tuple[int, ...], tiles: int, ksplit: int, out_dtype: str, arch: tuple[int, int],
-                             lookup: bool = False, early: bool = False, depth: int = 0,
-                             swiglu: float | None = None, from_h: bool = False):
+                             lookup: bool = False, early: bool = False, depth: int = 0):
     """Grouped one-token FP4 GEMV on the tensor cores: the tensors of
     kernels/fp4_mma_few_tokens.py's `fp4_mma_few_tokens_kernel` at m = 1 (SWA as int32 words
     [Ss, s_stride/4]); a CTA owns `tiles` tiles of 16 rows and its `ksplit` warps each sum
@@ -136,16 +133,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
     kernel waits for its predecessor (kernels/pdl.py), so the weight loads overlap that kernel's
     tail. Only where the kernel launched immediately before this one does not write the slots, the
     ids or the arena (it starts once every CTA of that predecessor has started, and by then every
-    earlier kernel has completed).
-
-    `swiglu` (a limit; w1 and w3, two parts, 2 tiles): a CTA's tile 0 sums rows r .. r + 15 of
-    part 0 (w1) and tile 1 the same rows of part 1 (w3), each row as the plain kernel sums it, and
-    its epilogue writes H [groups, n] bf16 = kernels/swiglu_quant.py's h of those rows (the bf16
-    outputs widened, the clamped SwiGLU, times the routing weight RW [groups] fp32, rounded to
-    bf16) in place of Y: swiglu_quant's launch is not on the decode step's chain.
-    `from_h`: the activations are such an H [agroups, 1, k] bf16, which the CTA quantises itself
-    (swiglu_quant's block scales and e4m3 codes: thread t takes channels 32t .. 32t + 31, a block's
-    amax over four lanes) into the shared B fragments and scales, in place of reading Q and SA."""
+    earlier kernel has completed)."""
     import tilelang.language as T
 
     if not fp4_mma_few_tokens.supports(1, k, s_off, s_stride) or (k // 128) % ksplit:
@@ -153,24 +141,11 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                                f"stride {s_stride} unsupported (K whole 128-channel blocks shared evenly, scales "
                                "4-byte aligned)")
     blocks = k // 128
-    if swiglu is not None and (len(w_off) != 2 or tiles != 2):
-        raise KernelInputError(f"fp4_mma_one_token_kernel(swiglu): w1 and w3 (2 parts) in 2 tiles, got {len(w_off)} "
-                               f"parts and {tiles} tiles")
-    if (swiglu is not None or from_h) and not lookup:
-        raise KernelInputError("fp4_mma_one_token_kernel: `swiglu` and `from_h` look their slots up (lookup=True)")
-    if from_h and (blocks * 4) % (32 * ksplit):
-        raise KernelInputError(f"fp4_mma_one_token_kernel(from_h): k={k} must give every one of {32 * ksplit} "
-                               "threads the same number of 32-channel groups")
     per = blocks // ksplit  # blocks per warp
     lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum
     kw, kgw = k // 8, k // 128  # int32 words per weight row, scale words per row
     vs = scale_vector(k, ksplit, s_off, s_stride)  # scale words per load
     parts, cta_rows, threads = len(w_off), 16 * tiles, 32 * ksplit
-    paired = swiglu is not None  # tile t: part t, rows r .. r + 15 (both tiles the same rows)
-    if paired:
-        parts, cta_rows = 1, 16
-        lim = T.float32(swiglu)
-    f32 = functools.partial(fp32_call, T)
     groups, wslots, sslots = T.dynamic("groups"), T.dynamic("wslots"), T.dynamic("sslots")
     agroups, entries = T.dynamic("agroups"), T.dynamic("entries")
     shift = lowbit.E4M3_SHIFT + lowbit.E2M1_SHIFT  # codes carry 2^-14, activations 2^-8
@@ -185,10 +160,10 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
     @T.macro
     def load_scales(SWA, sw, slot, warp, lane, row0, part):
         """Issue the loads of the scale words of the warp's whole K range, `vs` words each, into sw."""
+        s_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in s_off])  # in int32 words
         for t in T.unroll(tiles):
-            s_off_w = fp4_mma_few_tokens.part_offset(t if paired else part, [o // 4 for o in s_off])  # int32 words
             for h in T.unroll(2):
-                row = T.min(row0 + (0 if paired else 16 * t) + 8 * h + lane // 4, n - 1)
+                row = T.min(row0 + 16 * t + 8 * h + lane // 4, n - 1)
                 for c in T.unroll(per // vs):
                     for v in T.vectorized(vs):
                         sw[t, h, vs * c + v] = SWA[slot, s_off_w + row * kgw + warp * per + vs * c + v]
@@ -198,75 +173,16 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
         """Issue the loads of the warp's block i: weight words into ww[i]."""
         gi, ti = lane // 4, lane % 4
         kb = warp * per + i
+        w_off_w = fp4_mma_few_tokens.part_offset(part, [o // 4 for o in w_off])  # in int32 words
         for t in T.unroll(tiles):
-            w_off_w = fp4_mma_few_tokens.part_offset(t if paired else part, [o // 4 for o in w_off])  # int32 words
             for h in T.unroll(2):
-                row = T.min(row0 + (0 if paired else 16 * t) + 8 * h + gi, n - 1)
+                row = T.min(row0 + 16 * t + 8 * h + gi, n - 1)
                 for v in T.vectorized(4):
                     ww[i, t, h, v] = WA[slot, w_off_w + row * kw + 16 * kb + 4 * ti + v]
 
     @T.macro
-    def quantise_h(H, act, sas, ga, warp, lane):
-        """act, sas (shared) = swiglu_quant's codes (as B pairs) and block scales of H[ga]."""
-        hv = T.alloc_local((32,), "float32")
-        hb = T.alloc_local((32,), "bfloat16")
-        qw = T.alloc_local((8,), "int32")
-        am = T.alloc_local((1,), "float32")
-        for it in T.serial(blocks * 4 // threads):
-            item = it * threads + warp * 32 + lane  # group item % 4 of block item // 4
-            for v in T.vectorized(32):
-                hb[v] = H[ga, 0, 32 * item + v]
-            am[0] = T.float32(0)
-            for v in T.unroll(32):
-                hv[v] = T.Cast("float32", hb[v])
-                am[0] = T.max(am[0], T.abs(hv[v]))
-            am[0] = T.max(am[0], T.shfl_xor(am[0], 1))  # the block's four groups: lanes 4j .. 4j + 3
-            am[0] = T.max(am[0], T.shfl_xor(am[0], 2))
-            scale, inv = pow2_scale_bits(T, am[0])
-            if item % 4 == 0:
-                sas[item // 4] = scale
-            for w in T.unroll(8):
-                qw[w] = T.call_extern("int32", "dsv4_f32x4_to_e4m3x4",
-                                      T.clamp(f32("__fmul_rn", hv[4 * w], inv), -448.0, 448.0),
-                                      T.clamp(f32("__fmul_rn", hv[4 * w + 1], inv), -448.0, 448.0),
-                                      T.clamp(f32("__fmul_rn", hv[4 * w + 2], inv), -448.0, 448.0),
-                                      T.clamp(f32("__fmul_rn", hv[4 * w + 3], inv), -448.0, 448.0))
-            for w in T.unroll(4):
-                T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(qw[2 * w]),
-                                         T.address_of(act[item // 4, item % 4, 4 * w])))
-
-    @T.macro
-    def epilogue_swiglu(acc, d, Y, RW, row0, g, gi, ti, warp):
-        """Warp 0: H[g, rows] (Y) of the rows' w1 (tile 0) and w3 (tile 1) sums."""
-        if warp == 0:
-            for h in T.unroll(2):
-                for t in T.unroll(2):  # d[2t + h]: row gi + 8h of w1 (t = 0) and of w3 (t = 1)
-                    d[2 * t + h] = acc[t, 2 * h] + acc[t, 2 * h + 1]
-                    d[2 * t + h] += T.shfl_xor(d[2 * t + h], 1)
-                row = row0 + 8 * h + gi
-                if ti == 0 and row < n:  # swiglu_quant's h of the bf16 outputs
-                    d[4] = T.min(T.Cast("float32", T.Cast("bfloat16", d[h])), lim)
-                    d[5] = T.min(T.max(T.Cast("float32", T.Cast("bfloat16", d[2 + h])), -lim), lim)
-                    d[4] = f32("__fmul_rn", f32("__fdiv_rn", d[4], f32("__fadd_rn", T.float32(1.0), T.exp(-d[4]))),
-                               d[5])
-                    Y[g, row] = T.Cast("bfloat16", f32("__fmul_rn", d[4], RW[g]))
-
-    @T.macro
-    def epilogue(acc, d, Y, row0, g, part, gi, ti, warp):
-        """Warp 0: Y[part, g, 0, rows] of the CTA's rows."""
-        if warp == 0:
-            for t in T.unroll(tiles):
-                for h in T.unroll(2):
-                    d[h] = acc[t, 2 * h] + acc[t, 2 * h + 1]  # groups 2ti, 2ti + 1 of row gi + 8h
-                    d[h] += T.shfl_xor(d[h], 1)
-                    row = row0 + 16 * t + 8 * h + gi
-                    if ti == 0 and row < n:
-                        Y[part, g, 0, row] = T.Cast(out_dtype, T.Cast("bfloat16", d[h]))
-
-    @T.macro
-    def body(Q, SA, WA, SWA, Y, slot, bn, g, part, RW):
-        """The CTA's GEMV (RW, the routing weights, read only when `paired`)."""
-        lowbit.import_source(T, fp4_mma_few_tokens.SOURCE, SOURCE, fp8_mma_one_token.PACK_SOURCE)
+    def body(Q, SA, WA, SWA, Y, slot, bn, g, part):
+        lowbit.import_source(T, fp4_mma_few_tokens.SOURCE, SOURCE)
         if RESIDENT_WARPS // ksplit:
             T.annotate_min_blocks_per_sm(RESIDENT_WARPS // ksplit)
         lane = T.get_thread_binding(0)
@@ -281,8 +197,6 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
         d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
         acc = T.alloc_local((tiles, 4), "float32")
         sel = T.alloc_local((2,), "uint32")  # __byte_perm selectors: scale bytes (2ti + j) % 4 to byte 0
-        sas = T.alloc_shared((blocks,), "float32")  # from_h: the activations' block scales
-        sa = T.alloc_local((1,), "float32")  # the block's activation scale
         ga = T.min(g, agroups - 1)
         row0 = bn * cta_rows
         load_scales(SWA, sw, slot, warp, lane, row0, part)
@@ -290,17 +204,14 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
             load(WA, ww, slot, warp, lane, row0, part, i)
         if early:
             pdl.begin(T, arch)  # the activations: the predecessor wrote them
-        if from_h:
-            quantise_h(Q, act, sas, ga, warp, lane)
-        else:
-            for it in T.serial((blocks * 4 + threads - 1) // threads):  # the activations' B pairs
-                item = it * threads + warp * 32 + lane
-                if item < blocks * 4:
-                    for v in T.vectorized(8):
-                        aw[v] = Q[ga, 0, 8 * item + v]  # group item % 4 of block item // 4
-                    for w in T.unroll(4):
-                        T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[2 * w]),
-                                                 T.address_of(act[item // 4, item % 4, 4 * w])))
+        for it in T.serial((blocks * 4 + threads - 1) // threads):  # the activations' B pairs
+            item = it * threads + warp * 32 + lane
+            if item < blocks * 4:
+                for v in T.vectorized(8):
+                    aw[v] = Q[ga, 0, 8 * item + v]  # group item % 4 of block item // 4
+                for w in T.unroll(4):
+                    T.evaluate(T.call_extern("handle", "dsv4_e4m3x8_to_f16x2", T.address_of(aw[2 * w]),
+                                             T.address_of(act[item // 4, item % 4, 4 * w])))
         for it in T.serial((64 + threads - 1) // threads):  # the zero block, B of the lanes gi != ti
             item = it * threads + warp * 32 + lane
             if item < 64:
@@ -311,10 +222,7 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
             sel[j] = T.uint32(0x4440) | T.Cast("uint32", (2 * ti + j) % 4)
         for i in T.unroll(per):
             kb = warp * per + i
-            if from_h:
-                sa[0] = sas[kb]
-            else:
-                sa[0] = SA[ga, 0, kb]
+            sa = SA[ga, 0, kb]
             if i + lead < per:  # `depth`: the block `lead` ahead (after unrolling, a constant test)
                 load(WA, ww, slot, warp, lane, row0, part, i + lead)
             kr = T.if_then_else(gi == ti, kb, blocks)  # lanes gi != ti: B columns of zeros
@@ -332,35 +240,18 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                 for h in T.unroll(2):
                     for j in T.unroll(2):  # lanes ti >= 2: zero columns, sums never used
                         ws = T.call_extern("float32", "dsv4_e8m0_pick", sw[t, h, i], sel[j], T.uint32(shift))
-                        acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa[0])
+                        acc[t, 2 * h + j] += d[4 * t + 2 * h + j] * (ws * sa)
         warp_sums(acc, red, warp, lane)
-        if paired:
-            epilogue_swiglu(acc, d, Y, RW, row0, g, gi, ti, warp)
-        else:
-            epilogue(acc, d, Y, row0, g, part, gi, ti, warp)
+        if warp == 0:
+            for t in T.unroll(tiles):
+                for h in T.unroll(2):
+                    d[h] = acc[t, 2 * h] + acc[t, 2 * h + 1]  # groups 2ti, 2ti + 1 of row gi + 8h
+                    d[h] += T.shfl_xor(d[h], 1)
+                    row = row0 + 16 * t + 8 * h + gi
+                    if ti == 0 and row < n:
+                        Y[part, g, 0, row] = T.Cast(out_dtype, T.Cast("bfloat16", d[h]))
 
-    def lookup_slot(TABLE, IDS, g):
-        return T.max(pdl.early_read(T, TABLE[pdl.early_read(T, IDS[g], "int64", early)], "int32", early), 0)
-
-    if paired:
-        @T.prim_func
-        def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
-                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
-                     TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
-                     RW: T.Tensor((groups,), "float32"), H: T.Tensor((groups, n), "bfloat16")):
-            with T.Kernel(T.ceildiv(n, cta_rows), groups, threads=(32, ksplit)) as (bn, g):
-                wait_unless_early()
-                body(Q, SA, WA, SWA, H, lookup_slot(TABLE, IDS, g), bn, g, 0, RW)
-    elif from_h:
-        @T.prim_func
-        def fp4_mma1(H: T.Tensor((agroups, 1, k), "bfloat16"),
-                     WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
-                     TABLE: T.Tensor((entries,), "int32"), IDS: T.Tensor((groups,), "int64"),
-                     Y: T.Tensor((parts, groups, 1, n), out_dtype)):
-            with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
-                wait_unless_early()
-                body(H, H, WA, SWA, Y, lookup_slot(TABLE, IDS, g), bn, g, part, IDS)
-    elif lookup:
+    if lookup:
         @T.prim_func
         def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
                      WA: T.Tensor((wslots, w_stride // 4), "int32"), SWA: T.Tensor((sslots, s_stride // 4), "int32"),
@@ -368,7 +259,9 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
                 wait_unless_early()
-                body(Q, SA, WA, SWA, Y, lookup_slot(TABLE, IDS, g), bn, g, part, IDS)
+                body(Q, SA, WA, SWA, Y,
+                     T.max(pdl.early_read(T, TABLE[pdl.early_read(T, IDS[g], "int64", early)], "int32", early), 0),
+                     bn, g, part)
     else:
         @T.prim_func
         def fp4_mma1(Q: T.Tensor((agroups, 1, k // 4), "int32"), SA: T.Tensor((agroups, 1, k // 128), "float32"),
@@ -376,6 +269,6 @@ def fp4_mma_one_token_kernel(n: int, k: int, w_stride: int, w_off: tuple[int, ..
                      SLOT: T.Tensor((groups,), "int32"), Y: T.Tensor((parts, groups, 1, n), out_dtype)):
             with T.Kernel(T.ceildiv(n, cta_rows), groups, parts, threads=(32, ksplit)) as (bn, g, part):
                 wait_unless_early()
-                body(Q, SA, WA, SWA, Y, pdl.early_read(T, SLOT[g], "int32", early), bn, g, part, SLOT)
+                body(Q, SA, WA, SWA, Y, pdl.early_read(T, SLOT[g], "int32", early), bn, g, part)
 
     return compile_kernel(fp4_mma1, arch, pass_configs=UNGUARDED)

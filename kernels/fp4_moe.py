@@ -386,45 +386,6 @@ def fp4_moe_dequantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, f
     return torch.empty_like(y).index_copy_(0, order, y)
 
 
-def one_token_swiglu_in_the_gemvs(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, off: dict, inter: int,
-                                  dim: int, ids: torch.Tensor, weights: torch.Tensor, limit: float,
-                                  table: torch.Tensor, early: bool) -> torch.Tensor | None:
-    """`fp4_moe_quantized` of one token (q [1, D], ids [G] int64 looked up in `table`) in two
-    launches, or None where the one-token tensor-core GEMV does not take the shapes: w1|w3 whose
-    CTAs write swiglu_quant's h [G, inter] bf16 (fp4_mma_one_token's `swiglu`), then w2 quantising
-    h itself (`from_h`), the same bits as w1|w3, swiglu_quant, w2. w2 reads its slots and weights
-    early: the launch before it writes only h."""
-    one = fp4_mma_one_token
-    arch = cuda_arch(q.device)
-    wb = sb = _as_bytes(arena)
-    w13, s13 = (off["w1.weight"], off["w3.weight"]), (off["w1.scale"], off["w3.scale"])
-    w2, s2 = (off["w2.weight"],), (off["w2.scale"],)
-    if (arch not in one.MMA_ARCHS or not one.supports(dim, s13, sb.shape[1]) or not one.supports(inter, s2, sb.shape[1])
-            or one.mma_tile(dim)[0] != 2 or (inter // 128 * 4) % (32 * one.mma_tile(inter)[1])):
-        return None
-    g = ids.shape[0]
-    if tuple(weights.shape) != (g,) or not weights.is_floating_point() or weights.device != q.device:
-        raise KernelInputError(f"fp4_moe_quantized: routing weights must be floating point [{g}] on {q.device}, got "
-                               f"{weights.dtype} {tuple(weights.shape)} on {weights.device}")
-    _check_arena(wb, w13, sb, s13, inter, dim, ids, g, table)
-    _check_arena(wb, w2, sb, s2, dim, inter, ids, g, table)
-    table, ids = table.contiguous(), ids.contiguous()
-    h = torch.empty(g, inter, dtype=torch.bfloat16, device=q.device)
-    if g:
-        tiles, ksplit, depth = one.mma_tile(dim)
-        one.fp4_mma_one_token_kernel(inter, dim, wb.shape[1], w13, sb.shape[1], s13, tiles, ksplit, "bfloat16", arch,
-                                     True, early, depth, swiglu=float(limit))(
-            as_words(q.view(1, 1, dim)), s.view(1, 1, dim // 128), as_words(wb), as_words(sb), table, ids,
-            weights.float().contiguous(), h)
-    y = torch.empty(1, g, 1, dim, dtype=torch.float32, device=q.device)
-    if g:
-        tiles, ksplit, depth = one.mma_tile(inter)
-        one.fp4_mma_one_token_kernel(dim, inter, wb.shape[1], w2, sb.shape[1], s2, tiles, ksplit, "float32", arch,
-                                     True, True, depth, from_h=True)(
-            h.view(g, 1, inter), as_words(wb), as_words(sb), table, ids, y)
-    return y[0].reshape(g, dim)
-
-
 def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fields: dict, slots: torch.Tensor,
                       weights: torch.Tensor, limit: float, table: torch.Tensor | None = None,
                       early: bool = False, run: int = 1) -> torch.Tensor:
@@ -432,8 +393,7 @@ def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fie
     e4m3, s [A, D/128], A = G or 1 for every slot; with `table`, slots are expert ids looked up in
     the kernels). Three launches for all G: w1 and w3 of every expert in one GEMV, SwiGLU +
     weighting + w2's activation quantisation in one kernel (kernels/swiglu_quant.py), w2 (its
-    bf16-rounded outputs stored as fp32); two for one token through a table on the one-token
-    tensor-core GEMV (`one_token_swiglu_in_the_gemvs`, the same bits). `early`: the kernel launched just before this call does
+    bf16-rounded outputs stored as fp32). `early`: the kernel launched just before this call does
     not write slots, table or arena, so w1+w3 may read them (and the weights) before it completes;
     w2 always may (the kernel just before it, swiglu_quant, writes none of them). `run` > 1: runs
     of `run` consecutive cells share their slot (q [G, D], no table), and each run is one group of
@@ -451,10 +411,6 @@ def fp4_moe_quantized(q: torch.Tensor, s: torch.Tensor, arena: torch.Tensor, fie
         slots = slots.view(-1, run)[:, 0].contiguous()  # a slot per run
     inter, dim = fields["w1.weight"].shape[0], q.shape[-1]
     off = {name: f.offset for name, f in fields.items()}
-    if run == 1 and table is not None and q.shape[0] == 1:
-        y = one_token_swiglu_in_the_gemvs(q, s, arena, off, inter, dim, slots, weights, limit, table, early)
-        if y is not None:
-            return y
     gu = grouped_gemv(q.view(-1, run, dim), s.view(-1, run, dim // 128), arena, (off["w1.weight"], off["w3.weight"]),
                       arena, (off["w1.scale"], off["w3.scale"]), inter, dim, slots, torch.bfloat16, table,
                       early)  # [2, G / run, run, inter] (A = 1: [2, G, 1, inter])

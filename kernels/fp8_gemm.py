@@ -34,9 +34,7 @@ from kernels.act_quant import act_quant
 from kernels.fp8_dequant import fp8_dequant_bf16
 from kernels.gemv import (VEC, as_words, early_steps, gemv_rows, scale_bytes, split_steps, store_rows_macro,
                           weight_slots, weight_steps_macro)
-from kernels.rms_norm_quant import rms_norm_quant
-from kernels.toolkit import (TORCH_TO_TL, KernelInputError, aligned16, compile_kernel, cuda_arch, kernel_factory,
-                             pad_rows_to_bucket, tile_params)
+from kernels.toolkit import KernelInputError, compile_kernel, cuda_arch, kernel_factory, pad_rows_to_bucket, tile_params
 
 GEMV_MAX_M = 16
 # GEMV rows per warp, warps per CTA, and the grid size below which K is split between the warps
@@ -169,30 +167,6 @@ def blockwise_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: tor
     sw = weight_scales_f32(w_scale, w_scale_f32).t()
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
     return y[:m] if pad else y
-
-
-def fp8_gemm_normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w: torch.Tensor,
-                    w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_gemm_quantized` of `rms_norm_quant(x, weight, eps)`'s (q, s) -> bf16 [M, N], as
-    `reference.fp8_gemm_normed`. One token with a norm weight, on the one-token tensor-core GEMV,
-    normalises inside that launch (fp8_mma_one_token's `normed`: equal up to the sum of squares' fp32 order); other
-    row counts and shapes run rms_norm_quant, then `fp8_gemm_quantized`."""
-    check_fp8_weight(x, w, w_scale)
-    n, k = w.shape
-    if x.dim() != 2 or x.dtype not in TORCH_TO_TL:
-        raise KernelInputError(f"fp8_gemm_normed takes x [M, K] in bf16, fp16 or fp32, got {x.dtype} {tuple(x.shape)}")
-    if weight is not None and tuple(weight.shape) != (k,):
-        raise KernelInputError(f"fp8_gemm_normed: norm weight shape {tuple(weight.shape)} != ({k},)")
-    arch = cuda_arch(x.device)
-    one = fp8_mma_one_token
-    if x.shape[0] == 1 and weight is not None and arch in one.MMA_ARCHS and one.normed_width(n, k) is not None:
-        nw = weight.float().contiguous()
-        y = torch.empty(1, n, dtype=torch.bfloat16, device=x.device)
-        one.fp8_mma_one_token_kernel(n, k, *one.mma_tile(n, k), arch, True, TORCH_TO_TL[x.dtype], float(eps))(
-            aligned16(x), nw, as_words(w), scale_bytes(w_scale), y)
-        return y
-    _, q, s = rms_norm_quant(x, weight, eps)
-    return fp8_gemm_quantized(q, s, w, w_scale, w_scale_f32)
 
 
 def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -35,7 +35,7 @@ TileLang is imported lazily (see kernels/toolkit.py).
 
 
 from kernels import lowbit, pdl
-from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory, pow2_scale_bits
+from kernels.toolkit import UNGUARDED, KernelInputError, compile_kernel, kernel_factory
 
 SOURCE = r"""
 // One e4m3 word (4 channels) of rows gi and gi + 8 into a tile's D: one MMA whose k positions
@@ -53,17 +53,6 @@ __device__ __forceinline__ void dsv4_fp8_mma_word_first(int w0, int w1, const un
 }
 __device__ __forceinline__ void dsv4_fp8_mma_word(int w0, int w1, const unsigned* b, float* d) {
   dsv4_fp8_mma_word_t<false>(w0, w1, b, d);
-}
-"""
-
-PACK_SOURCE = r"""
-// Four fp32 values as one word of e4m3 codes, a in byte 0 .. d in byte 3, each rounded to nearest
-// even (cvt.rn.satfinite, as TileLang's float -> e4m3 cast; the values are clamped to +-448 first).
-__device__ __forceinline__ int dsv4_f32x4_to_e4m3x4(float a, float b, float c, float d) {
-  unsigned short lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(a), "f"(b));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(c), "f"(d));
-  return (int)((unsigned)lo | ((unsigned)hi << 16));
 }
 """
 
@@ -112,32 +101,11 @@ def weight_loads_macro(T, n: int, tiles: int, per: int):
     return load
 
 
-def normed_width(n: int, k: int) -> int | None:
-    """Channels each thread normalises in `fp8_mma_one_token_kernel(normed=True)` at its
-    `mma_tile`, or None where that variant does not take the shape: a thread's channels must be
-    whole e4m3 words inside one 128-channel block (4, 8 or 16 of them)."""
-    tile = mma_tile(n, k)
-    if tile is None:
-        return None
-    e = k // (32 * tile[1])
-    return e if e % 4 == 0 and 128 % e == 0 else None
-
-
 @kernel_factory
-def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int],
-                             normed: bool = False, x_dtype: str = "bfloat16", eps: float = 0.0):
+def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int, arch: tuple[int, int]):
     """(Q [1, k/4] int32 = e4m3 codes, SA [1, k/128] fp32, W [n, k/4] int32 = e4m3 codes,
     SW [ceil(n/128), k/128] u8) -> Y [1, n] bf16; a CTA owns `tiles` tiles of 16 rows, its
-    `ksplit` warps sum K/ksplit channels each, loads kept `depth` blocks ahead (0: all first).
-
-    `normed`: (X [1, k] x_dtype, NW [k] fp32, W, SW) -> Y, the GEMV of
-    kernels/rms_norm_quant.py's (q, s) of (X, NW, eps), made by each CTA in shared memory
-    before its sums, so the norm is no launch of its own on the decode step's chain (the q_lora
-    activation's q_norm). Thread t normalises channels t·e .. t·e + e - 1 (`normed_width`): the
-    sum of squares in thread order within a warp, then by xor shuffles, then warp by warp (not
-    rms_norm_quant's order: equal up to fp32 summation order); y = NW · (x · rsqrt(ss / k + eps))
-    rounded to x_dtype, then rms_norm_quant's block scale and e4m3 rounding. NW, never written
-    while kernels run, is loaded before the PDL wait with the weights."""
+    `ksplit` warps sum K/ksplit channels each, loads kept `depth` blocks ahead (0: all first)."""
     import tilelang.language as T
 
     blocks = k // 128
@@ -148,138 +116,66 @@ def fp8_mma_one_token_kernel(n: int, k: int, tiles: int, ksplit: int, depth: int
     lead = min(depth, per) if depth else per  # blocks whose loads are issued before the first sum
     kw, kb_all, nb = k // 4, k // 128, (n + 127) // 128
     cta_rows = 16 * tiles
-    e = k // (32 * ksplit)  # normed: channels a thread normalises
-    if normed and (e % 4 or 128 % e):
-        raise KernelInputError(f"fp8_mma_one_token_kernel(normed): {e} channels a thread (k={k}, {ksplit} warps) are "
-                               "not whole e4m3 words inside one 128-channel block")
-    inv_k = T.float32(1.0 / k)
 
     load = weight_loads_macro(T, n, tiles, per)
 
-    @T.macro
-    def sums(Q, SA, W, SW, Y, ww, sw, bn, lane, warp):
-        """The GEMV of the activation words Q [1, k/4] and scales SA [1, k/128] (global, or the
-        CTA's shared copies) once the first `lead` blocks' weights are loading."""
-        gi, ti = lane // 4, lane % 4
-        aw = T.alloc_local((2, 4), "int32")  # the block's activation words: span, word
-        b = T.alloc_local((2, 4, 2), "uint32")  # their fp16x2 pairs
-        d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
-        acc = T.alloc_local((tiles, 2), "float32")  # rows gi, gi + 8 of each tile
-        red = T.alloc_shared((ksplit, tiles, 2, 8), "float32")
-        row0 = bn * cta_rows
-        T.clear(acc)
-        for i in T.unroll(per):
-            kb = warp * per + i
-            if i + lead < per:  # the block `lead` ahead (after unrolling, a constant test)
-                load(W, SW, ww, sw, warp, lane, row0, i + lead)
-            for s in T.unroll(2):
-                for v in T.vectorized(4):
-                    aw[s, v] = Q[0, 32 * kb + 16 * s + 4 * ti + v]
-            for s in T.unroll(2):
-                for v in T.unroll(4):
-                    T.evaluate(T.call_extern("handle", "dsv4_e4m3x4_to_f16x2", aw[s, v],
-                                             T.address_of(b[s, v, 0])))
-            for t in T.unroll(tiles):  # word 0 of span 0 starts each tile's D
-                T.evaluate(T.call_extern("handle", "dsv4_fp8_mma_word_first", ww[i, t, 0, 0, 0],
-                                         ww[i, t, 1, 0, 0], T.address_of(b[0, 0, 0]), T.address_of(d[4 * t])))
-            for w in T.unroll(1, 8):
+    @T.prim_func
+    def fp8_mma1(Q: T.Tensor((1, kw), "int32"), SA: T.Tensor((1, kb_all), "float32"),
+                 W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb_all), "uint8"),
+                 Y: T.Tensor((1, n), "bfloat16")):
+        with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, ksplit)) as bn:
+            lowbit.import_source(T, SOURCE)
+            lane = T.get_thread_binding(0)
+            warp = T.get_thread_binding(1)
+            gi, ti = lane // 4, lane % 4
+            ww = T.alloc_local((per, tiles, 2, 2, 4), "int32")  # block, tile, row gi / gi + 8, span, word
+            sw = T.alloc_local((per, tiles), "uint8")
+            aw = T.alloc_local((2, 4), "int32")  # the block's activation words: span, word
+            b = T.alloc_local((2, 4, 2), "uint32")  # their fp16x2 pairs
+            d = T.alloc_local((4 * tiles,), "float32")  # tile t's D fragment: d[4t .. 4t + 3]
+            acc = T.alloc_local((tiles, 2), "float32")  # rows gi, gi + 8 of each tile
+            red = T.alloc_shared((ksplit, tiles, 2, 8), "float32")
+            row0 = bn * cta_rows
+            for i in T.unroll(lead):  # weights and their scales: never written, read before the wait
+                load(W, SW, ww, sw, warp, lane, row0, i)
+            pdl.begin(T, arch)
+            T.clear(acc)
+            for i in T.unroll(per):
+                kb = warp * per + i
+                if i + lead < per:  # the block `lead` ahead (after unrolling, a constant test)
+                    load(W, SW, ww, sw, warp, lane, row0, i + lead)
+                for s in T.unroll(2):
+                    for v in T.vectorized(4):
+                        aw[s, v] = Q[0, 32 * kb + 16 * s + 4 * ti + v]
+                for s in T.unroll(2):
+                    for v in T.unroll(4):
+                        T.evaluate(T.call_extern("handle", "dsv4_e4m3x4_to_f16x2", aw[s, v],
+                                                 T.address_of(b[s, v, 0])))
+                for t in T.unroll(tiles):  # word 0 of span 0 starts each tile's D
+                    T.evaluate(T.call_extern("handle", "dsv4_fp8_mma_word_first", ww[i, t, 0, 0, 0],
+                                             ww[i, t, 1, 0, 0], T.address_of(b[0, 0, 0]), T.address_of(d[4 * t])))
+                for w in T.unroll(1, 8):
+                    for t in T.unroll(tiles):
+                        T.evaluate(T.call_extern("handle", "dsv4_fp8_mma_word", ww[i, t, 0, w // 4, w % 4],
+                                                 ww[i, t, 1, w // 4, w % 4], T.address_of(b[w // 4, w % 4, 0]),
+                                                 T.address_of(d[4 * t])))
+                sa = SA[0, kb]
                 for t in T.unroll(tiles):
-                    T.evaluate(T.call_extern("handle", "dsv4_fp8_mma_word", ww[i, t, 0, w // 4, w % 4],
-                                             ww[i, t, 1, w // 4, w % 4], T.address_of(b[w // 4, w % 4, 0]),
-                                             T.address_of(d[4 * t])))
-            sa = SA[0, kb]
-            for t in T.unroll(tiles):
-                ws = lowbit.e8m0_bits_to_float(T, sw[i, t], 2 * lowbit.E4M3_SHIFT)  # both operands carry 2^-8
-                for h in T.unroll(2):  # every column of D holds the row sums: take column 2ti
-                    acc[t, h] += d[4 * t + 2 * h] * (ws * sa)
-        if ti == 0:
-            for t in T.unroll(tiles):
-                for h in T.unroll(2):
-                    red[warp, t, h, gi] = acc[t, h]
-        T.sync_threads()
-        if warp == 0 and ti == 0:
-            for t in T.unroll(tiles):
-                for h in T.unroll(2):
-                    for w in T.unroll(1, ksplit):  # warp order: deterministic
-                        acc[t, h] += red[w, t, h, gi]
-                    row = row0 + 16 * t + 8 * h + gi
-                    if row < n:
-                        Y[0, row] = T.Cast("bfloat16", acc[t, h])
-
-    @T.macro
-    def norm_quant(X, nw, QS, SAS, lane, warp):
-        """QS, SAS (shared) = rms_norm_quant's (q as words, s) of X with the weight in nw."""
-        th = warp * 32 + lane
-        xr = T.alloc_local((e,), x_dtype)
-        xv = T.alloc_local((e,), "float32")
-        acc = T.alloc_local((2,), "float32")  # the sum of squares, then the block's amax
-        part = T.alloc_shared((ksplit,), "float32")
-        for i in T.vectorized(e):
-            xr[i] = X[0, th * e + i]
-        acc[0] = T.float32(0)
-        for i in T.unroll(e):
-            xv[i] = T.Cast("float32", xr[i])
-            acc[0] += xv[i] * xv[i]
-        for o in T.unroll(5):
-            acc[0] += T.shfl_xor(acc[0], 16 >> o)
-        if lane == 0:
-            part[warp] = acc[0]
-        T.sync_threads()
-        acc[0] = part[0]
-        for w in T.unroll(1, ksplit):  # warp order
-            acc[0] += part[w]
-        acc[0] = T.rsqrt(acc[0] * inv_k + eps)
-        acc[1] = T.float32(0)
-        for i in T.unroll(e):  # y, rounded to x's dtype, kept widened
-            xv[i] = T.Cast("float32", T.Cast(x_dtype, nw[i] * (xv[i] * acc[0])))
-            acc[1] = T.max(acc[1], T.abs(xv[i]))
-        for o in T.unroll((128 // e).bit_length() - 1):  # over the lanes of the 128-channel block
-            acc[1] = T.max(acc[1], T.shfl_xor(acc[1], (64 // e) >> o))
-        scale, inv = pow2_scale_bits(T, acc[1])
-        if th % (128 // e) == 0:
-            SAS[0, th * e // 128] = scale
-        for j in T.unroll(e // 4):
-            QS[0, th * e // 4 + j] = T.call_extern(
-                "int32", "dsv4_f32x4_to_e4m3x4", T.clamp(xv[4 * j] * inv, -448.0, 448.0),
-                T.clamp(xv[4 * j + 1] * inv, -448.0, 448.0), T.clamp(xv[4 * j + 2] * inv, -448.0, 448.0),
-                T.clamp(xv[4 * j + 3] * inv, -448.0, 448.0))
-        T.sync_threads()
-
-    if normed:
-        @T.prim_func
-        def fp8_mma1(X: T.Tensor((1, k), x_dtype), NW: T.Tensor((k,), "float32"),
-                     W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb_all), "uint8"),
-                     Y: T.Tensor((1, n), "bfloat16")):
-            with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, ksplit)) as bn:
-                lowbit.import_source(T, SOURCE, PACK_SOURCE)
-                lane = T.get_thread_binding(0)
-                warp = T.get_thread_binding(1)
-                ww = T.alloc_local((per, tiles, 2, 2, 4), "int32")  # block, tile, row gi / gi + 8, span, word
-                sw = T.alloc_local((per, tiles), "uint8")
-                nw = T.alloc_local((e,), "float32")
-                QS = T.alloc_shared((1, kw), "int32")
-                SAS = T.alloc_shared((1, kb_all), "float32")
-                for i in T.unroll(lead):  # weights, their scales and the norm's: never written, read before the wait
-                    load(W, SW, ww, sw, warp, lane, bn * cta_rows, i)
-                for i in T.vectorized(e):
-                    nw[i] = NW[(warp * 32 + lane) * e + i]
-                pdl.begin(T, arch)
-                norm_quant(X, nw, QS, SAS, lane, warp)
-                sums(QS, SAS, W, SW, Y, ww, sw, bn, lane, warp)
-    else:
-        @T.prim_func
-        def fp8_mma1(Q: T.Tensor((1, kw), "int32"), SA: T.Tensor((1, kb_all), "float32"),
-                     W: T.Tensor((n, kw), "int32"), SW: T.Tensor((nb, kb_all), "uint8"),
-                     Y: T.Tensor((1, n), "bfloat16")):
-            with T.Kernel(T.ceildiv(n, cta_rows), threads=(32, ksplit)) as bn:
-                lowbit.import_source(T, SOURCE)
-                lane = T.get_thread_binding(0)
-                warp = T.get_thread_binding(1)
-                ww = T.alloc_local((per, tiles, 2, 2, 4), "int32")  # block, tile, row gi / gi + 8, span, word
-                sw = T.alloc_local((per, tiles), "uint8")
-                for i in T.unroll(lead):  # weights and their scales: never written, read before the wait
-                    load(W, SW, ww, sw, warp, lane, bn * cta_rows, i)
-                pdl.begin(T, arch)
-                sums(Q, SA, W, SW, Y, ww, sw, bn, lane, warp)
+                    ws = lowbit.e8m0_bits_to_float(T, sw[i, t], 2 * lowbit.E4M3_SHIFT)  # both operands carry 2^-8
+                    for h in T.unroll(2):  # every column of D holds the row sums: take column 2ti
+                        acc[t, h] += d[4 * t + 2 * h] * (ws * sa)
+            if ti == 0:
+                for t in T.unroll(tiles):
+                    for h in T.unroll(2):
+                        red[warp, t, h, gi] = acc[t, h]
+            T.sync_threads()
+            if warp == 0 and ti == 0:
+                for t in T.unroll(tiles):
+                    for h in T.unroll(2):
+                        for w in T.unroll(1, ksplit):  # warp order: deterministic
+                            acc[t, h] += red[w, t, h, gi]
+                        row = row0 + 16 * t + 8 * h + gi
+                        if row < n:
+                            Y[0, row] = T.Cast("bfloat16", acc[t, h])
 
     return compile_kernel(fp8_mma1, arch, pass_configs=UNGUARDED)

@@ -357,15 +357,6 @@ def fp8_gemm_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scal
     return matmul(act_dequant(q, s, 128), dequant_fp8_block(w, w_scale).T).to(torch.bfloat16)
 
 
-def fp8_gemm_normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float, w: torch.Tensor,
-                    w_scale: torch.Tensor, w_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_gemm_quantized` of the RMSNorm of x [M, K] quantised as `rms_norm_quant` does it
-    (weight [K] or None, eps) -> bf16 [M, N]: the norm and the FP8 linear that is its only reader
-    (the q_lora activation's q_norm, then wq_b) as one op. `w_scale_f32` as in `fp8_gemm`."""
-    _, q, s = rms_norm_quant(x, weight, eps)
-    return fp8_gemm_quantized(q, s, w, w_scale, w_scale_f32)
-
-
 def swiglu_quant(g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor | None, limit: float,
                  block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8-quantised input of an expert's w2 (§C.7 step 4): act_quant of

@@ -9,8 +9,7 @@ import torch
 
 from engine.linear import FP8Linears
 from engine.model import Transformer
-from engine.linear import FP8Linear
-from engine.numerics import Exact, FP8Weight, Native, Normed, Numerics, Quantized
+from engine.numerics import Exact, FP8Weight, Native, Numerics, Quantized
 from engine.weights import open_official
 from kernels import backend as kb
 from kernels import reference as ref
@@ -63,20 +62,16 @@ def test_the_modes_differ_by_ops_and_capabilities_not_a_flag():
         Numerics.named("fp16")
 
 
-def _counting_backend(calls: list) -> kb.Backend:
-    """The torch backend, each op call's name appended to `calls`."""
+def test_exact_ops_are_the_reference_and_never_the_backend():
+    calls = []
+
     def counted(name):
         def op(*args, **kwargs):
             calls.append(name)
             return getattr(ref, name)(*args, **kwargs)
         return op
 
-    return kb.torch_backend().with_ops(**{name: counted(name) for name in kb.OP_NAMES})
-
-
-def test_exact_ops_are_the_reference_and_never_the_backend():
-    calls = []
-    backend = _counting_backend(calls)
+    backend = kb.torch_backend().with_ops(**{name: counted(name) for name in kb.OP_NAMES})
     exact = Numerics.named("exact", backend)
     x, w = torch.randn(3, 256), torch.rand(256)
     assert torch.equal(exact.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
@@ -85,30 +80,6 @@ def test_exact_ops_are_the_reference_and_never_the_backend():
     native = Numerics.named("native", backend)
     q = native.norm_quantized(x, w, 1e-6)
     assert isinstance(q, Quantized) and native.quantize(q) is q and calls == ["rms_norm_quant"]
-
-
-def test_one_tokens_norm_for_fp8_linears_is_made_by_the_linears_in_native():
-    """The q_lora activation's norm (read by FP8 linears only): native hands one token to each
-    reading linear, whose one backend op (fp8_gemm_normed) normalises, quantises and multiplies,
-    to the same bits as the norm quantised once then the linear; more rows, and exact, normalise
-    once."""
-    gen = torch.Generator().manual_seed(3)
-    w = (torch.randn(192, 256, generator=gen) * 8).to(torch.float8_e4m3fn)
-    s = torch.full((2, 2), 2.0 ** -6).to(torch.float8_e8m0fnu)
-    nw = torch.rand(256, generator=gen) + 0.5
-    calls = []
-    native = Numerics.named("native", _counting_backend(calls))
-    linear = FP8Linear(w, s, native)
-    one = (torch.randn(1, 256, generator=gen) * 3).to(torch.bfloat16)
-    c = native.norm_for_linears(one, nw, 1e-6)
-    assert isinstance(c, Normed) and calls == []  # nothing launched until a linear reads it
-    y = linear(c)
-    assert calls == ["fp8_gemm_normed"]
-    assert torch.equal(y, linear(native.norm_quantized(one, nw, 1e-6)))
-    three = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
-    assert isinstance(native.norm_for_linears(three, nw, 1e-6), Quantized)
-    exact = Numerics.named("exact")
-    assert torch.equal(exact.norm_for_linears(one, nw, 1e-6), ref.rms_norm(one, nw, 1e-6))
 
 
 def test_fp8_readers_stack_in_native_when_the_block_scales_stack():

@@ -9,7 +9,7 @@ import torch
 
 from kernels import lowbit
 from kernels import reference as ref
-from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile, normed_width
+from kernels.fp8_mma_one_token import BLOCKS_PER_WARP, MAX_K, mma_tile
 
 from kernel_sim import e4m3_word_pairs, fp8_block_mma
 
@@ -81,51 +81,3 @@ def test_one_token_tile_rules():
         assert blocks % ksplit == 0 and blocks // ksplit <= BLOCKS_PER_WARP and ksplit <= 32
         assert all(blocks % s or blocks // s > BLOCKS_PER_WARP for s in range(1, ksplit))  # the fewest warps
         assert tiles == 2 and depth == (0 if 4096 * k <= 8 << 20 else 2)
-
-
-def normed_prologue(x: torch.Tensor, nw: torch.Tensor, eps: float, ksplit: int):
-    """The `normed` variant's prologue, lane by lane: thread t = 32·warp + lane takes channels
-    t·e .. t·e + e - 1; the sum of squares in thread order, by the kernel's xor shuffles over the
-    warp, then warp by warp; each 128-channel block's amax by xor shuffles over the lanes that hold
-    it -> (q [k] e4m3 as uint8, s [k/128]) as the CTA leaves them in shared memory."""
-    k = x.shape[0]
-    threads = 32 * ksplit
-    e = k // threads
-    xs = x.float().view(ksplit, 32, e)
-    part = (xs * xs).sum(-1)  # [warp, lane]: thread order (fp32 here, as on the GPU up to order)
-    for o in (16, 8, 4, 2, 1):  # xor shuffles: every lane ends with its warp's sum
-        part = part + part[:, torch.arange(32) ^ o]
-    assert torch.equal(part, part[:, :1].expand(ksplit, 32))
-    total = part[0, 0]
-    for w in range(1, ksplit):
-        total = total + part[w, 0]
-    y = (nw.view(ksplit, 32, e) * (xs * torch.rsqrt(total / k + eps))).to(x.dtype).float()
-    amax = y.abs().amax(-1)  # [warp, lane]
-    for o in range((128 // e).bit_length() - 1):  # offsets 64/e .. 1: the block's 128/e lanes
-        amax = torch.maximum(amax, amax[:, torch.arange(32) ^ ((64 // e) >> o)])
-    lanes = 128 // e
-    blocks = amax.view(ksplit, 32 // lanes, lanes)
-    assert torch.equal(blocks, blocks[..., :1].expand_as(blocks))  # every lane of a block holds its amax
-    s = torch.pow(2.0, torch.ceil(torch.log2(blocks[..., 0].flatten().clamp_min(1e-4) / 448.0)))
-    q = (y.view(-1, 128) / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(-1).view(torch.uint8), s
-
-
-@pytest.mark.parametrize("n,k", [(32768, 1024), (8192, 1024), (1536, 4096), (200, 256), (130, 128)])
-def test_the_normed_prologue_is_rms_norm_quant(n, k):
-    """Each thread's channels are whole words inside one block, the shuffles reach exactly the
-    block's lanes, and the codes and scales are rms_norm_quant's (exact sums of squares here)."""
-    e = normed_width(n, k)
-    tiles, ksplit, _ = mma_tile(n, k)
-    assert e == k // (32 * ksplit) and e % 4 == 0 and 128 % e == 0
-    gen = torch.Generator().manual_seed(k)
-    x = (torch.randint(-16, 17, (k,), generator=gen) * 0.25).to(torch.bfloat16)
-    nw = torch.rand(k, generator=gen) + 0.5
-    q, s = normed_prologue(x, nw, 1e-6, ksplit)
-    _, rq, rs = ref.rms_norm_quant(x[None], nw, 1e-6)
-    assert torch.equal(q, rq[0].view(torch.uint8)) and torch.equal(s, rs[0])
-
-
-def test_normed_width_refuses_threads_straddling_blocks():
-    assert normed_width(4096, 384) is None  # 3 blocks, one warp: 12 channels a thread
-    assert normed_width(4096, 8192) is None  # no one-token tile (wo_b)

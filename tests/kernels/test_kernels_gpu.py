@@ -207,41 +207,6 @@ def test_fp8_mma_one_token_extreme_codes_and_scales(gen):
     assert rel_err(y, ref.fp8_gemm_quantized(q, sa, w, s.view(torch.float8_e8m0fnu))) < 4e-3
 
 
-@pytest.mark.parametrize("n,k", [(32768, 1024), (8192, 1024), (200, 256), (1536, 4096), (130, 512), (130, 128)])
-def test_fp8_gemm_normed_one_token_normalises_in_the_gemv(n, k, gen):
-    """One token: the norm inside the one-token GEMV (fp8_mma_one_token's `normed`) against the
-    reference, and against rms_norm_quant then the GEMV: bit for bit where every sum of squares
-    is exact in fp32 (any order), close where not."""
-    from kernels.fp8_gemm import fp8_gemm_normed, fp8_gemm_quantized
-    from kernels.fp8_mma_one_token import normed_width
-    from kernels.rms_norm_quant import rms_norm_quant
-    assert normed_width(n, k) is not None  # the fused path, not the fallback
-    w, s = fp8_weight(n, k, gen)
-    nw = torch.rand(k, generator=gen, device=DEV) + 0.5
-    x = (torch.randn(1, k, generator=gen, device=DEV) * 3).to(torch.bfloat16)
-    y = fp8_gemm_normed(x, nw, 1e-6, w, s)
-    err = rel_err(y, ref.fp8_gemm_normed(x, nw, 1e-6, w, s))
-    print(f"fp8_gemm_normed n={n} k={k}: rel err {err:.2e}")
-    assert err < 4e-3 and rel_err(y, fp8_gemm_quantized(*rms_norm_quant(x, nw, 1e-6)[1:], w, s)) < 4e-3
-    exact = (torch.randint(-16, 17, (1, k), generator=gen, device=DEV) * 0.25).to(torch.bfloat16)
-    assert torch.equal(fp8_gemm_normed(exact, nw, 1e-6, w, s),
-                       fp8_gemm_quantized(*rms_norm_quant(exact, nw, 1e-6)[1:], w, s))
-    wide = exact.float()  # an fp32 input: y rounded to fp32, i.e. not at all
-    assert torch.equal(fp8_gemm_normed(wide, nw, 1e-6, w, s), fp8_gemm_quantized(*rms_norm_quant(wide, nw, 1e-6)[1:], w, s))
-
-
-def test_fp8_gemm_normed_rows_and_no_weight_take_the_norm_then_the_gemv(gen):
-    """More than one token, or no norm weight: rms_norm_quant, then fp8_gemm_quantized."""
-    from kernels.fp8_gemm import fp8_gemm_normed, fp8_gemm_quantized
-    from kernels.rms_norm_quant import rms_norm_quant
-    w, s = fp8_weight(256, 1024, gen)
-    nw = torch.rand(1024, generator=gen, device=DEV) + 0.5
-    x = (torch.randn(3, 1024, generator=gen, device=DEV) * 3).to(torch.bfloat16)
-    assert torch.equal(fp8_gemm_normed(x, nw, 1e-6, w, s), fp8_gemm_quantized(*rms_norm_quant(x, nw, 1e-6)[1:], w, s))
-    assert torch.equal(fp8_gemm_normed(x[:1], None, 1e-6, w, s),
-                       fp8_gemm_quantized(*rms_norm_quant(x[:1], None, 1e-6)[1:], w, s))
-
-
 def test_fp8_gemm_keeps_leading_dims(gen):
     from kernels.fp8_gemm import fp8_gemm
     x = activations(6, 256, gen).view(2, 3, 256)
@@ -714,33 +679,6 @@ def test_fp4_moe_quantized_looks_slots_up_in_a_table(gen):
     slots = table[ids].clamp_min(0)
     assert torch.equal(got, fp4_moe_quantized(q, sq, data, fields, slots, wts, limit))
     assert rel_err(got, ref.fp4_moe_quantized(q, sq, data, fields, ids, wts, limit, table)) < 2e-2
-
-
-@pytest.mark.parametrize("early,scale", [(False, 1.0), (True, 64.0)])
-def test_one_token_swiglu_in_the_gemvs_is_the_three_launches_bit_for_bit(early, scale, gen):
-    """One token through a table: w1|w3 writing swiglu_quant's h, then w2 quantising it (two
-    launches) give the bits of w1|w3, swiglu_quant, w2 (three), with large activations too (the
-    SwiGLU's clamps at the limit)."""
-    from kernels.act_quant import act_quant
-    from kernels.fp4_moe import grouped_gemv, one_token_swiglu_in_the_gemvs
-    from kernels.swiglu_quant import swiglu_quant
-    inter, dim, limit = 2048, 4096, 10.0
-    data, fields, _ = _arena(8, inter, dim, gen)
-    off = {name: f.offset for name, f in fields.items()}
-    table = torch.tensor([3, 7, 0, 5, 1, 6, -1, 2], dtype=torch.int32, device=DEV)
-    ids = torch.tensor([1, 4, 0, 7, 6, 3], device=DEV)  # expert 6 has no slot: slot 0
-    q, sq = act_quant(activations(1, dim, gen) * scale, 128)
-    wts = torch.rand(6, generator=gen, device=DEV)
-    got = one_token_swiglu_in_the_gemvs(q, sq, data, off, inter, dim, ids, wts, limit, table, early)
-    assert got is not None and got.dtype == torch.float32 and got.shape == (6, dim)
-    gu = grouped_gemv(q.view(1, 1, dim), sq.view(1, 1, dim // 128), data, (off["w1.weight"], off["w3.weight"]), data,
-                      (off["w1.scale"], off["w3.scale"]), inter, dim, ids, torch.bfloat16, table)
-    clamped = ((gu[0].float() > limit) | (gu[1].float().abs() > limit)).sum().item()
-    q2, s2 = swiglu_quant(gu[0].reshape(6, inter), gu[1].reshape(6, inter), wts, limit)
-    want = grouped_gemv(q2.view(6, 1, inter), s2.view(6, 1, inter // 128), data, (off["w2.weight"],), data,
-                        (off["w2.scale"],), dim, inter, ids, torch.float32, table, True)[0].reshape(6, dim)
-    print(f"one-token SwiGLU in the GEMVs (x{scale:g}): {clamped} values past the limit")
-    assert torch.equal(got, want)
 
 
 # ------------------------------------------------------------------------ sparse attention

@@ -59,19 +59,6 @@ def test_fp8_mma_one_token_reads_only_weights_before_the_wait():
     assert src.count("Q + ") == src[wait:].count("Q + ")
 
 
-def test_the_normed_one_token_gemv_reads_weights_and_norm_weight_before_the_wait_and_x_after():
-    from kernels import pdl
-    from kernels.toolkit import cuda_arch
-    from kernels.fp8_mma_one_token import fp8_mma_one_token_kernel, mma_tile
-    arch = cuda_arch(torch.device(DEV))
-    if not pdl.enabled(arch):
-        pytest.skip(f"no PDL on sm_{arch[0]}{arch[1]}")
-    src = fp8_mma_one_token_kernel(32768, 1024, *mma_tile(32768, 1024), arch, True, "bfloat16", 1e-6).get_kernel_source()
-    wait = src.index("cudaGridDependencySynchronize();")
-    assert max(src.index("W + "), src.index("SW["), src.index("NW + ")) < wait < src.index("X + ")
-    assert src.count("X + ") == src[wait:].count("X + ")
-
-
 @pytest.mark.parametrize("early", [False, True])
 def test_hc_post_projects_the_comb_before_the_wait_only_when_early(early):
     """Early, only the comb logits (written kernels before: kernels/pdl.py) are read before the
