@@ -152,14 +152,17 @@ class ExpertProvider(ABC):
         return True
 
     def reading(self) -> bool:
-        """Whether a read of an expert into `arena` has not landed yet (a hint's, a pin's):
-        kernels launched now could read its slot before its bytes are there (never, by default)."""
+        """Whether a read of an expert into `arena` is still in flight (a hint's, a pin's): a
+        step guessed now could find its expert missing (never, by default). A read that failed
+        is not in flight: it leaves its key unlanded until joined, which `first_missing` reports
+        (a guess's verdict then redoes the step, whose join raises the error); a caller reading
+        slots without that check must use `all_resident`."""
         return False
 
     def wait_reads(self) -> None:
-        """Wait until every read started so far has landed or failed (`reading` is then False
-        unless one failed), joining none of them: no statistic changes (the warm-up, before a
-        step it guesses whole; nothing to wait for, by default)."""
+        """Wait until every read started so far has landed or failed (`reading` is then False),
+        joining none of them: no statistic changes (the warm-up, before a step it guesses whole;
+        nothing to wait for, by default)."""
 
     def first_missing(self, routes: Sequence[Sequence[int]]) -> int | None:
         """The first layer of `routes` (a step's expert ids, layer by layer from layer 0) with

@@ -453,7 +453,7 @@ class StreamingExperts(ExpertProvider):
         return fut.done() and fut.exception() is None
 
     def reading(self) -> bool:
-        return not all(self._landed(key) for key in self._loads)
+        return not all(fut.done() for fut in self._loads.values())
 
     def wait_reads(self) -> None:
         futures = []
@@ -524,7 +524,7 @@ class StreamingExperts(ExpertProvider):
         beyond = sum(cache.resident_in(layer) for layer in self._beyond)
         if len(cache) - beyond != len(self.main_layers) * self.store.count:
             return False
-        return not self.reading()
+        return all(self._landed(key) for key in self._loads)
 
     def _record(self, layer: int, ids: Iterable[int]) -> None:
         """Cache lookups of experts used through the slot table (all hits). This is the layer's

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,6 +128,26 @@ def test_eio_short_reads_eof_and_corrupt_records(pack):
         store.faults = {(2, 7): "corrupt"}
         with pytest.raises(ExpertChecksumError, match="expert 7 of layer 2"):
             p.acquire(2, [1, 7])
+        _consistent(p)
+    finally:
+        p.close()
+
+
+def test_a_failed_hint_read_does_not_stop_guesses_and_its_key_counts_as_missing(pack):
+    """A hint's read that failed, never joined, is no read in flight (`reading`: guessed steps
+    go on), but its expert is missing (`first_missing`, so a guess that routes to it is redone),
+    the pool is not all resident, and the layer's next use raises the read's error."""
+    p, store = _provider(pack, slots=6)
+    try:
+        list(p.experts(0, [0, 1]))
+        store.faults = {(1, 2): "eio"}
+        p.prefetch(1, [0, 2])
+        p.wait_reads()
+        assert not p.reading() and not p.all_resident()
+        assert p.first_missing([[0, 1], [0, 2]]) == 1 and p.first_missing(np.array([[0, 1], [0, 2]])) == 1
+        assert p.first_missing([[0, 1], [0, 0]]) is None  # (1, 0) landed
+        with pytest.raises(ExpertReadError, match="expert 2 of layer 1"):
+            p.acquire(1, [0, 2])
         _consistent(p)
     finally:
         p.close()
