@@ -378,8 +378,8 @@ class DecodeRunner:
         complete = self._complete()
         if guess is None:  # a host token's hash-layer experts are checked too
             guess = self._guessing(None if isinstance(token, torch.Tensor) else [int(token)])
-        else:  # a pending read's slot may not hold its bytes yet
-            guess = guess and self.guesses is not None and not self.provider.reading()
+        else:
+            guess = guess and self._may_guess()
         guess = guess and not complete
         self.whole = complete or guess
         if self.whole:  # no acquire sends the slot table: a hint's writes may not be on the device yet
@@ -506,8 +506,8 @@ class DecodeRunner:
 
     def can_force_chunk(self) -> bool:
         """Whether `chunk(..., force=True)` runs now: `runs_chunks`, and a guess, whatever the
-        policy says, reads no slot whose read is pending (`provider.reading`)."""
-        return self.runs_chunks() and (self._complete() or not self.provider.reading())
+        policy says, reads no slot whose read is pending (`_may_guess`)."""
+        return self.runs_chunks() and (self._complete() or self._may_guess())
 
     def _complete(self) -> bool:
         """Every expert resident, and the runner prefers one graph a step then."""
@@ -520,8 +520,13 @@ class DecodeRunner:
         resident (without them the guess is wrong for certain: no step is wasted on it, and the
         policy does not back off; the layered step then taken breaks its streak, as any step
         that misses does)."""
-        return (self.guesses is not None and self.guesses.ready() and not self.provider.reading()
-                and (ids is None or self._hash_resident(ids)))
+        return self._may_guess() and self.guesses.ready() and (ids is None or self._hash_resident(ids))
+
+    def _may_guess(self) -> bool:
+        """Whether a step could be guessed whole now, whatever the policy says: there is a policy
+        (a bounded cache with EngineConfig.guess_whole_steps), and no read is in flight
+        (`provider.reading`: that slot may not hold its bytes yet)."""
+        return self.guesses is not None and not self.provider.reading()
 
     def _hash_resident(self, ids: Sequence[int]) -> bool:
         """Whether the hash layers' experts of tokens `ids` (layers 0.., from the token ids:
