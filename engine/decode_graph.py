@@ -49,7 +49,14 @@ step can be captured once and replayed. Three modes:
   restored (`SequenceState.rewritten`, saved before an emitting step) and the step runs again
   layered at the same position, which rewrites everything else the guess wrote. A guess waits for no
   pending read: it is not made while one is pending (`provider.reading()`), since that slot may
-  not hold its bytes yet.
+  not hold its bytes yet. Checked at once, the host waits for the blocks, and the host work
+  between this step and the next (a turn's sampler, detokenising, the next launch) is then an
+  idle gap of the device: `step(..., defer=True)` (a chat turn's decode steps) returns the
+  logits unchecked instead, and `confirm()`, which the caller must call before the next step and
+  before it trusts a token drawn from them, checks the routes, waiting only for what the blocks
+  have not finished; a wrong guess is redone there, and `confirm()` returns the redone logits,
+  from which the caller draws again. `settle()` (anything that evicts) checks it too, its redo's
+  logits kept for `confirm()`.
 
 A step's control flow depends on one host-known fact: which compression ratios complete a
 window at this token (`Transformer.emitting`: none, 4, or 4 and 128). Only those steps pool
@@ -103,6 +110,21 @@ class _Outputs:
 
 
 @dataclass
+class _Unchecked:
+    """A guessed decode step returned before its routes were checked (`DecodeRunner.step(...,
+    defer=True)`): what `confirm` needs to check it and, when its guess was wrong, to redo it."""
+
+    state: SequenceState
+    pos: int  # its position (state.pos has moved past it)
+    token: torch.Tensor | int  # its input (a device token stays referenced: the redo reads it)
+    logits: bool
+    host: torch.Tensor  # its routes [n_layers, k], on their way to the host (`event`)
+    event: object
+    rewritten: list[torch.Tensor]  # what an emitting step rewrote in place, and the copies saved before it
+    saved: list[torch.Tensor]
+
+
+@dataclass
 class _GraphSet:
     """The captured graphs of one emission pattern, and the output tensors they write."""
 
@@ -149,6 +171,10 @@ class DecodeRunner:
         # decode step's after it): (positions, host [n_layers, k] or a chunk step's
         # [n_layers, CHUNK_SLOTS, k], CUDA event or None)
         self._pending: deque[tuple[list[int], torch.Tensor, object]] = deque()
+        # a guessed step returned unchecked (`step(..., defer=True)`), until `confirm` or `settle`
+        # checks it; the logits of its redo when its guess was wrong, until `confirm` hands them over
+        self._unchecked: _Unchecked | None = None
+        self._redone: torch.Tensor | None = None
         # the pinned buffers and events of `_to_host`, one per key (by default the shape): a chunk
         # step's routes and the next decode step's are pending together, never two of one shape
         self._routes_host: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
@@ -329,8 +355,11 @@ class DecodeRunner:
         return host, event
 
     def settle(self) -> None:
-        """Count the routes of every whole-mode step not counted yet (provider.record_routes, on_routes),
-        oldest first, waiting for those steps if they still run; nothing when none is pending."""
+        """Check a step returned unchecked (`confirm`; a wrong guess is redone now, its logits kept
+        for `confirm`), then count the routes of every whole-mode step not counted yet
+        (provider.record_routes, on_routes), oldest first, waiting for those steps if they still
+        run; nothing when none is pending."""
+        self._check_unchecked()
         while self._pending:
             self._count(*self._pending.popleft())
 
@@ -359,6 +388,7 @@ class DecodeRunner:
         """Drop every home and captured graph set (their memory pool goes with them) and the
         pinned route buffers; the runner captures anew if it steps again."""
         self.settle()
+        self._redone = None  # nobody draws from a closed runner's logits
         self.homes.clear()
         self._pool = None
         self._routes_host = {}
@@ -366,14 +396,17 @@ class DecodeRunner:
 
     # ------------------------------------------------------------------ the step
     def step(self, state: SequenceState, token: torch.Tensor | int, logits: bool = True,
-             guess: bool | None = None) -> torch.Tensor | None:
+             guess: bool | None = None, defer: bool = False) -> torch.Tensor | None:
         """Decode one token at state.pos -> logits [1, V] fp32 (a fresh tensor), or None without
         `logits` (a prefill token's step: the head is skipped); state.pos += 1. A whole-mode
         step's routes are counted by the next step (after its launch) or `settle()`. A step
         through a bounded cache may be guessed whole (`_guessed`, engine/step_guess.py): when
         the policy says so (`guess` None), whenever it can (True: not with every expert resident,
         without a policy or with a read pending) or never (False) — the warm-up's choice, so that
-        both graph sets of each emission pattern are captured before a chat."""
+        both graph sets of each emission pattern are captured before a chat. With `defer` a
+        guessed step is returned unchecked: `confirm()` must come before the next step (module
+        docstring)."""
+        self._check_confirmed("step")
         self.model.reserve(state, state.pos)
         complete = self._complete()
         if guess is None:  # a host token's hash-layer experts are checked too
@@ -386,6 +419,20 @@ class DecodeRunner:
             self.provider.arena.sync_table()
         else:
             self.settle()  # this step's provider calls come after the last one's statistics
+        emitting, home = self._enter(state, token)
+        if guess:
+            right, result = self._guessed(state, emitting, home, logits, token, defer)
+            if right:
+                state.pos += 1
+                return result
+            self.whole = False  # redone layer by layer, the state as before the guess
+            self.settle()
+        return self._unguessed(state, emitting, home, logits, token, observed=not guess)
+
+    def _enter(self, state: SequenceState, token: torch.Tensor | int) -> tuple[frozenset[int], object]:
+        """A step's inputs at state.pos: the token and the position in the static buffers, a
+        forced routing's position; the state moved into its graph home -> (emission pattern,
+        home or None without graphs)."""
         if isinstance(token, torch.Tensor):
             self.ids.copy_(token.reshape(1))
         else:
@@ -393,15 +440,14 @@ class DecodeRunner:
         self.at.set(state.pos)
         if self.model.routing is not None:  # forced routing (timing only): this position's ids, before the step
             self.model.routing.set_position(state.pos)
-        emitting = self.model.emitting(state.pos)
         home = self.homes.enter(state) if self.graphs else None  # state now uses the home's buffers
-        if guess:
-            right, result = self._guessed(state, emitting, home, logits, token)
-            if right:
-                state.pos += 1
-                return result
-            self.whole = False  # redone layer by layer, the state as before the guess
-            self.settle()
+        return self.model.emitting(state.pos), home
+
+    def _unguessed(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
+                   token: torch.Tensor | int, observed: bool) -> torch.Tensor | None:
+        """The step in the current mode, not guessed (`self.whole`: every expert resident), its
+        inputs entered -> its logits or None; state.pos += 1. `observed`: the policy counts
+        whether its experts were resident (not for a wrong guess's redo: `missed` counted it)."""
         out, every, _ = self._execute(state, emitting, home, logits, token)
         result = out.logits.clone() if logits else None
         routes = torch.stack([c.routed[0][0] for c in out.carry]) if self.whole else None  # [n_layers, k]
@@ -409,10 +455,38 @@ class DecodeRunner:
         self._settle_before_token()  # the previous step's routes, while this one runs (queued after it)
         if routes is not None:  # into the buffer the previous step's, counted now, came through
             self._pending.append(([state.pos], *self._to_host(routes)))
-        if self.guesses is not None and not guess:
+        if self.guesses is not None and observed:
             self.guesses.observed(every)
         state.pos += 1
         return result
+
+    def confirm(self) -> torch.Tensor | None:
+        """The verdict on a step returned unchecked (`step(..., defer=True)`), waiting for its
+        routes -> None when it stands (or none is waiting), else its logits [1, V] redone layer
+        by layer: whatever was drawn from the logits it returned must be drawn again from these
+        (None also when the redone step had no logits: nothing was drawn from it). Call it before
+        the next step."""
+        self._check_unchecked()
+        redone, self._redone = self._redone, None
+        return redone
+
+    def _check_confirmed(self, caller: str) -> None:
+        if self._unchecked is not None or self._redone is not None:
+            raise RuntimeError(f"DecodeRunner.{caller}: the last step was returned unchecked (defer=True); "
+                               "call confirm() first, and draw again from the logits it returns")
+
+    def _check_unchecked(self) -> None:
+        """Check the step returned unchecked, if any (`_checked`); a wrong guess is redone layer by
+        layer at its position, on its token, its logits kept in `_redone`."""
+        u, self._unchecked = self._unchecked, None
+        if u is None or self._checked(u.host, u.event, [u.pos], u.rewritten, u.saved):
+            return
+        u.state.pos = u.pos
+        self.whole = False
+        self.settle()  # the steps before it, counted first
+        with torch.inference_mode():  # as its step ran (Runtime.launch), whoever checks it
+            emitting, home = self._enter(u.state, u.token)
+            self._redone = self._unguessed(u.state, emitting, home, u.logits, u.token, observed=False)
 
     def _execute(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
                  token: torch.Tensor | int, key: tuple | None = None) -> tuple[_Outputs, bool, tuple | None]:
@@ -452,7 +526,7 @@ class DecodeRunner:
             self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
 
     def _guessed(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
-                 token: torch.Tensor | int) -> tuple[bool, torch.Tensor | None]:
+                 token: torch.Tensor | int, defer: bool = False) -> tuple[bool, torch.Tensor | None]:
         """The step run whole through a bounded cache, on the guess that every expert it routes
         to is resident (no read pending: the kernels read every routed expert through the slot
         table, a missing one a resident one's slot) -> (True, its logits or None) when its
@@ -460,13 +534,17 @@ class DecodeRunner:
         `first_missing`), pending then as a whole step's; (False, None) when one was not, the
         tensors the step rewrites (`SequenceState.rewritten`, saved before an emitting step)
         restored: every other write is redone at the same position by the layered step that
-        follows. The host waits for the blocks here, where a whole step of the full pool does not."""
+        follows. The host waits for the blocks here, where a whole step of the full pool does not;
+        with `defer` it does not: (True, logits) unchecked, `confirm` checks them."""
         rewritten = state.rewritten() if emitting else []
         saved = copies(rewritten) if rewritten else []
         out, _, (host, event) = self._execute(state, emitting, home, logits, token, ("guess",))
         result = out.logits.clone() if logits else None
         self._capture_missing(state, home, emitting)
         self._settle_before_token()  # the previous step's routes, while this one's blocks run
+        if defer:
+            self._unchecked = _Unchecked(state, state.pos, token, logits, host, event, rewritten, saved)
+            return True, result
         right = self._checked(host, event, [state.pos], rewritten, saved)
         return right, result if right else None
 
@@ -572,6 +650,7 @@ class DecodeRunner:
         compressors' buffers and previous halves, the entries left open) and its tokens run again
         as decode steps (`step`: layer by layer unless the policy, having counted the miss, is
         ready to guess again)."""
+        self._check_confirmed("chunk")
         if not (self.can_force_chunk() if force else self.can_chunk(ids)):
             raise RuntimeError("DecodeRunner.chunk needs native numerics and every expert resident, or a "
                                "step guess ready through a bounded cache")

@@ -107,12 +107,15 @@ class Runtime:
         """Process `ids` (a prefill chunk, or one token) from state.pos; advances the state."""
         return self.finish(self.launch(state, ids))
 
-    def launch(self, state: SequenceState, ids: Sequence[int] | torch.Tensor, logits: bool = True) -> Launched:
+    def launch(self, state: SequenceState, ids: Sequence[int] | torch.Tensor, logits: bool = True,
+               defer_check: bool = False) -> Launched:
         """Queue the forward call of `step` on the device without waiting for it (on the CPU it
         has run when this returns); the state has advanced. `finish` waits for it. `ids` may be
         a device tensor (a sampled token that the host has not read). Without `logits`, a
         replayed one-token step skips the head (its Launched.logits is None): a prefill token
-        whose logits nobody reads."""
+        whose logits nobody reads. With `defer_check` a one-token step guessed whole through a
+        bounded cache is not checked before this returns (engine/decode_graph.py): `confirm`
+        must come before the next launch and before a token drawn from its logits is trusted."""
         host = None if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         n = ids.numel() if host is None else len(host)
         timer = StepTimer()
@@ -132,7 +135,7 @@ class Runtime:
                     out = self.runner.chunk(state, host, logits)
                     out = None if out is None else out[0]
                 elif graphed:  # a host token id spares the runner a device read
-                    out = self.runner.step(state, ids if host is None else host[0], logits)
+                    out = self.runner.step(state, ids if host is None else host[0], logits, defer=defer_check)
                     out = None if out is None else out[0]
                 else:
                     out = self.model.forward(x, state, self.experts, last_only=True, **kwargs)[0]
@@ -176,6 +179,14 @@ class Runtime:
         return StepResult(logits=launched.logits, tokens=launched.tokens, seconds=seconds, timing=timing,
                           graphed=launched.graphed)
 
+    def confirm(self) -> torch.Tensor | None:
+        """The verdict on the last step launched with `defer_check`, waiting for its blocks only:
+        None when it stands (or none waits), else its logits [1, V], the step redone layer by
+        layer because its guess was wrong (an expert it routed to was not resident): draw again
+        from these, and drop whatever was drawn from the logits it returned."""
+        with self.lock:
+            return self.runner.confirm() if self.runner is not None else None
+
     def reserve(self, state: SequenceState, last: int) -> None:
         """Room in `state` for every position up to `last`: its compressed caches grow now, not in
         the middle of a decode (a growth gives the state new buffers, and the decode graphs are
@@ -201,7 +212,8 @@ class Runtime:
         return value
 
     def settle(self) -> None:
-        """Wait for launched work and count the last graph-replayed step's routes
+        """Wait for launched work, check a step launched with `defer_check` (a wrong guess is
+        redone now; its logits wait for `confirm`) and count the last graph-replayed step's routes
         (engine.decode_graph.DecodeRunner.settle): before anything evicts experts, and when a
         turn ends."""
         with self.lock:

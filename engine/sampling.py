@@ -56,10 +56,20 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(params.seed)
+        self._before: torch.Tensor | None = None  # the generator's state before the last draw
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] or [1, V] -> the chosen id, a 0-d int64 tensor on the logits' device."""
+        if not self.params.greedy:  # the host's copy of the generator's seed and offset: no device sync
+            self._before = self.generator.get_state()
         return sample(logits.reshape(-1), self.params, self.generator)
+
+    def undo(self) -> None:
+        """Forget the last draw: the generator as it was before it, so that drawing again (from
+        logits that replace the ones it drew from) makes the draw it would have made."""
+        if self._before is not None:
+            self.generator.set_state(self._before)
+            self._before = None
 
 
 def checked(chosen: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

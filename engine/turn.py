@@ -226,7 +226,11 @@ class Turns:
         Each sampled token is launched as the next step before the host reads it (one transfer
         per token, waiting for the sampler only), and the sampler is queued on a step's logits
         before that step has run, so the device always holds the next step while the host
-        detokenises, reports and queues the one after. The token that reaches the length limit
+        detokenises, reports and queues the one after. A step guessed whole through a bounded
+        cache is launched unchecked (`defer_check`) and checked (`Runtime.confirm`) before the
+        next launch, once its blocks have run, so the host's work between tokens overlaps them; a
+        wrong guess is redone there and its token drawn again (`Sampler.undo`: the same draw as
+        if the step had never been guessed). The token that reaches the length limit
         is not run: it is left in work.pending. An EOS has been run by then (its logits are
         dropped; the next turn would run it first anyway). At most `max_new` tokens (`run` has
         grown the state's caches for them). Returns (completion ids, step times in ms, ttft s,
@@ -245,7 +249,13 @@ class Turns:
                 last = len(completion) + 1 >= max_new  # this token ends the turn, whatever it is
                 # its copy to the host starts first; -1 if the logits row is not finite (same copy)
                 value = self.runtime.read(checked(chosen, logits))
-                ran, ahead = ahead, (None if last else self.runtime.launch(work.state, chosen.reshape(1)))
+                redone = self.runtime.confirm()  # the step that made `logits`, if it was returned unchecked
+                if redone is not None:  # its guess was wrong: redone layer by layer, drawn again from its logits
+                    sampler.undo()
+                    logits = redone
+                    continue
+                ran, ahead = ahead, (None if last else self.runtime.launch(work.state, chosen.reshape(1),
+                                                                           defer_check=True))
                 token = value()  # the one host transfer per token: `ran` has run by now
                 if token < 0:
                     raise CorruptModelError(_non_finite(self.files.path, self.files.converted, len(completion)))
@@ -273,6 +283,7 @@ class Turns:
             if self.runtime is not None:  # else the engine was closed before this turn's generator
                 if ahead is not None:  # the EOS's step, or a step left running when the turn was closed
                     self.runtime.finish(ahead)
+                self.runtime.confirm()  # that step checked (redone if need be: the state stays exact), its logits dropped
                 self.runtime.settle()  # the last replayed step's routes (usage counts, trace)
         yield from splitter.flush()
         return completion, step_ms, ttft, finish

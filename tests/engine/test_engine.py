@@ -186,10 +186,10 @@ def test_each_token_is_launched_before_the_host_reads_it(engine, monkeypatch):
     rt, order = engine.runtime, []
     launch, read = rt.launch, rt.read
 
-    def spy_launch(state, ids):
+    def spy_launch(state, ids, **options):
         if isinstance(ids, torch.Tensor):  # prefill chunks come as host lists
             order.append("launch")
-        return launch(state, ids)
+        return launch(state, ids, **options)
 
     def spy_read(token):
         value = read(token)
@@ -215,8 +215,8 @@ def test_the_next_step_is_launched_before_the_host_waits_for_the_last(engine, mo
     rt, order, alive = engine.runtime, [], []  # alive: no id() is reused while the turn runs
     launch, finish = rt.launch, rt.finish
 
-    def spy_launch(state, ids):
-        launched = launch(state, ids)
+    def spy_launch(state, ids, **options):
+        launched = launch(state, ids, **options)
         alive.append(launched)
         if isinstance(ids, torch.Tensor):  # decode steps: the sampled token stays a tensor
             order.append(("launch", id(launched)))
@@ -245,10 +245,10 @@ def test_a_turn_grows_the_state_before_its_first_decode_step(engine, monkeypatch
     rt, buffers = engine.runtime, []
     launch = rt.launch
 
-    def spy_launch(state, ids):
+    def spy_launch(state, ids, **options):
         if isinstance(ids, torch.Tensor):  # decode steps
             buffers.append(tuple((st.capacity, st.kv.data_ptr()) for st in state.layers if st.compressor))
-        return launch(state, ids)
+        return launch(state, ids, **options)
 
     monkeypatch.setattr(rt, "launch", spy_launch)
     sess = engine.new_session()

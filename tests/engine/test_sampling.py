@@ -90,6 +90,41 @@ def test_cuda_sampling_returns_a_device_tensor():
     assert out.device.type == "cuda" and int(out) in (1, 3, 5)
 
 
+def _undone_draws(device: str) -> tuple[list[int], list[int]]:
+    """40 seeded draws from LOGITS, each first preceded by a draw from other logits that is
+    undone (a wrong guess's token drawn again, engine/turn.py), and the same 40 draws made plainly."""
+    params = SamplingParams(temperature=2.0, seed=7)
+    logits, wrong = LOGITS.to(device), LOGITS.flip(0).to(device)
+    undone, plain = Sampler(params, device), Sampler(params, device)
+    got = []
+    for _ in range(40):
+        undone(wrong)
+        undone.undo()
+        got.append(int(undone(logits)))
+    return got, [int(plain(logits)) for _ in range(40)]
+
+
+def test_an_undone_draw_leaves_the_draws_after_it_as_they_were():
+    got, want = _undone_draws("cpu")
+    assert got == want and len(set(want)) > 2  # the draws vary: the generator's state matters
+
+
+@pytest.mark.gpu
+def test_an_undone_draw_on_the_gpu_leaves_the_draws_after_it_as_they_were():
+    got, want = _undone_draws("cuda")
+    assert got == want and len(set(want)) > 2
+
+
+def test_undo_without_a_draw_or_when_greedy_changes_nothing():
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    sampler.undo()  # nothing drawn yet
+    assert [int(sampler(LOGITS)) for _ in range(10)] == draws(SamplingParams(temperature=1.0, seed=3), 10)
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    greedy(LOGITS)
+    greedy.undo()
+    assert int(greedy(LOGITS)) == 1
+
+
 def test_checked_gives_the_id_or_minus_one_when_the_logits_are_not_finite():
     logits = torch.tensor([0.5, 2.0, -1.0])
     chosen = sample(logits, SamplingParams(temperature=0.0))

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from converter.convert import convert
+from converter.synth import SynthOptions, tiny_config, write_checkpoint
 from engine.chunk_position import CHUNK_SLOTS
 from engine.decode_graph import DecodeRunner
 from engine.model import Transformer
@@ -573,3 +576,115 @@ def test_chunk_steps_are_planned_for_a_short_prompt_on_its_own_tokens(packed):
             assert runner.guesses.guesses == 0 and torch.equal(want[-1].logits, got[-1].logits)
         finally:
             files.close()
+
+
+# ---------------------------------------------------------------------------- steps returned unchecked
+def _deferred(packed, slots: int, guesses: StepGuess | None, settle_between: bool = False):
+    """`_decode`'s STEPS greedy steps after PROMPT through a cache of `slots` records, each step
+    returned unchecked (`defer=True`) and confirmed only after the host has drawn its token from
+    the logits it returned, as a chat turn does; a redo's logits replace them and the token is
+    drawn again. `settle_between`: `settle()` checks each step first (a flush or pin between two
+    steps), `confirm` then hands its redo over. -> (logits, state, runner)."""
+    files = _streamed(packed, slots)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
+        logits, tok = [], torch.tensor([5])
+        for _ in range(STEPS):
+            out = runner.step(state, tok, defer=True)
+            tok = out.argmax().reshape(1)  # drawn before the verdict
+            if settle_between:
+                runner.settle()
+            redone = runner.confirm()
+            if redone is not None:
+                out, tok = redone, redone.argmax().reshape(1)
+            logits.append(out)
+        runner.settle()
+        return logits, state, runner
+    finally:
+        files.close()
+
+
+@pytest.mark.parametrize("settle_between", [False, True])
+def test_steps_returned_unchecked_are_redone_on_confirm(packed, settle_between):
+    """A cache of most of the routed layers' experts, every step guessed and returned unchecked:
+    the wrong guesses are found by `confirm` (or by a `settle` before it) after the host has drawn
+    from their logits, redone layer by layer, and their logits handed over: the conversation's
+    logits and state are the layered steps' bit for bit."""
+    k = _pool(packed)[1]
+    slots = _routed_pool(packed) - 2 * k
+    want, want_state, _, _ = _decode(packed, slots, None)
+    got, state, runner = _deferred(packed, slots, StepGuess(least=0, most=0), settle_between)
+    assert 0 < runner.guesses.wrong < runner.guesses.guesses == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    _same_state(want_state, state)
+
+
+def test_a_step_returned_unchecked_is_confirmed_before_the_next(packed):
+    """After a step returned unchecked, the next step and a chunk step are refused until `confirm`;
+    a step that was not guessed (every expert resident, or no policy) is confirmed at once."""
+    k = _pool(packed)[1]
+    files = _streamed(packed, k)
+    try:
+        model = Transformer(files.get, files.args, Numerics.named("native"))
+        state = model.new_state()
+        model.forward(torch.tensor(PROMPT), state, files.experts)
+        runner = DecodeRunner(model, files.experts, whole=False, guesses=StepGuess(least=0, most=0))
+        runner.step(state, torch.tensor([5]), defer=True)
+        for refused in (lambda: runner.step(state, torch.tensor([6])), lambda: runner.chunk(state, [6, 7])):
+            with pytest.raises(RuntimeError, match="confirm"):
+                refused()
+        pos = state.pos
+        redone = runner.confirm()  # a cache of one layer's experts: the guess was wrong
+        assert runner.guesses.wrong == 1 and redone is not None and state.pos == pos
+        assert runner.confirm() is None  # handed over once
+        plain = DecodeRunner(model, files.experts, whole=False)
+        plain.step(state, torch.tensor([6]), defer=True)  # no policy: layered, nothing unchecked
+        assert plain.confirm() is None
+        plain.step(state, torch.tensor([7]))
+    finally:
+        files.close()
+
+
+@pytest.fixture(scope="module")
+def chat_pack(tmp_path_factory) -> Path:
+    """The no-flip tiny model (tests/conftest.py's `separated_ckpt`) with the bundled tokenizer's
+    vocabulary, converted: an `Engine` chats on it."""
+    root = tmp_path_factory.mktemp("chat")
+    ckpt = write_checkpoint(root / "ckpt", tiny_config(index_topk=512, vocab_size=129280),
+                            SynthOptions(seed=1, gate_bias_std=2.0))
+    return convert(ckpt, root / "pack")
+
+
+def test_a_chat_turn_through_unchecked_steps_draws_what_layered_steps_draw(chat_pack):
+    """`Engine.generate` with seeded sampling through a cache of most of the routed layers'
+    experts, its runner guessing every step (on the GPU the runner is the engine's own; here one
+    is given to its runtime): the turn launches its decode steps unchecked, redoes the wrong
+    guesses and draws their tokens again (`Sampler.undo`), so both turns' ids, text and state are
+    those of a runner that never guesses."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.events import TurnFinished
+    from engine.sampling import SamplingParams
+
+    pool, k, record = _pool(chat_pack)
+    cache = (pool - 2 * k) * record
+    params = SamplingParams(temperature=1.0, seed=20261205, max_tokens=12)
+    runs = []
+    for guesses in (None, StepGuess(least=0, most=0)):
+        eng = Engine.load(chat_pack, EngineConfig(cache_bytes=cache, max_seq_len=256), warmup=False)
+        try:
+            eng.runtime.runner = DecodeRunner(eng.model, eng.experts, whole=False, guesses=guesses)
+            session = eng.new_session()
+            texts = [[e for e in eng.generate(session, text, params)][-1] for text in ("Tell me a story.", "And?")]
+            assert all(isinstance(t, TurnFinished) for t in texts), texts
+            runs.append(([t.content for t in texts], session.ids, eng.runtime.runner.guesses, session.state.clone()))
+            args = eng.args
+        finally:
+            eng.close()
+    (want_text, want_ids, _, want_state), (text, ids, guessed, state) = runs
+    assert 0 < guessed.wrong < guessed.guesses - guessed.chunks  # decode steps guessed both ways
+    assert (text, ids) == (want_text, want_ids)
+    assert_same_live_state(want_state, state, args)  # chunk steps (the guessing runner's prefill) write unused slots
