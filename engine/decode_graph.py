@@ -479,12 +479,14 @@ class DecodeRunner:
         """Check the step returned unchecked, if any (`_checked`); a wrong guess is redone layer by
         layer at its position, on its token, its logits kept in `_redone`."""
         u, self._unchecked = self._unchecked, None
-        if u is None or self._checked(u.host, u.event, [u.pos], u.rewritten, u.saved):
+        if u is None:
             return
-        u.state.pos = u.pos
-        self.whole = False
-        self.settle()  # the steps before it, counted first
-        with torch.inference_mode():  # as its step ran (Runtime.launch), whoever checks it
+        with torch.inference_mode():  # the restore and the redo write the state as its step did (Runtime.launch)
+            if self._checked(u.host, u.event, [u.pos], u.rewritten, u.saved):
+                return
+            u.state.pos = u.pos
+            self.whole = False
+            self.settle()  # the steps before it, counted first
             emitting, home = self._enter(u.state, u.token)
             self._redone = self._unguessed(u.state, emitting, home, u.logits, u.token, observed=False)
 

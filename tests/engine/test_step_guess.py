@@ -584,40 +584,47 @@ def _deferred(packed, slots: int, guesses: StepGuess | None, settle_between: boo
     returned unchecked (`defer=True`) and confirmed only after the host has drawn its token from
     the logits it returned, as a chat turn does; a redo's logits replace them and the token is
     drawn again. `settle_between`: `settle()` checks each step first (a flush or pin between two
-    steps), `confirm` then hands its redo over. -> (logits, state, runner)."""
+    steps), `confirm` then hands its redo over. The state is an inference tensor's, as an engine's;
+    the checks run outside inference mode. -> (logits, state, runner, per redone step whether it
+    emitted)."""
     files = _streamed(packed, slots)
     try:
         model = Transformer(files.get, files.args, Numerics.named("native"))
-        state = model.new_state()
-        model.forward(torch.tensor(PROMPT), state, files.experts)
+        with torch.inference_mode():  # the state is made and stepped as `Runtime.launch` does it
+            state = model.new_state()
+            model.forward(torch.tensor(PROMPT), state, files.experts)
         runner = DecodeRunner(model, files.experts, whole=False, guesses=guesses)
-        logits, tok = [], torch.tensor([5])
+        logits, tok, emitted = [], torch.tensor([5]), []  # emitted: per redone step, whether it emitted
         for _ in range(STEPS):
-            out = runner.step(state, tok, defer=True)
-            tok = out.argmax().reshape(1)  # drawn before the verdict
+            with torch.inference_mode():
+                out = runner.step(state, tok, defer=True)
+            tok = out.argmax().reshape(1)  # drawn before the verdict, which comes outside inference mode
             if settle_between:
                 runner.settle()
             redone = runner.confirm()
             if redone is not None:
                 out, tok = redone, redone.argmax().reshape(1)
+                emitted.append(bool(model.emitting(state.pos - 1)))
             logits.append(out)
         runner.settle()
-        return logits, state, runner
+        return logits, state, runner, emitted
     finally:
         files.close()
 
 
 @pytest.mark.parametrize("settle_between", [False, True])
 def test_steps_returned_unchecked_are_redone_on_confirm(packed, settle_between):
-    """A cache of most of the routed layers' experts, every step guessed and returned unchecked:
-    the wrong guesses are found by `confirm` (or by a `settle` before it) after the host has drawn
-    from their logits, redone layer by layer, and their logits handed over: the conversation's
-    logits and state are the layered steps' bit for bit."""
+    """A cache of the routed layers' experts less six steps' worth, every step guessed and returned
+    unchecked: the wrong guesses (emitting steps among them) are found by `confirm`, or by a
+    `settle` before it, after the host has drawn from their logits; they are redone layer by layer
+    and their logits handed over. The conversation's logits and state are the layered steps' bit
+    for bit."""
     k = _pool(packed)[1]
-    slots = _routed_pool(packed) - 2 * k
+    slots = _routed_pool(packed) - 6 * k  # wrong guesses at emitting steps among them
     want, want_state, _, _ = _decode(packed, slots, None)
-    got, state, runner = _deferred(packed, slots, StepGuess(least=0, most=0), settle_between)
+    got, state, runner, emitted = _deferred(packed, slots, StepGuess(least=0, most=0), settle_between)
     assert 0 < runner.guesses.wrong < runner.guesses.guesses == STEPS
+    assert any(emitted)  # a redone step that had rewritten the previous halves in place, restored
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     _same_state(want_state, state)
 
@@ -659,7 +666,7 @@ def chat_pack(tmp_path_factory) -> Path:
 
 
 def test_a_chat_turn_through_unchecked_steps_draws_what_layered_steps_draw(chat_pack):
-    """`Engine.generate` with seeded sampling through a cache of most of the routed layers'
+    """`Engine.generate` with seeded sampling through a cache of the pool less six steps' worth of
     experts, its runner guessing every step (on the GPU the runner is the engine's own; here one
     is given to its runtime): the turn launches its decode steps unchecked, redoes the wrong
     guesses and draws their tokens again (`Sampler.undo`), so both turns' ids, text and state are
@@ -670,7 +677,7 @@ def test_a_chat_turn_through_unchecked_steps_draws_what_layered_steps_draw(chat_
     from engine.sampling import SamplingParams
 
     pool, k, record = _pool(chat_pack)
-    cache = (pool - 2 * k) * record
+    cache = (pool - 6 * k) * record  # 11 of the 26 guesses wrong (their redo never left inference mode)
     params = SamplingParams(temperature=1.0, seed=20261205, max_tokens=12)
     runs = []
     for guesses in (None, StepGuess(least=0, most=0)):
