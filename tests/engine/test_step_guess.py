@@ -677,7 +677,7 @@ def test_a_chat_turn_through_unchecked_steps_draws_what_layered_steps_draw(chat_
     from engine.sampling import SamplingParams
 
     pool, k, record = _pool(chat_pack)
-    cache = (pool - 6 * k) * record  # 11 of the 26 guesses wrong (their redo never left inference mode)
+    cache = (pool - 6 * k) * record  # 11 of the 26 decode steps' guesses wrong
     params = SamplingParams(temperature=1.0, seed=20261205, max_tokens=12)
     runs = []
     for guesses in (None, StepGuess(least=0, most=0)):
