@@ -630,8 +630,9 @@ def test_steps_returned_unchecked_are_redone_on_confirm(packed, settle_between):
 
 
 def test_a_step_returned_unchecked_is_confirmed_before_the_next(packed):
-    """After a step returned unchecked, the next step and a chunk step are refused until `confirm`;
-    a step that was not guessed (every expert resident, or no policy) is confirmed at once."""
+    """After a step returned unchecked, the next step and a chunk step are refused until `confirm`,
+    which hands a wrong guess's redo over once; a runner without a policy guesses nothing, so its
+    steps need no `confirm`."""
     k = _pool(packed)[1]
     files = _streamed(packed, k)
     try:
@@ -669,8 +670,8 @@ def test_a_chat_turn_through_unchecked_steps_draws_what_layered_steps_draw(chat_
     """`Engine.generate` with seeded sampling through a cache of the pool less six steps' worth of
     experts, its runner guessing every step (on the GPU the runner is the engine's own; here one
     is given to its runtime): the turn launches its decode steps unchecked, redoes the wrong
-    guesses and draws their tokens again (`Sampler.undo`), so both turns' ids, text and state are
-    those of a runner that never guesses."""
+    guesses and draws their tokens again (`Sampler.undo`), so both turns' ids, text and live state
+    are those of a runner that never guesses."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.events import TurnFinished
