@@ -111,8 +111,8 @@ class _Outputs:
 
 @dataclass
 class _Unchecked:
-    """A guessed decode step returned before its routes were checked (`DecodeRunner.step(...,
-    defer=True)`): what `confirm` needs to check it and, when its guess was wrong, to redo it."""
+    """A guessed decode step whose routes are not checked yet (by `DecodeRunner.step` itself, or
+    with `defer=True` by `confirm`): what the check needs, and the redo when its guess was wrong."""
 
     state: SequenceState
     pos: int  # its position (state.pos has moved past it)
@@ -406,7 +406,7 @@ class DecodeRunner:
         both graph sets of each emission pattern are captured before a chat. With `defer` a
         guessed step is returned unchecked: `confirm()` must come before the next step (module
         docstring)."""
-        self._check_confirmed("step")
+        self._refuse_unconfirmed("step")
         self.model.reserve(state, state.pos)
         complete = self._complete()
         if guess is None:  # a host token's hash-layer experts are checked too
@@ -420,14 +420,13 @@ class DecodeRunner:
         else:
             self.settle()  # this step's provider calls come after the last one's statistics
         emitting, home = self._enter(state, token)
-        if guess:
-            right, result = self._guessed(state, emitting, home, logits, token, defer)
-            if right:
-                state.pos += 1
-                return result
-            self.whole = False  # redone layer by layer, the state as before the guess
-            self.settle()
-        return self._unguessed(state, emitting, home, logits, token, observed=not guess)
+        if not guess:
+            return self._unguessed(state, emitting, home, logits, token, observed=True)
+        result = self._guessed(state, emitting, home, logits, token)
+        if defer:
+            return result
+        redone = self.confirm()  # checked now: the host waits for the blocks
+        return result if redone is None else redone
 
     def _enter(self, state: SequenceState, token: torch.Tensor | int) -> tuple[frozenset[int], object]:
         """A step's inputs at state.pos: the token and the position in the static buffers, a
@@ -470,14 +469,14 @@ class DecodeRunner:
         redone, self._redone = self._redone, None
         return redone
 
-    def _check_confirmed(self, caller: str) -> None:
+    def _refuse_unconfirmed(self, caller: str) -> None:
         if self._unchecked is not None or self._redone is not None:
             raise RuntimeError(f"DecodeRunner.{caller}: the last step was returned unchecked (defer=True); "
                                "call confirm() first, and draw again from the logits it returns")
 
     def _check_unchecked(self) -> None:
-        """Check the step returned unchecked, if any (`_checked`); a wrong guess is redone layer by
-        layer at its position, on its token, its logits kept in `_redone`."""
+        """Check the guessed step not checked yet, if any (`_checked`); a wrong guess is redone
+        layer by layer at its position, on its token, its logits kept in `_redone`."""
         u, self._unchecked = self._unchecked, None
         if u is None:
             return
@@ -528,27 +527,24 @@ class DecodeRunner:
             self.graphs, self.capture_error = False, f"CUDA graph capture failed, decoding eagerly: {err}"
 
     def _guessed(self, state: SequenceState, emitting: frozenset[int], home, logits: bool,
-                 token: torch.Tensor | int, defer: bool = False) -> tuple[bool, torch.Tensor | None]:
+                 token: torch.Tensor | int) -> torch.Tensor | None:
         """The step run whole through a bounded cache, on the guess that every expert it routes
         to is resident (no read pending: the kernels read every routed expert through the slot
-        table, a missing one a resident one's slot) -> (True, its logits or None) when its
-        routes, read back between the blocks and the head, were all resident (the provider's
-        `first_missing`), pending then as a whole step's; (False, None) when one was not, the
-        tensors the step rewrites (`SequenceState.rewritten`, saved before an emitting step)
-        restored: every other write is redone at the same position by the layered step that
-        follows. The host waits for the blocks here, where a whole step of the full pool does not;
-        with `defer` it does not: (True, logits) unchecked, `confirm` checks them."""
+        table, a missing one a resident one's slot) -> its logits or None, unchecked; state.pos
+        += 1. Its routes come back to the host between the blocks and the head; `_unchecked`
+        holds them, with the tensors the step rewrites (`SequenceState.rewritten`, saved before
+        an emitting step), for `_check_unchecked`: all resident, the routes are pending as a whole
+        step's; else those tensors are restored and the step redone layer by layer, which
+        rewrites every other write at the same position."""
         rewritten = state.rewritten() if emitting else []
         saved = copies(rewritten) if rewritten else []
         out, _, (host, event) = self._execute(state, emitting, home, logits, token, ("guess",))
         result = out.logits.clone() if logits else None
         self._capture_missing(state, home, emitting)
         self._settle_before_token()  # the previous step's routes, while this one's blocks run
-        if defer:
-            self._unchecked = _Unchecked(state, state.pos, token, logits, host, event, rewritten, saved)
-            return True, result
-        right = self._checked(host, event, [state.pos], rewritten, saved)
-        return right, result if right else None
+        self._unchecked = _Unchecked(state, state.pos, token, logits, host, event, rewritten, saved)
+        state.pos += 1
+        return result
 
     def _checked(self, host: torch.Tensor, event, positions: list[int], rewritten: list[torch.Tensor],
                  saved: list[torch.Tensor], chunk: bool = False) -> bool:
@@ -652,7 +648,7 @@ class DecodeRunner:
         compressors' buffers and previous halves, the entries left open) and its tokens run again
         as decode steps (`step`: layer by layer unless the policy, having counted the miss, is
         ready to guess again)."""
-        self._check_confirmed("chunk")
+        self._refuse_unconfirmed("chunk")
         if not (self.can_force_chunk() if force else self.can_chunk(ids)):
             raise RuntimeError("DecodeRunner.chunk needs native numerics and every expert resident, or a "
                                "step guess ready through a bounded cache")
