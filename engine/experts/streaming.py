@@ -97,14 +97,12 @@ class _DeviceCopy:
 class _Batch:
     """The device-side bookkeeping of one provider call's admissions, done once for all of them:
     the event after the compute stream's work so far (no admitted slot is written before the
-    kernels enqueued earlier, which may read the records it held, are done), which the copy
-    stream waits for once, before the call's first RAM-tier copy; and those copies, each
-    enqueued as its key is admitted (the first starts while the call still looks up and admits
-    the others), their shared event recorded after the last."""
+    kernels enqueued earlier, which may read the records it held, are done), and the call's
+    RAM-tier copies, enqueued together after one wait for that event."""
 
     def __init__(self, freed: torch.cuda.Event) -> None:
         self.freed = freed  # the compute stream's work so far, or up to a fence taken earlier
-        self.copies: list[tuple[_DeviceCopy, int]] = []  # (copy, tier slot), enqueued already
+        self.copies: list[tuple[_DeviceCopy, int, int]] = []  # (copy, arena slot, tier slot)
 
 
 class _Hint(NamedTuple):
@@ -222,14 +220,9 @@ class StreamingExperts(ExpertProvider):
                 src = self.tier.hold(key)
                 if src is not None:
                     self._tiered.add(key)
-        if src is not None and not src[1]:  # enqueued now; its event comes at the batch's end (`_close_batch`)
-            batch = self._batch
-            if not batch.copies:  # the batch's one wait: kernels enqueued before may still read these slots
-                self._copy.wait_event(batch.freed)
-            with torch.cuda.stream(self._copy):
-                self.arena.data[slot].copy_(self.tier.data[src[0]], non_blocking=True)
+        if src is not None and not src[1]:  # enqueued with the batch's other copies (`_close_batch`)
             copy = _DeviceCopy()
-            batch.copies.append((copy, src[0]))
+            self._batch.copies.append((copy, slot, src[0]))
             self._loads[key] = copy
         else:
             copying = self._copied.pop(src[0], None) if src is not None else None
@@ -238,14 +231,18 @@ class StreamingExperts(ExpertProvider):
             self._close_batch()
 
     def _close_batch(self, table: bool = True) -> None:
-        """Record the event after the batch's RAM-tier copies (each enqueued on the copy stream at
-        its admission, `_start`) and write the slot table (`table`; a hint's writes wait for the
-        next call that syncs it, module docstring)."""
+        """Enqueue the batch's RAM-tier copies on the copy stream (after the compute stream's work
+        before the batch), record the event after them, and write the slot table (`table`; a
+        hint's writes wait for the next call that syncs it, module docstring)."""
         batch, self._batch = self._batch, None
         if batch is not None and batch.copies:
             done = torch.cuda.Event()
-            done.record(self._copy)
-            for copy, tier_slot in batch.copies:
+            with torch.cuda.stream(self._copy):
+                self._copy.wait_event(batch.freed)
+                for _, slot, tier_slot in batch.copies:
+                    self.arena.data[slot].copy_(self.tier.data[tier_slot], non_blocking=True)
+                done.record(self._copy)
+            for copy, _, tier_slot in batch.copies:
                 copy.event = done
                 self._copied[tier_slot] = done
         if table:
