@@ -204,7 +204,8 @@ class Indexer:
 
     def project(self, c) -> torch.Tensor:
         """`queries`' first step: wq_b of the q_lora activation c -> [S, IH, ID]."""
-        return self.wq_b(c).view(unquantized(c).shape[0], self.n_heads, self.head_dim)
+        q = self.wq_b(c)
+        return q.view(q.shape[0], self.n_heads, self.head_dim)
 
     def rotated(self, q: torch.Tensor, positions: torch.Tensor, rot=None) -> torch.Tensor:
         """`queries`' rest: RoPE and Hadamard + QDQ4 of projected queries q [S, IH, ID]."""
